@@ -1,0 +1,1 @@
+"""gym-proxy coordinator: the framed channel between the proxy and its workers."""

@@ -1,0 +1,106 @@
+"""The coordinator's end of the channel: accepts worker connections on its Unix socket.
+
+A connection must open with `register {slot, owner, pid, socket}`; the registrar (the
+proxy's supervisor) accepts or refuses it and supplies the reply (alias table, session
+table, phase). From then on the channel stays open for coordinator requests; when it
+ends, the registrar hears that the owner is lost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from coordinator.channel import Channel
+from coordinator.framing import FramingError, read_frame
+
+__all__ = ["Coordinator", "RegistrationRefused"]
+
+log = logging.getLogger("gym_proxy.coordinator")
+
+REGISTER_TIMEOUT = 10.0
+
+
+class RegistrationRefused(Exception):
+    """The registrar does not expect this worker (wrong slot, owner or state)."""
+
+
+Registrar = Callable[[dict[str, Any], Channel], dict[str, Any]]
+
+
+class Coordinator:
+    """Holds one channel per registered worker owner."""
+
+    def __init__(self, on_register: Registrar, on_lost: Callable[[str], None]) -> None:
+        self._on_register = on_register
+        self._on_lost = on_lost
+        self.channels: dict[str, Channel] = {}
+        self._server: asyncio.AbstractServer | None = None
+        self._connections: set[asyncio.Task[None]] = set()
+
+    async def start(self, socket_path: str) -> None:
+        """Listen on `socket_path` (inside the 0700 runtime directory)."""
+        self._server = await asyncio.start_unix_server(self._accept, socket_path)
+
+    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._connections.add(task)
+        try:
+            await self._run_connection(reader, writer)
+        finally:
+            self._connections.discard(task)
+
+    async def _run_connection(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        try:
+            first = await asyncio.wait_for(read_frame(reader), REGISTER_TIMEOUT)
+        except (FramingError, TimeoutError, ConnectionError) as exc:
+            log.error("coordinator connection dropped before registering: %s", exc)
+            writer.close()
+            return
+        if first is None or first["type"] != "register" or not isinstance(first.get("id"), int):
+            log.error("coordinator connection did not open with register")
+            writer.close()
+            return
+        channel = Channel(reader, writer, self._handle)
+        try:
+            reply = self._on_register(first, channel)
+        except RegistrationRefused as exc:
+            log.error("registration refused: %s", exc)
+            with contextlib.suppress(ConnectionError):
+                await channel.send({"type": "error", "id": first["id"], "message": str(exc)})
+            channel.close()
+            return
+        owner = str(first["owner"])
+        self.channels[owner] = channel
+        try:
+            await channel.send({"type": "ok", "id": first["id"], **reply})
+            await channel.serve()
+        except ConnectionError:
+            pass
+        finally:
+            channel.close()
+            if self.channels.get(owner) is channel:
+                del self.channels[owner]
+            self._on_lost(owner)
+
+    async def _handle(self, message: dict[str, Any]) -> dict[str, Any] | None:
+        raise ValueError(f"unknown message type {message['type']!r}")
+
+    async def close(self) -> None:
+        """Stop listening and close every worker channel."""
+        if self._server is not None:
+            self._server.close()
+        for channel in list(self.channels.values()):
+            channel.close()
+        for task in list(self._connections):
+            task.cancel()
+        if self._connections:
+            await asyncio.gather(*self._connections, return_exceptions=True)
+        if self._server is not None:
+            await self._server.wait_closed()

@@ -1,0 +1,1 @@
+"""gym-proxy: one public port, N workers, sessions routed to the worker that holds them."""

@@ -1,0 +1,87 @@
+"""`gym-proxy` command line: validate everything, bind the port, then run the server.
+
+Every mistake a user can make on the command line (bad flags, an APP that does not
+import, a port in use) ends here with one line on stderr and a non-zero exit, before
+any worker starts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import secrets
+import socket
+import stat
+import sys
+from collections.abc import Sequence
+
+import uvloop
+
+from proxy.config import Config, ConfigError, config_from_args
+from proxy.server import run
+from worker.app_loading import AppLoadError, import_app_target
+
+__all__ = ["main", "bind_listener"]
+
+EXIT_USAGE = 2
+
+
+def bind_listener(config: Config) -> socket.socket:
+    """The public listening socket: an inherited `--fd`, or `--host`/`--port` bound now."""
+    if config.fd is not None:
+        sock = socket.socket(fileno=config.fd)
+        if not stat.S_ISSOCK(os.fstat(config.fd).st_mode) or sock.type != socket.SOCK_STREAM:
+            raise OSError(f"--fd {config.fd} is not a stream socket")
+        sock.listen(config.backlog)
+    else:
+        infos = socket.getaddrinfo(
+            config.host, config.port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )
+        family, kind, proto, _, address = infos[0]
+        sock = socket.socket(family, kind, proto)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(address)
+            sock.listen(config.backlog)
+        except OSError:
+            sock.close()
+            raise
+    sock.setblocking(False)
+    return sock
+
+
+def _fail(message: str) -> None:
+    print(f"gym-proxy: error: {message}", file=sys.stderr)
+    sys.exit(EXIT_USAGE)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Console entry point."""
+    try:
+        config = config_from_args(argv)
+    except ConfigError as exc:
+        _fail(str(exc))
+    logging.basicConfig(
+        level=config.log_level.upper(),
+        format="%(asctime)s gym-proxy %(levelname)s %(message)s",
+    )
+    try:
+        import_app_target(config.app, config.app_dir)
+    except AppLoadError as exc:
+        _fail(str(exc))
+    if config.secret is None:
+        logging.getLogger("gym_proxy").warning(
+            "no --secret: using a random one, so session cookies do not survive a restart"
+        )
+        secret = secrets.token_bytes(32)
+    else:
+        secret = config.secret.encode()
+    try:
+        sock = bind_listener(config)
+    except OSError as exc:
+        where = f"fd {config.fd}" if config.fd is not None else f"{config.host}:{config.port}"
+        _fail(f"cannot listen on {where}: {exc.strerror or exc}")
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        code = runner.run(run(config, sock, secret))
+    sys.exit(code)

@@ -1,0 +1,147 @@
+"""The one configuration object; the command line is derived from its fields."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Sequence
+from dataclasses import MISSING, dataclass, field, fields, replace
+from typing import Any
+
+__all__ = ["Config", "ConfigError", "build_parser", "config_from_args", "DEFAULT_APP"]
+
+DEFAULT_APP = "worker.counter:create_app"
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+
+
+class ConfigError(ValueError):
+    """A configuration value that cannot work; the message is one line for the user."""
+
+
+def option(
+    default: Any,
+    help: str,
+    *,
+    type: Any = str,
+    env: str | None = None,
+    positional: bool = False,
+    choices: Sequence[str] | None = None,
+    metavar: str | None = None,
+) -> Any:
+    return field(
+        default=default,
+        metadata={
+            "help": help,
+            "type": type,
+            "env": env,
+            "positional": positional,
+            "choices": choices,
+            "metavar": metavar,
+        },
+    )
+
+
+@dataclass(frozen=True)
+class Config:
+    """Everything gym-proxy and its workers are started with."""
+
+    app: str = option(
+        DEFAULT_APP,
+        "the server's aiohttp app as module:attr (an Application or a factory returning "
+        "one; async factories are awaited)",
+        positional=True,
+        metavar="APP",
+    )
+    workers: int = option(1, "number of worker processes", type=int, env="GYM_PROXY_WORKERS")
+    host: str = option("127.0.0.1", "address of the public port")
+    port: int = option(8000, "public port (0 picks a free one)", type=int)
+    fd: int | None = option(
+        None, "serve on this already-bound listening socket file descriptor", type=int
+    )
+    app_dir: str = option(".", "directory put first on sys.path to import APP")
+    runtime_dir: str | None = option(
+        None,
+        "parent directory for the private 0700 runtime directory (default: the system temp dir)",
+        env="GYM_PROXY_RUNTIME_DIR",
+    )
+    secret: str | None = option(
+        None,
+        "secret that signs session tokens; set it so cookies survive a restart",
+        env="GYM_PROXY_SECRET",
+    )
+    graceful_timeout: float = option(
+        30.0, "seconds in-flight requests get to finish on SIGTERM/SIGINT", type=float
+    )
+    upstream_timeout: float = option(
+        3600.0,
+        "seconds without a byte from the worker before a request fails with 504 (0: never)",
+        type=float,
+    )
+    keepalive_timeout: float = option(
+        75.0, "seconds an idle client keep-alive connection is kept open", type=float
+    )
+    boot_timeout: float = option(
+        60.0, "seconds the workers get to start and register", type=float
+    )
+    backlog: int = option(2048, "listen backlog of the public port", type=int)
+    log_level: str = option("info", "log level", choices=LOG_LEVELS)
+
+    def validate(self) -> None:
+        """Raise ConfigError for values that cannot work."""
+        if self.workers < 1:
+            raise ConfigError(f"--workers must be at least 1, got {self.workers}")
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"--port must be between 0 and 65535, got {self.port}")
+        for name in ("graceful_timeout", "upstream_timeout", "keepalive_timeout", "boot_timeout"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"--{name.replace('_', '-')} must not be negative")
+        if ":" not in self.app:
+            raise ConfigError(f"APP must look like module:attr, got {self.app!r}")
+        if self.secret is not None and not self.secret:
+            raise ConfigError("--secret must not be empty")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """An argument parser with one option per Config field."""
+    parser = argparse.ArgumentParser(
+        prog="gym-proxy",
+        description="Run one stateful environment server as N workers behind one port.",
+    )
+    for item in fields(Config):
+        meta = item.metadata
+        help_text = meta["help"]
+        if meta["env"]:
+            help_text += f" [env {meta['env']}]"
+        if item.default is not MISSING and item.default is not None:
+            help_text += f" (default: {item.default})"
+        kwargs: dict[str, Any] = {"help": help_text, "default": None}
+        if meta["choices"]:
+            kwargs["choices"] = meta["choices"]
+        else:
+            kwargs["type"] = meta["type"]
+        if meta["metavar"]:
+            kwargs["metavar"] = meta["metavar"]
+        if meta["positional"]:
+            parser.add_argument(item.name, nargs="?", **kwargs)
+        else:
+            parser.add_argument("--" + item.name.replace("_", "-"), dest=item.name, **kwargs)
+    return parser
+
+
+def config_from_args(argv: Sequence[str] | None = None) -> Config:
+    """Flags first, then environment variables, then defaults."""
+    namespace = build_parser().parse_args(argv)
+    values: dict[str, Any] = {}
+    for item in fields(Config):
+        value = getattr(namespace, item.name)
+        env = item.metadata["env"]
+        if value is None and env and os.environ.get(env):
+            try:
+                value = item.metadata["type"](os.environ[env])
+            except ValueError as exc:
+                raise ConfigError(f"environment variable {env}: {exc}") from exc
+        if value is not None:
+            values[item.name] = value
+    config = replace(Config(), **values)
+    config.validate()
+    return config

@@ -1,0 +1,332 @@
+"""One request/response pair crossing the proxy.
+
+The client connection feeds request events in, the upstream connection feeds response
+events in, and the exchange writes both out with the framing each side needs. Every
+failure ends here in one method, `fail`, which maps it to a status code (or cuts the
+client connection when a response has already begun).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from proxy import http_wire as wire
+from proxy.routing import RouteError, WorkerRoute
+from proxy.session_tokens import TokenError, is_valid_id
+
+if TYPE_CHECKING:
+    from proxy.client_connection import ClientConnection
+    from proxy.upstream import UpstreamConnection
+
+__all__ = ["Exchange"]
+
+_CONTROL_PREFIX = b"/ng-control/"
+_NO_BODY_STATUS = frozenset({204, 304})
+# Request headers the router reads or rewrites; everything else not hop-by-hop passes.
+_COOKIE, _TOKEN, _OWNER, _DROP, _TE, _EXPECT = range(6)
+_SPECIAL = {
+    b"cookie": _COOKIE,
+    wire.TOKEN_HEADER: _TOKEN,
+    wire.OWNER_HEADER: _OWNER,
+    b"transfer-encoding": _TE,
+    b"expect": _EXPECT,
+    **{name: _DROP for name in wire.HOP_BY_HOP | wire.IDENTITY_HEADERS if name != b"transfer-encoding"},
+}
+
+
+class Exchange:
+    """State of one request from its headers to the end of its response."""
+
+    __slots__ = (
+        "client", "method", "url", "headers", "version", "keep_alive", "is_head",
+        "request_done", "finished", "expect_continue", "chunked_request", "body_buffer",
+        "worker", "upstream", "head", "new_token", "error", "pending_error",
+        "response_started", "chunked_response", "until_eof", "upstream_keep_alive",
+        "informational", "close_after",
+    )
+
+    def __init__(self, client: ClientConnection) -> None:
+        self.client = client
+        self.url = b""
+        self.headers: list[tuple[bytes, bytes]] = []
+        self.method = b"GET"
+        self.version = "1.1"
+        self.keep_alive = True
+        self.is_head = False
+        self.request_done = False
+        self.finished = False
+        self.expect_continue = False
+        self.chunked_request = False
+        self.body_buffer: list[bytes] | None = None
+        self.worker: WorkerRoute | None = None
+        self.upstream: UpstreamConnection | None = None
+        self.head = b""
+        self.new_token: bytes | None = None
+        self.error: tuple[int, str, str] | None = None
+        self.pending_error: tuple[int, str, str, int | None] | None = None
+        self.response_started = False
+        self.chunked_response = False
+        self.until_eof = False
+        self.upstream_keep_alive = False
+        self.informational = False
+        self.close_after = False
+
+    # ---- request side -------------------------------------------------------------
+    def start(self) -> None:
+        """Route the request and send it on; called when it heads the pipeline."""
+        if self.error is not None:
+            self.fail(*self.error)
+            return
+        state = self.client.state
+        self.is_head = self.method == b"HEAD"
+        parts = [self.method, b" ", self.url, b" HTTP/1.1\r\n"]
+        token = cookie = hint = None
+        special = _SPECIAL
+        for name, value in self.headers:
+            kind = special.get(name.lower())
+            if kind is None:
+                parts += (name, b": ", value, b"\r\n")
+            elif kind == _COOKIE:
+                cookie = value
+                parts += (name, b": ", value, b"\r\n")
+            elif kind == _TOKEN:
+                token = value
+            elif kind == _OWNER:
+                hint = value
+                parts += (name, b": ", value, b"\r\n")
+            elif kind == _TE:
+                self.chunked_request = b"chunked" in value.lower()
+            elif kind == _EXPECT:
+                self.expect_continue = value.lower() == b"100-continue" and self.version != "1.0"
+        if self.url.startswith(_CONTROL_PREFIX):
+            worker = state.control
+        else:
+            if token is None and cookie is not None:
+                token = wire.cookie_token(cookie)
+            try:
+                identity = state.codec.verify(token.decode("ascii")) if token else None
+                owner = hint.decode("ascii") if hint else None
+                if owner is not None and not is_valid_id(owner):
+                    raise TokenError("x-ng-session-owner is not a valid owner ID")
+            except (TokenError, UnicodeDecodeError) as exc:
+                self.fail(400, "invalid_session_token", str(exc))
+                return
+            try:
+                route = state.router.route(identity, owner)
+            except RouteError as exc:
+                retry = 1 if exc.status == 503 else None
+                self.fail(exc.status, exc.code, exc.detail, retry)
+                return
+            worker = route.worker
+            if route.restamp:
+                token = state.codec.sign(route.session_id, worker.owner).encode()
+                self.new_token = token
+            parts += (b"x-ng-session-id: ", route.session_id.encode(), b"\r\n",
+                      b"x-ng-session-token: ", token, b"\r\n")  # fmt: skip
+        if self.chunked_request:
+            parts.append(b"transfer-encoding: chunked\r\n")
+        parts.append(b"\r\n")
+        self.head = b"".join(parts)
+        worker.in_flight += 1
+        self.worker = worker
+        if self.expect_continue and not self.request_done:
+            self.client.transport.write(wire.CONTINUE_100)
+        worker.pool.acquire(self)
+
+    def request_body(self, body: bytes) -> None:
+        if self.finished or self.pending_error is not None or self.error is not None:
+            return  # the answer is already decided; the body is read and dropped
+        conn = self.upstream
+        if conn is None:
+            if self.body_buffer is None:
+                self.body_buffer = []
+            self.body_buffer.append(body)
+            self.client.pause_reading_for_upstream()
+            return
+        conn.last_active = self.client.state.now
+        if self.chunked_request:
+            conn.transport.writelines(wire.chunk(body))
+        else:
+            conn.transport.write(body)
+
+    def request_end(self) -> None:
+        self.request_done = True
+        if self.finished:
+            return
+        if self.pending_error is not None:
+            self._write_error(*self.pending_error)
+            return
+        if self.upstream is not None and self.chunked_request:
+            self.upstream.transport.write(wire.LAST_CHUNK)
+
+    # ---- upstream side ------------------------------------------------------------
+    def attach(self, conn: UpstreamConnection) -> None:
+        """Send the request on `conn`, with whatever body arrived while connecting."""
+        self.upstream = conn
+        conn.exchange = self
+        conn.last_active = self.client.state.now
+        transport = conn.transport
+        transport.write(self.head)
+        if self.body_buffer:
+            for body in self.body_buffer:
+                if self.chunked_request:
+                    transport.writelines(wire.chunk(body))
+                else:
+                    transport.write(body)
+            self.body_buffer = None
+        if self.request_done and self.chunked_request:
+            transport.write(wire.LAST_CHUNK)
+        if self.client.write_paused:
+            conn.pause_reading()
+        if not conn.write_paused:
+            self.client.resume_reading_for_upstream()
+
+    def response_head(
+        self, status: int, reason: bytes, headers: list[tuple[bytes, bytes]], keep_alive: bool
+    ) -> None:
+        if status < 200:
+            self.informational = True  # 1xx: we answered Expect ourselves; drop it
+            return
+        self.upstream_keep_alive = keep_alive
+        client = self.client
+        close = not self.keep_alive or client.state.draining or client.half_closed
+        parts = [b"HTTP/1.1 %d %s\r\n" % (status, reason or wire.reason_phrase(status))]
+        length_known = upstream_chunked = False
+        hop = wire.HOP_BY_HOP
+        for name, value in headers:
+            lname = name.lower()
+            if lname in hop:
+                if lname == b"transfer-encoding":
+                    upstream_chunked = True
+                continue
+            if lname == b"content-length":
+                length_known = True
+            parts += (name, b": ", value, b"\r\n")
+        if self.new_token is not None:
+            parts.append(wire.set_cookie_headers(self.new_token))
+        no_body = self.is_head or status in _NO_BODY_STATUS
+        if not no_body and not length_known:
+            self.until_eof = not upstream_chunked
+            if self.version != "1.0":
+                parts.append(b"transfer-encoding: chunked\r\n")
+                self.chunked_response = True
+            else:
+                close = True  # an HTTP/1.0 client reads to end of stream
+        if close:
+            parts.append(b"connection: close\r\n")
+        elif self.version == "1.0":
+            parts.append(b"connection: keep-alive\r\n")
+        parts.append(b"\r\n")
+        self.close_after = close
+        self.response_started = True
+        client.transport.write(b"".join(parts))
+        if self.is_head:
+            # llhttp would wait for the body a HEAD response announces but never sends,
+            # so the message ends here and the connection is not reused.
+            self.finish(reuse=False)
+
+    def response_body(self, body: bytes) -> None:
+        if self.chunked_response:
+            self.client.transport.writelines(wire.chunk(body))
+        else:
+            self.client.transport.write(body)
+
+    def response_end(self) -> None:
+        if self.informational:
+            self.informational = False
+            return
+        if self.finished:
+            return
+        if self.chunked_response:
+            self.client.transport.write(wire.LAST_CHUNK)
+        self.finish(reuse=self.upstream_keep_alive and self.request_done)
+
+    def upstream_lost(self, exc: Exception | None) -> None:
+        """The worker connection closed under this exchange."""
+        self.upstream = None
+        if self.finished:
+            return
+        if self.response_started and self.until_eof:
+            self.response_end()  # the body was delimited by end of stream
+            return
+        self.upstream_failed(exc or ConnectionResetError("worker closed the connection"))
+
+    def upstream_failed(self, exc: BaseException, protocol_error: bool = False) -> None:
+        """Connecting, writing or parsing failed: map it to the client's answer."""
+        if self.finished:
+            return
+        worker = self.worker
+        state = self.client.state
+        if protocol_error:
+            self.fail(502, "upstream_protocol_error", f"worker sent an invalid response: {exc}")
+        elif worker is not None and worker is not state.control and (
+            state.router.workers.get(worker.owner) is not worker
+        ):
+            self.fail(410, "session_owner_gone", f"the worker {worker.owner} is gone")
+        else:
+            self.fail(502, "upstream_connection_lost", f"worker connection failed: {exc}")
+
+    def timed_out(self) -> None:
+        """No byte from the worker for the upstream timeout."""
+        self.fail(504, "upstream_timeout", "the worker did not answer in time")
+
+    # ---- endings ------------------------------------------------------------------
+    def fail(self, status: int, code: str, detail: str, retry_after: int | None = None) -> None:
+        """The one place failures become responses."""
+        if self.finished:
+            return
+        if self.response_started:
+            self.finish(reuse=False)
+            self.client.abort()  # a truncated response must look truncated
+            return
+        if self.request_done or self.expect_continue:
+            self._write_error(status, code, detail, retry_after)
+        else:
+            # Answer once the request body has been read (and dropped), so the
+            # connection stays usable; drop the worker connection now.
+            self.pending_error = (status, code, detail, retry_after)
+            self._detach(reuse=False)
+            self.client.resume_reading_for_upstream()
+
+    def _write_error(self, status: int, code: str, detail: str, retry_after: int | None) -> None:
+        client = self.client
+        close = (
+            not self.keep_alive or not self.request_done or client.state.draining
+            or client.half_closed
+        )
+        self.close_after = close
+        self.response_started = True
+        client.transport.write(
+            wire.error_response(
+                status, code, detail, close=close, retry_after=retry_after, head_only=self.is_head
+            )
+        )
+        self.finish(reuse=False)
+
+    def _detach(self, reuse: bool) -> None:
+        worker = self.worker
+        if worker is not None:
+            self.worker = None
+            worker.in_flight -= 1
+        conn = self.upstream
+        if conn is not None:
+            self.upstream = None
+            if reuse and worker is not None:
+                worker.pool.release(conn)
+            else:
+                conn.exchange = None
+                conn.close()
+
+    def finish(self, reuse: bool) -> None:
+        """The response is fully written: free the worker side, let the next one go."""
+        if self.finished:
+            return
+        self.finished = True
+        self._detach(reuse)
+        self.client.exchange_done(self)
+
+    def abort(self) -> None:
+        """The client went away: drop the worker connection (the app sees it go)."""
+        if not self.finished:
+            self.finished = True
+            self._detach(reuse=False)

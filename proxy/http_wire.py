@@ -1,0 +1,114 @@
+"""HTTP/1.1 bytes the data path writes and the header rules it applies (no I/O).
+
+Error bodies are `{"error": {"code", "detail"}}`; every error the proxy itself answers is
+built here, so status codes and codes live in one place.
+"""
+
+from __future__ import annotations
+
+from http import HTTPStatus
+
+import orjson
+
+__all__ = [
+    "HOP_BY_HOP",
+    "IDENTITY_HEADERS",
+    "COOKIE_NAME",
+    "TOKEN_HEADER",
+    "CONTINUE_100",
+    "error_response",
+    "cookie_token",
+    "set_cookie_headers",
+    "reason_phrase",
+    "chunk",
+]
+
+# Headers that describe one connection, not the message (RFC 9110 7.6.1), plus the
+# identity headers only the proxy may set.
+HOP_BY_HOP = frozenset(
+    {
+        b"connection",
+        b"keep-alive",
+        b"proxy-connection",
+        b"te",
+        b"trailer",
+        b"transfer-encoding",
+        b"upgrade",
+        b"proxy-authenticate",
+        b"proxy-authorization",
+    }
+)
+IDENTITY_HEADERS = frozenset({b"x-ng-session-id", b"x-ng-session-token"})
+COOKIE_NAME = b"ng_session"
+TOKEN_HEADER = b"x-nemo-gym-session-token"
+OWNER_HEADER = b"x-ng-session-owner"
+CONTINUE_100 = b"HTTP/1.1 100 Continue\r\n\r\n"
+LAST_CHUNK = b"0\r\n\r\n"
+
+_REASONS = {status.value: status.phrase.encode() for status in HTTPStatus}
+_COOKIE_NEEDLE = COOKIE_NAME + b"="
+
+
+def reason_phrase(status: int) -> bytes:
+    """The standard reason phrase for `status` (empty for unknown codes)."""
+    return _REASONS.get(status, b"")
+
+
+def error_response(
+    status: int,
+    code: str,
+    detail: str,
+    *,
+    close: bool,
+    retry_after: int | None = None,
+    head_only: bool = False,
+) -> bytes:
+    """A complete JSON error response. `close` adds `Connection: close`."""
+    body = orjson.dumps({"error": {"code": code, "detail": detail}})
+    lines = [
+        b"HTTP/1.1 %d %s\r\n" % (status, reason_phrase(status)),
+        b"content-type: application/json\r\n",
+        b"content-length: %d\r\n" % len(body),
+        b"cache-control: no-store\r\n",
+    ]
+    if retry_after is not None:
+        lines.append(b"retry-after: %d\r\n" % retry_after)
+    if close:
+        lines.append(b"connection: close\r\n")
+    lines.append(b"\r\n")
+    if not head_only:
+        lines.append(body)
+    return b"".join(lines)
+
+
+def cookie_token(cookie_header: bytes) -> bytes | None:
+    """The value of the `ng_session` cookie in a Cookie header, if present."""
+    start = 0
+    while True:
+        at = cookie_header.find(_COOKIE_NEEDLE, start)
+        if at < 0:
+            return None
+        if at == 0 or cookie_header[at - 1] in b"; \t":
+            begin = at + len(_COOKIE_NEEDLE)
+            end = cookie_header.find(b";", begin)
+            value = cookie_header[begin:] if end < 0 else cookie_header[begin:end]
+            return value.strip().strip(b'"')
+        start = at + 1
+
+
+def set_cookie_headers(token: bytes) -> bytes:
+    """Header lines that hand the client its (new or changed) session token.
+
+    Like HAProxy's `cookie insert indirect nocache`: the response is marked so no shared
+    cache stores the cookie. The token also travels as a header for MCP clients.
+    """
+    return (
+        b"set-cookie: ng_session=" + token + b"; Path=/; HttpOnly; SameSite=Lax\r\n"
+        b'cache-control: no-cache="Set-Cookie"\r\n'
+        b"x-nemo-gym-session-token: " + token + b"\r\n"
+    )
+
+
+def chunk(data: bytes) -> list[bytes]:
+    """`data` framed as one chunk of a chunked body, as buffers for writelines."""
+    return [b"%x\r\n" % len(data), data, b"\r\n"]

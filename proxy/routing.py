@@ -1,0 +1,133 @@
+"""Which worker answers a request: the owner, alias and session tables (no I/O).
+
+The order of decisions is the one in DESIGN.md:
+
+1. a token naming a live owner: that worker;
+2. a token naming an aliased owner (old owner -> the worker that now holds its sessions);
+3. a token naming any other owner: 410 `session_owner_gone`;
+4. a token naming no owner: the session table, else placed like new work;
+5. no token, `x-ng-session-owner`: that worker (or its alias), as a new session there;
+6. nothing: a new session on the live worker with the fewest requests in flight
+   (ties broken round-robin).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from proxy.session_tokens import SessionIdentity, new_session_id
+
+__all__ = ["WorkerRoute", "Route", "RouteError", "Router"]
+
+
+@dataclass(slots=True, eq=False)
+class WorkerRoute:
+    """A live worker as the data path sees it. `pool` belongs to the I/O layer."""
+
+    owner: str
+    slot: int
+    socket_path: str
+    in_flight: int = 0
+    pool: Any = None
+
+
+@dataclass(slots=True)
+class Route:
+    """The decision for one request. `restamp`: the client must get a new token."""
+
+    worker: WorkerRoute
+    session_id: str
+    restamp: bool
+
+
+class RouteError(Exception):
+    """A request that no worker may see; carries the HTTP status and error code."""
+
+    def __init__(self, status: int, code: str, detail: str) -> None:
+        super().__init__(detail)
+        self.status = status
+        self.code = code
+        self.detail = detail
+
+
+@dataclass
+class Router:
+    """The routing tables. The I/O layer adds and removes workers as they come and go."""
+
+    workers: dict[str, WorkerRoute] = field(default_factory=dict)
+    aliases: dict[str, str] = field(default_factory=dict)
+    sessions: dict[str, str] = field(default_factory=dict)
+    _live: list[WorkerRoute] = field(default_factory=list)
+    _next: int = 0
+
+    def add_worker(self, worker: WorkerRoute) -> None:
+        """Make `worker` routable."""
+        self.workers[worker.owner] = worker
+        self._live = sorted(self.workers.values(), key=lambda w: w.slot)
+
+    def remove_worker(self, owner: str) -> WorkerRoute | None:
+        """Stop routing to `owner`; tokens naming it now answer 410."""
+        worker = self.workers.pop(owner, None)
+        self._live = sorted(self.workers.values(), key=lambda w: w.slot)
+        return worker
+
+    def set_tables(self, aliases: dict[str, str], sessions: dict[str, str]) -> None:
+        """Replace the alias and session tables (restore pushes them)."""
+        self.aliases = dict(aliases)
+        self.sessions = dict(sessions)
+
+    def resolve_owner(self, owner: str) -> WorkerRoute | None:
+        """The live worker that holds `owner`'s sessions, directly or through an alias."""
+        worker = self.workers.get(owner)
+        if worker is not None:
+            return worker
+        target = self.aliases.get(owner)
+        return self.workers.get(target) if target is not None else None
+
+    def least_loaded(self) -> WorkerRoute:
+        """The live worker with the fewest requests in flight; ties go round-robin."""
+        live = self._live
+        count = len(live)
+        if not count:
+            raise RouteError(503, "worker_unavailable", "no worker is live; retry shortly")
+        start = self._next % count
+        self._next = start + 1
+        best = live[start]
+        for i in range(1, count):
+            candidate = live[(start + i) % count]
+            if candidate.in_flight < best.in_flight:
+                best = candidate
+        return best
+
+    def route(self, identity: SessionIdentity | None, owner_hint: str | None) -> Route:
+        """Decide where one request goes; raise RouteError when it may go nowhere."""
+        if identity is not None:
+            owner = identity.owner
+            if owner is not None:
+                worker = self.workers.get(owner)
+                if worker is not None:
+                    return Route(worker, identity.session_id, False)
+                worker = self.resolve_owner(owner)
+                if worker is None:
+                    raise RouteError(
+                        410, "session_owner_gone", f"the worker that held this session ({owner}) is gone"
+                    )
+                return Route(worker, identity.session_id, True)
+            placed = self.sessions.get(identity.session_id)
+            if placed is not None:
+                worker = self.resolve_owner(placed)
+                if worker is None:
+                    raise RouteError(
+                        410, "session_owner_gone", f"the worker that held this session ({placed}) is gone"
+                    )
+            else:
+                worker = self.least_loaded()
+                self.sessions[identity.session_id] = worker.owner
+            return Route(worker, identity.session_id, True)
+        if owner_hint is not None:
+            worker = self.resolve_owner(owner_hint)
+            if worker is None:
+                raise RouteError(410, "session_owner_gone", f"owner {owner_hint} is not live")
+            return Route(worker, new_session_id(), True)
+        return Route(self.least_loaded(), new_session_id(), True)

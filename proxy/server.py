@@ -1,0 +1,167 @@
+"""The proxy process: runtime directory, control app, coordinator, workers, public port.
+
+Start order: private runtime directory (0700), control app on its socket, coordinator
+socket, workers (all registered), then the public port starts accepting. Stop order
+(SIGTERM/SIGINT; a second signal skips the drain): stop accepting, let in-flight requests
+finish within the grace period, cut the rest, stop workers, remove the runtime directory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import shutil
+import signal
+import socket
+import tempfile
+import time
+
+from aiohttp import web
+
+from coordinator.hub import Coordinator
+from proxy.client_connection import ClientConnection, ProxyState
+from proxy.config import Config
+from proxy.control_app import create_control_app
+from proxy.routing import Router, WorkerRoute
+from proxy.session_tokens import TokenCodec
+from proxy.supervisor import Supervisor, WorkerBootError
+from proxy.upstream import UpstreamPool
+
+__all__ = ["run", "EXIT_BOOT_ERROR"]
+
+log = logging.getLogger("gym_proxy")
+
+EXIT_BOOT_ERROR = 3
+SWEEP_INTERVAL = 1.0
+POOL_IDLE_SECONDS = 30.0  # well below the worker's keep-alive timeout
+
+
+async def run(config: Config, listen_sock: socket.socket, secret: bytes) -> int:
+    """Serve until a signal or a fatal worker error; return the process exit code."""
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    force = asyncio.Event()
+
+    def on_signal() -> None:
+        if stop.is_set():
+            force.set()
+        stop.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal)
+
+    runtime_dir = tempfile.mkdtemp(prefix="gym-proxy-", dir=config.runtime_dir)
+    os.chmod(runtime_dir, 0o700)
+    coordinator_socket = os.path.join(runtime_dir, "coordinator.sock")
+    control_socket = os.path.join(runtime_dir, "control.sock")
+    router = Router()
+    control = WorkerRoute("control", -1, control_socket, pool=UpstreamPool(control_socket))
+    state = ProxyState(
+        router=router,
+        codec=TokenCodec(secret),
+        control=control,
+        upstream_timeout=config.upstream_timeout,
+        keepalive_timeout=config.keepalive_timeout,
+        now=loop.time(),
+    )
+    supervisor = Supervisor(config, runtime_dir, coordinator_socket, router)
+    coordinator = Coordinator(supervisor.on_register, supervisor.on_lost)
+    control_runner = web.AppRunner(create_control_app(), access_log=None, handle_signals=False)
+    server: asyncio.AbstractServer | None = None
+    sweeper: asyncio.Task[None] | None = None
+    code = 0
+    try:
+        log.info("runtime directory %s", runtime_dir)
+        await control_runner.setup()
+        await web.UnixSite(control_runner, control_socket).start()
+        await coordinator.start(coordinator_socket)
+        boot = asyncio.ensure_future(supervisor.start())
+        stopped = asyncio.ensure_future(stop.wait())
+        await asyncio.wait({boot, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        stopped.cancel()
+        if not boot.done():
+            boot.cancel()
+            log.info("stopped before the workers were ready")
+            return 0
+        try:
+            boot.result()
+        except WorkerBootError as exc:
+            log.error("%s; stopping", exc)
+            code = EXIT_BOOT_ERROR
+            return code
+        server = await loop.create_server(
+            lambda: ClientConnection(state), sock=listen_sock, backlog=config.backlog
+        )
+        host, port = listen_sock.getsockname()[:2]
+        log.info("ready on http://%s:%d with %d workers", host, port, config.workers)
+        sweeper = asyncio.ensure_future(_sweep(state, supervisor))
+        stopped = asyncio.ensure_future(stop.wait())
+        assert supervisor.fatal is not None
+        await asyncio.wait({stopped, supervisor.fatal}, return_when=asyncio.FIRST_COMPLETED)
+        stopped.cancel()
+        if supervisor.fatal.done():
+            log.error("%s; stopping", supervisor.fatal.exception())
+            code = EXIT_BOOT_ERROR
+        else:
+            log.info("shutting down: finishing in-flight requests (%g s)", config.graceful_timeout)
+        server.close()
+        await _drain(state, config.graceful_timeout, force)
+        return code
+    finally:
+        if sweeper is not None:
+            sweeper.cancel()
+        if server is not None:
+            server.close()
+        for client in list(state.clients):
+            client.abort()
+        await supervisor.stop(config.graceful_timeout)
+        if supervisor.fatal is not None and supervisor.fatal.done():
+            supervisor.fatal.exception()  # retrieved: it was reported above
+        await coordinator.close()
+        control.pool.close()
+        await control_runner.cleanup()
+        shutil.rmtree(runtime_dir, ignore_errors=True)
+        listen_sock.close()
+        log.info("stopped")
+
+
+async def _drain(state: ProxyState, timeout: float, force: asyncio.Event) -> None:
+    """Close idle connections now and busy ones after their response, within `timeout`."""
+    state.draining = True
+    state.drained = asyncio.Event()
+    for client in list(state.clients):
+        if not client.pipeline:
+            client.close()
+    if not state.clients:
+        return
+    waits = {asyncio.ensure_future(state.drained.wait()), asyncio.ensure_future(force.wait())}
+    _, pending = await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    for task in pending:
+        task.cancel()
+    if state.clients:
+        log.warning("cutting %d connections still busy after the grace period", len(state.clients))
+
+
+async def _sweep(state: ProxyState, supervisor: Supervisor) -> None:
+    """Advance the coarse clock; expire idle clients, stalled upstreams, idle pool entries."""
+    loop = asyncio.get_running_loop()
+    while True:
+        await asyncio.sleep(SWEEP_INTERVAL)
+        now = state.now = loop.time()
+        idle_before = now - state.keepalive_timeout
+        stall_before = now - state.upstream_timeout if state.upstream_timeout else None
+        for client in list(state.clients):
+            pipeline = client.pipeline
+            if not pipeline:
+                if client.last_active < idle_before and client.parsing is None:
+                    client.close()
+                continue
+            conn = pipeline[0].upstream
+            if stall_before is not None and conn is not None and conn.last_active < stall_before:
+                pipeline[0].timed_out()
+        pool_before = time.monotonic() - POOL_IDLE_SECONDS
+        for worker in supervisor.workers():
+            if worker.route is not None:
+                worker.route.pool.close_idle(pool_before)
+        state.control.pool.close_idle(pool_before)

@@ -1,0 +1,245 @@
+"""The one owner of worker lifecycle: spawn, register, reap, restart, stop.
+
+Each slot holds at most one `WorkerProcess` record. `reconcile()` compares the wanted
+slots with the records and spawns what is missing (respecting each slot's backoff); it is
+called after every event. A worker that exits with BOOT_ERROR cannot build the app, so
+the supervisor stops the whole server instead of respawning it forever.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from coordinator.channel import Channel
+from coordinator.hub import RegistrationRefused
+from proxy.config import Config
+from proxy.routing import Router, WorkerRoute
+from proxy.session_tokens import new_owner_id
+from proxy.upstream import UpstreamPool
+from worker.process import BOOT_ERROR
+
+__all__ = ["WorkerProcess", "Supervisor", "WorkerBootError"]
+
+log = logging.getLogger("gym_proxy.supervisor")
+
+BACKOFF_FIRST = 0.1
+BACKOFF_MAX = 5.0
+STABLE_AFTER = 10.0  # a worker that lived this long resets its slot's backoff
+
+
+class WorkerBootError(Exception):
+    """A worker could not build the app; the server must stop."""
+
+
+@dataclass(eq=False)
+class WorkerProcess:
+    """One worker incarnation."""
+
+    slot: int
+    owner: str
+    socket_path: str
+    process: asyncio.subprocess.Process
+    started_at: float
+    state: str = "starting"  # starting -> live -> dead
+    channel: Channel | None = None
+    route: WorkerRoute | None = None
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+
+@dataclass
+class _Slot:
+    worker: WorkerProcess | None = None
+    failures: int = 0
+    restart_at: float = 0.0
+
+
+@dataclass(eq=False)
+class Supervisor:
+    config: Config
+    runtime_dir: str
+    coordinator_socket: str
+    router: Router
+    slots: list[_Slot] = field(default_factory=list)
+    stopping: bool = False
+    fatal: asyncio.Future[None] | None = None
+    _tasks: set[asyncio.Task[Any]] = field(default_factory=set)
+    _registered: asyncio.Event = field(default_factory=asyncio.Event)
+    _timer: asyncio.TimerHandle | None = None
+
+    def __post_init__(self) -> None:
+        self.slots = [_Slot() for _ in range(self.config.workers)]
+        self.fatal = asyncio.get_running_loop().create_future()
+
+    # ---- lifecycle ----------------------------------------------------------------
+    async def start(self) -> None:
+        """Spawn every slot and wait until all have registered (or one cannot boot)."""
+        self.reconcile()
+        waiter = asyncio.ensure_future(self._registered.wait())
+        try:
+            done, _ = await asyncio.wait(
+                {waiter, self.fatal}, timeout=self.config.boot_timeout or None,
+                return_when=asyncio.FIRST_COMPLETED,
+            )  # fmt: skip
+        finally:
+            waiter.cancel()
+        if self.fatal.done():
+            self.fatal.result()
+        if not done:
+            raise WorkerBootError(
+                f"workers did not register within {self.config.boot_timeout:g} s"
+            )
+
+    def reconcile(self) -> None:
+        """Spawn every slot that has no worker and whose backoff has passed."""
+        if self.stopping:
+            return
+        now = time.monotonic()
+        next_due: float | None = None
+        for slot_index, slot in enumerate(self.slots):
+            if slot.worker is not None:
+                continue
+            if slot.restart_at > now:
+                next_due = min(next_due or slot.restart_at, slot.restart_at)
+                continue
+            self._track(self._spawn(slot_index))
+        if next_due is not None:
+            if self._timer is not None:
+                self._timer.cancel()
+            self._timer = asyncio.get_running_loop().call_later(
+                max(0.0, next_due - now), self.reconcile
+            )
+
+    async def _spawn(self, slot_index: int) -> None:
+        slot = self.slots[slot_index]
+        owner = new_owner_id()
+        socket_path = os.path.join(self.runtime_dir, f"w{slot_index}-{owner}.sock")
+        # Reserve the slot before the first await so reconcile never spawns it twice.
+        slot.worker = placeholder = WorkerProcess(slot_index, owner, socket_path, None, 0.0)  # type: ignore[arg-type]
+        cfg = self.config
+        try:
+            process = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "worker",
+                "--slot", str(slot_index), "--owner", owner, "--socket", socket_path,
+                "--coordinator", self.coordinator_socket, "--app", cfg.app,
+                "--app-dir", cfg.app_dir, "--graceful-timeout", str(cfg.graceful_timeout),
+                "--log-level", cfg.log_level,
+                stdin=asyncio.subprocess.DEVNULL,
+            )  # fmt: skip
+        except OSError as exc:
+            slot.worker = None
+            self._fail(WorkerBootError(f"cannot start a worker process: {exc}"))
+            return
+        placeholder.process = process
+        placeholder.started_at = time.monotonic()
+        log.info("worker %d started (pid %d, owner %s)", slot_index, process.pid, owner)
+        self._track(self._watch(placeholder))
+
+    async def _watch(self, worker: WorkerProcess) -> None:
+        code = await worker.process.wait()
+        self._retire(worker)
+        slot = self.slots[worker.slot]
+        if slot.worker is worker:
+            slot.worker = None
+        if self.stopping:
+            return
+        if code == BOOT_ERROR:
+            self._fail(
+                WorkerBootError(f"worker {worker.slot} cannot build app {self.config.app} (see above)")
+            )
+            return
+        lived = time.monotonic() - worker.started_at
+        slot.failures = 0 if lived >= STABLE_AFTER else slot.failures + 1
+        delay = 0.0 if not slot.failures else min(BACKOFF_MAX, BACKOFF_FIRST * 2 ** (slot.failures - 1))
+        slot.restart_at = time.monotonic() + delay
+        log.warning(
+            "worker %d (pid %d, owner %s) exited with code %s; restarting in %.1f s",
+            worker.slot, worker.pid, worker.owner, code, delay,
+        )  # fmt: skip
+        self.reconcile()
+
+    # ---- coordinator callbacks ------------------------------------------------------
+    def on_register(self, message: dict[str, Any], channel: Channel) -> dict[str, Any]:
+        """Accept a worker's `register` if it is the incarnation the slot expects."""
+        slot_index = message.get("slot")
+        if not isinstance(slot_index, int) or not 0 <= slot_index < len(self.slots):
+            raise RegistrationRefused(f"no slot {slot_index!r}")
+        worker = self.slots[slot_index].worker
+        if worker is None or worker.owner != message.get("owner") or worker.state != "starting":
+            raise RegistrationRefused(f"slot {slot_index} does not expect owner {message.get('owner')!r}")
+        worker.state = "live"
+        worker.channel = channel
+        worker.route = WorkerRoute(worker.owner, slot_index, worker.socket_path)
+        worker.route.pool = UpstreamPool(worker.socket_path)
+        self.router.add_worker(worker.route)
+        log.info("worker %d registered (owner %s)", slot_index, worker.owner)
+        if all(s.worker is not None and s.worker.state == "live" for s in self.slots):
+            self._registered.set()
+        return {
+            "aliases": dict(self.router.aliases),
+            "sessions": dict(self.router.sessions),
+            "phase": "idle",
+        }
+
+    def on_lost(self, owner: str) -> None:
+        """A worker's channel ended: stop routing to it at once (its sessions get 410)."""
+        for slot in self.slots:
+            if slot.worker is not None and slot.worker.owner == owner:
+                self._retire(slot.worker)
+
+    def _retire(self, worker: WorkerProcess) -> None:
+        if worker.state == "dead":
+            return
+        worker.state = "dead"
+        if worker.route is not None:
+            self.router.remove_worker(worker.owner)
+            worker.route.pool.close()
+        if worker.channel is not None:
+            worker.channel.close()
+
+    # ---- stopping -----------------------------------------------------------------
+    def workers(self) -> list[WorkerProcess]:
+        """Current worker records, by slot."""
+        return [slot.worker for slot in self.slots if slot.worker is not None]
+
+    async def stop(self, timeout: float) -> None:
+        """SIGTERM every worker, SIGKILL those still running at the deadline, reap all."""
+        self.stopping = True
+        if self._timer is not None:
+            self._timer.cancel()
+        running = [w for w in self.workers() if w.process is not None and w.process.returncode is None]
+        for worker in running:
+            with contextlib.suppress(ProcessLookupError):
+                worker.process.send_signal(signal.SIGTERM)
+        waits = [asyncio.ensure_future(w.process.wait()) for w in running]
+        if waits:
+            _, pending = await asyncio.wait(waits, timeout=timeout)
+            if pending:
+                for worker in running:
+                    if worker.process.returncode is None:
+                        log.warning("worker %d did not stop in time; killing it", worker.slot)
+                        with contextlib.suppress(ProcessLookupError):
+                            worker.process.kill()
+                await asyncio.wait(waits)
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    def _fail(self, exc: Exception) -> None:
+        if self.fatal is not None and not self.fatal.done():
+            self.fatal.set_exception(exc)
+
+    def _track(self, coro: Any) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)

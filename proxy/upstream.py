@@ -1,0 +1,212 @@
+"""Keep-alive connections from the proxy to one worker's Unix socket.
+
+An `UpstreamConnection` parses the worker's responses with llhttp (httptools) and hands
+each event to the exchange attached to it; between exchanges it sits in its pool's idle
+stack. The pool closes idle connections before the worker would (the worker's keep-alive
+timeout is longer), so a reused connection is never one the worker is closing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import TYPE_CHECKING
+
+import httptools
+
+if TYPE_CHECKING:
+    from proxy.exchange import Exchange
+
+__all__ = ["UpstreamConnection", "UpstreamPool"]
+
+
+class UpstreamConnection(asyncio.Protocol):
+    """One connection to a worker; carries at most one exchange at a time."""
+
+    __slots__ = (
+        "pool",
+        "transport",
+        "parser",
+        "exchange",
+        "closed",
+        "write_paused",
+        "read_paused",
+        "last_active",
+        "headers",
+        "reason",
+    )
+
+    def __init__(self, pool: UpstreamPool) -> None:
+        self.pool = pool
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpResponseParser(self)
+        self.exchange: Exchange | None = None
+        self.closed = False
+        self.write_paused = False
+        self.read_paused = False
+        self.last_active = 0.0
+        self.headers: list[tuple[bytes, bytes]] = []
+        self.reason = b""
+
+    # asyncio.Protocol
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        exchange = self.exchange
+        if exchange is None:
+            # A worker must not speak unasked; whatever this is, the connection is spoiled.
+            self.close()
+            return
+        self.last_active = exchange.client.state.now
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            if self.exchange is not None:
+                self.exchange.upstream_failed(exc, protocol_error=True)
+            self.close()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self.pool.forget(self)
+        exchange = self.exchange
+        if exchange is not None:
+            self.exchange = None
+            exchange.upstream_lost(exc)
+
+    def pause_writing(self) -> None:
+        self.write_paused = True
+        if self.exchange is not None:
+            self.exchange.client.pause_reading_for_upstream()
+
+    def resume_writing(self) -> None:
+        self.write_paused = False
+        if self.exchange is not None:
+            self.exchange.client.resume_reading_for_upstream()
+
+    # httptools callbacks
+    def on_message_begin(self) -> None:
+        self.headers = []
+        self.reason = b""
+
+    def on_status(self, status: bytes) -> None:
+        self.reason += status
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.headers.append((name, value))
+
+    def on_headers_complete(self) -> None:
+        exchange = self.exchange
+        if exchange is not None:
+            exchange.response_head(
+                self.parser.get_status_code(), self.reason, self.headers,
+                self.parser.should_keep_alive(),
+            )
+
+    def on_body(self, body: bytes) -> None:
+        exchange = self.exchange
+        if exchange is not None:
+            exchange.response_body(body)
+
+    def on_message_complete(self) -> None:
+        exchange = self.exchange
+        if exchange is not None:
+            exchange.response_end()
+
+    # flow control and lifecycle
+    def pause_reading(self) -> None:
+        if not self.read_paused and not self.closed:
+            self.read_paused = True
+            self.transport.pause_reading()  # type: ignore[union-attr]
+
+    def resume_reading(self) -> None:
+        if self.read_paused and not self.closed:
+            self.read_paused = False
+            self.transport.resume_reading()  # type: ignore[union-attr]
+
+    def close(self) -> None:
+        """Drop the connection now (the worker sees the client go away)."""
+        if not self.closed:
+            self.closed = True
+            self.pool.forget(self)
+            if self.transport is not None:
+                self.transport.abort()
+
+
+class UpstreamPool:
+    """Idle keep-alive connections to one worker socket, plus connection setup."""
+
+    def __init__(self, socket_path: str, max_idle: int = 512) -> None:
+        self.socket_path = socket_path
+        self.max_idle = max_idle
+        self.idle: list[UpstreamConnection] = []
+        self.idle_since: dict[UpstreamConnection, float] = {}
+        self.connecting: set[asyncio.Task[None]] = set()
+        self.closed = False
+
+    def acquire(self, exchange: Exchange) -> None:
+        """Attach `exchange` to an idle connection now, or to a new one when it connects."""
+        idle = self.idle
+        while idle:
+            conn = idle.pop()
+            self.idle_since.pop(conn, None)
+            if not conn.closed:
+                exchange.attach(conn)
+                return
+        if self.closed:
+            exchange.upstream_failed(ConnectionRefusedError("worker is gone"))
+            return
+        task = asyncio.get_running_loop().create_task(self._connect(exchange))
+        self.connecting.add(task)
+        task.add_done_callback(self.connecting.discard)
+
+    async def _connect(self, exchange: Exchange) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            _, conn = await loop.create_unix_connection(
+                lambda: UpstreamConnection(self), self.socket_path
+            )
+        except OSError as exc:
+            exchange.upstream_failed(exc)
+            return
+        except asyncio.CancelledError:
+            exchange.upstream_failed(ConnectionAbortedError("worker is gone"))
+            raise
+        if exchange.finished:
+            self.release(conn)
+        else:
+            exchange.attach(conn)
+
+    def release(self, conn: UpstreamConnection) -> None:
+        """Return a connection whose exchange completed cleanly."""
+        conn.exchange = None
+        if conn.closed:
+            return
+        if self.closed or len(self.idle) >= self.max_idle:
+            conn.close()
+            return
+        conn.resume_reading()
+        self.idle.append(conn)
+        self.idle_since[conn] = time.monotonic()
+
+    def forget(self, conn: UpstreamConnection) -> None:
+        """A connection closed: make sure it is never handed out again."""
+        if self.idle_since.pop(conn, None) is not None:
+            try:
+                self.idle.remove(conn)
+            except ValueError:
+                pass
+
+    def close_idle(self, older_than: float) -> None:
+        """Close idle connections unused since before `older_than` (monotonic)."""
+        for conn, since in list(self.idle_since.items()):
+            if since < older_than:
+                conn.close()
+
+    def close(self) -> None:
+        """The worker is gone: close every idle connection and refuse new ones."""
+        self.closed = True
+        for task in self.connecting:
+            task.cancel()
+        for conn in list(self.idle):
+            conn.close()

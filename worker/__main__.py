@@ -1,0 +1,3 @@
+from worker.process import main
+
+main()

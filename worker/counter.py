@@ -1,0 +1,95 @@
+"""`counter`: the reference resources server with per-session state.
+
+Routes (POST with a JSON body, as NeMo Gym resources servers take them):
+`/seed_session {initial_count}`, `/increment_counter {count}`, `/get_counter_value`,
+`/verify {expected_count}` -> `{reward}`. State is kept per session ID, which the proxy
+assigns and passes in `x-ng-session-id`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from worker.identity import session_id
+
+__all__ = ["create_app"]
+
+COUNTERS = web.AppKey("counters", dict)
+
+
+def _json(payload: Any) -> web.Response:
+    return web.Response(body=orjson.dumps(payload), content_type="application/json")
+
+
+def _bad_request(code: str, detail: str) -> web.HTTPBadRequest:
+    return web.HTTPBadRequest(
+        body=orjson.dumps({"error": {"code": code, "detail": detail}}),
+        content_type="application/json",
+    )
+
+
+async def _body(request: web.Request) -> dict[str, Any]:
+    raw = await request.read()
+    if not raw:
+        return {}
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise _bad_request("invalid_json", str(exc)) from exc
+    if not isinstance(body, dict):
+        raise _bad_request("invalid_json", "expected a JSON object")
+    return body
+
+
+def _integer(body: dict[str, Any], name: str, default: int | None = None) -> int:
+    value = body.get(name, default)
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise _bad_request("invalid_field", f"{name} must be an integer")
+    return value
+
+
+def _session(request: web.Request) -> str:
+    sid = session_id(request)
+    if sid is None:
+        raise _bad_request("no_session", "the request did not come through gym-proxy")
+    return sid
+
+
+async def seed_session(request: web.Request) -> web.Response:
+    body = await _body(request)
+    count = _integer(body, "initial_count", 0)
+    request.app[COUNTERS][_session(request)] = count
+    return _json({"count": count})
+
+
+async def increment_counter(request: web.Request) -> web.Response:
+    body = await _body(request)
+    counters = request.app[COUNTERS]
+    sid = _session(request)
+    counters[sid] = counters.get(sid, 0) + _integer(body, "count", 1)
+    return _json({"count": counters[sid]})
+
+
+async def get_counter_value(request: web.Request) -> web.Response:
+    return _json({"count": request.app[COUNTERS].get(_session(request), 0)})
+
+
+async def verify(request: web.Request) -> web.Response:
+    body = await _body(request)
+    expected = _integer(body, "expected_count")
+    actual = request.app[COUNTERS].get(_session(request), 0)
+    return _json({"reward": 1.0 if actual == expected else 0.0, "count": actual})
+
+
+def create_app() -> web.Application:
+    """The counter server's app."""
+    app = web.Application()
+    app[COUNTERS] = {}
+    app.router.add_post("/seed_session", seed_session)
+    app.router.add_post("/increment_counter", increment_counter)
+    app.router.add_route("*", "/get_counter_value", get_counter_value)
+    app.router.add_post("/verify", verify)
+    return app

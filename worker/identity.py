@@ -1,0 +1,35 @@
+"""What an app sees of gym-proxy on each request: its session and its worker."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from aiohttp import web
+
+__all__ = ["WorkerInfo", "WORKER_INFO", "session_id", "session_token"]
+
+SESSION_ID_HEADER = "x-ng-session-id"
+SESSION_TOKEN_HEADER = "x-ng-session-token"
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerInfo:
+    """This worker incarnation: its slot, its owner ID, its pid and its socket."""
+
+    slot: int
+    owner: str
+    pid: int
+    socket_path: str
+
+
+WORKER_INFO = web.AppKey("gym_proxy_worker_info", WorkerInfo)
+
+
+def session_id(request: web.Request) -> str | None:
+    """The session ID the proxy assigned to this request (None if not behind the proxy)."""
+    return request.headers.get(SESSION_ID_HEADER)
+
+
+def session_token(request: web.Request) -> str | None:
+    """The signed session token the client holds for this session."""
+    return request.headers.get(SESSION_TOKEN_HEADER)

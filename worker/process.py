@@ -1,0 +1,116 @@
+"""Entry point of a worker process (`python -m worker ...`), started by the supervisor.
+
+Order: build the app, listen on the private Unix socket, then register with the
+coordinator, so the proxy never routes to a worker that is not yet accepting. The worker
+stops by itself when the coordinator connection ends (no orphans) and drains gracefully
+on SIGTERM. Failing to build the app exits with BOOT_ERROR, which tells the supervisor
+not to respawn it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+import traceback
+from collections.abc import Sequence
+from typing import Any
+
+import uvloop
+from aiohttp import web
+
+from coordinator.channel import Channel
+from worker.app_loading import build_app
+from worker.identity import WORKER_INFO, WorkerInfo
+
+__all__ = ["BOOT_ERROR", "main"]
+
+BOOT_ERROR = 3  # reserved exit code: the app cannot be built; do not respawn
+LOST_COORDINATOR = 4
+
+log = logging.getLogger("gym_proxy.worker")
+
+
+def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m worker")
+    parser.add_argument("--slot", type=int, required=True)
+    parser.add_argument("--owner", required=True)
+    parser.add_argument("--socket", required=True)
+    parser.add_argument("--coordinator", required=True)
+    parser.add_argument("--app", required=True)
+    parser.add_argument("--app-dir", default=".")
+    parser.add_argument("--graceful-timeout", type=float, default=30.0)
+    parser.add_argument("--log-level", default="info")
+    return parser.parse_args(argv)
+
+
+async def _handle_coordinator(message: dict[str, Any]) -> dict[str, Any]:
+    raise ValueError(f"unknown message type {message['type']!r}")
+
+
+async def serve(args: argparse.Namespace) -> int:
+    """Run the app until SIGTERM or the coordinator goes away; return the exit code."""
+    try:
+        app = await build_app(args.app, args.app_dir)
+        info = WorkerInfo(args.slot, args.owner, os.getpid(), args.socket)
+        app[WORKER_INFO] = info
+    except Exception:
+        traceback.print_exc()
+        print(f"gym-proxy worker {args.slot}: cannot build app {args.app}", file=sys.stderr)
+        return BOOT_ERROR
+
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    loop.add_signal_handler(signal.SIGTERM, stop.set)
+    # Ctrl-C reaches the whole process group; the proxy decides and sends SIGTERM.
+    loop.add_signal_handler(signal.SIGINT, lambda: None)
+
+    runner = web.AppRunner(
+        app,
+        handle_signals=False,
+        access_log=None,
+        handler_cancellation=True,  # a client that goes away cancels its handler
+        keepalive_timeout=3600,  # longer than the proxy's pool idle time
+        shutdown_timeout=args.graceful_timeout,
+    )
+    try:
+        await runner.setup()
+        await web.UnixSite(runner, args.socket).start()
+    except Exception:
+        traceback.print_exc()
+        await runner.cleanup()
+        return BOOT_ERROR
+
+    reader, writer = await asyncio.open_unix_connection(args.coordinator)
+    channel = Channel(reader, writer, _handle_coordinator)
+    channel_task = asyncio.create_task(channel.serve())
+    await channel.request(
+        "register", slot=info.slot, owner=info.owner, pid=info.pid, socket=info.socket_path
+    )
+    log.debug("worker %d registered as %s", info.slot, info.owner)
+
+    stop_task = asyncio.create_task(stop.wait())
+    await asyncio.wait({channel_task, stop_task}, return_when=asyncio.FIRST_COMPLETED)
+    code = 0
+    if not stop.is_set():
+        log.warning("worker %d lost the coordinator; stopping", info.slot)
+        code = LOST_COORDINATOR
+    stop_task.cancel()
+    await runner.cleanup()
+    channel.close()
+    channel_task.cancel()
+    return code
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = _parse(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format=f"%(asctime)s worker[{args.slot}:{os.getpid()}] %(levelname)s %(message)s",
+    )
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        code = runner.run(serve(args))
+    sys.exit(code)
