@@ -76,8 +76,9 @@ async def connect(args: argparse.Namespace, index: int) -> Conn:
     return conn
 
 
-async def client(args: argparse.Namespace, index: int, deadline: float, out: list[float],
-                 errors: list[int]) -> None:
+async def client(
+    args: argparse.Namespace, index: int, deadline: float, out: list[float], errors: list[int]
+) -> None:
     conn = await connect(args, index)
     if args.direct:
         extra = b"x-ng-session-id: bench-%d\r\n" % index
@@ -102,8 +103,10 @@ async def main(args: argparse.Namespace) -> None:
     errors: list[int] = []
     # Warm up connections and sessions before the clock starts.
     deadline = time.perf_counter() + args.seconds + args.warmup
-    tasks = [asyncio.create_task(client(args, i, deadline, latencies, errors))
-             for i in range(args.connections)]
+    tasks = [
+        asyncio.create_task(client(args, i, deadline, latencies, errors))
+        for i in range(args.connections)
+    ]
     await asyncio.sleep(args.warmup)
     first = len(latencies)
     started = time.perf_counter()
@@ -112,10 +115,17 @@ async def main(args: argparse.Namespace) -> None:
     measured = sorted(latencies[first:])
     count = len(measured)
     pick = lambda q: measured[min(count - 1, int(q * count))] * 1000 if count else 0.0  # noqa: E731
-    print(orjson.dumps({
-        "requests": count, "seconds": elapsed, "errors": len(errors),
-        "p50_ms": pick(0.50), "p99_ms": pick(0.99),
-    }).decode())
+    print(
+        orjson.dumps(
+            {
+                "requests": count,
+                "seconds": elapsed,
+                "errors": len(errors),
+                "p50_ms": pick(0.50),
+                "p99_ms": pick(0.99),
+            }
+        ).decode()
+    )
     sys.stdout.flush()
 
 

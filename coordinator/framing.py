@@ -74,9 +74,7 @@ def decode_payload(payload: bytes) -> dict[str, Any]:
     return message
 
 
-async def read_frame(
-    reader: asyncio.StreamReader, limit: int = MAX_FRAME
-) -> dict[str, Any] | None:
+async def read_frame(reader: asyncio.StreamReader, limit: int = MAX_FRAME) -> dict[str, Any] | None:
     """Read one message; None on a clean end of stream between frames."""
     try:
         header = await reader.readexactly(_HEADER.size)

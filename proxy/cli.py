@@ -33,6 +33,8 @@ def bind_listener(config: Config) -> socket.socket:
         sock = socket.socket(fileno=config.fd)
         if not stat.S_ISSOCK(os.fstat(config.fd).st_mode) or sock.type != socket.SOCK_STREAM:
             raise OSError(f"--fd {config.fd} is not a stream socket")
+        # Passed down to us inheritable; our workers must not hold the public port.
+        os.set_inheritable(config.fd, False)
         sock.listen(config.backlog)
     else:
         infos = socket.getaddrinfo(

@@ -43,8 +43,16 @@ class ClientConnection(asyncio.Protocol):
     """One client connection; see the module docstring for the flow rules."""
 
     __slots__ = (
-        "state", "transport", "parser", "parsing", "pipeline", "read_pause",
-        "write_paused", "half_closed", "closed", "broken", "last_active",
+        "state",
+        "transport",
+        "parser",
+        "parsing",
+        "pipeline",
+        "read_pause",
+        "write_paused",
+        "closed",
+        "broken",
+        "last_active",
     )
 
     def __init__(self, state: ProxyState) -> None:
@@ -55,7 +63,6 @@ class ClientConnection(asyncio.Protocol):
         self.pipeline: deque[Exchange] = deque()
         self.read_pause = 0
         self.write_paused = False
-        self.half_closed = False
         self.closed = False
         self.broken = False
         self.last_active = state.now
@@ -90,9 +97,8 @@ class ClientConnection(asyncio.Protocol):
             self._refuse(400, "bad_request", f"malformed HTTP request: {exc}")
 
     def eof_received(self) -> bool:
-        if self.pipeline:
-            self.half_closed = True  # answer what was asked, then close
-            return True
+        # Like nginx without proxy_ignore_client_abort: a client that closed its side has
+        # gone away, so its in-flight request is cancelled rather than finished for nobody.
         return False
 
     def pause_writing(self) -> None:
@@ -146,9 +152,12 @@ class ClientConnection(asyncio.Protocol):
             pipeline.popleft()
         if self.closed:
             return
-        if exchange.close_after or not exchange.request_done or self.half_closed and not pipeline:
+        if exchange.close_after or not exchange.request_done:
             self.close()
             return
+        # Whatever the exchange paused reading for (a worker connection that never came,
+        # a full upstream buffer) no longer applies.
+        self._resume(_PAUSE_UPSTREAM)
         if pipeline:
             pipeline[0].start()
         if not self.closed and len(pipeline) <= 1:

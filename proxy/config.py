@@ -80,9 +80,7 @@ class Config:
     keepalive_timeout: float = option(
         75.0, "seconds an idle client keep-alive connection is kept open", type=float
     )
-    boot_timeout: float = option(
-        60.0, "seconds the workers get to start and register", type=float
-    )
+    boot_timeout: float = option(60.0, "seconds the workers get to start and register", type=float)
     backlog: int = option(2048, "listen backlog of the public port", type=int)
     log_level: str = option("info", "log level", choices=LOG_LEVELS)
 

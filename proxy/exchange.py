@@ -23,14 +23,20 @@ __all__ = ["Exchange"]
 _CONTROL_PREFIX = b"/ng-control/"
 _NO_BODY_STATUS = frozenset({204, 304})
 # Request headers the router reads or rewrites; everything else not hop-by-hop passes.
-_COOKIE, _TOKEN, _OWNER, _DROP, _TE, _EXPECT = range(6)
+_COOKIE, _TOKEN, _OWNER, _DROP, _TE, _EXPECT, _CONNECTION, _HOST = range(8)
 _SPECIAL = {
     b"cookie": _COOKIE,
     wire.TOKEN_HEADER: _TOKEN,
     wire.OWNER_HEADER: _OWNER,
     b"transfer-encoding": _TE,
     b"expect": _EXPECT,
-    **{name: _DROP for name in wire.HOP_BY_HOP | wire.IDENTITY_HEADERS if name != b"transfer-encoding"},
+    b"connection": _CONNECTION,
+    b"host": _HOST,
+    **{
+        name: _DROP
+        for name in wire.HOP_BY_HOP | wire.IDENTITY_HEADERS
+        if name not in (b"transfer-encoding", b"connection")
+    },
 }
 
 
@@ -38,11 +44,30 @@ class Exchange:
     """State of one request from its headers to the end of its response."""
 
     __slots__ = (
-        "client", "method", "url", "headers", "version", "keep_alive", "is_head",
-        "request_done", "finished", "expect_continue", "chunked_request", "body_buffer",
-        "worker", "upstream", "head", "new_token", "error", "pending_error",
-        "response_started", "chunked_response", "until_eof", "upstream_keep_alive",
-        "informational", "close_after",
+        "client",
+        "method",
+        "url",
+        "headers",
+        "version",
+        "keep_alive",
+        "is_head",
+        "request_done",
+        "finished",
+        "expect_continue",
+        "chunked_request",
+        "body_buffer",
+        "worker",
+        "upstream",
+        "head",
+        "new_token",
+        "error",
+        "pending_error",
+        "response_started",
+        "chunked_response",
+        "until_eof",
+        "upstream_keep_alive",
+        "informational",
+        "close_after",
     )
 
     def __init__(self, client: ClientConnection) -> None:
@@ -80,7 +105,8 @@ class Exchange:
         state = self.client.state
         self.is_head = self.method == b"HEAD"
         parts = [self.method, b" ", self.url, b" HTTP/1.1\r\n"]
-        token = cookie = hint = None
+        token = cookie = hint = listed = None
+        host_seen = False
         special = _SPECIAL
         for name, value in self.headers:
             kind = special.get(name.lower())
@@ -98,6 +124,15 @@ class Exchange:
                 self.chunked_request = b"chunked" in value.lower()
             elif kind == _EXPECT:
                 self.expect_continue = value.lower() == b"100-continue" and self.version != "1.0"
+            elif kind == _CONNECTION:
+                listed = wire.connection_listed(value)
+            elif kind == _HOST:
+                host_seen = True
+                parts += (name, b": ", value, b"\r\n")
+        if listed:
+            parts = wire.without_headers(parts, 4, listed)
+        if not host_seen:  # HTTP/1.0 clients may omit it; HTTP/1.1 to the worker needs it
+            parts += (b"host", b": ", b"gym-proxy", b"\r\n")
         if self.url.startswith(_CONTROL_PREFIX):
             worker = state.control
         else:
@@ -189,19 +224,24 @@ class Exchange:
             return
         self.upstream_keep_alive = keep_alive
         client = self.client
-        close = not self.keep_alive or client.state.draining or client.half_closed
+        close = not self.keep_alive or client.state.draining
         parts = [b"HTTP/1.1 %d %s\r\n" % (status, reason or wire.reason_phrase(status))]
         length_known = upstream_chunked = False
+        listed = None
         hop = wire.HOP_BY_HOP
         for name, value in headers:
             lname = name.lower()
             if lname in hop:
                 if lname == b"transfer-encoding":
                     upstream_chunked = True
+                elif lname == b"connection":
+                    listed = wire.connection_listed(value)
                 continue
             if lname == b"content-length":
                 length_known = True
             parts += (name, b": ", value, b"\r\n")
+        if listed:
+            parts = wire.without_headers(parts, 1, listed)
         if self.new_token is not None:
             parts.append(wire.set_cookie_headers(self.new_token))
         no_body = self.is_head or status in _NO_BODY_STATUS
@@ -259,8 +299,10 @@ class Exchange:
         state = self.client.state
         if protocol_error:
             self.fail(502, "upstream_protocol_error", f"worker sent an invalid response: {exc}")
-        elif worker is not None and worker is not state.control and (
-            state.router.workers.get(worker.owner) is not worker
+        elif (
+            worker is not None
+            and worker is not state.control
+            and (state.router.workers.get(worker.owner) is not worker)
         ):
             self.fail(410, "session_owner_gone", f"the worker {worker.owner} is gone")
         else:
@@ -290,10 +332,7 @@ class Exchange:
 
     def _write_error(self, status: int, code: str, detail: str, retry_after: int | None) -> None:
         client = self.client
-        close = (
-            not self.keep_alive or not self.request_done or client.state.draining
-            or client.half_closed
-        )
+        close = not self.keep_alive or not self.request_done or client.state.draining
         self.close_after = close
         self.response_started = True
         client.transport.write(

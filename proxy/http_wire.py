@@ -21,6 +21,8 @@ __all__ = [
     "set_cookie_headers",
     "reason_phrase",
     "chunk",
+    "connection_listed",
+    "without_headers",
 ]
 
 # Headers that describe one connection, not the message (RFC 9110 7.6.1), plus the
@@ -107,6 +109,22 @@ def set_cookie_headers(token: bytes) -> bytes:
         b'cache-control: no-cache="Set-Cookie"\r\n'
         b"x-nemo-gym-session-token: " + token + b"\r\n"
     )
+
+
+def connection_listed(value: bytes) -> set[bytes]:
+    """Header names a Connection header declares hop-by-hop (beyond the usual options)."""
+    names = {token.strip().lower() for token in value.split(b",")}
+    names.difference_update((b"keep-alive", b"close", b"upgrade", b""))
+    return names
+
+
+def without_headers(parts: list[bytes], start: int, names: set[bytes]) -> list[bytes]:
+    """`parts` (a head line, then name/": "/value/CRLF groups of four) minus `names`."""
+    kept = parts[:start]
+    for i in range(start, len(parts), 4):
+        if parts[i].lower() not in names:
+            kept += parts[i : i + 4]
+    return kept
 
 
 def chunk(data: bytes) -> list[bytes]:

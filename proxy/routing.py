@@ -51,6 +51,11 @@ class RouteError(Exception):
         self.detail = detail
 
 
+def _gone(owner: str) -> RouteError:
+    detail = f"the worker that held this session ({owner}) is gone"
+    return RouteError(410, "session_owner_gone", detail)
+
+
 @dataclass
 class Router:
     """The routing tables. The I/O layer adds and removes workers as they come and go."""
@@ -110,17 +115,13 @@ class Router:
                     return Route(worker, identity.session_id, False)
                 worker = self.resolve_owner(owner)
                 if worker is None:
-                    raise RouteError(
-                        410, "session_owner_gone", f"the worker that held this session ({owner}) is gone"
-                    )
+                    raise _gone(owner)
                 return Route(worker, identity.session_id, True)
             placed = self.sessions.get(identity.session_id)
             if placed is not None:
                 worker = self.resolve_owner(placed)
                 if worker is None:
-                    raise RouteError(
-                        410, "session_owner_gone", f"the worker that held this session ({placed}) is gone"
-                    )
+                    raise _gone(placed)
             else:
                 worker = self.least_loaded()
                 self.sessions[identity.session_id] = worker.owner

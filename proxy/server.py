@@ -126,8 +126,8 @@ async def run(config: Config, listen_sock: socket.socket, secret: bytes) -> int:
         log.info("stopped")
 
 
-async def _drain(state: ProxyState, timeout: float, force: asyncio.Event) -> None:
-    """Close idle connections now and busy ones after their response, within `timeout`."""
+async def _drain(state: ProxyState, grace: float, force: asyncio.Event) -> None:
+    """Close idle connections now and busy ones after their response, within `grace`."""
     state.draining = True
     state.drained = asyncio.Event()
     for client in list(state.clients):
@@ -136,7 +136,7 @@ async def _drain(state: ProxyState, timeout: float, force: asyncio.Event) -> Non
     if not state.clients:
         return
     waits = {asyncio.ensure_future(state.drained.wait()), asyncio.ensure_future(force.wait())}
-    _, pending = await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    _, pending = await asyncio.wait(waits, timeout=grace, return_when=asyncio.FIRST_COMPLETED)
     for task in pending:
         task.cancel()
     if state.clients:

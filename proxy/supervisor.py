@@ -96,9 +96,7 @@ class Supervisor:
         if self.fatal.done():
             self.fatal.result()
         if not done:
-            raise WorkerBootError(
-                f"workers did not register within {self.config.boot_timeout:g} s"
-            )
+            raise WorkerBootError(f"workers did not register within {self.config.boot_timeout:g} s")
 
     def reconcile(self) -> None:
         """Spawn every slot that has no worker and whose backoff has passed."""
@@ -155,12 +153,16 @@ class Supervisor:
             return
         if code == BOOT_ERROR:
             self._fail(
-                WorkerBootError(f"worker {worker.slot} cannot build app {self.config.app} (see above)")
+                WorkerBootError(
+                    f"worker {worker.slot} cannot build app {self.config.app} (see above)"
+                )
             )
             return
         lived = time.monotonic() - worker.started_at
         slot.failures = 0 if lived >= STABLE_AFTER else slot.failures + 1
-        delay = 0.0 if not slot.failures else min(BACKOFF_MAX, BACKOFF_FIRST * 2 ** (slot.failures - 1))
+        delay = 0.0
+        if slot.failures:
+            delay = min(BACKOFF_MAX, BACKOFF_FIRST * 2 ** (slot.failures - 1))
         slot.restart_at = time.monotonic() + delay
         log.warning(
             "worker %d (pid %d, owner %s) exited with code %s; restarting in %.1f s",
@@ -176,7 +178,9 @@ class Supervisor:
             raise RegistrationRefused(f"no slot {slot_index!r}")
         worker = self.slots[slot_index].worker
         if worker is None or worker.owner != message.get("owner") or worker.state != "starting":
-            raise RegistrationRefused(f"slot {slot_index} does not expect owner {message.get('owner')!r}")
+            raise RegistrationRefused(
+                f"slot {slot_index} does not expect owner {message.get('owner')!r}"
+            )
         worker.state = "live"
         worker.channel = channel
         worker.route = WorkerRoute(worker.owner, slot_index, worker.socket_path)
@@ -212,18 +216,20 @@ class Supervisor:
         """Current worker records, by slot."""
         return [slot.worker for slot in self.slots if slot.worker is not None]
 
-    async def stop(self, timeout: float) -> None:
+    async def stop(self, grace: float) -> None:
         """SIGTERM every worker, SIGKILL those still running at the deadline, reap all."""
         self.stopping = True
         if self._timer is not None:
             self._timer.cancel()
-        running = [w for w in self.workers() if w.process is not None and w.process.returncode is None]
+        running = [
+            w for w in self.workers() if w.process is not None and w.process.returncode is None
+        ]
         for worker in running:
             with contextlib.suppress(ProcessLookupError):
                 worker.process.send_signal(signal.SIGTERM)
         waits = [asyncio.ensure_future(w.process.wait()) for w in running]
         if waits:
-            _, pending = await asyncio.wait(waits, timeout=timeout)
+            _, pending = await asyncio.wait(waits, timeout=grace)
             if pending:
                 for worker in running:
                     if worker.process.returncode is None:

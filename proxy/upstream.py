@@ -99,7 +99,9 @@ class UpstreamConnection(asyncio.Protocol):
         exchange = self.exchange
         if exchange is not None:
             exchange.response_head(
-                self.parser.get_status_code(), self.reason, self.headers,
+                self.parser.get_status_code(),
+                self.reason,
+                self.headers,
                 self.parser.should_keep_alive(),
             )
 

@@ -1,0 +1,144 @@
+"""Apps that gym-proxy workers run in tests (importable as `tests.apps:<factory>`)."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import time
+
+from aiohttp import web
+
+from worker.counter import create_app as create_counter_app
+from worker.identity import WORKER_INFO, session_id, session_token
+
+SEEN = web.AppKey("seen", list)
+GATES = web.AppKey("gates", dict)
+CANCELLED = web.AppKey("cancelled", list)
+
+
+def _info(request: web.Request) -> dict[str, object]:
+    info = request.app[WORKER_INFO]
+    return {"owner": info.owner, "slot": info.slot, "pid": info.pid}
+
+
+async def whoami(request: web.Request) -> web.Response:
+    return web.json_response(
+        {
+            **_info(request),
+            "session_id": session_id(request),
+            "session_token": session_token(request),
+            "headers": {k.lower(): v for k, v in request.headers.items()},
+        }
+    )
+
+
+async def seen(request: web.Request) -> web.Response:
+    # The /seen call itself is the last entry; report what came before it.
+    return web.json_response({**_info(request), "paths": request.app[SEEN][:-1]})
+
+
+def _gate(request: web.Request, name: str) -> asyncio.Event:
+    return request.app[GATES].setdefault(name, asyncio.Event())
+
+
+async def sse(request: web.Request) -> web.StreamResponse:
+    """Event i is sent only after `/release?name=<name>-<i>` (so arrival proves streaming)."""
+    name = request.query["name"]
+    count = int(request.query.get("n", "3"))
+    response = web.StreamResponse(headers={"content-type": "text/event-stream"})
+    await response.prepare(request)
+    for i in range(count):
+        await response.write(f"data: event-{i}\n\n".encode())
+        if i + 1 < count:
+            await _gate(request, f"{name}-{i}").wait()
+    await response.write_eof()
+    return response
+
+
+async def release(request: web.Request) -> web.Response:
+    _gate(request, request.query["name"]).set()
+    return web.json_response({"released": request.query["name"]})
+
+
+async def upload(request: web.Request) -> web.Response:
+    digest = hashlib.sha256()
+    size = 0
+    async for chunk in request.content.iter_any():
+        digest.update(chunk)
+        size += len(chunk)
+    return web.json_response({"sha256": digest.hexdigest(), "size": size})
+
+
+def pattern_block(seed: int) -> bytes:
+    return hashlib.sha256(str(seed).encode()).digest() * 2048  # 64 KiB
+
+
+async def download(request: web.Request) -> web.StreamResponse:
+    size = int(request.query["size"])
+    block = pattern_block(int(request.query.get("seed", "0")))
+    response = web.StreamResponse()
+    if request.query.get("length") == "1":
+        response.content_length = size
+    await response.prepare(request)
+    sent = 0
+    while sent < size:
+        piece = block[: min(len(block), size - sent)]
+        await response.write(piece)
+        sent += len(piece)
+    await response.write_eof()
+    return response
+
+
+async def echo(request: web.Request) -> web.Response:
+    body = await request.read()
+    return web.Response(body=body, content_type=request.content_type)
+
+
+async def slow(request: web.Request) -> web.Response:
+    seconds = float(request.query.get("seconds", "1"))
+    try:
+        await asyncio.sleep(seconds)
+    except asyncio.CancelledError:
+        request.app[CANCELLED].append(request.query.get("tag", ""))
+        raise
+    return web.json_response({**_info(request), "slept": seconds})
+
+
+async def cancelled(request: web.Request) -> web.Response:
+    return web.json_response({**_info(request), "cancelled": request.app[CANCELLED]})
+
+
+@web.middleware
+async def record(request: web.Request, handler):  # type: ignore[no-untyped-def]
+    request.app[SEEN].append(request.path)
+    return await handler(request)
+
+
+def create_app() -> web.Application:
+    """The counter app plus test routes."""
+    hold = os.environ.get("GYM_TEST_HOLD_FILE")
+    if hold:
+        # Lets a test keep a restarted worker from booting until it removes the file.
+        deadline = time.monotonic() + 60
+        while os.path.exists(hold) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    app = create_counter_app()
+    app.middlewares.append(record)
+    app[SEEN] = []
+    app[GATES] = {}
+    app[CANCELLED] = []
+    app.router.add_route("*", "/whoami", whoami)
+    app.router.add_get("/seen", seen)
+    app.router.add_get("/sse", sse)
+    app.router.add_route("*", "/release", release)
+    app.router.add_post("/upload", upload)
+    app.router.add_get("/download", download)
+    app.router.add_post("/echo", echo)
+    app.router.add_route("*", "/slow", slow)
+    app.router.add_get("/cancelled", cancelled)
+    return app
+
+
+def broken_factory() -> web.Application:
+    raise RuntimeError("this app cannot be built")

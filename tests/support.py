@@ -1,0 +1,163 @@
+"""Real gym-proxy processes for tests: start, wait for a condition, inspect, stop."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+TEST_SECRET = "test-secret-do-not-use"
+REPO = Path(__file__).resolve().parent.parent
+
+
+def wait_until_sync(predicate: Callable[[], object], timeout: float, what: str) -> object:
+    """Poll `predicate` until it is truthy; fail the test after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.02)
+
+
+async def wait_until(
+    predicate: Callable[[], Awaitable[object] | object], within: float, what: str
+) -> object:
+    """Async form of wait_until_sync; `predicate` may be a coroutine function."""
+    deadline = time.monotonic() + within
+    while True:
+        value = predicate()
+        if asyncio.iscoroutine(value):
+            value = await value
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {within} s waiting for {what}")
+        await asyncio.sleep(0.02)
+
+
+def children_of(pid: int) -> list[int]:
+    """Direct child pids of `pid` (from /proc)."""
+    try:
+        text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
+    except OSError:
+        return []
+    return [int(p) for p in text.split()]
+
+
+def pid_alive(pid: int) -> bool:
+    """True while `pid` exists and is not a zombie."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+class ProxyProcess:
+    """One `gym-proxy` process on a pre-bound loopback socket (`--fd`)."""
+
+    def __init__(
+        self,
+        *args: str,
+        workers: int = 2,
+        app: str | None = None,
+        secret: str | None = TEST_SECRET,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        self.runtime_parent = tempfile.mkdtemp(prefix="gpt-", dir="/tmp")
+        self.log_path = Path(self.runtime_parent) / "proxy.log"
+        self.listener = socket.socket()
+        self.listener.bind(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        command = [
+            sys.executable,
+            "-m",
+            "proxy",
+            "--workers",
+            str(workers),
+            "--fd",
+            str(self.listener.fileno()),
+            "--runtime-dir",
+            self.runtime_parent,
+        ]
+        if app:
+            command.insert(3, app)
+        if secret is not None:
+            command += ["--secret", secret]
+        command += list(args)
+        self._log = open(self.log_path, "wb")  # noqa: SIM115
+        self.popen = subprocess.Popen(
+            command,
+            cwd=REPO,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            pass_fds=[self.listener.fileno()],
+            env={**os.environ, **(env or {})},
+            stdin=subprocess.DEVNULL,
+        )
+        self.seen_pids: set[int] = set()
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_ready(self, timeout: float = 30.0) -> ProxyProcess:
+        def ready() -> bool:
+            if self.popen.poll() is not None:
+                raise AssertionError(f"gym-proxy exited early:\n{self.log()}")
+            return "ready on http://" in self.log()
+
+        wait_until_sync(ready, timeout, "gym-proxy to be ready")
+        self.worker_pids()
+        return self
+
+    def worker_pids(self) -> list[int]:
+        pids = [p for p in children_of(self.pid) if pid_alive(p)]
+        self.seen_pids.update(pids)
+        return pids
+
+    def runtime_dir(self) -> Path:
+        dirs = [p for p in Path(self.runtime_parent).iterdir() if p.is_dir()]
+        assert len(dirs) == 1, dirs
+        return dirs[0]
+
+    def runtime_dirs(self) -> list[Path]:
+        return [p for p in Path(self.runtime_parent).iterdir() if p.is_dir()]
+
+    def signal(self, sig: int) -> None:
+        self.popen.send_signal(sig)
+
+    def wait_exit(self, timeout: float = 30.0) -> int:
+        return self.popen.wait(timeout)
+
+    def close(self) -> None:
+        """Stop everything this proxy started, however the test ended."""
+        self.worker_pids()
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(15)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait()
+        for pid in self.seen_pids:
+            if pid_alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        self.listener.close()
+        self._log.close()
+        shutil.rmtree(self.runtime_parent, ignore_errors=True)

@@ -1,0 +1,119 @@
+"""Unit tests of the coordinator framing and of request/reply over a real socket pair."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import struct
+
+import orjson
+import pytest
+
+from coordinator.channel import Channel, ChannelClosed, RemoteError
+from coordinator.framing import (
+    MAX_FRAME,
+    FrameTooLarge,
+    MalformedFrame,
+    TruncatedFrame,
+    encode_frame,
+    read_frame,
+)
+
+
+def reader_with(data: bytes, eof: bool = True) -> asyncio.StreamReader:
+    reader = asyncio.StreamReader()
+    reader.feed_data(data)
+    if eof:
+        reader.feed_eof()
+    return reader
+
+
+async def test_round_trip_and_clean_eof():
+    reader = reader_with(encode_frame({"type": "a", "id": 1}) + encode_frame({"type": "b"}))
+    assert await read_frame(reader) == {"type": "a", "id": 1}
+    assert await read_frame(reader) == {"type": "b"}
+    assert await read_frame(reader) is None
+
+
+async def test_oversized_length_refused_before_reading_payload():
+    reader = reader_with(struct.pack(">I", MAX_FRAME + 1), eof=False)
+    with pytest.raises(FrameTooLarge):
+        await read_frame(reader)
+
+
+async def test_truncated_header_and_payload():
+    with pytest.raises(TruncatedFrame):
+        await read_frame(reader_with(b"\x00\x00"))
+    frame = encode_frame({"type": "x", "pad": "y" * 100})
+    with pytest.raises(TruncatedFrame):
+        await read_frame(reader_with(frame[:-10]))
+
+
+@pytest.mark.parametrize("payload", [b"not json", b"[1, 2]", b'{"id": 1}', b'{"type": 5}'])
+async def test_garbage_payload(payload):
+    with pytest.raises(MalformedFrame):
+        await read_frame(reader_with(struct.pack(">I", len(payload)) + payload))
+
+
+async def _pair(handler_a, handler_b):
+    left, right = socket.socketpair()
+    ra, wa = await asyncio.open_connection(sock=left)
+    rb, wb = await asyncio.open_connection(sock=right)
+    a, b = Channel(ra, wa, handler_a), Channel(rb, wb, handler_b)
+    tasks = [asyncio.create_task(a.serve()), asyncio.create_task(b.serve())]
+    return a, b, tasks
+
+
+async def test_request_reply_by_id_and_errors():
+    async def echo(message):
+        if message["type"] == "boom":
+            raise ValueError("no such thing")
+        return {"echo": message["value"]}
+
+    async def none(message):
+        return None
+
+    a, b, tasks = await _pair(none, echo)
+    replies = await asyncio.gather(*(a.request("echo", value=i) for i in range(50)))
+    assert [r["echo"] for r in replies] == list(range(50))
+    with pytest.raises(RemoteError, match="no such thing"):
+        await a.request("boom")
+    b.close()
+    await asyncio.gather(*tasks)
+    with pytest.raises(ChannelClosed):
+        await a.request("echo", value=1)
+
+
+async def test_pending_request_fails_when_peer_closes():
+    gate = asyncio.Event()
+
+    async def stall(message):
+        await gate.wait()
+
+    async def none(message):
+        return None
+
+    a, b, tasks = await _pair(none, stall)
+    pending = asyncio.create_task(a.request("stall"))
+    await asyncio.sleep(0)
+    b.close()
+    with pytest.raises(ChannelClosed):
+        await pending
+    gate.set()
+    await asyncio.gather(*tasks)
+
+
+async def test_garbage_from_peer_drops_the_channel():
+    left, right = socket.socketpair()
+    reader, writer = await asyncio.open_connection(sock=left)
+
+    async def none(message):
+        return None
+
+    channel = Channel(reader, writer, none)
+    task = asyncio.create_task(channel.serve())
+    right.sendall(struct.pack(">I", 5) + b"hello")
+    await asyncio.wait_for(task, 5)
+    assert channel.closed
+    right.close()
+    assert orjson.loads(encode_frame({"type": "t"})[4:]) == {"type": "t"}

@@ -1,0 +1,192 @@
+"""HTTP/1.1 details of the data path, spoken over raw sockets to the real proxy."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httptools
+import orjson
+
+from tests.support import wait_until
+
+OWNER = "x-ng-session-owner"
+
+
+class Responses:
+    """Parses responses from a raw connection (httptools, like any client would)."""
+
+    def __init__(self, head_requests: int = 0) -> None:
+        self.parser = httptools.HttpResponseParser(self)
+        self.done: list[tuple[int, dict[bytes, bytes], bytes]] = []
+        self._headers: dict[bytes, bytes] = {}
+        self._body = b""
+
+    def on_message_begin(self):
+        self._headers, self._body = {}, b""
+
+    def on_header(self, name, value):
+        self._headers[name.lower()] = value
+
+    def on_body(self, body):
+        self._body += body
+
+    def on_message_complete(self):
+        self.done.append((self.parser.get_status_code(), self._headers, self._body))
+
+
+async def open_raw(proxy):
+    return await asyncio.open_connection("127.0.0.1", proxy.port)
+
+
+async def read_responses(reader, count, within=10.0):
+    parsed = Responses()
+    async with asyncio.timeout(within):
+        while len(parsed.done) < count:
+            data = await reader.read(65536)
+            if not data:
+                break
+            parsed.parser.feed_data(data)
+    return parsed.done
+
+
+def post(path: str, body: bytes, extra: str = "") -> bytes:
+    return (
+        f"POST {path} HTTP/1.1\r\nHost: t\r\nContent-Length: {len(body)}\r\n{extra}\r\n".encode()
+        + body
+    )
+
+
+async def test_pipelined_requests_answered_in_order(start_proxy):
+    proxy = start_proxy(workers=2)
+    reader, writer = await open_raw(proxy)
+    requests = b"".join(
+        post("/echo", f"body-{i}".encode(), "Content-Type: text/plain\r\n") for i in range(20)
+    )
+    writer.write(requests)  # all at once: the proxy must answer one by one, in order
+    responses = await read_responses(reader, 20)
+    assert [body for _, _, body in responses] == [f"body-{i}".encode() for i in range(20)]
+    writer.close()
+
+
+async def test_keep_alive_and_http10(start_proxy):
+    proxy = start_proxy(workers=1)
+    reader, writer = await open_raw(proxy)
+    writer.write(b"GET /get_counter_value HTTP/1.0\r\nConnection: keep-alive\r\n\r\n")
+    [(status, headers, body)] = await read_responses(reader, 1)
+    assert status == 200 and headers[b"connection"].lower() == b"keep-alive"
+    writer.write(b"GET /get_counter_value HTTP/1.0\r\n\r\n")  # 1.0 without keep-alive: closes
+    [(status, _, _)] = await read_responses(reader, 1)
+    assert status == 200
+    assert await asyncio.wait_for(reader.read(), 5) == b""
+    writer.close()
+
+
+async def test_head_then_get_on_one_connection(start_proxy):
+    proxy = start_proxy(workers=1)
+    reader, writer = await open_raw(proxy)
+    writer.write(b"HEAD /download?size=1000&length=1 HTTP/1.1\r\nHost: t\r\n\r\n")
+    data = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+    assert data.startswith(b"HTTP/1.1 200") and b"content-length: 1000" in data.lower()
+    writer.write(b"GET /download?size=1000&length=1 HTTP/1.1\r\nHost: t\r\n\r\n")
+    [(status, _, body)] = await read_responses(reader, 1)
+    assert status == 200 and len(body) == 1000
+    writer.close()
+
+
+async def test_expect_100_continue(start_proxy):
+    proxy = start_proxy(workers=1)
+    reader, writer = await open_raw(proxy)
+    body = b'{"initial_count": 3}'
+    writer.write(
+        f"POST /seed_session HTTP/1.1\r\nHost: t\r\nContent-Length: {len(body)}\r\n"
+        "Expect: 100-continue\r\n\r\n".encode()
+    )
+    interim = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+    assert interim == b"HTTP/1.1 100 Continue\r\n\r\n"
+    writer.write(body)
+    [(status, _, reply)] = await read_responses(reader, 1)
+    assert status == 200 and orjson.loads(reply) == {"count": 3}
+    writer.close()
+
+
+async def test_expect_100_with_bad_token_gets_final_answer_without_body(start_proxy):
+    proxy = start_proxy(workers=1)
+    reader, writer = await open_raw(proxy)
+    writer.write(
+        b"POST /seed_session HTTP/1.1\r\nHost: t\r\nContent-Length: 1000000\r\n"
+        b"X-NeMo-Gym-Session-Token: bogus\r\nExpect: 100-continue\r\n\r\n"
+    )
+    [(status, headers, body)] = await read_responses(reader, 1)
+    assert status == 400 and headers[b"connection"] == b"close"
+    assert orjson.loads(body)["error"]["code"] == "invalid_session_token"
+    writer.close()
+
+
+async def test_chunked_request_and_error_keeps_connection(start_proxy):
+    proxy = start_proxy(workers=1)
+    reader, writer = await open_raw(proxy)
+    writer.write(
+        b"POST /echo HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n"
+        b"Content-Type: text/plain\r\n\r\n5\r\nhello\r\n6\r\n world\r\n0\r\n\r\n"
+    )
+    [(status, _, body)] = await read_responses(reader, 1)
+    assert status == 200 and body == b"hello world"
+    # an error with a body: the body is read and dropped, the connection stays usable
+    writer.write(post("/echo", b"x" * 5000, "X-NeMo-Gym-Session-Token: bogus\r\n"))
+    writer.write(post("/echo", b"after", "Content-Type: text/plain\r\n"))
+    responses = await read_responses(reader, 2)
+    assert [r[0] for r in responses] == [400, 200] and responses[1][2] == b"after"
+    writer.close()
+
+
+async def test_malformed_request_is_400_and_closed(start_proxy):
+    proxy = start_proxy(workers=1)
+    reader, writer = await open_raw(proxy)
+    writer.write(b"THIS IS NOT HTTP\r\n\r\n")
+    [(status, headers, body)] = await read_responses(reader, 1)
+    assert status == 400 and orjson.loads(body)["error"]["code"] == "bad_request"
+    assert await asyncio.wait_for(reader.read(), 5) == b""
+    writer.close()
+
+
+async def test_upgrade_is_refused(start_proxy):
+    proxy = start_proxy(workers=1)
+    reader, writer = await open_raw(proxy)
+    writer.write(
+        b"GET /whoami HTTP/1.1\r\nHost: t\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\r\n"
+    )
+    [(status, _, body)] = await read_responses(reader, 1)
+    assert status == 501 and orjson.loads(body)["error"]["code"] == "upgrade_not_supported"
+    writer.close()
+
+
+async def test_client_going_away_cancels_the_worker_request(start_proxy, http):
+    proxy = start_proxy(workers=1)
+    async with http.post(f"{proxy.url}/whoami") as resp:
+        owner = (await resp.json())["owner"]
+    reader, writer = await open_raw(proxy)
+    writer.write(
+        f"GET /slow?seconds=60&tag=gone HTTP/1.1\r\nHost: t\r\n{OWNER}: {owner}\r\n\r\n".encode()
+    )
+
+    async def seen_slow():
+        async with http.get(f"{proxy.url}/seen", headers={OWNER: owner}) as resp:
+            return "/slow" in (await resp.json())["paths"]
+
+    await wait_until(seen_slow, 10, "the slow request to reach the worker")
+    writer.close()
+
+    async def cancelled():
+        async with http.get(f"{proxy.url}/cancelled", headers={OWNER: owner}) as resp:
+            return (await resp.json())["cancelled"] == ["gone"]
+
+    await wait_until(cancelled, 10, "the worker handler to be cancelled")
+
+
+async def test_upstream_timeout_is_504(start_proxy, http):
+    proxy = start_proxy("--upstream-timeout", "1", workers=1)
+    async with http.get(f"{proxy.url}/slow?seconds=20") as resp:
+        assert resp.status == 504
+        assert (await resp.json())["error"]["code"] == "upstream_timeout"
+    async with http.get(f"{proxy.url}/slow?seconds=0") as resp:
+        assert resp.status == 200  # the worker is fine; only that request timed out

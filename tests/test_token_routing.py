@@ -1,0 +1,127 @@
+"""Tokens through the real proxy: bad ones never reach a worker; owners are honoured."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from proxy.session_tokens import TokenCodec
+from tests.support import TEST_SECRET
+
+TOKEN = "X-NeMo-Gym-Session-Token"
+OWNER = "x-ng-session-owner"
+
+
+async def owners_and_seen(http, url, owners):
+    """Paths each worker has seen, asked through the owner header."""
+    seen = {}
+    for owner in owners:
+        async with http.get(f"{url}/seen", headers={OWNER: owner}) as resp:
+            body = await resp.json()
+            assert body["owner"] == owner
+            seen[owner] = body["paths"]
+    return seen
+
+
+async def discover_owners(http, url, count):
+    owners = set()
+    for _ in range(count * 4):
+        async with http.post(f"{url}/whoami") as resp:
+            owners.add((await resp.json())["owner"])
+    assert len(owners) == count
+    return sorted(owners)
+
+
+def forged_tokens(valid: str) -> dict[str, str]:
+    _, sid, owner, mac = valid.split(".")
+    other = TokenCodec(b"another-secret").sign(sid, owner)
+    return {
+        "forged-owner": f"v1.{sid}.someoneelse.{mac}",
+        "truncated": valid[:-5],
+        "re-signed": other,
+        "garbage": "not-a-token",
+        "bad-chars": "v1.a%20b.c.d",
+    }
+
+
+@pytest.mark.parametrize("carrier", ["header", "cookie"])
+async def test_bad_tokens_are_400_and_reach_no_worker(start_proxy, http, carrier):
+    proxy = start_proxy(workers=2)
+    owners = await discover_owners(http, proxy.url, 2)
+    async with http.post(f"{proxy.url}/seed_session", json={"initial_count": 1}) as resp:
+        valid = resp.headers[TOKEN]
+    before = await owners_and_seen(http, proxy.url, owners)
+    for name, token in forged_tokens(valid).items():
+        headers = {TOKEN: token} if carrier == "header" else {"Cookie": f"a=b; ng_session={token}"}
+        async with http.post(
+            f"{proxy.url}/increment_counter", json={"count": 1}, headers=headers
+        ) as resp:
+            assert resp.status == 400, name
+            body = await resp.json()
+            assert body["error"]["code"] == "invalid_session_token", name
+    after = await owners_and_seen(http, proxy.url, owners)
+    for owner in owners:
+        # only the /seen calls of the first round were added
+        assert after[owner] == before[owner] + ["/seen"], (owner, after[owner])
+
+
+async def test_unknown_owner_is_410_and_owner_header_lands(start_proxy, http):
+    proxy = start_proxy(workers=3)
+    owners = await discover_owners(http, proxy.url, 3)
+    codec = TokenCodec(TEST_SECRET.encode())
+    ghost = codec.sign("sess-x", "ghostowner")
+    async with http.post(f"{proxy.url}/get_counter_value", headers={TOKEN: ghost}) as resp:
+        assert resp.status == 410
+        assert (await resp.json())["error"]["code"] == "session_owner_gone"
+    for owner in owners:
+        for _ in range(5):
+            async with http.post(f"{proxy.url}/whoami", headers={OWNER: owner}) as resp:
+                body = await resp.json()
+                assert body["owner"] == owner
+                assert resp.headers[TOKEN].split(".")[2] == owner
+    async with http.post(f"{proxy.url}/whoami", headers={OWNER: "nobody"}) as resp:
+        assert resp.status == 410
+
+
+async def test_worker_sees_identity_headers_not_client_copies(start_proxy, http):
+    proxy = start_proxy(workers=2)
+    headers = {
+        "x-ng-session-id": "spoofed",
+        "x-ng-session-token": "spoofed",
+        "Connection": "keep-alive, x-private-hop",
+        "x-private-hop": "1",
+        "Keep-Alive": "timeout=5",
+        "X-Custom": "kept",
+    }
+    async with http.post(f"{proxy.url}/whoami", headers=headers) as resp:
+        body = await resp.json()
+        token = resp.headers[TOKEN]
+    seen = body["headers"]
+    assert seen["x-ng-session-id"] == token.split(".")[1]
+    assert seen["x-ng-session-token"] == token
+    assert seen["x-custom"] == "kept"
+    assert "keep-alive" not in seen
+    assert "x-private-hop" not in seen  # named in Connection, so hop-by-hop
+    # same session again: the worker gets the same ID, and no new cookie is set
+    async with http.post(f"{proxy.url}/whoami", headers={TOKEN: token}) as resp:
+        again = await resp.json()
+        assert "Set-Cookie" not in resp.headers
+    assert again["session_id"] == body["session_id"] and again["owner"] == body["owner"]
+
+
+async def test_ownerless_token_is_placed_once_and_restamped(start_proxy, http):
+    proxy = start_proxy(workers=2)
+    codec = TokenCodec(TEST_SECRET.encode())
+    ownerless = codec.sign("restored-session", None)
+    results = await asyncio.gather(
+        *(http.post(f"{proxy.url}/whoami", headers={TOKEN: ownerless}) for _ in range(10))
+    )
+    owners = set()
+    for resp in results:
+        body = await resp.json()
+        owners.add(body["owner"])
+        assert body["session_id"] == "restored-session"
+        assert resp.headers[TOKEN].split(".")[2] == body["owner"]
+        resp.release()
+    assert len(owners) == 1
