@@ -8,7 +8,8 @@ uvloop so it costs far less CPU per request than the server side it measures.
 
 With `--direct` every connection names its session in `x-ng-session-id` (as the proxy
 would); otherwise each connection first seeds a session through the proxy and then sends
-its token. Prints one JSON line: requests, seconds, errors, p50_ms, p99_ms.
+its token. Prints one JSON line: requests and seconds of the measured window, total (with the
+warm-up), errors, p50_ms, p99_ms.
 """
 
 from __future__ import annotations
@@ -119,6 +120,7 @@ async def main(args: argparse.Namespace) -> None:
         orjson.dumps(
             {
                 "requests": count,
+                "total": len(latencies),
                 "seconds": elapsed,
                 "errors": len(errors),
                 "p50_ms": pick(0.50),

@@ -1,0 +1,16 @@
+"""The code base stays ruff clean (the lint rules are in pyproject.toml)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from tests.support import REPO
+
+
+def test_ruff_clean():
+    result = subprocess.run(
+        [sys.executable, "-m", "ruff", "check", "--no-cache", str(REPO)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
