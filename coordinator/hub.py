@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from coordinator.channel import Channel
@@ -29,14 +29,18 @@ class RegistrationRefused(Exception):
 
 
 Registrar = Callable[[dict[str, Any], Channel], dict[str, Any]]
+MessageHandler = Callable[[str, dict[str, Any]], Awaitable[dict[str, Any] | None]]
 
 
 class Coordinator:
     """Holds one channel per registered worker owner."""
 
-    def __init__(self, on_register: Registrar, on_lost: Callable[[str], None]) -> None:
+    def __init__(
+        self, on_register: Registrar, on_lost: Callable[[str], None], on_message: MessageHandler
+    ) -> None:
         self._on_register = on_register
         self._on_lost = on_lost
+        self._on_message = on_message
         self.channels: dict[str, Channel] = {}
         self._server: asyncio.AbstractServer | None = None
         self._connections: set[asyncio.Task[None]] = set()
@@ -67,7 +71,12 @@ class Coordinator:
             log.error("coordinator connection did not open with register")
             writer.close()
             return
-        channel = Channel(reader, writer, self._handle)
+        owner = str(first.get("owner"))
+
+        async def handle(message: dict[str, Any]) -> dict[str, Any] | None:
+            return await self._on_message(owner, message)
+
+        channel = Channel(reader, writer, handle)
         try:
             reply = self._on_register(first, channel)
         except RegistrationRefused as exc:
@@ -76,7 +85,6 @@ class Coordinator:
                 await channel.send({"type": "error", "id": first["id"], "message": str(exc)})
             channel.close()
             return
-        owner = str(first["owner"])
         self.channels[owner] = channel
         try:
             await channel.send({"type": "ok", "id": first["id"], **reply})
@@ -88,9 +96,6 @@ class Coordinator:
             if self.channels.get(owner) is channel:
                 del self.channels[owner]
             self._on_lost(owner)
-
-    async def _handle(self, message: dict[str, Any]) -> dict[str, Any] | None:
-        raise ValueError(f"unknown message type {message['type']!r}")
 
     async def close(self) -> None:
         """Stop listening and close every worker channel."""

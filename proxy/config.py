@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 from collections.abc import Sequence
 from dataclasses import MISSING, dataclass, field, fields, replace
 from typing import Any
@@ -12,6 +13,7 @@ __all__ = ["Config", "ConfigError", "build_parser", "config_from_args", "DEFAULT
 
 DEFAULT_APP = "worker.counter:create_app"
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+CHECKPOINT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}\Z")
 
 
 class ConfigError(ValueError):
@@ -82,6 +84,19 @@ class Config:
     )
     boot_timeout: float = option(60.0, "seconds the workers get to start and register", type=float)
     backlog: int = option(2048, "listen backlog of the public port", type=int)
+    control_token: str | None = option(
+        None,
+        "bearer token for /ng-control/ checkpoint calls; unset, the server is not a participant",
+        env="GYM_PROXY_CONTROL_TOKEN",
+    )
+    name: str | None = option(
+        None, "instance name in checkpoints (default: the APP module's last name)"
+    )
+    lease_grace: float = option(
+        600.0,
+        "seconds past the last deadline_ts before an open checkpoint resumes itself",
+        type=float,
+    )
     log_level: str = option("info", "log level", choices=LOG_LEVELS)
 
     def validate(self) -> None:
@@ -90,13 +105,30 @@ class Config:
             raise ConfigError(f"--workers must be at least 1, got {self.workers}")
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"--port must be between 0 and 65535, got {self.port}")
-        for name in ("graceful_timeout", "upstream_timeout", "keepalive_timeout", "boot_timeout"):
+        for name in (
+            "graceful_timeout", "upstream_timeout", "keepalive_timeout", "boot_timeout",
+            "lease_grace",
+        ):  # fmt: skip
             if getattr(self, name) < 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must not be negative")
         if ":" not in self.app:
             raise ConfigError(f"APP must look like module:attr, got {self.app!r}")
         if self.secret is not None and not self.secret:
             raise ConfigError("--secret must not be empty")
+        if self.control_token is not None and not self.control_token:
+            raise ConfigError("--control-token must not be empty")
+        if self.control_token and self.secret is None:
+            raise ConfigError(
+                "--control-token needs --secret (or GYM_PROXY_SECRET): restored sessions "
+                "must be verified with the same secret after a restart"
+            )
+        if self.name is not None and not CHECKPOINT_NAME.match(self.name):
+            raise ConfigError("--name must be 1-128 characters of A-Z a-z 0-9 . _ -")
+
+    @property
+    def instance(self) -> str:
+        """The instance name checkpoints are filed under."""
+        return self.name or self.app.partition(":")[0].rsplit(".", 1)[-1]
 
 
 def build_parser() -> argparse.ArgumentParser:

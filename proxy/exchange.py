@@ -21,6 +21,7 @@ if TYPE_CHECKING:
 __all__ = ["Exchange"]
 
 _CONTROL_PREFIX = b"/ng-control/"
+_ROLLOUT_PREFIX = b"/ng-rollout/"
 _NO_BODY_STATUS = frozenset({204, 304})
 # Request headers the router reads or rewrites; everything else not hop-by-hop passes.
 _COOKIE, _TOKEN, _OWNER, _DROP, _TE, _EXPECT, _CONNECTION, _HOST = range(8)
@@ -136,6 +137,14 @@ class Exchange:
         if self.url.startswith(_CONTROL_PREFIX):
             worker = state.control
         else:
+            if self.url.startswith(_ROLLOUT_PREFIX):
+                # /ng-rollout/<key>/rest: the app sees /rest, the runtime sees the key.
+                key, rest = wire.split_rollout_path(self.url, len(_ROLLOUT_PREFIX))
+                if not key:
+                    self.fail(400, "bad_request", "/ng-rollout/ needs an episode key")
+                    return
+                parts[2] = rest
+                parts += (b"x-ng-episode-key: ", key, b"\r\n")
             if token is None and cookie is not None:
                 token = wire.cookie_token(cookie)
             try:
@@ -156,6 +165,8 @@ class Exchange:
             if route.restamp:
                 token = state.codec.sign(route.session_id, worker.owner).encode()
                 self.new_token = token
+            if route.new:
+                parts.append(b"x-ng-session-new: 1\r\n")
             parts += (b"x-ng-session-id: ", route.session_id.encode(), b"\r\n",
                       b"x-ng-session-token: ", token, b"\r\n")  # fmt: skip
         if self.chunked_request:

@@ -23,6 +23,7 @@ __all__ = [
     "chunk",
     "connection_listed",
     "without_headers",
+    "split_rollout_path",
 ]
 
 # Headers that describe one connection, not the message (RFC 9110 7.6.1), plus the
@@ -40,7 +41,9 @@ HOP_BY_HOP = frozenset(
         b"proxy-authorization",
     }
 )
-IDENTITY_HEADERS = frozenset({b"x-ng-session-id", b"x-ng-session-token"})
+IDENTITY_HEADERS = frozenset(
+    {b"x-ng-session-id", b"x-ng-session-token", b"x-ng-session-new", b"x-ng-episode-key"}
+)
 COOKIE_NAME = b"ng_session"
 TOKEN_HEADER = b"x-nemo-gym-session-token"
 OWNER_HEADER = b"x-ng-session-owner"
@@ -125,6 +128,19 @@ def without_headers(parts: list[bytes], start: int, names: set[bytes]) -> list[b
         if parts[i].lower() not in names:
             kept += parts[i : i + 4]
     return kept
+
+
+def split_rollout_path(url: bytes, start: int) -> tuple[bytes, bytes]:
+    """`/ng-rollout/<key>/rest?q` -> (key, `/rest?q`); the key ends at `/` or `?`."""
+    end = len(url)
+    for stop in (b"/", b"?"):
+        at = url.find(stop, start)
+        if 0 <= at < end:
+            end = at
+    rest = url[end:]
+    if not rest.startswith(b"/"):
+        rest = b"/" + rest
+    return url[start:end], rest
 
 
 def chunk(data: bytes) -> list[bytes]:

@@ -34,11 +34,13 @@ class WorkerRoute:
 
 @dataclass(slots=True)
 class Route:
-    """The decision for one request. `restamp`: the client must get a new token."""
+    """The decision for one request. `restamp`: the client must get a new token;
+    `new`: the session ID was minted for this request."""
 
     worker: WorkerRoute
     session_id: str
     restamp: bool
+    new: bool = False
 
 
 class RouteError(Exception):
@@ -130,5 +132,5 @@ class Router:
             worker = self.resolve_owner(owner_hint)
             if worker is None:
                 raise RouteError(410, "session_owner_gone", f"owner {owner_hint} is not live")
-            return Route(worker, new_session_id(), True)
-        return Route(self.least_loaded(), new_session_id(), True)
+            return Route(worker, new_session_id(), True, True)
+        return Route(self.least_loaded(), new_session_id(), True, True)

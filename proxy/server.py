@@ -16,9 +16,12 @@ import signal
 import socket
 import tempfile
 import time
+from typing import Any
 
 from aiohttp import web
 
+from coordinator.channel import Channel
+from coordinator.checkpoint import Checkpointer
 from coordinator.hub import Coordinator
 from proxy.client_connection import ClientConnection, ProxyState
 from proxy.config import Config
@@ -66,8 +69,22 @@ async def run(config: Config, listen_sock: socket.socket, secret: bytes) -> int:
         now=loop.time(),
     )
     supervisor = Supervisor(config, runtime_dir, coordinator_socket, router)
-    coordinator = Coordinator(supervisor.on_register, supervisor.on_lost)
-    control_runner = web.AppRunner(create_control_app(), access_log=None, handle_signals=False)
+    checkpointer = Checkpointer(supervisor, config.instance, config.lease_grace)
+
+    def on_register(message: dict[str, Any], channel: Channel) -> dict[str, Any]:
+        supervisor.on_register(message, channel)
+        return checkpointer.register_reply(str(message.get("kind", "resources")))
+
+    def on_lost(owner: str) -> None:
+        supervisor.on_lost(owner)
+        checkpointer.on_lost(owner)
+
+    coordinator = Coordinator(on_register, on_lost, checkpointer.on_message)
+    control_runner = web.AppRunner(
+        create_control_app(checkpointer, config.control_token),
+        access_log=None,
+        handle_signals=False,
+    )
     server: asyncio.AbstractServer | None = None
     sweeper: asyncio.Task[None] | None = None
     code = 0
@@ -95,7 +112,7 @@ async def run(config: Config, listen_sock: socket.socket, secret: bytes) -> int:
         )
         host, port = listen_sock.getsockname()[:2]
         log.info("ready on http://%s:%d with %d workers", host, port, config.workers)
-        sweeper = asyncio.ensure_future(_sweep(state, supervisor))
+        sweeper = asyncio.ensure_future(_sweep(state, supervisor, checkpointer))
         stopped = asyncio.ensure_future(stop.wait())
         assert supervisor.fatal is not None
         await asyncio.wait({stopped, supervisor.fatal}, return_when=asyncio.FIRST_COMPLETED)
@@ -143,8 +160,9 @@ async def _drain(state: ProxyState, grace: float, force: asyncio.Event) -> None:
         log.warning("cutting %d connections still busy after the grace period", len(state.clients))
 
 
-async def _sweep(state: ProxyState, supervisor: Supervisor) -> None:
-    """Advance the coarse clock; expire idle clients, stalled upstreams, idle pool entries."""
+async def _sweep(state: ProxyState, supervisor: Supervisor, checkpointer: Checkpointer) -> None:
+    """Advance the coarse clock; expire idle clients, stalled upstreams, idle pool entries,
+    and an open checkpoint's lease."""
     loop = asyncio.get_running_loop()
     while True:
         await asyncio.sleep(SWEEP_INTERVAL)
@@ -165,3 +183,5 @@ async def _sweep(state: ProxyState, supervisor: Supervisor) -> None:
             if worker.route is not None:
                 worker.route.pool.close_idle(pool_before)
         state.control.pool.close_idle(pool_before)
+        if checkpointer.machine.is_open:
+            await checkpointer.expire_lease()

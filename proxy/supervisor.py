@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from coordinator.channel import Channel
+from coordinator.checkpoint import LiveWorker
 from coordinator.hub import RegistrationRefused
 from proxy.config import Config
 from proxy.routing import Router, WorkerRoute
@@ -189,11 +190,7 @@ class Supervisor:
         log.info("worker %d registered (owner %s)", slot_index, worker.owner)
         if all(s.worker is not None and s.worker.state == "live" for s in self.slots):
             self._registered.set()
-        return {
-            "aliases": dict(self.router.aliases),
-            "sessions": dict(self.router.sessions),
-            "phase": "idle",
-        }
+        return {}
 
     def on_lost(self, owner: str) -> None:
         """A worker's channel ended: stop routing to it at once (its sessions get 410)."""
@@ -210,6 +207,28 @@ class Supervisor:
             worker.route.pool.close()
         if worker.channel is not None:
             worker.channel.close()
+
+    # ---- the coordinator's view (coordinator.checkpoint.WorkerView) ----------------
+    @property
+    def expected(self) -> int:
+        return self.config.workers
+
+    def live(self) -> list[LiveWorker]:
+        """Registered workers whose channel is up, by slot."""
+        return [
+            LiveWorker(w.slot, w.owner, w.pid, w.channel, w.route.in_flight)
+            for w in self.workers()
+            if w.state == "live" and w.channel is not None and w.route is not None
+        ]
+
+    def aliases(self) -> dict[str, str]:
+        return dict(self.router.aliases)
+
+    def placed_sessions(self) -> dict[str, str]:
+        return dict(self.router.sessions)
+
+    def set_tables(self, aliases: dict[str, str], sessions: dict[str, str]) -> None:
+        self.router.set_tables(aliases, sessions)
 
     # ---- stopping -----------------------------------------------------------------
     def workers(self) -> list[WorkerProcess]:

@@ -2,8 +2,8 @@
 
 Routes (POST with a JSON body, as NeMo Gym resources servers take them):
 `/seed_session {initial_count}`, `/increment_counter {count}`, `/get_counter_value`,
-`/verify {expected_count}` -> `{reward}`. State is kept per session ID, which the proxy
-assigns and passes in `x-ng-session-id`.
+`/verify {expected_count}` -> `{reward}`. Counters live in the participant runtime's
+session store, so a checkpoint exports them and a restore brings them back.
 """
 
 from __future__ import annotations
@@ -13,11 +13,9 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from worker.identity import session_id
+from worker.participant import PARTICIPANT_KIND, current_session
 
 __all__ = ["create_app"]
-
-COUNTERS = web.AppKey("counters", dict)
 
 
 def _json(payload: Any) -> web.Response:
@@ -51,43 +49,36 @@ def _integer(body: dict[str, Any], name: str, default: int | None = None) -> int
     return value
 
 
-def _session(request: web.Request) -> str:
-    sid = session_id(request)
-    if sid is None:
-        raise _bad_request("no_session", "the request did not come through gym-proxy")
-    return sid
-
-
 async def seed_session(request: web.Request) -> web.Response:
     body = await _body(request)
     count = _integer(body, "initial_count", 0)
-    request.app[COUNTERS][_session(request)] = count
+    current_session(request).set(count)
     return _json({"count": count})
 
 
 async def increment_counter(request: web.Request) -> web.Response:
     body = await _body(request)
-    counters = request.app[COUNTERS]
-    sid = _session(request)
-    counters[sid] = counters.get(sid, 0) + _integer(body, "count", 1)
-    return _json({"count": counters[sid]})
+    session = current_session(request)
+    count = session.get(0) + _integer(body, "count", 1)
+    session.set(count)
+    return _json({"count": count})
 
 
 async def get_counter_value(request: web.Request) -> web.Response:
-    return _json({"count": request.app[COUNTERS].get(_session(request), 0)})
+    return _json({"count": current_session(request).get(0)})
 
 
 async def verify(request: web.Request) -> web.Response:
     body = await _body(request)
     expected = _integer(body, "expected_count")
-    actual = request.app[COUNTERS].get(_session(request), 0)
+    actual = current_session(request).get(0)
     return _json({"reward": 1.0 if actual == expected else 0.0, "count": actual})
 
 
 def create_app() -> web.Application:
     """The counter server's app."""
     app = web.Application()
-    app[COUNTERS] = {}
+    app[PARTICIPANT_KIND] = "resources"
     app.router.add_post("/seed_session", seed_session)
     app.router.add_post("/increment_counter", increment_counter)
     app.router.add_route("*", "/get_counter_value", get_counter_value)

@@ -22,9 +22,11 @@ from typing import Any
 import uvloop
 from aiohttp import web
 
-from coordinator.channel import Channel
+from coordinator.channel import Channel, ChannelClosed, RemoteError
 from worker.app_loading import build_app
 from worker.identity import WORKER_INFO, WorkerInfo
+from worker.participant import PARTICIPANT_KIND, RUNTIME, ParticipantRuntime, participant_middleware
+from worker.participant_messages import handle_coordinator_message
 
 __all__ = ["BOOT_ERROR", "main"]
 
@@ -47,16 +49,16 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-async def _handle_coordinator(message: dict[str, Any]) -> dict[str, Any]:
-    raise ValueError(f"unknown message type {message['type']!r}")
-
-
 async def serve(args: argparse.Namespace) -> int:
     """Run the app until SIGTERM or the coordinator goes away; return the exit code."""
     try:
         app = await build_app(args.app, args.app_dir)
         info = WorkerInfo(args.slot, args.owner, os.getpid(), args.socket)
         app[WORKER_INFO] = info
+        runtime = ParticipantRuntime(info, kind=app.get(PARTICIPANT_KIND, "resources"))
+        app[RUNTIME] = runtime
+        # Outermost, so admission decides before any app middleware runs.
+        app.middlewares.insert(0, participant_middleware)
     except Exception:
         traceback.print_exc()
         print(f"gym-proxy worker {args.slot}: cannot build app {args.app}", file=sys.stderr)
@@ -84,12 +86,25 @@ async def serve(args: argparse.Namespace) -> int:
         await runner.cleanup()
         return BOOT_ERROR
 
-    reader, writer = await asyncio.open_unix_connection(args.coordinator)
-    channel = Channel(reader, writer, _handle_coordinator)
-    channel_task = asyncio.create_task(channel.serve())
-    await channel.request(
-        "register", slot=info.slot, owner=info.owner, pid=info.pid, socket=info.socket_path
-    )
+    async def handle(message: dict[str, Any]) -> dict[str, Any]:
+        return await handle_coordinator_message(runtime, message)
+
+    try:
+        reader, writer = await asyncio.open_unix_connection(args.coordinator)
+        channel = Channel(reader, writer, handle)
+        channel_task = asyncio.create_task(channel.serve())
+        reply = await channel.request(
+            "register", slot=info.slot, owner=info.owner, pid=info.pid,
+            socket=info.socket_path, kind=runtime.kind,
+        )  # fmt: skip
+    except (OSError, ChannelClosed, RemoteError) as exc:
+        log.error("worker %d could not register with the coordinator: %s", info.slot, exc)
+        await runner.cleanup()
+        return LOST_COORDINATOR
+    runtime.channel = channel
+    await handle_coordinator_message(runtime, {"type": "tables", **reply["tables"]})
+    if reply.get("checkpoint_id"):
+        runtime.close_gate(reply["checkpoint_id"])
     log.debug("worker %d registered as %s", info.slot, info.owner)
 
     stop_task = asyncio.create_task(stop.wait())

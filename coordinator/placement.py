@@ -1,0 +1,73 @@
+"""Where restored sessions go (no I/O).
+
+Session records carry the owner whose worker held them at commit (`holder`), or None for
+sessions that never had an owner. `session_owners` maps every owner a live cookie may
+name to its holder. Placement:
+
+- all records of one holder go to one live worker, largest holders first, each to the
+  worker with the fewest records so far;
+- every owner in `session_owners` is aliased to where its holder went, even with no
+  records (its cookies still need a worker);
+- ownerless records are placed one by one on the worker with the fewest records, and
+  recorded in the session table; so are `placed_sessions` (ownerless cookies placed
+  before the commit), which follow their holder.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["Placement", "place"]
+
+
+@dataclass
+class Placement:
+    """The outcome: records per worker owner, the alias table and the session table."""
+
+    records: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    aliases: dict[str, str] = field(default_factory=dict)
+    sessions: dict[str, str] = field(default_factory=dict)
+
+
+def place(
+    records: list[dict[str, Any]],
+    session_owners: dict[str, str],
+    placed_sessions: dict[str, str],
+    workers: list[str],
+) -> Placement:
+    """Assign restored session records to `workers` (live owner IDs, in slot order)."""
+    if not workers:
+        raise ValueError("no live worker to restore onto")
+    result = Placement(records={w: [] for w in workers})
+    load = dict.fromkeys(workers, 0)
+    order = {w: i for i, w in enumerate(workers)}
+
+    def lightest() -> str:
+        return min(workers, key=lambda w: (load[w], order[w]))
+
+    sizes = Counter(r["owner"] for r in records if r.get("owner") is not None)
+    holders = set(sizes) | set(session_owners.values())
+    where: dict[str, str] = {}
+    for holder in sorted(holders, key=lambda h: (-sizes.get(h, 0), h)):
+        target = lightest()
+        where[holder] = target
+        load[target] += sizes.get(holder, 0)
+    for owner, holder in session_owners.items():
+        result.aliases[owner] = where[holder]
+    for holder, target in where.items():
+        result.aliases.setdefault(holder, target)
+    for record in records:
+        holder = record.get("owner")
+        if holder is None:
+            target = lightest()
+            load[target] += 1
+            result.sessions[record["session_id"]] = target
+        else:
+            target = where[holder]
+        result.records[target].append(record)
+    for session_id, holder in placed_sessions.items():
+        if holder in where:
+            result.sessions.setdefault(session_id, where[holder])
+    return result

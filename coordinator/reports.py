@@ -1,0 +1,97 @@
+"""Readiness of the participant, assembled from the workers' sequenced reports (no I/O)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+__all__ = ["Readiness", "MAX_BLOCKERS"]
+
+MAX_BLOCKERS = 100
+
+
+class _Worker(Protocol):
+    slot: int
+    owner: str
+
+
+@dataclass
+class Readiness:
+    """Latest report per worker owner for the open checkpoint, plus fail-closed markers."""
+
+    reports: dict[str, dict[str, Any]] = field(default_factory=dict)
+    lost: bool = False
+    _changed: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def reset(self) -> None:
+        """A new checkpoint (or none): forget every report and every lost worker."""
+        self.reports.clear()
+        self.lost = False
+        self._changed.set()
+
+    def update(self, owner: str, report: dict[str, Any]) -> None:
+        """Keep `report` unless a report with a higher sequence number is already held."""
+        held = self.reports.get(owner)
+        if held is not None and held.get("seq", 0) > report.get("seq", 0):
+            return  # stale: an older report arrived late
+        self.reports[owner] = report
+        self._changed.set()
+
+    def forget(self, owner: str, lost_while_open: bool) -> None:
+        """A worker went away; while a checkpoint is open that blocks it until resume."""
+        self.reports.pop(owner, None)
+        if lost_while_open:
+            self.lost = True
+        self._changed.set()
+
+    def worker_ready(self, owner: str) -> bool | None:
+        report = self.reports.get(owner)
+        return None if report is None else bool(report["ready"])
+
+    def report(self, live: Sequence[_Worker], expected: int) -> dict[str, Any]:
+        """`{ready, blockers[<=100], blocker_count, counts}` across every worker."""
+        blockers: list[str] = []
+        counts: dict[str, int] = {}
+        unreported = max(0, expected - len(live))
+        for worker in live:
+            report = self.reports.get(worker.owner)
+            if report is None:
+                unreported += 1
+                continue
+            blockers.extend(report["blockers"])
+            if not report["ready"] and not report["blockers"]:
+                blockers.append(f"worker-not-closed:{worker.slot}")
+            for name, value in report.get("counts", {}).items():
+                counts[name] = counts.get(name, 0) + value
+        head = []
+        if unreported:
+            head.append(f"workers-unreported:{unreported}")
+        if self.lost:
+            head.append("worker-lost")
+        blockers = head + blockers
+        return {
+            "ready": not blockers,
+            "blockers": blockers[:MAX_BLOCKERS],
+            "blocker_count": len(blockers),
+            "counts": counts,
+        }
+
+    async def wait_ready(self, done: Callable[[], bool], within: float) -> None:
+        """Wait until `done()` holds, re-checking on every change, at most `within` s."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + max(0.0, within)
+        while not done():
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                return
+            self._changed.clear()
+            try:
+                await asyncio.wait_for(self._changed.wait(), remaining)
+            except TimeoutError:
+                return
+
+    def notify(self) -> None:
+        """Wake waiters (the phase changed under them)."""
+        self._changed.set()

@@ -1,0 +1,91 @@
+"""Per-session state a worker holds for its app, exported at commit, installed at restore."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["SessionEntry", "SessionStore"]
+
+
+@dataclass(slots=True)
+class SessionEntry:
+    """One session: its JSON-able value, the episode it is bound to, where it came from."""
+
+    value: Any = None
+    episode: str | None = None
+    restored: bool = False
+
+
+class SessionStore:
+    """Session ID -> entry. Values must be JSON-able (orjson)."""
+
+    def __init__(self) -> None:
+        self._entries: dict[str, SessionEntry] = {}
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, session_id: object) -> bool:
+        return session_id in self._entries
+
+    def get(self, session_id: str, default: Any = None) -> Any:
+        """The session's value, or `default` when it has none."""
+        entry = self._entries.get(session_id)
+        return default if entry is None or entry.value is None else entry.value
+
+    def put(self, session_id: str, value: Any, episode: str | None = None) -> None:
+        """Set the value; a session stays bound to the episode that created it."""
+        entry = self._entries.get(session_id)
+        if entry is None:
+            self._entries[session_id] = SessionEntry(value, episode)
+        else:
+            entry.value = value
+
+    def touch(self, session_id: str, episode: str | None = None) -> None:
+        """Record that a session is live, even if the app keeps no value for it."""
+        if session_id not in self._entries:
+            self._entries[session_id] = SessionEntry(None, episode)
+
+    def delete(self, session_id: str) -> None:
+        self._entries.pop(session_id, None)
+
+    def export(self, owner: str, scope: set[str] | None) -> list[dict[str, Any]]:
+        """Records of every session unbound or bound to an episode in `scope` (None: all)."""
+        return [
+            {
+                "type": "session",
+                "session_id": session_id,
+                "owner": owner,
+                "episode": entry.episode,
+                "value": entry.value,
+            }
+            for session_id, entry in self._entries.items()
+            if entry.episode is None or scope is None or entry.episode in scope
+        ]
+
+    def install(self, records: list[dict[str, Any]]) -> int:
+        """Add restored sessions (their episode keys already name the new attempt)."""
+        for record in records:
+            self._entries[record["session_id"]] = SessionEntry(
+                record.get("value"), record.get("episode"), True
+            )
+        return len(records)
+
+    def uninstall(self) -> int:
+        """Drop every restored session (a restore that failed elsewhere)."""
+        return self._drop(lambda e: e.restored)
+
+    def release(self, keep: set[str]) -> int:
+        """Drop restored sessions bound to an episode outside `keep`."""
+        return self._drop(lambda e: e.restored and e.episode is not None and e.episode not in keep)
+
+    def release_episodes(self, keys: set[str]) -> int:
+        """Drop every session bound to one of `keys` (a retired attempt)."""
+        return self._drop(lambda e: e.episode in keys)
+
+    def _drop(self, doomed: Any) -> int:
+        victims = [sid for sid, entry in self._entries.items() if doomed(entry)]
+        for sid in victims:
+            del self._entries[sid]
+        return len(victims)
