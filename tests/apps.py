@@ -11,10 +11,12 @@ from aiohttp import web
 
 from worker.counter import create_app as create_counter_app
 from worker.identity import WORKER_INFO, session_id, session_token
+from worker.participant import episode
 
 SEEN = web.AppKey("seen", list)
 GATES = web.AppKey("gates", dict)
 CANCELLED = web.AppKey("cancelled", list)
+PROGRESS = web.AppKey("progress", dict)
 
 
 def _info(request: web.Request) -> dict[str, object]:
@@ -105,6 +107,28 @@ async def slow(request: web.Request) -> web.Response:
     return web.json_response({**_info(request), "slept": seconds})
 
 
+async def run(request: web.Request) -> web.Response:
+    """A test episode: `steps` steps, each a replay step that waits for gate
+    `<gate>-<step>` (when `gate` is given), then a boundary with the new state."""
+    body = await request.json()
+    ep = episode(request)
+    state = ep.restored_state or {"step": 0, "log": []}
+    gate = body.get("gate")
+    while state["step"] < body.get("steps", 3):
+        if gate:
+            await ep.replay(_gate(request, f"{gate}-{state['step']}").wait())
+        state = {"step": state["step"] + 1, "log": [*state["log"], f"{ep.key}:{state['step']}"]}
+        request.app[PROGRESS][ep.key] = state["step"]
+        await ep.boundary(state)
+    return web.json_response(
+        {**_info(request), "key": ep.key, "restored": ep.restored, "state": state}
+    )
+
+
+async def progress(request: web.Request) -> web.Response:
+    return web.json_response({**_info(request), "progress": request.app[PROGRESS]})
+
+
 async def cancelled(request: web.Request) -> web.Response:
     return web.json_response({**_info(request), "cancelled": request.app[CANCELLED]})
 
@@ -128,6 +152,7 @@ def create_app() -> web.Application:
     app[SEEN] = []
     app[GATES] = {}
     app[CANCELLED] = []
+    app[PROGRESS] = {}
     app.router.add_route("*", "/whoami", whoami)
     app.router.add_get("/seen", seen)
     app.router.add_get("/sse", sse)
@@ -137,6 +162,8 @@ def create_app() -> web.Application:
     app.router.add_post("/echo", echo)
     app.router.add_route("*", "/slow", slow)
     app.router.add_get("/cancelled", cancelled)
+    app.router.add_post("/run", run)
+    app.router.add_get("/progress", progress)
     return app
 
 

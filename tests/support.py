@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
 import signal
@@ -13,8 +14,10 @@ import tempfile
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 TEST_SECRET = "test-secret-do-not-use"
+CONTROL_TOKEN = "test-control-token"
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -74,6 +77,7 @@ class ProxyProcess:
         app: str | None = None,
         secret: str | None = TEST_SECRET,
         env: dict[str, str] | None = None,
+        control_token: str | None = None,
     ) -> None:
         self.runtime_parent = tempfile.mkdtemp(prefix="gpt-", dir="/tmp")
         self.log_path = Path(self.runtime_parent) / "proxy.log"
@@ -96,6 +100,8 @@ class ProxyProcess:
             command.insert(3, app)
         if secret is not None:
             command += ["--secret", secret]
+        if control_token is not None:
+            command += ["--control-token", control_token]
         command += list(args)
         self._log = open(self.log_path, "wb")  # noqa: SIM115
         self.popen = subprocess.Popen(
@@ -139,6 +145,15 @@ class ProxyProcess:
     def runtime_dirs(self) -> list[Path]:
         return [p for p in Path(self.runtime_parent).iterdir() if p.is_dir()]
 
+    def kill_all(self) -> None:
+        """kill -9 the proxy and every worker at once (a crash of the whole server)."""
+        pids = [self.pid, *self.worker_pids()]
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        self.popen.wait(10)
+        wait_until_sync(lambda: not any(pid_alive(p) for p in pids), 10, "processes to die")
+
     def signal(self, sig: int) -> None:
         self.popen.send_signal(sig)
 
@@ -161,3 +176,37 @@ class ProxyProcess:
         self.listener.close()
         self._log.close()
         shutil.rmtree(self.runtime_parent, ignore_errors=True)
+
+
+class Control:
+    """A minimal checkpoint controller for tests: the HTTP control plane, nothing more."""
+
+    def __init__(self, http: Any, url: str, token: str = CONTROL_TOKEN) -> None:
+        self.http = http
+        self.base = f"{url}/ng-control/v1/checkpoint"
+        self.token = token
+
+    @staticmethod
+    def deadline(seconds: float = 30.0) -> float:
+        return time.time() + seconds
+
+    async def call(self, op: str, token: str | None = None, **body: Any) -> tuple[int, Any]:
+        headers = {"Authorization": f"Bearer {token or self.token}"}
+        if op == "status":
+            async with self.http.get(f"{self.base}/status", headers=headers) as resp:
+                return resp.status, await resp.json()
+        body.setdefault("deadline_ts", self.deadline())
+        async with self.http.post(f"{self.base}/{op}", json=body, headers=headers) as resp:
+            return resp.status, await resp.json()
+
+    async def ok(self, op: str, **body: Any) -> Any:
+        status, reply = await self.call(op, **body)
+        assert status == 200, (op, status, reply)
+        return reply
+
+    async def checkpoint(self, checkpoint_id: str, directory: str, **commit: Any) -> Any:
+        """prepare + commit (the caller resumes or kills)."""
+        reply = await self.ok("prepare", checkpoint_id=checkpoint_id)
+        assert reply["phase"] == "prepared", reply
+        return await self.ok("commit", checkpoint_id=checkpoint_id, checkpoint_dir=directory,
+                             **commit)  # fmt: skip

@@ -71,6 +71,7 @@ class InFlight:
     path: str
     position: str = "running"  # running | door | parked | replay
     episode: Episode | None = None
+    retired: bool = False
 
     def blocker(self) -> str:
         if self.identity is not None:
@@ -240,6 +241,7 @@ class ParticipantRuntime:
         try:
             doomed = [f for f in self.flights if f.identity is not None and f.identity.key in keys]
             for flight in doomed:
+                flight.retired = True
                 if flight.task is not None:
                     flight.task.cancel()
             tasks = [f.task for f in doomed if f.task is not None]
@@ -291,6 +293,12 @@ async def participant_middleware(request: web.Request, handler: Any) -> web.Stre
     flight = await runtime.admit(request)
     try:
         return await handler(request)
+    except asyncio.CancelledError:
+        task = asyncio.current_task()
+        if flight.retired and task is not None and task.cancelling() == 1:
+            task.uncancel()  # our own cancellation: the caller gets a clear answer
+            raise _refuse("stale_attempt", "this attempt was retired") from None
+        raise
     finally:
         runtime.leave(flight)
 

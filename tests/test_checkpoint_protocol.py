@@ -1,0 +1,297 @@
+"""The control plane's contract, against real processes."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import orjson
+import pytest
+
+from coordinator import records
+from tests.support import CONTROL_TOKEN, Control, ProxyProcess, wait_until
+
+TOKEN = "X-NeMo-Gym-Session-Token"
+OWNER = "x-ng-session-owner"
+
+
+@pytest.fixture
+def participant(start_proxy):
+    return start_proxy(workers=2, control_token=CONTROL_TOKEN)
+
+
+async def new_session(http, url, count=0):
+    async with http.post(f"{url}/seed_session", json={"initial_count": count}) as resp:
+        assert resp.status == 200
+        return resp.headers[TOKEN]
+
+
+async def test_session_call_waits_at_the_door_new_session_is_parked(participant, http):
+    control = Control(http, participant.url)
+    token = await new_session(http, participant.url, 5)
+    await control.ok("prepare", checkpoint_id="door")
+    waiting = asyncio.ensure_future(http.post(f"{participant.url}/increment_counter",
+                                              json={"count": 1}, headers={TOKEN: token}))  # fmt: skip
+
+    async def at_door():
+        status = await control.ok("status")
+        return status["report"]["counts"].get("door") == 1
+
+    await wait_until(at_door, 10, "the call to wait at the door")
+    assert (await control.ok("status"))["report"]["ready"] is True  # a door wait is ready
+    async with http.post(f"{participant.url}/seed_session", json={}) as resp:
+        assert resp.status == 409 and resp.headers["Retry-After"] == "1"
+        assert (await resp.json())["error"]["code"] == "checkpoint_parked"
+    assert not waiting.done()
+    await control.ok("resume", checkpoint_id="door")
+    resp = await asyncio.wait_for(waiting, 10)
+    assert (await resp.json())["count"] == 6
+
+
+async def test_in_flight_request_blocks_until_done(participant, http):
+    control = Control(http, participant.url)
+    token = await new_session(http, participant.url)
+    slow = asyncio.ensure_future(http.get(f"{participant.url}/slow?seconds=1.5",
+                                          headers={TOKEN: token}))  # fmt: skip
+    sid = token.split(".")[1]
+
+    async def running():
+        status = await control.ok("status")
+        return sum(w["in_flight"] for w in status["workers"]) == 1
+
+    await wait_until(running, 10, "the slow request to be in flight")
+    reply = await control.ok("prepare", checkpoint_id="busy", deadline_ts=time.time() + 0.5)
+    assert reply["phase"] == "preparing"
+    assert reply["report"]["blockers"] == [f"session:{sid}"]
+    assert reply["report"]["blocker_count"] == 1
+    status, body = await control.call("commit", checkpoint_id="busy", checkpoint_dir="/tmp/x")
+    assert status == 409 and body["error"]["code"] == "invalid_phase"
+    assert (await slow).status == 200
+    reply = await control.ok("prepare", checkpoint_id="busy")
+    assert reply["phase"] == "prepared"
+    await control.ok("resume", checkpoint_id="busy")
+
+
+async def test_lost_worker_blocks_until_resume(start_proxy, http, tmp_path):
+    hold = tmp_path / "hold"
+    proxy = start_proxy(workers=2, control_token=CONTROL_TOKEN,
+                        env={"GYM_TEST_HOLD_FILE": str(hold)})  # fmt: skip
+    control = Control(http, proxy.url)
+    status = await control.ok("status")
+    await control.ok("prepare", checkpoint_id="lost")
+    hold.write_text("keep the replacement from registering")
+    os.kill(status["workers"][0]["pid"], signal.SIGKILL)
+
+    # the prepare reply above was cached as prepared; status shows the lost worker
+    await wait_until(
+        lambda: _has_blocker(control, "worker-lost"), 10, "worker-lost in the blockers"
+    )
+    code, body = await control.call("commit", checkpoint_id="lost", checkpoint_dir=str(tmp_path))
+    assert code == 409 and "worker-lost" in body["error"]["detail"]
+    hold.unlink()
+    await wait_until(lambda: _live_workers(control, 2), 20, "the slot to come back")
+    assert await _has_blocker(control, "worker-lost")  # still blocked until resume
+    await control.ok("resume", checkpoint_id="lost")
+    reply = await control.ok("prepare", checkpoint_id="after")
+    assert reply["phase"] == "prepared"
+    await control.ok("resume", checkpoint_id="after")
+
+
+async def _has_blocker(control, name):
+    return name in (await control.ok("status"))["report"]["blockers"]
+
+
+async def _live_workers(control, count):
+    return len((await control.ok("status"))["workers"]) == count
+
+
+async def test_missing_worker_blocks_prepare(start_proxy, http, tmp_path):
+    hold = tmp_path / "hold"
+    proxy = start_proxy(workers=2, control_token=CONTROL_TOKEN,
+                        env={"GYM_TEST_HOLD_FILE": str(hold)})  # fmt: skip
+    control = Control(http, proxy.url)
+    status = await control.ok("status")
+    hold.write_text("hold")
+    os.kill(status["workers"][1]["pid"], signal.SIGKILL)
+    await wait_until(lambda: _live_workers(control, 1), 10, "the worker to be gone")
+    reply = await control.ok("prepare", checkpoint_id="short", deadline_ts=time.time() + 0.5)
+    assert reply["phase"] == "preparing"
+    assert reply["report"]["blockers"] == ["workers-unreported:1"]
+    await control.ok("resume", checkpoint_id="short")
+    hold.unlink()
+
+
+async def test_retries_conflicts_and_stale_ids(participant, http, tmp_path):
+    control = Control(http, participant.url)
+    await new_session(http, participant.url)
+    first = await control.ok("prepare", checkpoint_id="a")
+    assert await control.ok("prepare", checkpoint_id="a") == first
+    code, body = await control.call("prepare", checkpoint_id="b")
+    assert code == 409 and body["error"]["code"] == "checkpoint_conflict"
+    committed = await control.ok("commit", checkpoint_id="a", checkpoint_dir=str(tmp_path))
+    again = await control.ok("commit", checkpoint_id="a", checkpoint_dir=str(tmp_path))
+    assert again == committed  # the cached reply, not a second manifest
+    assert (await control.ok("resume", checkpoint_id="a")) == {"phase": "idle",
+                                                                "idempotent": False}  # fmt: skip
+    assert (await control.ok("resume", checkpoint_id="a"))["idempotent"] is True
+    for op, extra in (("prepare", {}), ("commit", {"checkpoint_dir": str(tmp_path)})):
+        code, body = await control.call(op, checkpoint_id="a", **extra)
+        assert code == 409 and body["error"]["code"] == "stale_checkpoint", op
+    code, body = await control.call("commit", checkpoint_id="zz", checkpoint_dir="/tmp")
+    assert code == 409 and body["error"]["code"] == "invalid_phase"
+    code, body = await control.call("prepare", checkpoint_id="late", deadline_ts=time.time() - 1)
+    assert code == 409 and body["error"]["code"] == "deadline_exceeded"
+
+
+async def test_auth_and_bad_bodies(participant, http):
+    control = Control(http, participant.url)
+    base = control.base
+    async with http.get(f"{base}/status") as resp:
+        assert resp.status == 401 and (await resp.json())["error"]["code"] == "unauthorized"
+    code, body = await control.call("status", token="wrong-token")
+    assert code == 401
+    bad = [
+        b"not json",
+        b"[1]",
+        orjson.dumps({"checkpoint_id": "x", "deadline_ts": time.time() + 9, "extra": 1}),
+        orjson.dumps({"checkpoint_id": "x"}),
+        orjson.dumps({"checkpoint_id": "bad id!", "deadline_ts": time.time() + 9}),
+        orjson.dumps({"checkpoint_id": "x", "deadline_ts": "soon"}),
+    ]
+    headers = {"Authorization": f"Bearer {CONTROL_TOKEN}"}
+    for payload in bad:
+        async with http.post(f"{base}/prepare", data=payload, headers=headers) as resp:
+            assert resp.status == 400, payload
+            assert (await resp.json())["error"]["code"] == "invalid_request"
+    code, body = await control.call("restore", checkpoint_id="r", checkpoint_dir="/tmp",
+                                    episode_ids=[{"rollout_id": "x"}])  # fmt: skip
+    assert code == 400
+    assert (await control.ok("status"))["phase"] == "idle"  # nothing opened by bad calls
+
+
+async def test_control_is_404_without_a_token(start_proxy, http):
+    proxy = start_proxy(workers=1)
+    async with http.get(f"{proxy.url}/ng-control/v1/checkpoint/status",
+                        headers={"Authorization": "Bearer anything"}) as resp:  # fmt: skip
+        assert resp.status == 404
+
+
+def test_control_token_requires_secret(tmp_path):
+    proxy = ProxyProcess(workers=1, secret=None, control_token="t")
+    try:
+        assert proxy.wait_exit(30) == 2
+        assert "--control-token needs --secret" in proxy.log()
+    finally:
+        proxy.close()
+
+
+async def test_lease_expiry_resumes(start_proxy, http):
+    proxy = start_proxy("--lease-grace", "0.5", workers=1, control_token=CONTROL_TOKEN)
+    control = Control(http, proxy.url)
+    await control.ok("prepare", checkpoint_id="lease", deadline_ts=time.time() + 1)
+    renewed = await control.ok("renew", checkpoint_id="lease", deadline_ts=time.time() + 1.5)
+    assert renewed["lease_expires_at"] > time.time() + 1.5
+
+    async def idle():
+        return (await control.ok("status"))["phase"] == "idle"
+
+    await wait_until(idle, 10, "the lease to expire")
+    code, body = await control.call("commit", checkpoint_id="lease", checkpoint_dir="/tmp")
+    assert code == 409 and body["error"]["code"] == "stale_checkpoint"
+    async with http.post(f"{proxy.url}/seed_session", json={}) as resp:
+        assert resp.status == 200  # admission is open again
+
+
+@pytest.mark.parametrize("damage", ["records", "digest", "count", "manifest", "kind", "instance"])
+async def test_bad_checkpoints_are_422_and_install_nothing(start_proxy, http, tmp_path, damage):
+    first = start_proxy(workers=1, control_token=CONTROL_TOKEN)
+    control = Control(http, first.url)
+    token = await new_session(http, first.url, 3)
+    reply = await control.checkpoint("good", str(tmp_path))
+    await control.ok("resume", checkpoint_id="good")
+    base = records.checkpoint_path(str(tmp_path), "resources", "apps")
+    manifest_path = base / "manifest.json"
+    manifest = orjson.loads(manifest_path.read_bytes())
+    records_path = base / reply["manifest"]["records_file"]
+    if damage == "records":
+        records_path.write_bytes(records_path.read_bytes().replace(b"session", b"sessiom"))
+    elif damage == "manifest":
+        manifest_path.unlink()
+    else:
+        key, value = {"digest": ("records_sha256", "0" * 64), "count": ("record_count", 7),
+                      "kind": ("kind", "agent"), "instance": ("instance", "other")}[damage]  # fmt: skip
+        manifest[key] = value
+        manifest_path.write_bytes(orjson.dumps(manifest))
+    second = start_proxy(workers=2, control_token=CONTROL_TOKEN)
+    control = Control(http, second.url)
+    code, body = await control.call("restore", checkpoint_id="bad", checkpoint_dir=str(tmp_path),
+                                    episode_ids=[])  # fmt: skip
+    assert code == 422 and body["error"]["code"] == "invalid_checkpoint_state", body
+    status = await control.ok("status")
+    assert status["phase"] == "idle" and status["session_aliases"] == {}
+    assert status["restored_pending"] == 0
+    async with http.post(f"{second.url}/get_counter_value", headers={TOKEN: token}) as resp:
+        assert resp.status == 410  # nothing was installed: the old owner is unknown
+
+
+async def test_crash_between_records_and_manifest(start_proxy, http, tmp_path):
+    good, torn = tmp_path / "good", tmp_path / "torn"
+    first = start_proxy(workers=1, control_token=CONTROL_TOKEN)
+    control = Control(http, first.url)
+    token = await new_session(http, first.url, 7)
+    await control.checkpoint("c1", str(good))
+    await control.ok("resume", checkpoint_id="c1")
+    first.kill_all()
+
+    crashing = start_proxy(workers=1, control_token=CONTROL_TOKEN,
+                           env={"GYM_PROXY_FAILPOINTS": "after-records"})  # fmt: skip
+    control = Control(http, crashing.url)
+    await control.ok("prepare", checkpoint_id="c2")
+    code, _ = await _call_dies(control, "commit", checkpoint_id="c2", checkpoint_dir=str(torn))
+    assert crashing.wait_exit(10) == 97
+    crashing.kill_all()
+    base = records.checkpoint_path(str(torn), "resources", "apps")
+    assert list(base.glob("records-*.jsonl")) and not (base / "manifest.json").exists()
+
+    third = start_proxy(workers=2, control_token=CONTROL_TOKEN)
+    control = Control(http, third.url)
+    code, body = await control.call("restore", checkpoint_id="r1", checkpoint_dir=str(torn),
+                                    episode_ids=[])  # fmt: skip
+    assert code == 422
+    await control.ok("restore", checkpoint_id="r2", checkpoint_dir=str(good), episode_ids=[])
+    await control.ok("resume", checkpoint_id="r2")
+    async with http.post(f"{third.url}/get_counter_value", headers={TOKEN: token}) as resp:
+        assert (await resp.json())["count"] == 7
+
+
+async def _call_dies(control, op, **body):
+    try:
+        return await control.call(op, **body)
+    except Exception as exc:  # the proxy died mid-call, as intended
+        return None, exc
+
+
+async def test_retire_cancels_and_frees_an_attempt(participant, http):
+    control = Control(http, participant.url)
+    run = asyncio.ensure_future(http.post(f"{participant.url}/run", json={
+        "_ng_rollout_id": "ret", "steps": 2, "gate": "never"}))  # fmt: skip
+
+    async def running():
+        status = await control.ok("status")
+        return sum(w["in_flight"] for w in status["workers"]) == 1
+
+    await wait_until(running, 10, "the episode to run")
+    await control.ok("prepare", checkpoint_id="open")
+    code, body = await control.call("retire", checkpoint_id="x",
+                                    episode_ids=[{"rollout_id": "ret", "attempt": 0}])  # fmt: skip
+    assert code == 409 and body["error"]["code"] == "invalid_phase"
+    await control.ok("resume", checkpoint_id="open")
+    reply = await control.ok("retire", checkpoint_id="x",
+                             episode_ids=[{"rollout_id": "ret", "attempt": 0}])  # fmt: skip
+    assert reply == {"retired": ["ret"]}
+    resp = await asyncio.wait_for(run, 10)
+    assert resp.status == 409 and (await resp.json())["error"]["code"] == "stale_attempt"
+    status = await control.ok("status")
+    assert sum(w["in_flight"] for w in status["workers"]) == 0
