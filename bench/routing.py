@@ -40,11 +40,26 @@ def start_proxy(workers: int, runtime_parent: str) -> tuple[subprocess.Popen[byt
     log = Path(runtime_parent) / "proxy.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "proxy", "--workers", str(workers), "--fd",
-             str(listener.fileno()), "--runtime-dir", runtime_parent, "--log-level", "warning",
-             "--secret", "bench"],
-            cwd=REPO, stdout=out, stderr=subprocess.STDOUT, pass_fds=[listener.fileno()],
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "proxy",
+                "--workers",
+                str(workers),
+                "--fd",
+                str(listener.fileno()),
+                "--runtime-dir",
+                runtime_parent,
+                "--log-level",
+                "warning",
+                "--secret",
+                "bench",
+            ],
+            cwd=REPO,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            pass_fds=[listener.fileno()],
+        )
     listener.close()
     deadline = time.monotonic() + 30
     while True:
@@ -67,10 +82,20 @@ def _answers(port: int) -> bool:
 
 def load(args: list[str], seconds: float, connections: int) -> dict[str, float]:
     out = subprocess.run(
-        [sys.executable, str(HERE / "loadgen.py"), *args, "--connections", str(connections),
-         "--seconds", str(seconds)],
-        check=True, capture_output=True, text=True, cwd=REPO,
-    )  # fmt: skip
+        [
+            sys.executable,
+            str(HERE / "loadgen.py"),
+            *args,
+            "--connections",
+            str(connections),
+            "--seconds",
+            str(seconds),
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+    )
     return orjson.loads(out.stdout.strip().splitlines()[-1])
 
 

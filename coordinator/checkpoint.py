@@ -122,7 +122,7 @@ class Checkpointer:
                     "ready": self.readiness.worker_ready(w.owner),
                 }
                 for w in live
-            ],  # fmt: skip
+            ],
             "expected_workers": self.workers.expected,
             "session_aliases": self.workers.aliases(),
             "restored_pending": len(self.pending),
@@ -163,9 +163,12 @@ class Checkpointer:
             return reply
 
     async def commit(
-        self, checkpoint_id: str, deadline_ts: float, checkpoint_dir: str,
+        self,
+        checkpoint_id: str,
+        deadline_ts: float,
+        checkpoint_dir: str,
         episode_ids: list[EpisodeId] | None,
-    ) -> dict[str, Any]:  # fmt: skip
+    ) -> dict[str, Any]:
         async with self._lock:
             cached = self.machine.check("commit", checkpoint_id, deadline_ts, self.clock())
             if cached is not None:
@@ -191,10 +194,15 @@ class Checkpointer:
             base = files.checkpoint_path(checkpoint_dir, self._kind(), self.instance)
             try:
                 manifest = await asyncio.to_thread(
-                    files.write, base, kind=self._kind(), instance=self.instance,
-                    checkpoint_id=checkpoint_id, records=records,
-                    session_owners=session_owners, placed_sessions=placed,
-                )  # fmt: skip
+                    files.write,
+                    base,
+                    kind=self._kind(),
+                    instance=self.instance,
+                    checkpoint_id=checkpoint_id,
+                    records=records,
+                    session_owners=session_owners,
+                    placed_sessions=placed,
+                )
             except files.InvalidCheckpoint as exc:
                 raise ControlError(409, "invalid_checkpoint_state", str(exc)) from exc
             except OSError as exc:
@@ -206,17 +214,21 @@ class Checkpointer:
                         del self.pending[rollout_id]
             exported = [
                 {"rollout_id": r["rollout_id"], "attempt": r["attempt"]}
-                for r in records if r["type"] == "episode"
-            ]  # fmt: skip
+                for r in records
+                if r["type"] == "episode"
+            ]
             self.machine.phase = "committed"
             reply = {"phase": "committed", "manifest": manifest, "episode_ids": exported}
             self.machine.remember("commit", reply)
             return reply
 
     async def restore(
-        self, checkpoint_id: str, deadline_ts: float, checkpoint_dir: str,
+        self,
+        checkpoint_id: str,
+        deadline_ts: float,
+        checkpoint_dir: str,
         episode_ids: list[EpisodeId],
-    ) -> dict[str, Any]:  # fmt: skip
+    ) -> dict[str, Any]:
         async with self._lock:
             cached = self.machine.check("restore", checkpoint_id, deadline_ts, self.clock())
             if cached is not None:
@@ -226,9 +238,10 @@ class Checkpointer:
             live = self.workers.live()
             if len(live) < self.workers.expected:
                 raise ControlError(
-                    409, "invalid_phase",
+                    409,
+                    "invalid_phase",
                     f"workers-unreported:{self.workers.expected - len(live)}",
-                )  # fmt: skip
+                )
             base = files.checkpoint_path(checkpoint_dir, self._kind(), self.instance)
             try:
                 manifest, records = await asyncio.to_thread(
@@ -238,9 +251,11 @@ class Checkpointer:
                 raise ControlError(422, "invalid_checkpoint_state", str(exc)) from exc
             sessions, episodes = _select(records, {e.key for e in episode_ids})
             placement = place(
-                sessions, manifest["session_owners"], manifest["placed_sessions"],
+                sessions,
+                manifest["session_owners"],
+                manifest["placed_sessions"],
                 [w.owner for w in live],
-            )  # fmt: skip
+            )
             pending = {r["rollout_id"]: (r["attempt"] + 1, r) for r in episodes}
             self.machine.open(checkpoint_id, "restored", deadline_ts)
             self.readiness.reset()
@@ -251,10 +266,12 @@ class Checkpointer:
             }
             try:
                 await self._gather(live, "close", checkpoint_id=checkpoint_id)
-                await asyncio.gather(*(
-                    w.channel.request("install", sessions=placement.records[w.owner])
-                    for w in live
-                ))  # fmt: skip
+                await asyncio.gather(
+                    *(
+                        w.channel.request("install", sessions=placement.records[w.owner])
+                        for w in live
+                    )
+                )
                 await self._gather(live, "tables", **tables)
             except (ChannelClosed, RemoteError) as exc:
                 await self._rollback(live)

@@ -106,9 +106,12 @@ class Config:
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"--port must be between 0 and 65535, got {self.port}")
         for name in (
-            "graceful_timeout", "upstream_timeout", "keepalive_timeout", "boot_timeout",
+            "graceful_timeout",
+            "upstream_timeout",
+            "keepalive_timeout",
+            "boot_timeout",
             "lease_grace",
-        ):  # fmt: skip
+        ):
             if getattr(self, name) < 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must not be negative")
         if ":" not in self.app:

@@ -143,8 +143,9 @@ def _guard(token: str | None) -> Any:
         except ControlError as exc:
             return _error(exc.status, exc.code, exc.detail)
         except web.HTTPException as exc:
-            return _error(exc.status, "not_found" if exc.status == 404 else "invalid_request",
-                          exc.reason)  # fmt: skip
+            return _error(
+                exc.status, "not_found" if exc.status == 404 else "invalid_request", exc.reason
+            )
 
     return guard
 

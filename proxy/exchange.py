@@ -167,8 +167,14 @@ class Exchange:
                 self.new_token = token
             if route.new:
                 parts.append(b"x-ng-session-new: 1\r\n")
-            parts += (b"x-ng-session-id: ", route.session_id.encode(), b"\r\n",
-                      b"x-ng-session-token: ", token, b"\r\n")  # fmt: skip
+            parts += (
+                b"x-ng-session-id: ",
+                route.session_id.encode(),
+                b"\r\n",
+                b"x-ng-session-token: ",
+                token,
+                b"\r\n",
+            )
         if self.chunked_request:
             parts.append(b"transfer-encoding: chunked\r\n")
         parts.append(b"\r\n")

@@ -89,9 +89,10 @@ class Supervisor:
         waiter = asyncio.ensure_future(self._registered.wait())
         try:
             done, _ = await asyncio.wait(
-                {waiter, self.fatal}, timeout=self.config.boot_timeout or None,
+                {waiter, self.fatal},
+                timeout=self.config.boot_timeout or None,
                 return_when=asyncio.FIRST_COMPLETED,
-            )  # fmt: skip
+            )
         finally:
             waiter.cancel()
         if self.fatal.done():
@@ -128,13 +129,27 @@ class Supervisor:
         cfg = self.config
         try:
             process = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "worker",
-                "--slot", str(slot_index), "--owner", owner, "--socket", socket_path,
-                "--coordinator", self.coordinator_socket, "--app", cfg.app,
-                "--app-dir", cfg.app_dir, "--graceful-timeout", str(cfg.graceful_timeout),
-                "--log-level", cfg.log_level,
+                sys.executable,
+                "-m",
+                "worker",
+                "--slot",
+                str(slot_index),
+                "--owner",
+                owner,
+                "--socket",
+                socket_path,
+                "--coordinator",
+                self.coordinator_socket,
+                "--app",
+                cfg.app,
+                "--app-dir",
+                cfg.app_dir,
+                "--graceful-timeout",
+                str(cfg.graceful_timeout),
+                "--log-level",
+                cfg.log_level,
                 stdin=asyncio.subprocess.DEVNULL,
-            )  # fmt: skip
+            )
         except OSError as exc:
             slot.worker = None
             self._fail(WorkerBootError(f"cannot start a worker process: {exc}"))
@@ -167,8 +182,12 @@ class Supervisor:
         slot.restart_at = time.monotonic() + delay
         log.warning(
             "worker %d (pid %d, owner %s) exited with code %s; restarting in %.1f s",
-            worker.slot, worker.pid, worker.owner, code, delay,
-        )  # fmt: skip
+            worker.slot,
+            worker.pid,
+            worker.owner,
+            code,
+            delay,
+        )
         self.reconcile()
 
     # ---- coordinator callbacks ------------------------------------------------------

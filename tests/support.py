@@ -208,5 +208,6 @@ class Control:
         """prepare + commit (the caller resumes or kills)."""
         reply = await self.ok("prepare", checkpoint_id=checkpoint_id)
         assert reply["phase"] == "prepared", reply
-        return await self.ok("commit", checkpoint_id=checkpoint_id, checkpoint_dir=directory,
-                             **commit)  # fmt: skip
+        return await self.ok(
+            "commit", checkpoint_id=checkpoint_id, checkpoint_dir=directory, **commit
+        )

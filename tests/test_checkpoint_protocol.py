@@ -32,8 +32,9 @@ async def test_session_call_waits_at_the_door_new_session_is_parked(participant,
     control = Control(http, participant.url)
     token = await new_session(http, participant.url, 5)
     await control.ok("prepare", checkpoint_id="door")
-    waiting = asyncio.ensure_future(http.post(f"{participant.url}/increment_counter",
-                                              json={"count": 1}, headers={TOKEN: token}))  # fmt: skip
+    waiting = asyncio.ensure_future(
+        http.post(f"{participant.url}/increment_counter", json={"count": 1}, headers={TOKEN: token})
+    )
 
     async def at_door():
         status = await control.ok("status")
@@ -53,8 +54,9 @@ async def test_session_call_waits_at_the_door_new_session_is_parked(participant,
 async def test_in_flight_request_blocks_until_done(participant, http):
     control = Control(http, participant.url)
     token = await new_session(http, participant.url)
-    slow = asyncio.ensure_future(http.get(f"{participant.url}/slow?seconds=1.5",
-                                          headers={TOKEN: token}))  # fmt: skip
+    slow = asyncio.ensure_future(
+        http.get(f"{participant.url}/slow?seconds=1.5", headers={TOKEN: token})
+    )
     sid = token.split(".")[1]
 
     async def running():
@@ -76,8 +78,9 @@ async def test_in_flight_request_blocks_until_done(participant, http):
 
 async def test_lost_worker_blocks_until_resume(start_proxy, http, tmp_path):
     hold = tmp_path / "hold"
-    proxy = start_proxy(workers=2, control_token=CONTROL_TOKEN,
-                        env={"GYM_TEST_HOLD_FILE": str(hold)})  # fmt: skip
+    proxy = start_proxy(
+        workers=2, control_token=CONTROL_TOKEN, env={"GYM_TEST_HOLD_FILE": str(hold)}
+    )
     control = Control(http, proxy.url)
     status = await control.ok("status")
     await control.ok("prepare", checkpoint_id="lost")
@@ -109,8 +112,9 @@ async def _live_workers(control, count):
 
 async def test_missing_worker_blocks_prepare(start_proxy, http, tmp_path):
     hold = tmp_path / "hold"
-    proxy = start_proxy(workers=2, control_token=CONTROL_TOKEN,
-                        env={"GYM_TEST_HOLD_FILE": str(hold)})  # fmt: skip
+    proxy = start_proxy(
+        workers=2, control_token=CONTROL_TOKEN, env={"GYM_TEST_HOLD_FILE": str(hold)}
+    )
     control = Control(http, proxy.url)
     status = await control.ok("status")
     hold.write_text("hold")
@@ -133,8 +137,7 @@ async def test_retries_conflicts_and_stale_ids(participant, http, tmp_path):
     committed = await control.ok("commit", checkpoint_id="a", checkpoint_dir=str(tmp_path))
     again = await control.ok("commit", checkpoint_id="a", checkpoint_dir=str(tmp_path))
     assert again == committed  # the cached reply, not a second manifest
-    assert (await control.ok("resume", checkpoint_id="a")) == {"phase": "idle",
-                                                                "idempotent": False}  # fmt: skip
+    assert (await control.ok("resume", checkpoint_id="a")) == {"phase": "idle", "idempotent": False}
     assert (await control.ok("resume", checkpoint_id="a"))["idempotent"] is True
     for op, extra in (("prepare", {}), ("commit", {"checkpoint_dir": str(tmp_path)})):
         code, body = await control.call(op, checkpoint_id="a", **extra)
@@ -165,16 +168,18 @@ async def test_auth_and_bad_bodies(participant, http):
         async with http.post(f"{base}/prepare", data=payload, headers=headers) as resp:
             assert resp.status == 400, payload
             assert (await resp.json())["error"]["code"] == "invalid_request"
-    code, body = await control.call("restore", checkpoint_id="r", checkpoint_dir="/tmp",
-                                    episode_ids=[{"rollout_id": "x"}])  # fmt: skip
+    code, body = await control.call(
+        "restore", checkpoint_id="r", checkpoint_dir="/tmp", episode_ids=[{"rollout_id": "x"}]
+    )
     assert code == 400
     assert (await control.ok("status"))["phase"] == "idle"  # nothing opened by bad calls
 
 
 async def test_control_is_404_without_a_token(start_proxy, http):
     proxy = start_proxy(workers=1)
-    async with http.get(f"{proxy.url}/ng-control/v1/checkpoint/status",
-                        headers={"Authorization": "Bearer anything"}) as resp:  # fmt: skip
+    async with http.get(
+        f"{proxy.url}/ng-control/v1/checkpoint/status", headers={"Authorization": "Bearer anything"}
+    ) as resp:
         assert resp.status == 404
 
 
@@ -220,14 +225,19 @@ async def test_bad_checkpoints_are_422_and_install_nothing(start_proxy, http, tm
     elif damage == "manifest":
         manifest_path.unlink()
     else:
-        key, value = {"digest": ("records_sha256", "0" * 64), "count": ("record_count", 7),
-                      "kind": ("kind", "agent"), "instance": ("instance", "other")}[damage]  # fmt: skip
+        key, value = {
+            "digest": ("records_sha256", "0" * 64),
+            "count": ("record_count", 7),
+            "kind": ("kind", "agent"),
+            "instance": ("instance", "other"),
+        }[damage]
         manifest[key] = value
         manifest_path.write_bytes(orjson.dumps(manifest))
     second = start_proxy(workers=2, control_token=CONTROL_TOKEN)
     control = Control(http, second.url)
-    code, body = await control.call("restore", checkpoint_id="bad", checkpoint_dir=str(tmp_path),
-                                    episode_ids=[])  # fmt: skip
+    code, body = await control.call(
+        "restore", checkpoint_id="bad", checkpoint_dir=str(tmp_path), episode_ids=[]
+    )
     assert code == 422 and body["error"]["code"] == "invalid_checkpoint_state", body
     status = await control.ok("status")
     assert status["phase"] == "idle" and status["session_aliases"] == {}
@@ -245,8 +255,9 @@ async def test_crash_between_records_and_manifest(start_proxy, http, tmp_path):
     await control.ok("resume", checkpoint_id="c1")
     first.kill_all()
 
-    crashing = start_proxy(workers=1, control_token=CONTROL_TOKEN,
-                           env={"GYM_PROXY_FAILPOINTS": "after-records"})  # fmt: skip
+    crashing = start_proxy(
+        workers=1, control_token=CONTROL_TOKEN, env={"GYM_PROXY_FAILPOINTS": "after-records"}
+    )
     control = Control(http, crashing.url)
     await control.ok("prepare", checkpoint_id="c2")
     code, _ = await _call_dies(control, "commit", checkpoint_id="c2", checkpoint_dir=str(torn))
@@ -257,8 +268,9 @@ async def test_crash_between_records_and_manifest(start_proxy, http, tmp_path):
 
     third = start_proxy(workers=2, control_token=CONTROL_TOKEN)
     control = Control(http, third.url)
-    code, body = await control.call("restore", checkpoint_id="r1", checkpoint_dir=str(torn),
-                                    episode_ids=[])  # fmt: skip
+    code, body = await control.call(
+        "restore", checkpoint_id="r1", checkpoint_dir=str(torn), episode_ids=[]
+    )
     assert code == 422
     await control.ok("restore", checkpoint_id="r2", checkpoint_dir=str(good), episode_ids=[])
     await control.ok("resume", checkpoint_id="r2")
@@ -275,8 +287,11 @@ async def _call_dies(control, op, **body):
 
 async def test_retire_cancels_and_frees_an_attempt(participant, http):
     control = Control(http, participant.url)
-    run = asyncio.ensure_future(http.post(f"{participant.url}/run", json={
-        "_ng_rollout_id": "ret", "steps": 2, "gate": "never"}))  # fmt: skip
+    run = asyncio.ensure_future(
+        http.post(
+            f"{participant.url}/run", json={"_ng_rollout_id": "ret", "steps": 2, "gate": "never"}
+        )
+    )
 
     async def running():
         status = await control.ok("status")
@@ -284,12 +299,14 @@ async def test_retire_cancels_and_frees_an_attempt(participant, http):
 
     await wait_until(running, 10, "the episode to run")
     await control.ok("prepare", checkpoint_id="open")
-    code, body = await control.call("retire", checkpoint_id="x",
-                                    episode_ids=[{"rollout_id": "ret", "attempt": 0}])  # fmt: skip
+    code, body = await control.call(
+        "retire", checkpoint_id="x", episode_ids=[{"rollout_id": "ret", "attempt": 0}]
+    )
     assert code == 409 and body["error"]["code"] == "invalid_phase"
     await control.ok("resume", checkpoint_id="open")
-    reply = await control.ok("retire", checkpoint_id="x",
-                             episode_ids=[{"rollout_id": "ret", "attempt": 0}])  # fmt: skip
+    reply = await control.ok(
+        "retire", checkpoint_id="x", episode_ids=[{"rollout_id": "ret", "attempt": 0}]
+    )
     assert reply == {"retired": ["ret"]}
     resp = await asyncio.wait_for(run, 10)
     assert resp.status == 409 and (await resp.json())["error"]["code"] == "stale_attempt"

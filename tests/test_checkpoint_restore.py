@@ -19,8 +19,9 @@ async def make_sessions(http, url, count):
         async with http.post(f"{url}/seed_session", json={"initial_count": i * 10}) as resp:
             token = resp.headers[TOKEN]
         for _ in range(i % 4):
-            async with http.post(f"{url}/increment_counter", json={"count": 1},
-                                 headers={TOKEN: token}) as resp:  # fmt: skip
+            async with http.post(
+                f"{url}/increment_counter", json={"count": 1}, headers={TOKEN: token}
+            ) as resp:
                 assert resp.status == 200
         sessions.append((token, i * 10 + i % 4))
     return sessions
@@ -39,8 +40,9 @@ async def check_sessions(http, url, sessions, restamped=True):
         else:
             assert new_token is None
             new_token = token
-        async with http.post(f"{url}/increment_counter", json={"count": 100},
-                             headers={TOKEN: new_token}) as resp:  # fmt: skip
+        async with http.post(
+            f"{url}/increment_counter", json={"count": 100}, headers={TOKEN: new_token}
+        ) as resp:
             assert (await resp.json())["count"] == expected + 100
             assert TOKEN not in resp.headers
 
@@ -56,8 +58,9 @@ async def test_sessions_survive_crash_and_resize(start_proxy, http, tmp_path, be
 
     second = start_proxy(workers=after, control_token=CONTROL_TOKEN)
     control = Control(http, second.url)
-    restored = await control.ok("restore", checkpoint_id="restore-1",
-                                checkpoint_dir=str(tmp_path), episode_ids=[])  # fmt: skip
+    restored = await control.ok(
+        "restore", checkpoint_id="restore-1", checkpoint_dir=str(tmp_path), episode_ids=[]
+    )
     assert restored == {"phase": "restored", "source_checkpoint_id": "ckpt-1", "restored": []}
     status = await control.ok("status")
     assert status["phase"] == "restored" and len(status["session_aliases"]) == before
@@ -85,8 +88,9 @@ async def test_parked_episode_continues_after_restore(start_proxy, http, tmp_pat
 
     await release("g-0")  # step 0 runs, the episode reaches boundary {step: 1}
     await wait_until(progress, 10, "the episode to reach its first boundary")
-    reply = await control.checkpoint("ep-1", str(tmp_path), episode_ids=[
-        {"rollout_id": "r1", "attempt": 0}])  # fmt: skip
+    reply = await control.checkpoint(
+        "ep-1", str(tmp_path), episode_ids=[{"rollout_id": "r1", "attempt": 0}]
+    )
     assert reply["episode_ids"] == [{"rollout_id": "r1", "attempt": 0}]
     first.kill_all()
     with pytest.raises(aiohttp.ClientError):
@@ -94,8 +98,12 @@ async def test_parked_episode_continues_after_restore(start_proxy, http, tmp_pat
 
     second = start_proxy(workers=1, control_token=CONTROL_TOKEN)
     control = Control(http, second.url)
-    restored = await control.ok("restore", checkpoint_id="ep-r", checkpoint_dir=str(tmp_path),
-                                episode_ids=[{"rollout_id": "r1", "attempt": 0}])  # fmt: skip
+    restored = await control.ok(
+        "restore",
+        checkpoint_id="ep-r",
+        checkpoint_dir=str(tmp_path),
+        episode_ids=[{"rollout_id": "r1", "attempt": 0}],
+    )
     assert restored["restored"] == ["r1-a1"]
     await control.ok("resume", checkpoint_id="ep-r")
     stale = {"_ng_rollout_id": "r1", "_ng_attempt_index": 0, "steps": 3}

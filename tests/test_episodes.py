@@ -16,12 +16,23 @@ def write_episode_checkpoint(directory, count):
     """A checkpoint holding `count` parked episodes (attempt 0), as a commit writes it."""
     base = records.checkpoint_path(str(directory), "resources", "apps")
     episodes = [
-        {"type": "episode", "rollout_id": f"race-{i}", "attempt": 0,
-         "state": {"step": 1, "log": [f"race-{i}:0"]}}
+        {
+            "type": "episode",
+            "rollout_id": f"race-{i}",
+            "attempt": 0,
+            "state": {"step": 1, "log": [f"race-{i}:0"]},
+        }
         for i in range(count)
-    ]  # fmt: skip
-    records.write(base, kind="resources", instance="apps", checkpoint_id="crafted",
-                  records=episodes, session_owners={}, placed_sessions={})  # fmt: skip
+    ]
+    records.write(
+        base,
+        kind="resources",
+        instance="apps",
+        checkpoint_id="crafted",
+        records=episodes,
+        session_owners={},
+        placed_sessions={},
+    )
 
 
 async def test_two_workers_race_to_claim_each_restored_episode(start_proxy, http, tmp_path):
@@ -29,8 +40,9 @@ async def test_two_workers_race_to_claim_each_restored_episode(start_proxy, http
     proxy = start_proxy(workers=2, control_token=CONTROL_TOKEN)
     control = Control(http, proxy.url)
     ids = [{"rollout_id": f"race-{i}", "attempt": 0} for i in range(RACES)]
-    reply = await control.ok("restore", checkpoint_id="race", checkpoint_dir=str(tmp_path),
-                             episode_ids=ids)  # fmt: skip
+    reply = await control.ok(
+        "restore", checkpoint_id="race", checkpoint_dir=str(tmp_path), episode_ids=ids
+    )
     assert len(reply["restored"]) == RACES and "race-7-a1" in reply["restored"]
     await control.ok("resume", checkpoint_id="race")
     owners = [w["owner"] for w in (await control.ok("status"))["workers"]]
@@ -38,8 +50,7 @@ async def test_two_workers_race_to_claim_each_restored_episode(start_proxy, http
 
     async def replacement(i, owner):
         body = {"_ng_rollout_id": f"race-{i}", "_ng_attempt_index": 1, "steps": 2}
-        async with limit, http.post(f"{proxy.url}/run", json=body,
-                                    headers={OWNER: owner}) as resp:  # fmt: skip
+        async with limit, http.post(f"{proxy.url}/run", json=body, headers={OWNER: owner}) as resp:
             return resp.status, await resp.json()
 
     async def race(i):
@@ -48,7 +59,9 @@ async def test_two_workers_race_to_claim_each_restored_episode(start_proxy, http
         losers = [body for status, body in results if status != 200]
         assert len(winners) == 1, (i, results)
         assert winners[0]["restored"] and winners[0]["state"]["log"] == [
-            f"race-{i}:0", f"race-{i}-a1:1"]  # fmt: skip
+            f"race-{i}:0",
+            f"race-{i}-a1:1",
+        ]
         assert losers[0]["error"]["code"] == "stale_attempt", losers
 
     await asyncio.gather(*(race(i) for i in range(RACES)))
@@ -71,13 +84,13 @@ async def test_commit_scope_and_release(start_proxy, http, tmp_path):
 
     second = start_proxy(workers=2, control_token=CONTROL_TOKEN)
     control = Control(http, second.url)
-    await control.ok("restore", checkpoint_id="r", checkpoint_dir=str(tmp_path / "one"),
-                     episode_ids=scope)  # fmt: skip
+    await control.ok(
+        "restore", checkpoint_id="r", checkpoint_dir=str(tmp_path / "one"), episode_ids=scope
+    )
     await control.ok("resume", checkpoint_id="r")
     counts = {}
     for key, token in tokens.items():
-        async with http.post(f"{second.url}/get_counter_value",
-                             headers={TOKEN: token}) as resp:  # fmt: skip
+        async with http.post(f"{second.url}/get_counter_value", headers={TOKEN: token}) as resp:
             counts[key] = resp.status, (await resp.json()).get("count")
     assert counts["keep"] == (200, 1) and counts[None] == (200, 3)
     assert counts["drop"] == (200, 0)  # out of scope: not exported, so a fresh counter
@@ -96,8 +109,9 @@ async def test_unclaimed_records_are_exported_again_while_in_scope(start_proxy, 
     proxy = start_proxy(workers=1, control_token=CONTROL_TOKEN)
     control = Control(http, proxy.url)
     both = [{"rollout_id": f"race-{i}", "attempt": 0} for i in range(2)]
-    await control.ok("restore", checkpoint_id="r", checkpoint_dir=str(tmp_path / "one"),
-                     episode_ids=both)  # fmt: skip
+    await control.ok(
+        "restore", checkpoint_id="r", checkpoint_dir=str(tmp_path / "one"), episode_ids=both
+    )
     await control.ok("resume", checkpoint_id="r")
     keep = [{"rollout_id": "race-0", "attempt": 1}]
     reply = await control.checkpoint("again", str(tmp_path / "two"), episode_ids=keep)
@@ -108,8 +122,9 @@ async def test_unclaimed_records_are_exported_again_while_in_scope(start_proxy, 
 
     later = start_proxy(workers=2, control_token=CONTROL_TOKEN)
     control = Control(http, later.url)
-    reply = await control.ok("restore", checkpoint_id="r2", checkpoint_dir=str(tmp_path / "two"),
-                             episode_ids=keep)  # fmt: skip
+    reply = await control.ok(
+        "restore", checkpoint_id="r2", checkpoint_dir=str(tmp_path / "two"), episode_ids=keep
+    )
     assert reply["restored"] == ["race-0-a2"]
     await control.ok("resume", checkpoint_id="r2")
     body = {"_ng_rollout_id": "race-0", "_ng_attempt_index": 2, "steps": 2}

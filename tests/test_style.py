@@ -11,6 +11,8 @@ from tests.support import REPO
 def test_ruff_clean():
     result = subprocess.run(
         [sys.executable, "-m", "ruff", "check", "--no-cache", str(REPO)],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stdout + result.stderr

@@ -211,8 +211,9 @@ class ParticipantRuntime:
         if self.channel is None or self.channel.closed or self.checkpoint_id is None:
             return
         self.seq += 1
-        task = asyncio.ensure_future(self.channel.send({"type": "ready", "seq": self.seq,
-                                                        **self.report()}))  # fmt: skip
+        task = asyncio.ensure_future(
+            self.channel.send({"type": "ready", "seq": self.seq, **self.report()})
+        )
         self._sends.add(task)
         task.add_done_callback(self._sends.discard)
         task.add_done_callback(_ignore_closed)

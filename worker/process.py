@@ -94,9 +94,13 @@ async def serve(args: argparse.Namespace) -> int:
         channel = Channel(reader, writer, handle)
         channel_task = asyncio.create_task(channel.serve())
         reply = await channel.request(
-            "register", slot=info.slot, owner=info.owner, pid=info.pid,
-            socket=info.socket_path, kind=runtime.kind,
-        )  # fmt: skip
+            "register",
+            slot=info.slot,
+            owner=info.owner,
+            pid=info.pid,
+            socket=info.socket_path,
+            kind=runtime.kind,
+        )
     except (OSError, ChannelClosed, RemoteError) as exc:
         log.error("worker %d could not register with the coordinator: %s", info.slot, exc)
         await runner.cleanup()
