@@ -1,0 +1,181 @@
+"""Unit tests of the pure checkpoint logic: phases, placement, readiness, store, files."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+import orjson
+import pytest
+
+from coordinator import records
+from coordinator.episode_ids import EpisodeId, parse_episode_key
+from coordinator.phases import ControlError, PhaseMachine
+from coordinator.placement import place
+from coordinator.reports import Readiness
+from worker.sessions import SessionStore
+
+NOW = 1000.0
+
+
+def code_of(machine, op, cid, deadline=NOW + 10):
+    with pytest.raises(ControlError) as err:
+        machine.check(op, cid, deadline, NOW)
+    return err.value.code
+
+
+def test_phase_machine_walk():
+    m = PhaseMachine(lease_grace=5)
+    assert m.check("prepare", "c1", NOW + 10, NOW) is None
+    m.open("c1", "preparing", NOW + 10)
+    assert m.lease_expires_at == NOW + 15
+    assert code_of(m, "prepare", "c2") == "checkpoint_conflict"
+    assert code_of(m, "restore", "c1") == "invalid_phase"
+    m.phase = "prepared"
+    m.remember("prepare", {"phase": "prepared"})
+    assert m.check("prepare", "c1", NOW + 10, NOW) == {"phase": "prepared"}
+    assert m.check("commit", "c1", NOW + 10, NOW) is None
+    m.phase = "committed"
+    m.remember("commit", {"phase": "committed"})
+    assert m.check("commit", "c1", NOW + 10, NOW) == {"phase": "committed"}
+    assert m.check("resume", "c1", NOW + 10, NOW) is None
+    assert m.close() == "c1"
+    assert m.check("resume", "c1", NOW, NOW) == {"phase": "idle", "idempotent": True}
+    assert code_of(m, "prepare", "c1") == "stale_checkpoint"
+    assert code_of(m, "commit", "c9") == "invalid_phase"
+    assert code_of(m, "prepare", "c9", deadline=NOW - 1) == "deadline_exceeded"
+    assert code_of(m, "prepare", "-bad") == "invalid_request"
+    assert code_of(m, "prepare", "x" * 129) == "invalid_request"
+
+
+def test_lease_extends_and_expires():
+    m = PhaseMachine(lease_grace=5)
+    m.open("c", "preparing", NOW + 1)
+    m.extend(NOW - 100)  # never backwards
+    assert m.lease_expires_at == NOW + 6
+    assert not m.lease_expired(NOW + 6)
+    assert m.lease_expired(NOW + 6.1)
+    m.abandon()
+    assert m.phase == "idle" and "c" not in m.resumed
+
+
+def session(sid, owner):
+    return {"type": "session", "session_id": sid, "owner": owner, "episode": None, "value": 1}
+
+
+def test_placement_keeps_owners_together_largest_first():
+    recs = [session(f"a{i}", "A") for i in range(5)]
+    recs += [session(f"b{i}", "B") for i in range(3)]
+    recs += [session(f"c{i}", "C") for i in range(2)]
+    owners = {"A": "A", "B": "B", "C": "C", "old": "B", "empty": "E"}
+    result = place(recs, owners, {"p1": "C"}, ["w1", "w2"])
+    assert result.aliases["A"] == "w1" and result.aliases["B"] == "w2"
+    assert result.aliases["C"] == "w2"  # 3 < 5 records: the lighter worker
+    assert result.aliases["old"] == result.aliases["B"]  # follows its holder
+    assert result.aliases["empty"] in ("w1", "w2")  # aliased even with no records
+    assert {len(v) for v in result.records.values()} == {5}
+    assert result.sessions == {"p1": "w2"}
+
+
+def test_placement_spreads_ownerless_sessions_evenly():
+    recs = [session(f"s{i}", None) for i in range(9)]
+    result = place(recs, {}, {}, ["w1", "w2", "w3"])
+    assert Counter(result.sessions.values()) == {"w1": 3, "w2": 3, "w3": 3}
+    assert result.aliases == {}
+
+
+def test_placement_onto_one_worker_and_no_worker():
+    recs = [session("a", "A"), session("b", "B")]
+    result = place(recs, {"A": "A", "B": "B"}, {}, ["only"])
+    assert result.aliases == {"A": "only", "B": "only"} and len(result.records["only"]) == 2
+    with pytest.raises(ValueError):
+        place(recs, {}, {}, [])
+
+
+@dataclass
+class W:
+    slot: int
+    owner: str
+
+
+def test_readiness_fail_closed_and_sequencing():
+    r = Readiness()
+    live = [W(0, "a"), W(1, "b")]
+    assert r.report(live, 3)["blockers"] == ["workers-unreported:3"]
+    r.update("a", {"seq": 2, "ready": True, "blockers": [], "counts": {"door": 1}})
+    r.update("b", {"seq": 1, "ready": False, "blockers": ["episode:x"], "counts": {}})
+    report = r.report(live, 2)
+    assert report == {
+        "ready": False,
+        "blockers": ["episode:x"],
+        "blocker_count": 1,
+        "counts": {"door": 1},
+    }
+    r.update("b", {"seq": 3, "ready": True, "blockers": [], "counts": {}})
+    r.update("b", {"seq": 2, "ready": False, "blockers": ["late"], "counts": {}})  # stale
+    assert r.report(live, 2)["ready"] is True
+    r.forget("b", lost_while_open=True)
+    assert r.report([W(0, "a")], 2)["blockers"] == ["workers-unreported:1", "worker-lost"]
+    r.reset()
+    r.update("a", {"seq": 1, "ready": False, "blockers": [f"s{i}" for i in range(150)]})
+    report = r.report([W(0, "a")], 1)
+    assert len(report["blockers"]) == 100 and report["blocker_count"] == 150
+
+
+def test_session_store_scope_release_and_retire():
+    store = SessionStore()
+    store.put("u", 1)
+    store.put("e", 2, episode="ep")
+    store.touch("t")
+    store.touch("u")  # keeps the value
+    assert store.get("u") == 1 and store.get("t", 9) == 9
+    exported = store.export("own", {"other"})
+    assert {r["session_id"] for r in exported} == {"u", "t"}
+    assert {r["session_id"] for r in store.export("own", None)} == {"u", "e", "t"}
+    store.install([{"session_id": "r", "value": 5, "episode": "ep-a1"}])
+    assert store.release({"ep-a1"}) == 0 and store.get("r") == 5
+    assert store.release(set()) == 1 and "r" not in store
+    assert store.release_episodes({"ep"}) == 1 and "e" not in store
+    store.install([{"session_id": "q", "value": None, "episode": None}])
+    assert store.uninstall() == 1 and len(store) == 2
+
+
+def test_episode_keys_round_trip():
+    for rid, attempt in (("r", 0), ("r", 3), ("a-a1", 2), ("x-y", 0), ("x-a", 0)):
+        ident = EpisodeId(rid, attempt)
+        assert parse_episode_key(ident.key) == ident
+    # The key format's one ambiguity: attempt 0 of a rollout ID ending in -a<digits>.
+    assert parse_episode_key(EpisodeId("x-a1", 0).key) == EpisodeId("x", 1)
+    assert EpisodeId("r", 0).key == "r" and EpisodeId("r", 2).key == "r-a2"
+    assert EpisodeId("r", 2).next_attempt().key == "r-a3"
+
+
+def test_records_round_trip_and_exclusive_manifest(tmp_path):
+    base = records.checkpoint_path(str(tmp_path), "resources", "inst")
+    recs = [session(f"s{i}", "o") for i in range(100)]
+    manifest = records.write(
+        base,
+        kind="resources",
+        instance="inst",
+        checkpoint_id="c",
+        records=recs,
+        session_owners={"o": "o"},
+        placed_sessions={},
+    )
+    assert manifest["record_count"] == 100
+    assert records.read(base, kind="resources", instance="inst") == (manifest, recs)
+    assert orjson.loads((base / "manifest.json").read_bytes()) == manifest
+    with pytest.raises(records.InvalidCheckpoint, match="never replaced"):
+        records.write(
+            base,
+            kind="resources",
+            instance="inst",
+            checkpoint_id="d",
+            records=recs,
+            session_owners={},
+            placed_sessions={},
+        )
+    assert records.read(base, kind="resources", instance="inst")[0]["checkpoint_id"] == "c"
+    assert not [p for p in base.iterdir() if p.name.startswith(".")]  # no temp files left
+    with pytest.raises(records.InvalidCheckpoint, match="belongs to"):
+        records.read(base, kind="agent", instance="inst")
