@@ -162,10 +162,9 @@ class Exchange:
                 self.fail(exc.status, exc.code, exc.detail, retry)
                 return
             worker = route.worker
-            if route.restamp:
+            if route.new:
                 token = state.codec.sign(route.session_id, worker.owner).encode()
                 self.new_token = token
-            if route.new:
                 parts.append(b"x-ng-session-new: 1\r\n")
             parts += (
                 b"x-ng-session-id: ",

@@ -9,6 +9,11 @@ The order of decisions is the one in DESIGN.md:
 5. no token, `x-ng-session-owner`: that worker (or its alias), as a new session there;
 6. nothing: a new session on the live worker with the fewest requests in flight
    (ties broken round-robin).
+
+Only a new session gets a token. An existing session keeps its token for life, even
+when an alias or the session table routes it: a client that keeps an old cookie must
+still be routable after a second crash and a restore of the same checkpoint, which
+only knows the owners of its own time.
 """
 
 from __future__ import annotations
@@ -34,13 +39,12 @@ class WorkerRoute:
 
 @dataclass(slots=True)
 class Route:
-    """The decision for one request. `restamp`: the client must get a new token;
-    `new`: the session ID was minted for this request."""
+    """The decision for one request. `new`: the session ID was minted for this request,
+    so the client gets a token; an existing session keeps the token it has."""
 
     worker: WorkerRoute
     session_id: str
-    restamp: bool
-    new: bool = False
+    new: bool
 
 
 class RouteError(Exception):
@@ -118,7 +122,7 @@ class Router:
                 worker = self.resolve_owner(owner)
                 if worker is None:
                     raise _gone(owner)
-                return Route(worker, identity.session_id, True)
+                return Route(worker, identity.session_id, False)
             placed = self.sessions.get(identity.session_id)
             if placed is not None:
                 worker = self.resolve_owner(placed)
@@ -127,10 +131,10 @@ class Router:
             else:
                 worker = self.least_loaded()
                 self.sessions[identity.session_id] = worker.owner
-            return Route(worker, identity.session_id, True)
+            return Route(worker, identity.session_id, False)
         if owner_hint is not None:
             worker = self.resolve_owner(owner_hint)
             if worker is None:
                 raise RouteError(410, "session_owner_gone", f"owner {owner_hint} is not live")
-            return Route(worker, new_session_id(), True, True)
-        return Route(self.least_loaded(), new_session_id(), True, True)
+            return Route(worker, new_session_id(), True)
+        return Route(self.least_loaded(), new_session_id(), True)

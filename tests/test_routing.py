@@ -17,17 +17,17 @@ def make_router(*owners: str) -> Router:
     return router
 
 
-def test_live_owner_routes_there_without_restamp():
+def test_live_owner_routes_there_and_keeps_its_token():
     router = make_router("a", "b")
     route = router.route(SessionIdentity("s1", "b"), None)
-    assert route.worker.owner == "b" and route.session_id == "s1" and not route.restamp
+    assert route.worker.owner == "b" and route.session_id == "s1" and not route.new
 
 
-def test_alias_routes_to_new_holder_and_restamps():
+def test_alias_routes_to_new_holder_and_keeps_the_token():
     router = make_router("a", "b")
     router.set_tables({"old": "b"}, {})
     route = router.route(SessionIdentity("s1", "old"), None)
-    assert route.worker.owner == "b" and route.restamp
+    assert route.worker.owner == "b" and not route.new
 
 
 def test_unknown_owner_is_gone():
@@ -50,7 +50,7 @@ def test_ownerless_session_uses_table_then_places_and_remembers():
     router.set_tables({}, {"known": "b"})
     assert router.route(SessionIdentity("known", None), None).worker.owner == "b"
     first = router.route(SessionIdentity("fresh", None), None)
-    assert first.restamp and first.session_id == "fresh"
+    assert not first.new and first.session_id == "fresh"
     # the same ownerless session must keep landing on the same worker
     for _ in range(5):
         assert router.route(SessionIdentity("fresh", None), None).worker is first.worker
@@ -60,7 +60,7 @@ def test_owner_hint_lands_on_that_worker_as_new_session():
     router = make_router("a", "b", "c")
     for _ in range(5):
         route = router.route(None, "c")
-        assert route.worker.owner == "c" and route.restamp
+        assert route.worker.owner == "c" and route.new
     router.set_tables({"old": "a"}, {})
     assert router.route(None, "old").worker.owner == "a"
     with pytest.raises(RouteError):

@@ -1,0 +1,341 @@
+"""Seeded random operations against real gym-proxy processes, checked against a model.
+
+Each seed starts a participant with 1-3 workers and drives a random walk of: new
+sessions, held requests (blockers), parked episodes, prepare, commit, resume, retire,
+kill -9 of a worker (its replacement held back), the late join of that replacement, and
+a crash of everything followed by a restore onto 1-3 fresh workers. After every step:
+
+- the phase is the model's, and admission is open on every live worker whenever idle;
+- the blockers (and their count) equal a fresh recount from the model;
+- every manifest written so far verifies; no commit holds an attempt retired before it;
+- after a restore, every session that was committed has its committed value.
+
+`GYM_PROXY_RANDOM_SEEDS` sets the number of seeds (default 100),
+`GYM_PROXY_RANDOM_FIRST_SEED` the first one (to replay a failing seed alone).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from coordinator import records
+from tests.support import CONTROL_TOKEN, Control, ProxyProcess, wait_until
+
+SEEDS = int(os.environ.get("GYM_PROXY_RANDOM_SEEDS", "100"))
+FIRST_SEED = int(os.environ.get("GYM_PROXY_RANDOM_FIRST_SEED", "0"))
+STEPS = 12
+PARALLEL = 3
+TOKEN = "X-NeMo-Gym-Session-Token"
+OWNER = "x-ng-session-owner"
+
+
+@dataclass
+class Model:
+    phase: str = "idle"
+    sessions: dict[str, tuple[str, int]] = field(default_factory=dict)  # sid -> (token, count)
+    held: dict[str, asyncio.Task] = field(default_factory=dict)  # sid -> request task
+    held_owner: dict[str, str] = field(default_factory=dict)
+    episodes: dict[str, str] = field(default_factory=dict)  # key -> owner
+    tasks: list[asyncio.Task] = field(default_factory=list)
+    lost: bool = False
+    held_back: int = 0  # killed workers whose replacement is not allowed to register
+    retired: set[str] = field(default_factory=set)
+    committed: list[tuple[Path, dict[str, tuple[str, int]], set[str]]] = field(default_factory=list)
+    serial: int = 0
+
+    def blockers(self, expected: int, live: int) -> list[str]:
+        head = [f"workers-unreported:{expected - live}"] if live < expected else []
+        if self.lost:
+            head.append("worker-lost")
+        return head + sorted(f"session:{sid}" for sid in self.held)
+
+
+class Walk:
+    def __init__(self, seed: int, http: aiohttp.ClientSession, root: Path) -> None:
+        self.rng = random.Random(seed)
+        self.seed = seed
+        self.http = http
+        self.root = root
+        self.hold = root / "hold"
+        self.model = Model()
+        self.proxy: ProxyProcess | None = None
+        self.expected = 0
+        self.trail: list[str] = []  # operations so far, for the failure message
+
+    # ---- plumbing ---------------------------------------------------------------
+    def start(self, workers: int) -> None:
+        self.expected = workers
+        self.proxy = ProxyProcess(
+            workers=workers,
+            app="tests.apps:create_app",
+            control_token=CONTROL_TOKEN,
+            env={"GYM_TEST_HOLD_FILE": str(self.hold)},
+        )
+        self.proxy.wait_ready()
+        self.control = Control(self.http, self.proxy.url)
+
+    async def status(self) -> dict:
+        return await self.control.ok("status")
+
+    async def live(self) -> list[dict]:
+        return (await self.status())["workers"]
+
+    def cid(self) -> str:
+        self.model.serial += 1
+        return f"s{self.seed}-c{self.model.serial}"
+
+    async def post(self, path: str, **kwargs) -> tuple[int, dict, dict]:
+        async with self.http.post(f"{self.proxy.url}{path}", **kwargs) as resp:
+            return resp.status, resp.headers.copy(), await resp.json()
+
+    async def seen(self, owner: str, path: str) -> bool:
+        async with self.http.get(f"{self.proxy.url}/seen", headers={OWNER: owner}) as resp:
+            return path in (await resp.json())["paths"]
+
+    # ---- operations -------------------------------------------------------------
+    async def op_session(self) -> None:
+        count = self.rng.randrange(100)
+        status, headers, body = await self.post("/seed_session", json={"initial_count": count})
+        if self.model.phase != "idle":
+            assert status == 409 and body["error"]["code"] == "checkpoint_parked"
+            return
+        assert status == 200, body
+        token = headers[TOKEN]
+        self.model.sessions[token.split(".")[1]] = (token, count)
+
+    async def op_hold(self) -> None:
+        if self.model.phase != "idle" or not self.model.sessions:
+            return
+        sid = self.rng.choice(sorted(self.model.sessions))
+        if sid in self.model.held:
+            return
+        token = self.model.sessions[sid][0]
+        tag = f"hold-{sid}"
+        task = asyncio.ensure_future(
+            self.http.get(f"{self.proxy.url}/slow?seconds=120&tag={tag}", headers={TOKEN: token})
+        )
+        owner = token.split(".")[2]
+        await wait_until(lambda: self.seen(owner, "/slow"), 10, "the held request to arrive")
+        self.model.held[sid] = task
+        self.model.held_owner[sid] = owner
+        self.model.tasks.append(task)
+
+    async def op_unhold(self) -> None:
+        if not self.model.held:
+            return
+        sid = self.rng.choice(sorted(self.model.held))
+        self.model.held.pop(sid).cancel()
+        owner = self.model.held_owner.pop(sid)
+
+        async def gone() -> bool:
+            if self.model.phase != "idle":  # workers are closed: ask the coordinator
+                return f"session:{sid}" not in (await self.status())["report"]["blockers"]
+            async with self.http.get(f"{self.proxy.url}/cancelled", headers={OWNER: owner}) as resp:
+                return f"hold-{sid}" in (await resp.json())["cancelled"]
+
+        await wait_until(gone, 10, "the held request to be cancelled")
+
+    async def op_episode(self) -> None:
+        workers = await self.live()
+        if self.model.phase != "idle" or not workers:
+            return
+        owner = self.rng.choice(workers)["owner"]
+        self.model.serial += 1
+        key = f"ep{self.seed}x{self.model.serial}"
+        task = asyncio.ensure_future(
+            self.http.post(
+                f"{self.proxy.url}/run",
+                headers={OWNER: owner},
+                json={"_ng_rollout_id": key, "steps": 2, "gate": f"{key}-gate"},
+            )
+        )
+        self.model.tasks.append(task)
+        await wait_until(lambda: self.seen(owner, "/run"), 10, "the episode to start")
+        self.model.episodes[key] = owner
+
+    async def op_prepare(self) -> None:
+        if self.model.phase not in ("idle", "preparing", "prepared"):
+            return
+        cid = self.model.phase == "idle" and self.cid() or self.open_id
+        live = len(await self.live())
+        expect = self.model.blockers(self.expected, live)
+        deadline = time.time() + (0.3 if expect else 15)
+        reply = await self.control.ok("prepare", checkpoint_id=cid, deadline_ts=deadline)
+        self.open_id = cid
+        if self.model.phase == "prepared":
+            assert reply["phase"] == "prepared"  # the cached reply
+            return
+        assert reply["phase"] == ("preparing" if expect else "prepared"), (reply, expect)
+        self.model.phase = reply["phase"]
+
+    async def op_commit(self) -> None:
+        if self.model.phase not in ("preparing", "prepared"):
+            return
+        directory = self.root / f"ckpt-{self.model.serial}-{len(self.model.committed)}"
+        blockers = self.model.blockers(self.expected, len(await self.live()))
+        status, body = await self.control.call(
+            "commit", checkpoint_id=self.open_id, checkpoint_dir=str(directory)
+        )
+        if blockers:  # readiness is re-checked: commit goes ahead only with no blocker
+            assert status == 409 and body["error"]["code"] == "invalid_phase", body
+            return
+        assert status == 200, body
+        self.model.phase = "committed"
+        snapshot = dict(self.model.sessions)
+        self.model.committed.append((directory, snapshot, set(self.model.episodes)))
+        base = records.checkpoint_path(str(directory), "resources", "apps")
+        _, recs = records.read(base, kind="resources", instance="apps")
+        keys = {r["rollout_id"] for r in recs if r["type"] == "episode"}
+        assert keys == set(self.model.episodes)
+        assert not keys & self.model.retired
+
+    async def op_resume(self) -> None:
+        if self.model.phase == "idle":
+            return
+        reply = await self.control.ok("resume", checkpoint_id=self.open_id)
+        assert reply == {"phase": "idle", "idempotent": False}
+        self.model.phase = "idle"
+        self.model.lost = False
+
+    async def op_retire(self) -> None:
+        if self.model.phase != "idle" or not self.model.episodes:
+            return
+        key = self.rng.choice(sorted(self.model.episodes))
+        reply = await self.control.ok(
+            "retire", checkpoint_id=self.cid(), episode_ids=[{"rollout_id": key, "attempt": 0}]
+        )
+        assert reply == {"retired": [key]}
+        del self.model.episodes[key]
+        self.model.retired.add(key)
+
+    async def op_kill(self) -> None:
+        workers = await self.live()
+        if len(workers) < 2 or self.model.held_back:
+            return
+        victim = self.rng.choice(workers)
+        self.hold.write_text("held back")
+        os.kill(victim["pid"], signal.SIGKILL)
+        await wait_until(lambda: self._live_count(len(workers) - 1), 10, "the kill to be seen")
+        self.model.held_back += 1
+        if self.model.phase != "idle":
+            self.model.lost = True
+        owner = victim["owner"]
+        for sid in [s for s, (t, _) in self.model.sessions.items() if t.split(".")[2] == owner]:
+            del self.model.sessions[sid]
+            self.model.held.pop(sid, None)
+            self.model.held_owner.pop(sid, None)
+        for key in [k for k, o in self.model.episodes.items() if o == owner]:
+            del self.model.episodes[key]
+
+    async def _live_count(self, count: int) -> bool:
+        return len(await self.live()) == count
+
+    async def op_join(self) -> None:
+        if not self.model.held_back:
+            return
+        self.hold.unlink()
+        await wait_until(lambda: self._live_count(self.expected), 20, "the late join")
+        self.model.held_back = 0
+
+    async def op_restore(self) -> None:
+        if not self.model.committed:
+            return
+        directory, snapshot, episodes = self.model.committed[-1]
+        for task in self.model.tasks:
+            task.cancel()
+        self.proxy.kill_all()
+        self.proxy.close()
+        if self.hold.exists():
+            self.hold.unlink()
+        self.start(self.rng.randint(1, 3))
+        ids = [{"rollout_id": key, "attempt": 0} for key in sorted(episodes)]
+        cid = self.cid()
+        reply = await self.control.ok(
+            "restore", checkpoint_id=cid, checkpoint_dir=str(directory), episode_ids=ids
+        )
+        assert reply["restored"] == sorted(f"{k}-a1" for k in episodes)
+        await self.control.ok("resume", checkpoint_id=cid)
+        self.model = Model(
+            serial=self.model.serial, committed=self.model.committed, retired=self.model.retired
+        )
+        for sid, (token, count) in snapshot.items():
+            status, headers, body = await self.post("/get_counter_value", headers={TOKEN: token})
+            assert status == 200, (sid, status, body)
+            assert body["count"] == count, (sid, body)
+            assert TOKEN not in headers  # tokens stay valid for life
+            self.model.sessions[sid] = (token, count)
+
+    # ---- invariants -------------------------------------------------------------
+    async def check(self) -> None:
+        status = await self.status()
+        assert status["phase"] == self.model.phase, (status["phase"], self.model.phase)
+        live = status["workers"]
+        if self.model.phase == "idle":
+            for worker in live:  # admission is open on every live worker
+                code, _, body = await self.post("/whoami", headers={OWNER: worker["owner"]})
+                assert code == 200, body
+        elif self.model.phase in ("preparing", "prepared"):
+            report = status["report"]
+            expect = self.model.blockers(self.expected, len(live))
+            assert sorted(report["blockers"]) == sorted(expect), (report, expect)
+            assert report["blocker_count"] == len(expect)
+
+    async def run(self) -> None:
+        operations = [
+            (self.op_session, 4),
+            (self.op_hold, 2),
+            (self.op_unhold, 2),
+            (self.op_episode, 2),
+            (self.op_prepare, 3),
+            (self.op_commit, 3),
+            (self.op_resume, 3),
+            (self.op_retire, 1),
+            (self.op_kill, 1),
+            (self.op_join, 1),
+            (self.op_restore, 1),
+        ]
+        functions, weights = zip(*operations, strict=True)
+        self.start(self.rng.randint(1, 3))
+        try:
+            for _ in range(STEPS):
+                operation = self.rng.choices(functions, weights)[0]
+                self.trail.append(operation.__name__)
+                await operation()
+                await self.check()
+            for directory, _, _ in self.model.committed:
+                base = records.checkpoint_path(str(directory), "resources", "apps")
+                records.read(base, kind="resources", instance="apps")
+        finally:
+            for task in self.model.tasks:
+                task.cancel()
+            await asyncio.gather(*self.model.tasks, return_exceptions=True)
+            self.proxy.close()
+
+
+@pytest.mark.timeout(max(600, SEEDS * 6))
+async def test_random_operations(tmp_path):
+    async with aiohttp.ClientSession(
+        cookie_jar=aiohttp.DummyCookieJar(), timeout=aiohttp.ClientTimeout(total=30)
+    ) as http:
+        limit = asyncio.Semaphore(PARALLEL)
+
+        async def one(seed: int) -> None:
+            async with limit:
+                root = tmp_path / f"seed-{seed}"
+                root.mkdir()
+                try:
+                    walk = Walk(seed, http, root)
+                    await walk.run()
+                except BaseException as exc:
+                    raise AssertionError(f"seed {seed} failed after {walk.trail}: {exc!r}") from exc
+
+        await asyncio.gather(*(one(seed) for seed in range(FIRST_SEED, FIRST_SEED + SEEDS)))
