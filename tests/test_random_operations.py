@@ -99,7 +99,9 @@ class Walk:
 
     async def seen(self, owner: str, path: str) -> bool:
         async with self.http.get(f"{self.proxy.url}/seen", headers={OWNER: owner}) as resp:
-            return path in (await resp.json())["paths"]
+            body = await resp.json()
+            assert resp.status == 200, (owner, body)
+            return path in body["paths"]
 
     # ---- operations -------------------------------------------------------------
     async def op_session(self) -> None:
@@ -168,7 +170,7 @@ class Walk:
         cid = self.model.phase == "idle" and self.cid() or self.open_id
         live = len(await self.live())
         expect = self.model.blockers(self.expected, live)
-        deadline = time.time() + (0.3 if expect else 15)
+        deadline = time.time() + (1.0 if expect else 15)
         reply = await self.control.ok("prepare", checkpoint_id=cid, deadline_ts=deadline)
         self.open_id = cid
         if self.model.phase == "prepared":
