@@ -157,10 +157,9 @@ class Checkpointer:
             report = self._report()
             if not report["ready"]:
                 return {"phase": "preparing", "report": report}
-            self.machine.phase = "prepared"
-            reply = {"phase": "prepared", "report": report}
-            self.machine.remember("prepare", reply)
-            return reply
+            return self.machine.succeed(
+                "prepare", "prepared", {"phase": "prepared", "report": report}
+            )
 
     async def commit(
         self,
@@ -217,10 +216,11 @@ class Checkpointer:
                 for r in records
                 if r["type"] == "episode"
             ]
-            self.machine.phase = "committed"
-            reply = {"phase": "committed", "manifest": manifest, "episode_ids": exported}
-            self.machine.remember("commit", reply)
-            return reply
+            return self.machine.succeed(
+                "commit",
+                "committed",
+                {"phase": "committed", "manifest": manifest, "episode_ids": exported},
+            )
 
     async def restore(
         self,
@@ -286,8 +286,7 @@ class Checkpointer:
                 "source_checkpoint_id": manifest["checkpoint_id"],
                 "restored": sorted(EpisodeId(rid, a).key for rid, (a, _) in pending.items()),
             }
-            self.machine.remember("restore", reply)
-            return reply
+            return self.machine.succeed("restore", "restored", reply)
 
     async def _rollback(self, live: list[LiveWorker]) -> None:
         empty = {"aliases": {}, "sessions": {}, "pending": {}}

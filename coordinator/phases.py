@@ -95,9 +95,11 @@ class PhaseMachine:
         if self.lease_expires_at is None or expires > self.lease_expires_at:
             self.lease_expires_at = expires
 
-    def remember(self, op: str, reply: dict[str, Any]) -> None:
-        """Cache a successful reply for retries of the same checkpoint ID."""
+    def succeed(self, op: str, phase: str, reply: dict[str, Any]) -> dict[str, Any]:
+        """`op` succeeded: enter `phase` and cache `reply` for retries of this ID."""
+        self.phase = phase
         self.replies[op] = reply
+        return reply
 
     def close(self) -> str | None:
         """Back to idle (resume, abort or lease expiry); returns the ID that was open."""

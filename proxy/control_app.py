@@ -152,7 +152,8 @@ def _guard(token: str | None) -> Any:
 
 def create_control_app(checkpointer: Checkpointer, token: str | None) -> web.Application:
     """The control-plane app; `token` None means checkpoint control is off (404)."""
-    app = web.Application(middlewares=[_guard(token)])
+    # restore and retire bodies list episode IDs: allow large runs, not unbounded ones
+    app = web.Application(middlewares=[_guard(token)], client_max_size=64 * 1024 * 1024)
     app[CHECKPOINTER] = checkpointer
     app.router.add_get(f"{PREFIX}/status", _status)
     for op in _FIELDS:

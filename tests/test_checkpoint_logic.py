@@ -31,12 +31,10 @@ def test_phase_machine_walk():
     assert m.lease_expires_at == NOW + 15
     assert code_of(m, "prepare", "c2") == "checkpoint_conflict"
     assert code_of(m, "restore", "c1") == "invalid_phase"
-    m.phase = "prepared"
-    m.remember("prepare", {"phase": "prepared"})
+    m.succeed("prepare", "prepared", {"phase": "prepared"})
     assert m.check("prepare", "c1", NOW + 10, NOW) == {"phase": "prepared"}
     assert m.check("commit", "c1", NOW + 10, NOW) is None
-    m.phase = "committed"
-    m.remember("commit", {"phase": "committed"})
+    m.succeed("commit", "committed", {"phase": "committed"})
     assert m.check("commit", "c1", NOW + 10, NOW) == {"phase": "committed"}
     assert m.check("resume", "c1", NOW + 10, NOW) is None
     assert m.close() == "c1"

@@ -70,6 +70,7 @@ class Walk:
         self.proxy: ProxyProcess | None = None
         self.expected = 0
         self.trail: list[str] = []  # operations so far, for the failure message
+        self.last_log = ""
 
     # ---- plumbing ---------------------------------------------------------------
     def start(self, workers: int) -> None:
@@ -255,6 +256,7 @@ class Walk:
         for task in self.model.tasks:
             task.cancel()
         self.proxy.kill_all()
+        self.last_log = self.proxy.log()
         self.proxy.close()
         if self.hold.exists():
             self.hold.unlink()
@@ -320,6 +322,7 @@ class Walk:
             for task in self.model.tasks:
                 task.cancel()
             await asyncio.gather(*self.model.tasks, return_exceptions=True)
+            self.last_log = self.proxy.log()
             self.proxy.close()
 
 
@@ -338,6 +341,9 @@ async def test_random_operations(tmp_path):
                     walk = Walk(seed, http, root)
                     await walk.run()
                 except BaseException as exc:
-                    raise AssertionError(f"seed {seed} failed after {walk.trail}: {exc!r}") from exc
+                    raise AssertionError(
+                        f"seed {seed} failed after {walk.trail}: {exc!r}\n"
+                        f"last gym-proxy log:\n{walk.last_log[-3000:]}"
+                    ) from exc
 
         await asyncio.gather(*(one(seed) for seed in range(FIRST_SEED, FIRST_SEED + SEEDS)))
