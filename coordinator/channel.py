@@ -71,8 +71,14 @@ class Channel:
         """Write one message (a notification, or a reply) and wait for buffer room."""
         if self._closed:
             raise ChannelClosed("channel is closed")
-        self._writer.write(encode_frame(message))
-        await self._writer.drain()
+        try:
+            self._writer.write(encode_frame(message))
+            await self._writer.drain()
+        except ChannelClosed:
+            raise
+        except ConnectionError as exc:  # one failure type for callers: the peer is gone
+            self.close()
+            raise ChannelClosed(f"channel write failed: {exc}") from exc
 
     async def serve(self) -> None:
         """Read until the peer closes; resolves replies and answers requests in order."""

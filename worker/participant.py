@@ -228,6 +228,7 @@ class ParticipantRuntime:
         if self.is_open:
             self.opened.clear()
             self._poller = asyncio.ensure_future(self._poll_reports())
+        self.changed()  # a worker that joins an open checkpoint reports at once
 
     def open_gate(self) -> None:
         self.checkpoint_id = None
