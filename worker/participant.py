@@ -113,7 +113,13 @@ class ParticipantRuntime:
         """Let a request in, park it at the door, or refuse it; track it while it runs."""
         sid = request.headers.get("x-ng-session-id")
         new_session = request.headers.get(_NEW_SESSION_HEADER) == "1"
-        identity = await _episode_identity(request)
+        key = request.headers.get(_EPISODE_HEADER)
+        if key:
+            identity: EpisodeId | None = parse_episode_key(key)
+        elif request.path == "/run" and request.method == "POST":
+            identity = await _run_identity(request)
+        else:
+            identity = None
         starts = new_session or (identity is not None and request.path == "/run")
         if identity is not None and identity.key in self.retiring:
             raise _refuse("stale_attempt", f"attempt {identity.key} is being retired")
@@ -260,12 +266,8 @@ def _ignore_closed(task: asyncio.Task[None]) -> None:
             task.result()
 
 
-async def _episode_identity(request: web.Request) -> EpisodeId | None:
-    key = request.headers.get(_EPISODE_HEADER)
-    if key:
-        return parse_episode_key(key)
-    if request.path != "/run" or request.method != "POST":
-        return None
+async def _run_identity(request: web.Request) -> EpisodeId | None:
+    """Rollout identity from a `/run` body's `_ng_rollout_id` and `_ng_attempt_index`."""
     try:
         body = orjson.loads(await request.read())
     except orjson.JSONDecodeError:
