@@ -103,8 +103,26 @@ class Exchange:
         if self.error is not None:
             self.fail(*self.error)
             return
-        state = self.client.state
         self.is_head = self.method == b"HEAD"
+        parts, token, cookie, hint = self._forwarded_headers()
+        if self.url.startswith(_CONTROL_PREFIX):
+            worker: WorkerRoute | None = self.client.state.control
+        else:
+            worker = self._route_session(parts, token, cookie, hint)
+            if worker is None:
+                return  # answered with an error
+        if self.chunked_request:
+            parts.append(b"transfer-encoding: chunked\r\n")
+        parts.append(b"\r\n")
+        self.head = b"".join(parts)
+        worker.in_flight += 1
+        self.worker = worker
+        if self.expect_continue and not self.request_done:
+            self.client.transport.write(wire.CONTINUE_100)
+        worker.pool.acquire(self)
+
+    def _forwarded_headers(self) -> tuple[list[bytes], bytes | None, bytes | None, bytes | None]:
+        """The request line and headers for the worker, plus the identity headers read."""
         parts = [self.method, b" ", self.url, b" HTTP/1.1\r\n"]
         token = cookie = hint = listed = None
         host_seen = False
@@ -134,55 +152,42 @@ class Exchange:
             parts = wire.without_headers(parts, 4, listed)
         if not host_seen:  # HTTP/1.0 clients may omit it; HTTP/1.1 to the worker needs it
             parts += (b"host", b": ", b"gym-proxy", b"\r\n")
-        if self.url.startswith(_CONTROL_PREFIX):
-            worker = state.control
-        else:
-            if self.url.startswith(_ROLLOUT_PREFIX):
-                # /ng-rollout/<key>/rest: the app sees /rest, the runtime sees the key.
-                key, rest = wire.split_rollout_path(self.url, len(_ROLLOUT_PREFIX))
-                if not key:
-                    self.fail(400, "bad_request", "/ng-rollout/ needs an episode key")
-                    return
-                parts[2] = rest
-                parts += (b"x-ng-episode-key: ", key, b"\r\n")
-            if token is None and cookie is not None:
-                token = wire.cookie_token(cookie)
-            try:
-                identity = state.codec.verify(token.decode("ascii")) if token else None
-                owner = hint.decode("ascii") if hint else None
-                if owner is not None and not is_valid_id(owner):
-                    raise TokenError("x-ng-session-owner is not a valid owner ID")
-            except (TokenError, UnicodeDecodeError) as exc:
-                self.fail(400, "invalid_session_token", str(exc))
-                return
-            try:
-                route = state.router.route(identity, owner)
-            except RouteError as exc:
-                retry = 1 if exc.status == 503 else None
-                self.fail(exc.status, exc.code, exc.detail, retry)
-                return
-            worker = route.worker
-            if route.new:
-                token = state.codec.sign(route.session_id, worker.owner).encode()
-                self.new_token = token
-                parts.append(b"x-ng-session-new: 1\r\n")
-            parts += (
-                b"x-ng-session-id: ",
-                route.session_id.encode(),
-                b"\r\n",
-                b"x-ng-session-token: ",
-                token,
-                b"\r\n",
-            )
-        if self.chunked_request:
-            parts.append(b"transfer-encoding: chunked\r\n")
-        parts.append(b"\r\n")
-        self.head = b"".join(parts)
-        worker.in_flight += 1
-        self.worker = worker
-        if self.expect_continue and not self.request_done:
-            self.client.transport.write(wire.CONTINUE_100)
-        worker.pool.acquire(self)
+        return parts, token, cookie, hint
+
+    def _route_session(
+        self, parts: list[bytes], token: bytes | None, cookie: bytes | None, hint: bytes | None
+    ) -> WorkerRoute | None:
+        """Pick the worker and add the identity headers; None after answering an error."""
+        state = self.client.state
+        if self.url.startswith(_ROLLOUT_PREFIX):
+            # /ng-rollout/<key>/rest: the app sees /rest, the runtime sees the key.
+            key, rest = wire.split_rollout_path(self.url, len(_ROLLOUT_PREFIX))
+            if not key:
+                self.fail(400, "bad_request", "/ng-rollout/ needs an episode key")
+                return None
+            parts[2] = rest
+            parts += (b"x-ng-episode-key: ", key, b"\r\n")
+        if token is None and cookie is not None:
+            token = wire.cookie_token(cookie)
+        try:
+            identity = state.codec.verify(token.decode("ascii")) if token else None
+            owner = hint.decode("ascii") if hint else None
+            if owner is not None and not is_valid_id(owner):
+                raise TokenError("x-ng-session-owner is not a valid owner ID")
+            route = state.router.route(identity, owner)
+        except (TokenError, UnicodeDecodeError) as exc:
+            self.fail(400, "invalid_session_token", str(exc))
+            return None
+        except RouteError as exc:
+            self.fail(exc.status, exc.code, exc.detail, 1 if exc.status == 503 else None)
+            return None
+        if route.new:
+            token = state.codec.sign(route.session_id, route.worker.owner).encode()
+            self.new_token = token
+            parts.append(b"x-ng-session-new: 1\r\n")
+        parts += (b"x-ng-session-id: ", route.session_id.encode(), b"\r\n")
+        parts += (b"x-ng-session-token: ", token, b"\r\n")  # type: ignore[list-item]
+        return route.worker
 
     def request_body(self, body: bytes) -> None:
         if self.finished or self.pending_error is not None or self.error is not None:
