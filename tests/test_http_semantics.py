@@ -190,3 +190,18 @@ async def test_upstream_timeout_is_504(start_proxy, http):
         assert (await resp.json())["error"]["code"] == "upstream_timeout"
     async with http.get(f"{proxy.url}/slow?seconds=0") as resp:
         assert resp.status == 200  # the worker is fine; only that request timed out
+
+
+async def test_unreachable_worker_socket_is_502_and_connection_stays_usable(start_proxy):
+    proxy = start_proxy(workers=1)
+    [socket_path] = proxy.runtime_dir().glob("w0-*.sock")
+    socket_path.unlink()  # the worker is registered but cannot be reached any more
+    reader, writer = await open_raw(proxy)
+    # headers and body in one write: the body is buffered while the proxy connects
+    writer.write(post("/echo", b"hello", "Content-Type: text/plain\r\n"))
+    [(status, _, body)] = await read_responses(reader, 1)
+    assert status == 502 and orjson.loads(body)["error"]["code"] == "upstream_connection_lost"
+    writer.write(post("/echo", b"again", "Content-Type: text/plain\r\n"))
+    [(status, _, _)] = await read_responses(reader, 1)  # must not hang: reading resumed
+    assert status == 502
+    writer.close()
