@@ -89,6 +89,7 @@ async def test_worker_sees_identity_headers_not_client_copies(start_proxy, http)
     headers = {
         "x-ng-session-id": "spoofed",
         "x-ng-session-token": "spoofed",
+        "x-ng-episode-key": "spoofed",
         "Connection": "keep-alive, x-private-hop",
         "x-private-hop": "1",
         "Keep-Alive": "timeout=5",
@@ -103,10 +104,14 @@ async def test_worker_sees_identity_headers_not_client_copies(start_proxy, http)
     assert seen["x-custom"] == "kept"
     assert "keep-alive" not in seen
     assert "x-private-hop" not in seen  # named in Connection, so hop-by-hop
+    assert "x-ng-episode-key" not in seen
+    assert seen["x-ng-session-new"] == "1"  # the proxy minted this session
     # same session again: the worker gets the same ID, and no new cookie is set
-    async with http.post(f"{proxy.url}/whoami", headers={TOKEN: token}) as resp:
+    spoof = {TOKEN: token, "x-ng-session-new": "1"}  # a client cannot make a session new
+    async with http.post(f"{proxy.url}/whoami", headers=spoof) as resp:
         again = await resp.json()
         assert "Set-Cookie" not in resp.headers
+        assert "x-ng-session-new" not in again["headers"]
     assert again["session_id"] == body["session_id"] and again["owner"] == body["owner"]
 
 
