@@ -4,14 +4,18 @@
 
 Starts `gym-proxy --workers 2` with the counter app, then for each concurrency runs the
 load generator (its own process) (a) through the proxy, every connection on its own
-session, and (b) straight to the workers' Unix sockets, connections split evenly. Prints
+session, (b) straight to the workers' Unix sockets, connections split evenly, and (c) when
+uvicorn is installed (`pip install -e '.[bench]'`), against `uvicorn --workers 2` on one
+shared port with the same counter as a bare ASGI app (`bench/asgi_counter.py`): the
+shared-port setup gym-proxy replaces, which cannot keep a session on one worker. Prints
 requests/s, p50/p99 latency, the proxy's CPU microseconds per request (from
-/proc/PID/stat, warm-up included in both CPU and request counts) and proxy/direct ratios.
+/proc/PID/stat, warm-up included in both CPU and request counts) and ratios.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import signal
 import socket
@@ -71,13 +75,36 @@ def start_proxy(workers: int, runtime_parent: str) -> tuple[subprocess.Popen[byt
         time.sleep(0.05)
 
 
-def _answers(port: int) -> bool:
+def _answers(port: int, line: bytes = b"GET /get_counter_value") -> bool:
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=1) as conn:
-            conn.sendall(b"GET /get_counter_value HTTP/1.1\r\nHost: b\r\nConnection: close\r\n\r\n")
+            conn.sendall(
+                line + b" HTTP/1.1\r\nHost: b\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+            )
             return conn.recv(16).startswith(b"HTTP/1.1 200")
     except OSError:
         return False
+
+
+def start_uvicorn(workers: int) -> tuple[subprocess.Popen[bytes], int] | None:
+    """`uvicorn --workers N` on a free loopback port, or None if uvicorn is missing."""
+    if importlib.util.find_spec("uvicorn") is None:
+        return None
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "uvicorn", "asgi_counter:app", "--app-dir", str(HERE),
+         "--workers", str(workers), "--port", str(port), "--loop", "uvloop",
+         "--http", "httptools", "--no-access-log", "--log-level", "warning"],
+        cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    deadline = time.monotonic() + 30
+    while not _answers(port, b"POST /increment_counter"):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise SystemExit("uvicorn did not start")
+        time.sleep(0.05)
+    return proc, port
 
 
 def load(args: list[str], seconds: float, connections: int) -> dict[str, float]:
@@ -108,35 +135,45 @@ def main() -> None:
     runtime_parent = tempfile.mkdtemp(prefix="gpb-", dir="/tmp")
     proc, port, runtime = start_proxy(opts.workers, runtime_parent)
     sockets = sorted(str(p) for p in runtime.glob("w*.sock"))
-    rows = []
+    rows: list[tuple[int, str, dict[str, float]]] = []
     try:
         for conc in opts.concurrency:
             before = cpu_seconds(proc.pid)
             via = load(["--tcp", f"127.0.0.1:{port}"], opts.seconds, conc)
-            cpu = cpu_seconds(proc.pid) - before
+            via["cpu_us"] = (cpu_seconds(proc.pid) - before) * 1e6 / max(1, via["total"])
             direct_args = ["--direct"] + [a for s in sockets for a in ("--unix", s)]
-            direct = load(direct_args, opts.seconds, conc)
-            rows.append((conc, via, direct, cpu * 1e6 / max(1, via["total"])))
+            rows.append((conc, "gym-proxy", via))
+            rows.append((conc, "direct to workers", load(direct_args, opts.seconds, conc)))
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(30)
+    uvicorn = start_uvicorn(opts.workers)
+    if uvicorn is not None:
+        try:
+            for conc in opts.concurrency:
+                args = ["--direct", "--tcp", f"127.0.0.1:{uvicorn[1]}"]
+                rows.append((conc, "uvicorn shared port", load(args, opts.seconds, conc)))
+        finally:
+            uvicorn[0].send_signal(signal.SIGTERM)
+            uvicorn[0].wait(30)
     print(
         f"gym-proxy routing bench: {opts.workers} workers, counter app, "
         f"POST /increment_counter, {opts.seconds:g} s per run, {os.cpu_count()} cores"
     )
-    header = (
-        "| conns | proxy req/s | direct req/s | ratio | proxy p50 ms | direct p50 ms "
-        "| proxy p99 ms | direct p99 ms | proxy CPU us/req | errors |"
+    if uvicorn is None:
+        print("(uvicorn is not installed: pip install -e '.[bench]' adds the shared-port rows)")
+    print(
+        "| conns | front end | req/s | vs direct | p50 ms | p99 ms | front-end CPU us/req "
+        "| errors |"
     )
-    print(header)
-    print("|" + "---|" * (header.count("|") - 1))
-    for conc, via, direct, cpu_us in rows:
-        rate_via = via["requests"] / via["seconds"]
-        rate_direct = direct["requests"] / direct["seconds"]
+    print("|---|---|---|---|---|---|---|---|")
+    direct_rate = {c: r["requests"] / r["seconds"] for c, name, r in rows if name.startswith("d")}
+    for conc, name, result in sorted(rows, key=lambda row: row[0]):
+        rate = result["requests"] / result["seconds"]
+        cpu = f"{result['cpu_us']:.0f}" if "cpu_us" in result else "-"
         print(
-            f"| {conc} | {rate_via:,.0f} | {rate_direct:,.0f} | {rate_via / rate_direct:.2f} "
-            f"| {via['p50_ms']:.2f} | {direct['p50_ms']:.2f} | {via['p99_ms']:.2f} "
-            f"| {direct['p99_ms']:.2f} | {cpu_us:.0f} | {via['errors'] + direct['errors']} |"
+            f"| {conc} | {name} | {rate:,.0f} | {rate / direct_rate[conc]:.2f} "
+            f"| {result['p50_ms']:.2f} | {result['p99_ms']:.2f} | {cpu} | {result['errors']} |"
         )
 
 
