@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import os
 import re
 from collections.abc import Sequence
@@ -134,12 +135,20 @@ class Config:
         return self.name or self.app.partition(":")[0].rsplit(".", 1)[-1]
 
 
+def _version() -> str:
+    try:
+        return importlib.metadata.version("gym-proxy")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown (not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     """An argument parser with one option per Config field."""
     parser = argparse.ArgumentParser(
         prog="gym-proxy",
         description="Run one stateful environment server as N workers behind one port.",
     )
+    parser.add_argument("--version", action="version", version=f"gym-proxy {_version()}")
     for item in fields(Config):
         meta = item.metadata
         help_text = meta["help"]

@@ -104,6 +104,15 @@ def test_bad_flags_exit_with_one_line(args, message, tmp_path):
     assert list(tmp_path.iterdir()) == []  # nothing started, no runtime directory
 
 
+def test_version_and_help():
+    result = run_cli("--version")
+    assert result.returncode == 0 and result.stdout.startswith("gym-proxy 0.")
+    result = run_cli("--help")
+    assert result.returncode == 0
+    for flag in ("--workers", "--control-token", "--lease-grace", "--fd", "GYM_PROXY_SECRET"):
+        assert flag in result.stdout
+
+
 def test_port_in_use_fails_before_any_worker(tmp_path):
     taken = socket.socket()
     taken.bind(("127.0.0.1", 0))
