@@ -79,6 +79,7 @@ class Checkpointer:
 
     def on_lost(self, owner: str) -> None:
         self.readiness.forget(owner, lost_while_open=self.machine.is_open)
+        self.machine.unprepare()
 
     async def on_message(self, owner: str, message: dict[str, Any]) -> dict[str, Any] | None:
         kind = message["type"]

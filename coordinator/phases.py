@@ -115,6 +115,13 @@ class PhaseMachine:
         self.replies = {}
         return closed
 
+    def unprepare(self) -> None:
+        """Readiness was lost after prepare succeeded: back to preparing, and a retried
+        prepare waits again instead of returning the stale `prepared` reply."""
+        if self.phase == "prepared":
+            self.phase = "preparing"
+            self.replies.pop("prepare", None)
+
     def abandon(self) -> None:
         """Back to idle without remembering the ID (a restore that installed nothing)."""
         self.phase = "idle"

@@ -53,6 +53,9 @@ def test_lease_extends_and_expires():
     assert m.lease_expires_at == NOW + 6
     assert not m.lease_expired(NOW + 6)
     assert m.lease_expired(NOW + 6.1)
+    m.succeed("prepare", "prepared", {"phase": "prepared"})
+    m.unprepare()
+    assert m.phase == "preparing" and "prepare" not in m.replies
     m.abandon()
     assert m.phase == "idle" and "c" not in m.resumed
 

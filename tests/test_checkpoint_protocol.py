@@ -87,15 +87,20 @@ async def test_lost_worker_blocks_until_resume(start_proxy, http, tmp_path):
     hold.write_text("keep the replacement from registering")
     os.kill(status["workers"][0]["pid"], signal.SIGKILL)
 
-    # the prepare reply above was cached as prepared; status shows the lost worker
     await wait_until(
         lambda: _has_blocker(control, "worker-lost"), 10, "worker-lost in the blockers"
     )
+    # prepared no more: a retried prepare waits again and reports the loss
+    reply = await control.ok("prepare", checkpoint_id="lost", deadline_ts=time.time() + 0.5)
+    assert reply["phase"] == "preparing"
+    assert reply["report"]["blockers"] == ["workers-unreported:1", "worker-lost"]
     code, body = await control.call("commit", checkpoint_id="lost", checkpoint_dir=str(tmp_path))
     assert code == 409 and "worker-lost" in body["error"]["detail"]
     hold.unlink()
     await wait_until(lambda: _live_workers(control, 2), 20, "the slot to come back")
     assert await _has_blocker(control, "worker-lost")  # still blocked until resume
+    reply = await control.ok("prepare", checkpoint_id="lost", deadline_ts=time.time() + 0.5)
+    assert reply["phase"] == "preparing" and "worker-lost" in reply["report"]["blockers"]
     await control.ok("resume", checkpoint_id="lost")
     reply = await control.ok("prepare", checkpoint_id="after")
     assert reply["phase"] == "prepared"

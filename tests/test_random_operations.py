@@ -231,6 +231,8 @@ class Walk:
         self.model.held_back += 1
         if self.model.phase != "idle":
             self.model.lost = True
+        if self.model.phase == "prepared":
+            self.model.phase = "preparing"  # a lost worker undoes a successful prepare
         owner = victim["owner"]
         for sid in [s for s, (t, _) in self.model.sessions.items() if t.split(".")[2] == owner]:
             del self.model.sessions[sid]
