@@ -9,6 +9,7 @@ Reading also pauses while the worker side cannot take more body (back-pressure).
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -37,6 +38,7 @@ class ProxyState:
     now: float = 0.0  # coarse clock, advanced by the proxy's sweeper
     draining: bool = False
     drained: asyncio.Event | None = None  # set when draining and the last client closed
+    access_log: logging.Logger | None = None  # None: no per-request logging at all
 
 
 class ClientConnection(asyncio.Protocol):
@@ -53,6 +55,7 @@ class ClientConnection(asyncio.Protocol):
         "closed",
         "broken",
         "last_active",
+        "peer",
     )
 
     def __init__(self, state: ProxyState) -> None:
@@ -66,11 +69,15 @@ class ClientConnection(asyncio.Protocol):
         self.closed = False
         self.broken = False
         self.last_active = state.now
+        self.peer = "-"
 
     # ---- asyncio.Protocol ---------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
         self.state.clients.add(self)
+        if self.state.access_log is not None:
+            peer = transport.get_extra_info("peername")
+            self.peer = str(peer[0]) if isinstance(peer, tuple) else str(peer or "-")
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True

@@ -30,6 +30,7 @@ def option(
     positional: bool = False,
     choices: Sequence[str] | None = None,
     metavar: str | None = None,
+    flag: bool = False,
 ) -> Any:
     return field(
         default=default,
@@ -40,6 +41,7 @@ def option(
             "positional": positional,
             "choices": choices,
             "metavar": metavar,
+            "flag": flag,
         },
     )
 
@@ -99,6 +101,12 @@ class Config:
         type=float,
     )
     log_level: str = option("info", "log level", choices=LOG_LEVELS)
+    access_log: bool = option(
+        False,
+        "log one line per request to the gym_proxy.access logger (costs data-path CPU)",
+        type=bool,
+        flag=True,
+    )
 
     def validate(self) -> None:
         """Raise ConfigError for values that cannot work."""
@@ -154,10 +162,12 @@ def build_parser() -> argparse.ArgumentParser:
         help_text = meta["help"]
         if meta["env"]:
             help_text += f" [env {meta['env']}]"
-        if item.default is not MISSING and item.default is not None:
+        if item.default is not MISSING and item.default is not None and not meta["flag"]:
             help_text += f" (default: {item.default})"
         kwargs: dict[str, Any] = {"help": help_text, "default": None}
-        if meta["choices"]:
+        if meta["flag"]:
+            kwargs["action"] = "store_true"
+        elif meta["choices"]:
             kwargs["choices"] = meta["choices"]
         else:
             kwargs["type"] = meta["type"]

@@ -8,6 +8,8 @@ client connection when a response has already begun).
 
 from __future__ import annotations
 
+import logging
+import time
 from typing import TYPE_CHECKING
 
 from proxy import http_wire as wire
@@ -69,6 +71,8 @@ class Exchange:
         "upstream_keep_alive",
         "informational",
         "close_after",
+        "status",
+        "started",
     )
 
     def __init__(self, client: ClientConnection) -> None:
@@ -96,10 +100,14 @@ class Exchange:
         self.upstream_keep_alive = False
         self.informational = False
         self.close_after = False
+        self.status = 0
+        self.started = 0.0
 
     # ---- request side -------------------------------------------------------------
     def start(self) -> None:
         """Route the request and send it on; called when it heads the pipeline."""
+        if self.client.state.access_log is not None:
+            self.started = time.perf_counter()
         if self.error is not None:
             self.fail(*self.error)
             return
@@ -244,6 +252,7 @@ class Exchange:
             self.informational = True  # 1xx: we answered Expect ourselves; drop it
             return
         self.upstream_keep_alive = keep_alive
+        self.status = status
         client = self.client
         close = not self.keep_alive or client.state.draining
         parts = [b"HTTP/1.1 %d %s\r\n" % (status, reason or wire.reason_phrase(status))]
@@ -356,6 +365,7 @@ class Exchange:
         close = not self.keep_alive or not self.request_done or client.state.draining
         self.close_after = close
         self.response_started = True
+        self.status = status
         client.transport.write(
             wire.error_response(
                 status, code, detail, close=close, retry_after=retry_after, head_only=self.is_head
@@ -383,6 +393,8 @@ class Exchange:
             return
         self.finished = True
         self._detach(reuse)
+        if self.client.state.access_log is not None:
+            self._log_access(self.client.state.access_log)
         self.client.exchange_done(self)
 
     def abort(self) -> None:
@@ -390,3 +402,18 @@ class Exchange:
         if not self.finished:
             self.finished = True
             self._detach(reuse=False)
+            if self.client.state.access_log is not None:
+                self.status = self.status or 499  # nginx's "client closed request"
+                self._log_access(self.client.state.access_log)
+
+    def _log_access(self, logger: logging.Logger) -> None:
+        elapsed = (time.perf_counter() - self.started) * 1000 if self.started else 0.0
+        logger.info(
+            '%s "%s %s HTTP/%s" %d %.1fms',
+            self.client.peer,
+            self.method.decode("latin-1"),
+            self.url.decode("latin-1"),
+            self.version,
+            self.status,
+            elapsed,
+        )

@@ -67,6 +67,7 @@ async def run(config: Config, listen_sock: socket.socket, secret: bytes) -> int:
         upstream_timeout=config.upstream_timeout,
         keepalive_timeout=config.keepalive_timeout,
         now=loop.time(),
+        access_log=logging.getLogger("gym_proxy.access") if config.access_log else None,
     )
     supervisor = Supervisor(config, runtime_dir, coordinator_socket, router)
     checkpointer = Checkpointer(supervisor, config.instance, config.lease_grace)

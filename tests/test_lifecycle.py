@@ -166,3 +166,19 @@ def test_default_app_is_counter(tmp_path):
         proc.send_signal(signal.SIGINT)
         assert proc.wait(30) == 0
         listener.close()
+
+
+async def test_access_log(start_proxy, http):
+    proxy = start_proxy("--access-log", workers=1)
+    async with http.post(f"{proxy.url}/seed_session", json={"initial_count": 1}) as resp:
+        assert resp.status == 200
+    async with http.get(f"{proxy.url}/x", headers={"X-NeMo-Gym-Session-Token": "bad"}) as resp:
+        assert resp.status == 400
+
+    def logged() -> bool:
+        log = proxy.log()
+        return (
+            '127.0.0.1 "POST /seed_session HTTP/1.1" 200' in log and '"GET /x HTTP/1.1" 400' in log
+        )
+
+    wait_until_sync(logged, 10, "both requests in the access log")
