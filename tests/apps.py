@@ -11,7 +11,7 @@ from aiohttp import web
 
 from worker.counter import create_app as create_counter_app
 from worker.identity import WORKER_INFO, session_id, session_token
-from worker.participant import episode
+from worker.participant import PARTICIPANT_KIND, episode
 
 SEEN = web.AppKey("seen", list)
 GATES = web.AppKey("gates", dict)
@@ -148,6 +148,7 @@ def create_app() -> web.Application:
         while os.path.exists(hold) and time.monotonic() < deadline:
             time.sleep(0.05)
     app = create_counter_app()
+    app[PARTICIPANT_KIND] = os.environ.get("GYM_TEST_KIND", "resources")
     app.middlewares.append(record)
     app[SEEN] = []
     app[GATES] = {}

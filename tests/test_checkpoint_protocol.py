@@ -70,7 +70,8 @@ async def test_in_flight_request_blocks_until_done(participant, http):
     assert reply["report"]["blocker_count"] == 1
     status, body = await control.call("commit", checkpoint_id="busy", checkpoint_dir="/tmp/x")
     assert status == 409 and body["error"]["code"] == "invalid_phase"
-    assert (await slow).status == 200
+    async with await slow as resp:
+        assert resp.status == 200
     reply = await control.ok("prepare", checkpoint_id="busy")
     assert reply["phase"] == "prepared"
     await control.ok("resume", checkpoint_id="busy")

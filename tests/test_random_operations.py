@@ -330,7 +330,9 @@ class Walk:
         finally:
             for task in self.model.tasks:
                 task.cancel()
-            await asyncio.gather(*self.model.tasks, return_exceptions=True)
+            for result in await asyncio.gather(*self.model.tasks, return_exceptions=True):
+                if isinstance(result, aiohttp.ClientResponse):
+                    result.release()
             self.last_log = self.proxy.log()
             self.proxy.close()
 

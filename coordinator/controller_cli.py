@@ -1,0 +1,104 @@
+"""`gym-proxy-ctl`: checkpoint, restore, resume and retire one or more participants.
+
+    gym-proxy-ctl --server http://127.0.0.1:8000 status
+    gym-proxy-ctl --server URL1 --server URL2 checkpoint ck1 /ckpt/step-10
+    gym-proxy-ctl --server URL restore r1 /ckpt/step-10 --episode r7:0 --resume
+
+The token comes from `--token` or GYM_PROXY_CONTROL_TOKEN. Replies are printed as JSON;
+a refused call prints one line on stderr and exits 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import aiohttp
+import orjson
+
+from coordinator.controller import ControlFailed, Controller, Participant
+
+__all__ = ["main"]
+
+
+def _episode(text: str) -> dict[str, Any]:
+    rollout_id, _, attempt = text.rpartition(":")
+    if not rollout_id or not attempt.isdigit():
+        raise argparse.ArgumentTypeError(f"episode must be ROLLOUT_ID:ATTEMPT, got {text!r}")
+    return {"rollout_id": rollout_id, "attempt": int(attempt)}
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="gym-proxy-ctl", description=__doc__.splitlines()[0])
+    parser.add_argument("--server", action="append", required=True, help="participant URL")
+    parser.add_argument("--token", default=os.environ.get("GYM_PROXY_CONTROL_TOKEN"))
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds per operation")
+    commands = parser.add_subparsers(dest="command", required=True)
+    commands.add_parser("status")
+    for name in ("checkpoint", "restore"):
+        command = commands.add_parser(name)
+        command.add_argument("checkpoint_id")
+        command.add_argument("checkpoint_dir")
+        command.add_argument("--episode", type=_episode, action="append", default=None)
+    commands.choices["checkpoint"].add_argument(
+        "--keep-open", action="store_true", help="do not resume after commit"
+    )
+    commands.choices["restore"].add_argument(
+        "--resume", action="store_true", help="resume right after the restore"
+    )
+    commands.add_parser("resume").add_argument("checkpoint_id")
+    retire = commands.add_parser("retire")
+    retire.add_argument("checkpoint_id")
+    retire.add_argument("--episode", type=_episode, action="append", required=True)
+    return parser
+
+
+async def _run(args: argparse.Namespace) -> Any:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as http:
+        controller = Controller(
+            [Participant(url, args.token, http) for url in args.server], timeout=args.timeout
+        )
+        if args.command == "status":
+            return await controller.status()
+        if args.command == "resume":
+            await controller.resume(args.checkpoint_id)
+            return {"resumed": args.checkpoint_id}
+        await controller.learn_kinds()
+        if args.command == "checkpoint":
+            if args.keep_open:
+                await controller.prepare(args.checkpoint_id)
+                return await controller.commit(
+                    args.checkpoint_id, args.checkpoint_dir, args.episode
+                )
+            return await controller.checkpoint(
+                args.checkpoint_id, args.checkpoint_dir, args.episode
+            )
+        if args.command == "restore":
+            replies = await controller.restore(
+                args.checkpoint_id, args.checkpoint_dir, args.episode or []
+            )
+            if args.resume:
+                await controller.resume(args.checkpoint_id)
+            return replies
+        await controller.retire(args.checkpoint_id, args.episode)
+        return {"retired": args.episode}
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Console entry point."""
+    args = _parser().parse_args(argv)
+    if not args.token:
+        print(
+            "gym-proxy-ctl: error: --token or GYM_PROXY_CONTROL_TOKEN is required", file=sys.stderr
+        )
+        sys.exit(2)
+    try:
+        result = asyncio.run(_run(args))
+    except ControlFailed as exc:
+        print(f"gym-proxy-ctl: {exc}", file=sys.stderr)
+        sys.exit(1)
+    sys.stdout.write(orjson.dumps(result, option=orjson.OPT_INDENT_2).decode() + "\n")
