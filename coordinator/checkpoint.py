@@ -267,18 +267,14 @@ class Checkpointer:
             }
             try:
                 await self._gather(live, "close", checkpoint_id=checkpoint_id)
-                await asyncio.gather(
-                    *(
-                        w.channel.request("install", sessions=placement.records[w.owner])
-                        for w in live
-                    )
+                await self._gather(
+                    live, "install", lambda w: {"sessions": placement.records[w.owner]}
                 )
                 await self._gather(live, "tables", **tables)
-            except (ChannelClosed, RemoteError) as exc:
+            except ControlError as exc:
                 await self._rollback(live)
-                raise ControlError(
-                    409, "invalid_phase", f"restore failed on a worker, nothing installed: {exc}"
-                ) from exc
+                detail = f"{exc.detail}; nothing was installed"
+                raise ControlError(exc.status, exc.code, detail) from exc
             self.workers.set_tables(placement.aliases, placement.sessions)
             self.pending = pending
             self.restored_once = True
@@ -374,12 +370,21 @@ class Checkpointer:
                 replies.append((worker.owner, result))
         return replies
 
-    async def _gather(self, live: list[LiveWorker], message: str, **fields: Any) -> list[dict]:
+    async def _gather(
+        self,
+        live: list[LiveWorker],
+        message: str,
+        per_worker: Callable[[LiveWorker], dict[str, Any]] | None = None,
+        **fields: Any,
+    ) -> list[dict]:
+        """Send to every worker in `live` at once; any failure refuses the whole call."""
+        requests = [
+            w.channel.request(message, **fields, **(per_worker(w) if per_worker else {}))
+            for w in live
+        ]
         try:
-            return list(await asyncio.gather(*(w.channel.request(message, **fields) for w in live)))
+            return list(await asyncio.gather(*requests))
         except (ChannelClosed, RemoteError) as exc:
-            if message in ("install", "tables", "close"):
-                raise
             raise ControlError(
                 409, "invalid_phase", f"{message} failed on a worker: {exc}"
             ) from exc

@@ -91,7 +91,3 @@ class Readiness:
                 await asyncio.wait_for(self._changed.wait(), remaining)
             except TimeoutError:
                 return
-
-    def notify(self) -> None:
-        """Wake waiters (the phase changed under them)."""
-        self._changed.set()

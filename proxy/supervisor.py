@@ -191,7 +191,7 @@ class Supervisor:
         self.reconcile()
 
     # ---- coordinator callbacks ------------------------------------------------------
-    def on_register(self, message: dict[str, Any], channel: Channel) -> dict[str, Any]:
+    def on_register(self, message: dict[str, Any], channel: Channel) -> None:
         """Accept a worker's `register` if it is the incarnation the slot expects."""
         slot_index = message.get("slot")
         if not isinstance(slot_index, int) or not 0 <= slot_index < len(self.slots):
@@ -209,7 +209,6 @@ class Supervisor:
         log.info("worker %d registered (owner %s)", slot_index, worker.owner)
         if all(s.worker is not None and s.worker.state == "live" for s in self.slots):
             self._registered.set()
-        return {}
 
     def on_lost(self, owner: str) -> None:
         """A worker's channel ended: stop routing to it at once (its sessions get 410)."""

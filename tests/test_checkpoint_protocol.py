@@ -59,11 +59,7 @@ async def test_in_flight_request_blocks_until_done(participant, http):
     )
     sid = token.split(".")[1]
 
-    async def running():
-        status = await control.ok("status")
-        return sum(w["in_flight"] for w in status["workers"]) == 1
-
-    await wait_until(running, 10, "the slow request to be in flight")
+    await wait_until(lambda: _in_flight(control, 1), 10, "the slow request to be in flight")
     reply = await control.ok("prepare", checkpoint_id="busy", deadline_ts=time.time() + 0.5)
     assert reply["phase"] == "preparing"
     assert reply["report"]["blockers"] == [f"session:{sid}"]
@@ -79,11 +75,7 @@ async def test_in_flight_request_blocks_until_done(participant, http):
 
 async def test_lost_worker_blocks_until_resume(start_proxy, http, tmp_path):
     hold = tmp_path / "hold"
-    proxy = start_proxy(
-        workers=2, control_token=CONTROL_TOKEN, env={"GYM_TEST_HOLD_FILE": str(hold)}
-    )
-    control = Control(http, proxy.url)
-    status = await control.ok("status")
+    control, status = await _held_participant(start_proxy, http, hold)
     await control.ok("prepare", checkpoint_id="lost")
     hold.write_text("keep the replacement from registering")
     os.kill(status["workers"][0]["pid"], signal.SIGKILL)
@@ -116,13 +108,22 @@ async def _live_workers(control, count):
     return len((await control.ok("status"))["workers"]) == count
 
 
-async def test_missing_worker_blocks_prepare(start_proxy, http, tmp_path):
-    hold = tmp_path / "hold"
+async def _in_flight(control, count):
+    return sum(w["in_flight"] for w in (await control.ok("status"))["workers"]) == count
+
+
+async def _held_participant(start_proxy, http, hold):
+    """Two workers whose replacements wait while `hold` exists; returns (control, status)."""
     proxy = start_proxy(
         workers=2, control_token=CONTROL_TOKEN, env={"GYM_TEST_HOLD_FILE": str(hold)}
     )
     control = Control(http, proxy.url)
-    status = await control.ok("status")
+    return control, await control.ok("status")
+
+
+async def test_missing_worker_blocks_prepare(start_proxy, http, tmp_path):
+    hold = tmp_path / "hold"
+    control, status = await _held_participant(start_proxy, http, hold)
     hold.write_text("hold")
     os.kill(status["workers"][1]["pid"], signal.SIGKILL)
     await wait_until(lambda: _live_workers(control, 1), 10, "the worker to be gone")
@@ -299,11 +300,7 @@ async def test_retire_cancels_and_frees_an_attempt(participant, http):
         )
     )
 
-    async def running():
-        status = await control.ok("status")
-        return sum(w["in_flight"] for w in status["workers"]) == 1
-
-    await wait_until(running, 10, "the episode to run")
+    await wait_until(lambda: _in_flight(control, 1), 10, "the episode to run")
     await control.ok("prepare", checkpoint_id="open")
     code, body = await control.call(
         "retire", checkpoint_id="x", episode_ids=[{"rollout_id": "ret", "attempt": 0}]
