@@ -1,34 +1,47 @@
 """Request/reply over one framed coordinator connection (both ends use this class).
 
-Incoming requests are handled one at a time in arrival order, so a reply to a request is
-always written before anything the handler of a *later* message writes. Handlers must be
-quick and must not await a request on the same channel (they would wait on themselves);
-long work belongs in a task of its own.
+- Every request has a deadline (`within` seconds): a peer that stops answering (a SIGSTOPped
+  worker, a blocked event loop) costs the caller that long and no longer; the late reply
+  is dropped when it comes.
+- Incoming requests are handled one at a time, in arrival order, on a task of their own,
+  so a reply to a request is written before anything the handler of a *later* request
+  writes, while the reader keeps reading.
+- `ping` is answered by the reader itself, never queued behind a long handler: it tells
+  whether the peer's event loop runs, which is what liveness is about.
+- An error reply carries `{code, detail}` and is raised again as the same `GymError`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
+from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from coordinator.errors import GymError
 from coordinator.framing import FramingError, encode_frame, read_frame
 
-__all__ = ["Channel", "ChannelClosed", "RemoteError", "Handler"]
+__all__ = ["Channel", "ChannelClosed", "ChannelTimeout", "RemoteError", "Handler", "PING"]
 
 log = logging.getLogger("gym_proxy.channel")
 
 Handler = Callable[[dict[str, Any]], Awaitable[dict[str, Any] | None]]
+PING = "ping"
 
 
 class ChannelClosed(ConnectionError):
     """The connection ended before a reply arrived."""
 
 
-class RemoteError(Exception):
-    """The peer answered a request with an `error` reply."""
+class ChannelTimeout(TimeoutError):
+    """The peer did not reply within the request's deadline."""
+
+
+class RemoteError(GymError):
+    """The peer answered a request with an `error` reply (its code and detail)."""
 
 
 class Channel:
@@ -45,43 +58,62 @@ class Channel:
         self._handler = handler
         self._ids = itertools.count(1)
         self._pending: dict[int, asyncio.Future[dict[str, Any]]] = {}
+        self._inbox: deque[dict[str, Any]] = deque()
+        self._dispatcher: asyncio.Task[None] | None = None
         self._closed = False
 
     @property
     def closed(self) -> bool:
         return self._closed
 
-    async def request(self, type_: str, **fields: Any) -> dict[str, Any]:
-        """Send a request and return the peer's `ok` reply; raise on error or close."""
+    async def request(
+        self, type_: str, within: float | None = None, **fields: Any
+    ) -> dict[str, Any]:
+        """Send a request and return the peer's `ok` reply.
+
+        Raises ChannelClosed, ChannelTimeout (after `within` seconds; None waits for as
+        long as the channel lives) or RemoteError.
+        """
         if self._closed:
             raise ChannelClosed("channel is closed")
         request_id = next(self._ids)
         future: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         self._pending[request_id] = future
         try:
-            await self.send({"type": type_, "id": request_id, **fields})
-            reply = await future
+            self.send_nowait({"type": type_, "id": request_id, **fields})
+            try:
+                reply = await asyncio.wait_for(future, within)
+            except TimeoutError:
+                raise ChannelTimeout(f"no reply to {type_} within {within:.3g} s") from None
         finally:
             self._pending.pop(request_id, None)
         if reply["type"] == "error":
-            raise RemoteError(str(reply.get("message", "error")))
+            raise RemoteError(
+                str(reply.get("code", "internal_error")), str(reply.get("detail", "error"))
+            )
         return reply
 
-    async def send(self, message: dict[str, Any]) -> None:
-        """Write one message (a notification, or a reply) and wait for buffer room."""
+    def send_nowait(self, message: dict[str, Any]) -> None:
+        """Queue one message for writing (the transport buffers; nothing is awaited)."""
         if self._closed:
             raise ChannelClosed("channel is closed")
         try:
             self._writer.write(encode_frame(message))
+        except (ConnectionError, RuntimeError) as exc:  # one failure type: the peer is gone
+            self.close()
+            raise ChannelClosed(f"channel write failed: {exc}") from exc
+
+    async def send(self, message: dict[str, Any]) -> None:
+        """Write one message and wait for buffer room."""
+        self.send_nowait(message)
+        try:
             await self._writer.drain()
-        except ChannelClosed:
-            raise
-        except ConnectionError as exc:  # one failure type for callers: the peer is gone
+        except ConnectionError as exc:
             self.close()
             raise ChannelClosed(f"channel write failed: {exc}") from exc
 
     async def serve(self) -> None:
-        """Read until the peer closes; resolves replies and answers requests in order."""
+        """Read until the peer closes; resolve replies, answer pings, queue requests."""
         try:
             while True:
                 message = await read_frame(self._reader)
@@ -92,8 +124,12 @@ class Channel:
                     future = self._pending.get(message.get("id"))  # type: ignore[arg-type]
                     if future is not None and not future.done():
                         future.set_result(message)
-                    continue
-                await self._dispatch(message)
+                elif kind == PING:
+                    self.send_nowait({"type": "ok", "id": message.get("id")})
+                else:
+                    self._inbox.append(message)
+                    if self._dispatcher is None or self._dispatcher.done():
+                        self._dispatcher = asyncio.ensure_future(self._dispatch_all())
         except FramingError as exc:
             log.error("coordinator channel dropped: %s", exc)
         except (ConnectionError, asyncio.IncompleteReadError):
@@ -101,21 +137,26 @@ class Channel:
         finally:
             self.close()
 
+    async def _dispatch_all(self) -> None:
+        inbox = self._inbox
+        while inbox and not self._closed:
+            await self._dispatch(inbox.popleft())
+
     async def _dispatch(self, message: dict[str, Any]) -> None:
         request_id = message.get("id")
         try:
             reply = await self._handler(message)
+        except GymError as exc:
+            reply_msg: dict[str, Any] = {"type": "error", "code": exc.code, "detail": exc.detail}
         except Exception as exc:  # the peer gets the failure as a reply, not a dead channel
-            log.debug("handler for %s failed", message["type"], exc_info=True)
-            reply_msg: dict[str, Any] = {"type": "error", "message": f"{type(exc).__name__}: {exc}"}
+            log.exception("handler for %s failed", message["type"])
+            reply_msg = {"type": "error", "code": "internal_error", "detail": repr(exc)}
         else:
             reply_msg = {"type": "ok", **(reply or {})}
         if request_id is not None:
             reply_msg["id"] = request_id
-            try:
-                await self.send(reply_msg)
-            except ConnectionError:
-                pass
+            with contextlib.suppress(ChannelClosed):
+                self.send_nowait(reply_msg)
 
     def close(self) -> None:
         """Close the connection and fail every request still waiting for a reply."""
@@ -126,4 +167,7 @@ class Channel:
             if not future.done():
                 future.set_exception(ChannelClosed("channel closed before the reply"))
         self._pending.clear()
+        self._inbox.clear()
+        if self._dispatcher is not None and self._dispatcher is not asyncio.current_task():
+            self._dispatcher.cancel()
         self._writer.close()

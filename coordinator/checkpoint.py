@@ -3,29 +3,42 @@
 It drives the phase machine (`coordinator.phases`), talks to every worker over its
 channel, writes and verifies checkpoint files (`coordinator.records`), places restored
 sessions (`coordinator.placement`) and holds restored episode records until exactly one
-worker claims each. Control operations run one at a time under a lock, except the wait
-of `prepare` for readiness, which a `resume` may cut short.
+worker claims each.
+
+No worker can hang a control call: every request to a worker is bounded by the call's
+`deadline_ts`. Prepare sends `close` without waiting for the replies (a worker that does
+not answer stays a blocker) and answers `preparing` at its deadline. Commit, restore and
+retire run one at a time under a lock and fail with `deadline_exceeded` when a worker
+does not answer in time (a failed restore rolls back). A resume never waits behind them:
+it cancels a running commit or restore of its checkpoint (the commit's file write is
+stopped before its manifest is published), then reopens every live worker at once.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from coordinator import records as files
-from coordinator.channel import Channel, ChannelClosed, RemoteError
+from coordinator.channel import Channel, ChannelClosed, ChannelTimeout, RemoteError
 from coordinator.episode_ids import EpisodeId, parse_episode_key
-from coordinator.phases import ControlError, PhaseMachine
+from coordinator.errors import GymError
+from coordinator.phases import PhaseMachine
 from coordinator.placement import place
 from coordinator.reports import Readiness
 
 __all__ = ["LiveWorker", "WorkerView", "Checkpointer"]
 
 log = logging.getLogger("gym_proxy.coordinator")
+
+# A resume or a rollback does not wait longer than this for a worker's acknowledgement:
+# a worker that does not answer gets the message when it wakes, or is restarted open.
+REOPEN_WAIT = 2.0
 
 
 @dataclass(frozen=True)
@@ -52,6 +65,18 @@ class WorkerView(Protocol):
 
 
 @dataclass(eq=False)
+class _Write:
+    """The file write of one commit: runs in a thread, outlives a commit that timed out
+    (a retry awaits it), and is stopped before publishing when the checkpoint resumes."""
+
+    checkpoint_id: str
+    target: tuple[str, tuple[str, ...] | None]  # (checkpoint_dir, scope) it was asked for
+    task: asyncio.Future[dict[str, Any]]
+    abort: threading.Event
+    records: list[dict[str, Any]]
+
+
+@dataclass(eq=False)
 class Checkpointer:
     workers: WorkerView
     instance: str
@@ -63,6 +88,9 @@ class Checkpointer:
     pending: dict[str, tuple[int, dict[str, Any]]] = field(default_factory=dict)
     restored_once: bool = False
     _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    _op: tuple[str, asyncio.Task[Any]] | None = None
+    _write: _Write | None = None
+    _sends: set[asyncio.Future[Any]] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         self.machine = PhaseMachine(self.lease_grace)
@@ -89,18 +117,18 @@ class Checkpointer:
             return None
         if kind == "claim":
             return self._claim(message)
-        raise ValueError(f"unknown message type {kind!r}")
+        raise GymError("invalid_request", f"unknown message type {kind!r}")
 
     def _claim(self, message: dict[str, Any]) -> dict[str, Any]:
-        # Synchronous on purpose: the reply is written before any later message.
+        # Synchronous on purpose: the record is taken and the reply written in one step.
         if self.machine.is_open:
-            raise ValueError("checkpoint_parked: claims wait until the checkpoint resumes")
+            raise GymError("checkpoint_parked", "claims wait until the checkpoint resumes")
         rollout_id, attempt = str(message["rollout_id"]), int(message["attempt"])
         held = self.pending.get(rollout_id)
         if held is None:
-            raise ValueError(f"stale_attempt: {rollout_id} has no unclaimed restored record")
+            raise GymError("stale_attempt", f"{rollout_id} has no unclaimed restored record")
         if held[0] != attempt:
-            raise ValueError(f"stale_attempt: {rollout_id} continues only as attempt {held[0]}")
+            raise GymError("stale_attempt", f"{rollout_id} continues only as attempt {held[0]}")
         del self.pending[rollout_id]
         return {"state": held[1].get("state")}
 
@@ -142,8 +170,7 @@ class Checkpointer:
             if not self.machine.is_open:
                 self.machine.open(checkpoint_id, "preparing", deadline_ts)
                 self.readiness.reset()
-                for owner, reply in await self._broadcast("close", checkpoint_id=checkpoint_id):
-                    self.readiness.update(owner, reply["report"])
+                self._send_close(checkpoint_id, deadline_ts)
             else:
                 self.machine.extend(deadline_ts)
         await self.readiness.wait_ready(
@@ -152,7 +179,7 @@ class Checkpointer:
         )
         async with self._lock:
             if self.machine.checkpoint_id != checkpoint_id:
-                raise ControlError(409, "stale_checkpoint", "the checkpoint was resumed")
+                raise GymError("stale_checkpoint", "the checkpoint was resumed")
             if "prepare" in self.machine.replies:
                 return self.machine.replies["prepare"]
             report = self._report()
@@ -162,6 +189,28 @@ class Checkpointer:
                 "prepare", "prepared", {"phase": "prepared", "report": report}
             )
 
+    def _send_close(self, checkpoint_id: str, deadline_ts: float) -> None:
+        """Close every live worker; each reply lands in readiness when it comes."""
+        timeout = max(0.0, deadline_ts - self.clock())
+        for worker in self.workers.live():
+            sent = asyncio.ensure_future(
+                worker.channel.request("close", within=timeout, checkpoint_id=checkpoint_id)
+            )
+            self._sends.add(sent)
+            sent.add_done_callback(self._sends.discard)
+            sent.add_done_callback(
+                lambda done, w=worker: self._closed(w, checkpoint_id, done)  # type: ignore[misc]
+            )
+
+    def _closed(self, worker: LiveWorker, checkpoint_id: str, done: asyncio.Future[Any]) -> None:
+        if done.cancelled():
+            return
+        exc = done.exception()
+        if exc is not None:
+            log.warning("close to worker %d failed: %s", worker.slot, exc)
+        elif self.machine.checkpoint_id == checkpoint_id:
+            self.readiness.update(worker.owner, done.result()["report"])
+
     async def commit(
         self,
         checkpoint_id: str,
@@ -169,59 +218,109 @@ class Checkpointer:
         checkpoint_dir: str,
         episode_ids: list[EpisodeId] | None,
     ) -> dict[str, Any]:
-        async with self._lock:
-            cached = self.machine.check("commit", checkpoint_id, deadline_ts, self.clock())
-            if cached is not None:
-                return cached
-            live = self.workers.live()
+        return await self._exclusive(
+            checkpoint_id,
+            lambda: self._commit(checkpoint_id, deadline_ts, checkpoint_dir, episode_ids),
+        )
+
+    async def _commit(
+        self,
+        checkpoint_id: str,
+        deadline_ts: float,
+        checkpoint_dir: str,
+        episode_ids: list[EpisodeId] | None,
+    ) -> dict[str, Any]:
+        cached = self.machine.check("commit", checkpoint_id, deadline_ts, self.clock())
+        if cached is not None:
+            return cached
+        scope = None if episode_ids is None else tuple(sorted({e.key for e in episode_ids}))
+        live = self.workers.live()
+        write = self._write
+        if write is not None and write.task.done() and not _succeeded(write.task):
+            write = self._write = None  # the write failed: this retry exports again
+        if write is None:
             report = self._report(live)
             if not report["ready"]:
                 blockers = ", ".join(report["blockers"][:5])
-                raise ControlError(409, "invalid_phase", f"participant is not ready: {blockers}")
-            scope = None if episode_ids is None else sorted({e.key for e in episode_ids})
-            replies = await self._gather(live, "export", checkpoint_id=checkpoint_id, scope=scope)
-            records = [r for reply in replies for r in reply["records"]]
-            keep = None if scope is None else set(scope)
-            for rollout_id, (attempt, record) in list(self.pending.items()):
-                if keep is None or EpisodeId(rollout_id, attempt).key in keep:
-                    records.append({**record, "attempt": attempt})
-            owners = {w.owner for w in live}
-            session_owners = {o: o for o in owners}
-            session_owners.update(
-                {old: new for old, new in self.workers.aliases().items() if new in owners}
+                raise GymError("invalid_phase", f"participant is not ready: {blockers}")
+            write = await self._start_write(checkpoint_id, checkpoint_dir, scope, live, deadline_ts)
+        elif write.target != (checkpoint_dir, scope):
+            raise GymError(
+                "checkpoint_conflict", "a retried commit must name the same directory and scope"
             )
-            placed = {s: o for s, o in self.workers.placed_sessions().items() if o in owners}
-            base = files.checkpoint_path(checkpoint_dir, self._kind(), self.instance)
-            try:
-                manifest = await asyncio.to_thread(
-                    files.write,
-                    base,
-                    kind=self._kind(),
-                    instance=self.instance,
-                    checkpoint_id=checkpoint_id,
-                    records=records,
-                    session_owners=session_owners,
-                    placed_sessions=placed,
-                )
-            except files.InvalidCheckpoint as exc:
-                raise ControlError(409, "invalid_checkpoint_state", str(exc)) from exc
-            except OSError as exc:
-                raise ControlError(500, "checkpoint_write_failed", str(exc)) from exc
-            if keep is not None:
-                await self._gather(live, "release", keep=sorted(keep))
-                for rollout_id, (attempt, _) in list(self.pending.items()):
-                    if EpisodeId(rollout_id, attempt).key not in keep:
-                        del self.pending[rollout_id]
-            exported = [
-                {"rollout_id": r["rollout_id"], "attempt": r["attempt"]}
-                for r in records
-                if r["type"] == "episode"
-            ]
-            return self.machine.succeed(
-                "commit",
-                "committed",
-                {"phase": "committed", "manifest": manifest, "episode_ids": exported},
+        try:
+            manifest = await asyncio.wait_for(
+                asyncio.shield(write.task), self._remaining(deadline_ts, "the checkpoint write")
             )
+        except TimeoutError:
+            raise GymError(
+                "deadline_exceeded",
+                "the checkpoint write did not finish by deadline_ts; a retry waits for it",
+            ) from None
+        except files.InvalidCheckpoint as exc:
+            raise GymError("invalid_checkpoint_state", str(exc)) from exc
+        except OSError as exc:
+            detail = f"cannot write the checkpoint: {exc}"
+            raise GymError("checkpoint_write_failed", detail) from exc
+        if scope is not None:
+            keep = set(scope)
+            await self._gather(live, "release", deadline_ts, keep=sorted(keep))
+            for rollout_id, (attempt, _) in list(self.pending.items()):
+                if EpisodeId(rollout_id, attempt).key not in keep:
+                    del self.pending[rollout_id]
+        exported = [
+            {"rollout_id": r["rollout_id"], "attempt": r["attempt"]}
+            for r in write.records
+            if r["type"] == "episode"
+        ]
+        return self.machine.succeed(
+            "commit",
+            "committed",
+            {"phase": "committed", "manifest": manifest, "episode_ids": exported},
+        )
+
+    async def _start_write(
+        self,
+        checkpoint_id: str,
+        checkpoint_dir: str,
+        scope: tuple[str, ...] | None,
+        live: list[LiveWorker],
+        deadline_ts: float,
+    ) -> _Write:
+        replies = await self._gather(
+            live,
+            "export",
+            deadline_ts,
+            checkpoint_id=checkpoint_id,
+            scope=None if scope is None else list(scope),
+        )
+        records = [r for reply in replies for r in reply["records"]]
+        keep = None if scope is None else set(scope)
+        for rollout_id, (attempt, record) in list(self.pending.items()):
+            if keep is None or EpisodeId(rollout_id, attempt).key in keep:
+                records.append({**record, "attempt": attempt})
+        owners = {w.owner for w in live}
+        session_owners = {o: o for o in owners}
+        session_owners.update(
+            {old: new for old, new in self.workers.aliases().items() if new in owners}
+        )
+        placed = {s: o for s, o in self.workers.placed_sessions().items() if o in owners}
+        abort = threading.Event()
+        task = asyncio.ensure_future(
+            asyncio.to_thread(
+                files.write,
+                files.checkpoint_path(checkpoint_dir, self._kind(), self.instance),
+                kind=self._kind(),
+                instance=self.instance,
+                checkpoint_id=checkpoint_id,
+                records=records,
+                extras={"session_owners": session_owners, "placed_sessions": placed},
+                abort=abort,
+            )
+        )
+        task.add_done_callback(_retrieve)
+        self._write = _Write(checkpoint_id, (checkpoint_dir, scope), task, abort, records)
+        return self._write
 
     async def restore(
         self,
@@ -230,78 +329,98 @@ class Checkpointer:
         checkpoint_dir: str,
         episode_ids: list[EpisodeId],
     ) -> dict[str, Any]:
-        async with self._lock:
-            cached = self.machine.check("restore", checkpoint_id, deadline_ts, self.clock())
-            if cached is not None:
-                return cached
-            if self.restored_once:
-                raise ControlError(409, "invalid_phase", "restore needs freshly started workers")
-            live = self.workers.live()
-            if len(live) < self.workers.expected:
-                raise ControlError(
-                    409,
-                    "invalid_phase",
-                    f"workers-unreported:{self.workers.expected - len(live)}",
-                )
-            base = files.checkpoint_path(checkpoint_dir, self._kind(), self.instance)
-            try:
-                manifest, records = await asyncio.to_thread(
-                    files.read, base, kind=self._kind(), instance=self.instance
-                )
-            except files.InvalidCheckpoint as exc:
-                raise ControlError(422, "invalid_checkpoint_state", str(exc)) from exc
-            sessions, episodes = _select(records, {e.key for e in episode_ids})
-            placement = place(
-                sessions,
-                manifest["session_owners"],
-                manifest["placed_sessions"],
-                [w.owner for w in live],
+        return await self._exclusive(
+            checkpoint_id,
+            lambda: self._restore(checkpoint_id, deadline_ts, checkpoint_dir, episode_ids),
+        )
+
+    async def _restore(
+        self,
+        checkpoint_id: str,
+        deadline_ts: float,
+        checkpoint_dir: str,
+        episode_ids: list[EpisodeId],
+    ) -> dict[str, Any]:
+        cached = self.machine.check("restore", checkpoint_id, deadline_ts, self.clock())
+        if cached is not None:
+            return cached
+        if self.restored_once:
+            raise GymError("invalid_phase", "restore needs freshly started workers")
+        live = self.workers.live()
+        if len(live) < self.workers.expected:
+            missing = self.workers.expected - len(live)
+            raise GymError("invalid_phase", f"workers-unreported:{missing}")
+        base = files.checkpoint_path(checkpoint_dir, self._kind(), self.instance)
+        try:
+            manifest, records = await asyncio.wait_for(
+                asyncio.to_thread(files.read, base, kind=self._kind(), instance=self.instance),
+                self._remaining(deadline_ts, "reading the checkpoint"),
             )
-            pending = {r["rollout_id"]: (r["attempt"] + 1, r) for r in episodes}
-            self.machine.open(checkpoint_id, "restored", deadline_ts)
-            self.readiness.reset()
-            tables = {
-                "aliases": placement.aliases,
-                "sessions": placement.sessions,
-                "pending": {rid: attempt for rid, (attempt, _) in pending.items()},
-            }
-            try:
-                await self._gather(live, "close", checkpoint_id=checkpoint_id)
-                await self._gather(
-                    live, "install", lambda w: {"sessions": placement.records[w.owner]}
-                )
-                await self._gather(live, "tables", **tables)
-            except ControlError as exc:
-                await self._rollback(live)
-                detail = f"{exc.detail}; nothing was installed"
-                raise ControlError(exc.status, exc.code, detail) from exc
-            self.workers.set_tables(placement.aliases, placement.sessions)
-            self.pending = pending
-            self.restored_once = True
-            reply = {
-                "phase": "restored",
-                "source_checkpoint_id": manifest["checkpoint_id"],
-                "restored": sorted(EpisodeId(rid, a).key for rid, (a, _) in pending.items()),
-            }
-            return self.machine.succeed("restore", "restored", reply)
+        except TimeoutError:
+            raise GymError(
+                "deadline_exceeded", "reading the checkpoint did not finish by deadline_ts"
+            ) from None
+        except files.InvalidCheckpoint as exc:
+            raise GymError("invalid_checkpoint_state", str(exc)) from exc
+        sessions, episodes = _select(records, {e.key for e in episode_ids})
+        placement = place(
+            sessions,
+            manifest["session_owners"],
+            manifest["placed_sessions"],
+            [w.owner for w in live],
+        )
+        pending = {r["rollout_id"]: (r["attempt"] + 1, r) for r in episodes}
+        self.machine.open(checkpoint_id, "restored", deadline_ts)
+        self.readiness.reset()
+        tables = {
+            "aliases": placement.aliases,
+            "sessions": placement.sessions,
+            "pending": {rid: attempt for rid, (attempt, _) in pending.items()},
+        }
+        try:
+            await self._gather(live, "close", deadline_ts, checkpoint_id=checkpoint_id)
+            await self._gather(
+                live, "install", deadline_ts, lambda w: {"sessions": placement.records[w.owner]}
+            )
+            await self._gather(live, "tables", deadline_ts, **tables)
+        except GymError as exc:
+            await self._rollback(live)
+            raise GymError(exc.code, f"{exc.detail}; nothing was installed") from exc
+        except BaseException:
+            await self._rollback(live)  # cancelled by a resume: undo, then let it go on
+            raise
+        self.workers.set_tables(placement.aliases, placement.sessions)
+        self.pending = pending
+        self.restored_once = True
+        reply = {
+            "phase": "restored",
+            "source_checkpoint_id": manifest["checkpoint_id"],
+            "restored": sorted(EpisodeId(rid, a).key for rid, (a, _) in pending.items()),
+        }
+        return self.machine.succeed("restore", "restored", reply)
 
     async def _rollback(self, live: list[LiveWorker]) -> None:
         empty = {"aliases": {}, "sessions": {}, "pending": {}}
-        for worker in live:
+
+        async def undo(worker: LiveWorker) -> None:
             for message, fields in (("uninstall", {}), ("tables", empty), ("reopen", {})):
                 try:
-                    await worker.channel.request(message, **fields)
-                except (ChannelClosed, RemoteError):
-                    pass
+                    await worker.channel.request(message, within=REOPEN_WAIT, **fields)
+                except (ChannelClosed, ChannelTimeout, RemoteError) as exc:
+                    log.warning("rollback %s on worker %d failed: %s", message, worker.slot, exc)
+
+        await asyncio.gather(*(undo(w) for w in live))
         self.machine.abandon()
 
     async def renew(self, checkpoint_id: str, deadline_ts: float) -> dict[str, Any]:
-        async with self._lock:
-            self.machine.check("renew", checkpoint_id, deadline_ts, self.clock())
-            self.machine.extend(deadline_ts)
-            return {"phase": self.machine.phase, "lease_expires_at": self.machine.lease_expires_at}
+        # Never behind the lock: only the lease moves.
+        self.machine.check("renew", checkpoint_id, deadline_ts, self.clock())
+        self.machine.extend(deadline_ts)
+        return {"phase": self.machine.phase, "lease_expires_at": self.machine.lease_expires_at}
 
     async def resume(self, checkpoint_id: str, deadline_ts: float) -> dict[str, Any]:
+        if self.machine.checkpoint_id == checkpoint_id:
+            await self._stop_work(checkpoint_id)
         async with self._lock:
             cached = self.machine.check("resume", checkpoint_id, deadline_ts, self.clock())
             if cached is not None:
@@ -309,23 +428,44 @@ class Checkpointer:
             await self._reopen()
             return {"phase": "idle", "idempotent": False}
 
+    async def _stop_work(self, checkpoint_id: str) -> None:
+        """Stop a commit or restore of `checkpoint_id` that is running (resume wins)."""
+        op = self._op
+        if op is not None and op[0] == checkpoint_id and not op[1].done():
+            op[1].cancel()
+            await asyncio.wait({op[1]})
+        write = self._write
+        if write is not None and write.checkpoint_id == checkpoint_id:
+            write.abort.set()
+            await asyncio.wait({write.task})  # after this, no manifest can appear
+
     async def _reopen(self) -> None:
+        write = self._write
+        if write is not None:
+            write.abort.set()
+            await asyncio.wait({write.task})
+            self._write = None
         self.machine.close()
         self.readiness.reset()
-        await self._broadcast("reopen")
+        live = self.workers.live()
+        results = await asyncio.gather(
+            *(w.channel.request("reopen", within=REOPEN_WAIT) for w in live),
+            return_exceptions=True,
+        )
+        for worker, result in zip(live, results, strict=True):
+            if isinstance(result, BaseException):
+                log.warning("reopen of worker %d failed: %s", worker.slot, result)
 
     async def retire(
         self, checkpoint_id: str, deadline_ts: float, episode_ids: list[EpisodeId]
     ) -> dict[str, Any]:
         async with self._lock:
             if self.machine.is_open:
-                raise ControlError(
-                    409, "invalid_phase", "retire is refused while a checkpoint is open"
-                )
+                raise GymError("invalid_phase", "retire is refused while a checkpoint is open")
             if deadline_ts <= self.clock():
-                raise ControlError(409, "deadline_exceeded", "deadline_ts is already in the past")
+                raise GymError("deadline_exceeded", "deadline_ts is already in the past")
             keys = sorted({e.key for e in episode_ids})
-            await self._gather(self.workers.live(), "retire", episodes=keys)
+            await self._gather(self.workers.live(), "retire", deadline_ts, episodes=keys)
             for episode in episode_ids:
                 held = self.pending.get(episode.rollout_id)
                 if held is not None and held[0] == episode.attempt:
@@ -334,6 +474,10 @@ class Checkpointer:
 
     async def expire_lease(self) -> bool:
         """Resume by itself when the lease ran out; True if it did."""
+        checkpoint_id = self.machine.checkpoint_id
+        if checkpoint_id is None or not self.machine.lease_expired(self.clock()):
+            return False
+        await self._stop_work(checkpoint_id)
         async with self._lock:
             if not self.machine.lease_expired(self.clock()):
                 return False
@@ -342,9 +486,34 @@ class Checkpointer:
             return True
 
     # ---- helpers ------------------------------------------------------------------
+    async def _exclusive(
+        self, checkpoint_id: str, operation: Callable[[], Awaitable[dict[str, Any]]]
+    ) -> dict[str, Any]:
+        """Run one operation under the lock, as a task a resume of its checkpoint cancels."""
+        async with self._lock:
+            task = asyncio.ensure_future(operation())
+            self._op = (checkpoint_id, task)
+            try:
+                return await task
+            except asyncio.CancelledError:
+                current = asyncio.current_task()
+                if task.cancelled() and current is not None and not current.cancelling():
+                    raise GymError(
+                        "stale_checkpoint", "the checkpoint was resumed while this call ran"
+                    ) from None
+                raise
+            finally:
+                self._op = None
+
+    def _remaining(self, deadline_ts: float, what: str) -> float:
+        left = deadline_ts - self.clock()
+        if left <= 0:
+            raise GymError("deadline_exceeded", f"deadline_ts passed before {what}")
+        return left
+
     def _kind(self) -> str:
         if self.kind is None:
-            raise ControlError(409, "invalid_phase", "no worker has registered yet")
+            raise GymError("invalid_phase", "no worker has registered yet")
         return self.kind
 
     def _tables(self) -> dict[str, Any]:
@@ -354,40 +523,48 @@ class Checkpointer:
             "pending": {rid: attempt for rid, (attempt, _) in self.pending.items()},
         }
 
-    async def _broadcast(self, message: str, **fields: Any) -> list[tuple[str, dict]]:
-        """Send to every live worker; one that fails shows up as lost, not as an error."""
-        live = self.workers.live()
-        results = await asyncio.gather(
-            *(w.channel.request(message, **fields) for w in live), return_exceptions=True
-        )
-        replies = []
-        for worker, result in zip(live, results, strict=True):
-            if isinstance(result, ChannelClosed | RemoteError):
-                log.warning("%s to worker %d failed: %s", message, worker.slot, result)
-            elif isinstance(result, BaseException):
-                raise result
-            else:
-                replies.append((worker.owner, result))
-        return replies
-
     async def _gather(
         self,
         live: list[LiveWorker],
         message: str,
+        deadline_ts: float,
         per_worker: Callable[[LiveWorker], dict[str, Any]] | None = None,
         **fields: Any,
-    ) -> list[dict]:
+    ) -> list[dict[str, Any]]:
         """Send to every worker in `live` at once; any failure refuses the whole call."""
-        requests = [
-            w.channel.request(message, **fields, **(per_worker(w) if per_worker else {}))
-            for w in live
-        ]
-        try:
-            return list(await asyncio.gather(*requests))
-        except (ChannelClosed, RemoteError) as exc:
-            raise ControlError(
-                409, "invalid_phase", f"{message} failed on a worker: {exc}"
-            ) from exc
+        timeout = self._remaining(deadline_ts, message)
+        results = await asyncio.gather(
+            *(
+                w.channel.request(
+                    message, within=timeout, **fields, **(per_worker(w) if per_worker else {})
+                )
+                for w in live
+            ),
+            return_exceptions=True,
+        )
+        for worker, result in zip(live, results, strict=True):
+            if isinstance(result, ChannelTimeout):
+                raise GymError(
+                    "deadline_exceeded",
+                    f"worker {worker.slot} did not answer {message} by deadline_ts",
+                )
+            if isinstance(result, ChannelClosed):
+                raise GymError("invalid_phase", f"worker {worker.slot} was lost during {message}")
+            if isinstance(result, RemoteError):
+                raise GymError(result.code, f"{message} on worker {worker.slot}: {result.detail}")
+            if isinstance(result, BaseException):
+                raise result
+        return results  # type: ignore[return-value]
+
+
+def _succeeded(task: asyncio.Future[Any]) -> bool:
+    return not task.cancelled() and task.exception() is None
+
+
+def _retrieve(task: asyncio.Future[Any]) -> None:
+    """A write nobody awaits any more (its commit timed out) must not log 'never retrieved'."""
+    if not task.cancelled():
+        task.exception()
 
 
 def _select(

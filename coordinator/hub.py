@@ -82,7 +82,8 @@ class Coordinator:
         except RegistrationRefused as exc:
             log.error("registration refused: %s", exc)
             with contextlib.suppress(ConnectionError):
-                await channel.send({"type": "error", "id": first["id"], "message": str(exc)})
+                refusal = {"type": "error", "code": "invalid_request", "detail": str(exc)}
+                await channel.send({**refusal, "id": first["id"]})
             channel.close()
             return
         self.channels[owner] = channel

@@ -16,21 +16,13 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["ControlError", "PhaseMachine", "CHECKPOINT_ID", "OPEN_PHASES"]
+from coordinator.errors import GymError
+
+__all__ = ["PhaseMachine", "CHECKPOINT_ID", "OPEN_PHASES"]
 
 CHECKPOINT_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}\Z")
 OPEN_PHASES = frozenset({"preparing", "prepared", "committed", "restored"})
 _REMEMBERED_RESUMES = 256
-
-
-class ControlError(Exception):
-    """A control call that must be refused: HTTP status, error code, detail."""
-
-    def __init__(self, status: int, code: str, detail: str) -> None:
-        super().__init__(detail)
-        self.status = status
-        self.code = code
-        self.detail = detail
 
 
 @dataclass
@@ -51,25 +43,23 @@ class PhaseMachine:
     def check(self, op: str, checkpoint_id: str, deadline_ts: float, now: float) -> dict | None:
         """Validate `op`; return a reply to send again (retry), None to go on, or raise."""
         if not CHECKPOINT_ID.match(checkpoint_id):
-            raise ControlError(400, "invalid_request", "checkpoint_id is malformed")
+            raise GymError("invalid_request", "checkpoint_id is malformed")
         if op != "resume" and deadline_ts <= now:
-            raise ControlError(409, "deadline_exceeded", "deadline_ts is already in the past")
+            raise GymError("deadline_exceeded", "deadline_ts is already in the past")
         if checkpoint_id == self.checkpoint_id and op in self.replies:
             return self.replies[op]
         if not self.is_open:
             if op == "resume":
                 return {"phase": "idle", "idempotent": True}
             if checkpoint_id in self.resumed:
-                raise ControlError(
-                    409, "stale_checkpoint", f"checkpoint {checkpoint_id} was already resumed"
+                raise GymError(
+                    "stale_checkpoint", f"checkpoint {checkpoint_id} was already resumed"
                 )
             if op in ("prepare", "restore"):
                 return None
-            raise ControlError(409, "invalid_phase", f"{op} needs an open checkpoint")
+            raise GymError("invalid_phase", f"{op} needs an open checkpoint")
         if checkpoint_id != self.checkpoint_id:
-            raise ControlError(
-                409, "checkpoint_conflict", f"checkpoint {self.checkpoint_id} is open"
-            )
+            raise GymError("checkpoint_conflict", f"checkpoint {self.checkpoint_id} is open")
         allowed = {
             "prepare": ("preparing", "prepared"),
             "commit": ("preparing", "prepared"),
@@ -78,7 +68,7 @@ class PhaseMachine:
             "restore": (),
         }[op]
         if self.phase not in allowed:
-            raise ControlError(409, "invalid_phase", f"{op} is not allowed in phase {self.phase}")
+            raise GymError("invalid_phase", f"{op} is not allowed in phase {self.phase}")
         return None
 
     def open(self, checkpoint_id: str, phase: str, deadline_ts: float) -> None:

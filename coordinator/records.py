@@ -5,10 +5,14 @@
 - `manifest.json`: written to a temp file, fsynced, then hard-linked into place, which
   fails if a manifest exists, so a manifest is never replaced; then the directory is
   fsynced. The manifest appearing is the commit point: a crash before it leaves at most
-  an orphan records file, and the previous checkpoint is untouched.
+  an orphan records file, and the previous checkpoint is untouched. A failed write
+  (disk full) removes its temp files and the records file it created.
+- A commit onto an existing manifest with identical content returns that manifest; with
+  other content it fails (and removes the records file it wrote).
 
-Restore reads the manifest and the whole records file and verifies schema, kind,
-instance, digest and record count before anything is installed.
+Restore opens regular files only (never blocking on a FIFO or a device), and verifies
+schema, kind, instance, digest, record count and the type of every field of the
+manifest and of every record before anything is installed.
 """
 
 from __future__ import annotations
@@ -17,23 +21,39 @@ import hashlib
 import os
 import re
 import secrets
+import stat
+import threading
 from pathlib import Path
 from typing import Any
 
 import orjson
 
 from coordinator import failpoints
+from coordinator.phases import CHECKPOINT_ID
+from proxy.session_tokens import is_valid_id
 
-__all__ = ["SCHEMA_VERSION", "InvalidCheckpoint", "checkpoint_path", "write", "read"]
+__all__ = [
+    "SCHEMA_VERSION",
+    "InvalidCheckpoint",
+    "WriteAborted",
+    "checkpoint_path",
+    "write",
+    "read",
+    "validate_record",
+]
 
 SCHEMA_VERSION = 1
 MANIFEST = "manifest.json"
 _RECORDS_NAME = re.compile(r"records-([0-9a-f]{64})\.jsonl\Z")
-_RECORD_TYPES = frozenset({"session", "episode"})
+_MANIFEST_LIMIT = 256 * 1024 * 1024
 
 
 class InvalidCheckpoint(Exception):
     """The checkpoint is missing, corrupt or belongs to another server."""
+
+
+class WriteAborted(Exception):
+    """A resume stopped the write before the manifest was published."""
 
 
 def checkpoint_path(checkpoint_dir: str, kind: str, instance: str) -> Path:
@@ -42,7 +62,7 @@ def checkpoint_path(checkpoint_dir: str, kind: str, instance: str) -> Path:
 
 
 def _write_durably(path: Path, data: bytes) -> None:
-    with open(path, "wb") as out:
+    with open(path, "xb") as out:
         out.write(data)
         out.flush()
         os.fsync(out.fileno())
@@ -56,6 +76,13 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _unlink(path: Path) -> None:
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        pass
+
+
 def write(
     base: Path,
     *,
@@ -63,48 +90,142 @@ def write(
     instance: str,
     checkpoint_id: str,
     records: list[dict[str, Any]],
-    session_owners: dict[str, str],
-    placed_sessions: dict[str, str],
+    extras: dict[str, Any],
+    abort: threading.Event | None = None,
 ) -> dict[str, Any]:
-    """Write the records file then the manifest; return the manifest."""
+    """Write the records file then the manifest; return the manifest that is in place.
+
+    Raises OSError (nothing of this write is left behind), InvalidCheckpoint (another
+    manifest with other content is there) or WriteAborted (`abort` was set first).
+    """
     base.mkdir(parents=True, exist_ok=True)
     data = b"".join(orjson.dumps(r, option=orjson.OPT_APPEND_NEWLINE) for r in records)
     digest = hashlib.sha256(data).hexdigest()
-    records_file = f"records-{digest}.jsonl"
-    temp = base / f".{records_file}.{secrets.token_hex(4)}.tmp"
-    _write_durably(temp, data)
-    os.replace(temp, base / records_file)
-    failpoints.hit("after-records")
+    records_file = base / f"records-{digest}.jsonl"
     manifest = {
         "schema_version": SCHEMA_VERSION,
         "kind": kind,
         "instance": instance,
         "checkpoint_id": checkpoint_id,
-        "records_file": records_file,
+        "records_file": records_file.name,
         "records_sha256": digest,
         "record_count": len(records),
-        "session_owners": session_owners,
-        "placed_sessions": placed_sessions,
+        **extras,
     }
-    temp = base / f".{MANIFEST}.{secrets.token_hex(4)}.tmp"
-    _write_durably(temp, orjson.dumps(manifest, option=orjson.OPT_INDENT_2))
+    created = not records_file.exists()
+    temp = base / f".{records_file.name}.{secrets.token_hex(4)}.tmp"
+    published = False
     try:
-        os.link(temp, base / MANIFEST)
-    except FileExistsError as exc:
-        raise InvalidCheckpoint(f"{base / MANIFEST} already exists; it is never replaced") from exc
+        if created:
+            try:
+                _write_durably(temp, data)
+                os.replace(temp, records_file)
+            finally:
+                _unlink(temp)
+        failpoints.hit("after-records")
+        if abort is not None and abort.is_set():
+            raise WriteAborted("resumed before the manifest was published")
+        temp = base / f".{MANIFEST}.{secrets.token_hex(4)}.tmp"
+        try:
+            _write_durably(temp, orjson.dumps(manifest, option=orjson.OPT_INDENT_2))
+            os.link(temp, base / MANIFEST)
+            published = True
+        except FileExistsError:
+            existing = _existing_manifest(base)
+            if existing != manifest:
+                raise InvalidCheckpoint(
+                    f"{base / MANIFEST} already exists with other content; it is never replaced"
+                ) from None
+            published = True  # the same commit, written before: it stands
+            return existing
+        finally:
+            _unlink(temp)
+        _fsync_dir(base)
+        return manifest
     finally:
-        temp.unlink()
-    _fsync_dir(base)
-    return manifest
+        if created and not published:
+            _unlink(records_file)
+
+
+def _existing_manifest(base: Path) -> dict[str, Any] | None:
+    try:
+        return orjson.loads(_read_regular(base / MANIFEST, _MANIFEST_LIMIT))
+    except (OSError, InvalidCheckpoint, orjson.JSONDecodeError):
+        return None
+
+
+def _read_regular(path: Path, limit: int | None = None) -> bytes:
+    """The bytes of a regular file; InvalidCheckpoint for anything else (never blocks)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError as exc:
+        raise InvalidCheckpoint(f"{path} does not exist") from exc
+    except OSError as exc:
+        raise InvalidCheckpoint(f"cannot open {path}: {exc.strerror}") from exc
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise InvalidCheckpoint(f"{path} is not a regular file")
+        if limit is not None and info.st_size > limit:
+            raise InvalidCheckpoint(f"{path} is larger than {limit} bytes")
+        with os.fdopen(fd, "rb", closefd=False) as handle:
+            return handle.read()
+    except OSError as exc:
+        raise InvalidCheckpoint(f"cannot read {path}: {exc.strerror}") from exc
+    finally:
+        os.close(fd)
+
+
+def _id_map(manifest: dict[str, Any], key: str, keys_are: str) -> dict[str, str]:
+    value = manifest.get(key, {})
+    if not isinstance(value, dict):
+        raise InvalidCheckpoint(f"manifest field {key} is not an object")
+    for name, target in value.items():
+        if not is_valid_id(name) or not isinstance(target, str) or not is_valid_id(target):
+            raise InvalidCheckpoint(
+                f"manifest field {key} must map {keys_are} IDs to owner IDs "
+                f"(1-64 of A-Z a-z 0-9 _ -); found {name!r}: {target!r}"
+            )
+    return value
+
+
+def validate_record(record: Any) -> str | None:
+    """What is wrong with one record (None when it can be installed as it is)."""
+    if not isinstance(record, dict):
+        return "is not a JSON object"
+    kind = record.get("type")
+    if kind == "session":
+        session_id = record.get("session_id")
+        if not isinstance(session_id, str) or not is_valid_id(session_id):
+            return "has no valid session_id (1-64 of A-Z a-z 0-9 _ -)"
+        owner = record.get("owner")
+        if owner is not None and (not isinstance(owner, str) or not is_valid_id(owner)):
+            return "has an owner that is neither null nor an owner ID"
+        episode = record.get("episode")
+        if episode is not None and (not isinstance(episode, str) or not episode):
+            return "has an episode that is neither null nor an episode key"
+        return None
+    if kind == "episode":
+        rollout_id = record.get("rollout_id")
+        if not isinstance(rollout_id, str) or not rollout_id:
+            return "has no rollout_id (a non-empty string)"
+        attempt = record.get("attempt")
+        if not isinstance(attempt, int) or isinstance(attempt, bool) or attempt < 0:
+            return "has no attempt (a non-negative integer)"
+        return None
+    return f"has unknown type {kind!r}"
 
 
 def read(base: Path, *, kind: str, instance: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """Load and verify a checkpoint; raise InvalidCheckpoint on any doubt."""
+    path = base / MANIFEST
     try:
-        manifest = orjson.loads((base / MANIFEST).read_bytes())
-    except FileNotFoundError as exc:
-        raise InvalidCheckpoint(f"no manifest at {base / MANIFEST}") from exc
-    except (OSError, orjson.JSONDecodeError) as exc:
+        manifest = orjson.loads(_read_regular(path, _MANIFEST_LIMIT))
+    except InvalidCheckpoint as exc:
+        if not path.exists():
+            raise InvalidCheckpoint(f"no manifest at {path}") from exc
+        raise
+    except orjson.JSONDecodeError as exc:
         raise InvalidCheckpoint(f"unreadable manifest: {exc}") from exc
     if not isinstance(manifest, dict):
         raise InvalidCheckpoint("manifest is not a JSON object")
@@ -115,32 +236,33 @@ def read(base: Path, *, kind: str, instance: str) -> tuple[dict[str, Any], list[
             f"checkpoint belongs to {manifest.get('kind')}/{manifest.get('instance')}, "
             f"not {kind}/{instance}"
         )
+    checkpoint_id = manifest.get("checkpoint_id")
+    if not isinstance(checkpoint_id, str) or not CHECKPOINT_ID.match(checkpoint_id):
+        raise InvalidCheckpoint("manifest has no valid checkpoint_id")
     name = manifest.get("records_file")
     match = _RECORDS_NAME.match(name) if isinstance(name, str) else None
     digest = manifest.get("records_sha256")
     if match is None or match.group(1) != digest:
         raise InvalidCheckpoint("records_file does not name records-<records_sha256>.jsonl")
-    for key in ("session_owners", "placed_sessions"):
-        if not isinstance(manifest.get(key), dict):
-            raise InvalidCheckpoint(f"manifest field {key} is not an object")
-    try:
-        data = (base / name).read_bytes()
-    except OSError as exc:
-        raise InvalidCheckpoint(f"cannot read {name}: {exc}") from exc
+    count = manifest.get("record_count")
+    if not isinstance(count, int) or isinstance(count, bool) or count < 0:
+        raise InvalidCheckpoint("manifest record_count is not a non-negative integer")
+    manifest["session_owners"] = _id_map(manifest, "session_owners", "owner")
+    manifest["placed_sessions"] = _id_map(manifest, "placed_sessions", "session")
+    data = _read_regular(base / name)
     if hashlib.sha256(data).hexdigest() != digest:
         raise InvalidCheckpoint(f"{name} does not match records_sha256")
     lines = data.splitlines()
-    if len(lines) != manifest.get("record_count"):
-        raise InvalidCheckpoint(
-            f"{name} holds {len(lines)} records, manifest says {manifest.get('record_count')}"
-        )
+    if len(lines) != count:
+        raise InvalidCheckpoint(f"{name} holds {len(lines)} records, manifest says {count}")
     records = []
     for number, line in enumerate(lines, 1):
         try:
             record = orjson.loads(line)
         except orjson.JSONDecodeError as exc:
             raise InvalidCheckpoint(f"{name} line {number} is not JSON") from exc
-        if not isinstance(record, dict) or record.get("type") not in _RECORD_TYPES:
-            raise InvalidCheckpoint(f"{name} line {number} is not a record")
+        problem = validate_record(record)
+        if problem is not None:
+            raise InvalidCheckpoint(f"{name} line {number} {problem}")
         records.append(record)
     return manifest, records

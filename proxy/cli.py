@@ -18,7 +18,14 @@ from collections.abc import Sequence
 
 import uvloop
 
-from proxy.config import Config, ConfigError, config_from_args
+from proxy.config import (
+    SECRET_ENV,
+    Config,
+    ConfigError,
+    config_from_args,
+    secrets_on_command_line,
+)
+from proxy.runtime_dir import ensure_parent
 from proxy.server import run
 from worker.app_loading import AppLoadError, import_app_target
 
@@ -68,14 +75,26 @@ def main(argv: Sequence[str] | None = None) -> None:
         level=config.log_level.upper(),
         format="%(asctime)s gym-proxy %(levelname)s %(message)s",
     )
+    log = logging.getLogger("gym_proxy")
+    for flag in secrets_on_command_line(sys.argv[1:] if argv is None else argv):
+        log.warning(
+            "%s on the command line is visible to every local user; use %s-file", flag, flag
+        )
+    # Read once; workers never see them (they do not need them) and neither does anyone
+    # reading this process's environment later.
+    for name in SECRET_ENV:
+        os.environ.pop(name, None)
     try:
         import_app_target(config.app, config.app_dir)
     except AppLoadError as exc:
         _fail(str(exc))
+    if config.runtime_dir is not None:
+        try:
+            ensure_parent(config.runtime_dir)
+        except OSError as exc:
+            _fail(f"--runtime-dir {config.runtime_dir}: {exc.strerror or exc}")
     if config.secret is None:
-        logging.getLogger("gym_proxy").warning(
-            "no --secret: using a random one, so session cookies do not survive a restart"
-        )
+        log.warning("no --secret: using a random one, so session cookies do not survive a restart")
         secret = secrets.token_bytes(32)
     else:
         secret = config.secret.encode()

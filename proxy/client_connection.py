@@ -4,6 +4,13 @@ Requests are parsed with llhttp (httptools). Pipelined requests are answered in 
 only the head of the pipeline talks to a worker; reading pauses while another request
 waits, so a client cannot make the proxy buffer more than one read of queued input.
 Reading also pauses while the worker side cannot take more body (back-pressure).
+
+Heads are bounded: a request line longer than `limit_request_line` is 414, a header
+block larger than `limit_request_head` is 431 (both then close). httptools buffers a
+header it has not finished whole, so besides the exact count from the callbacks, every
+read that lies entirely inside an unfinished head counts too: a header that never ends
+is cut off one read past the limit. A head not complete within `header_timeout` of its
+first byte (or of the connection's start) is 408, or closed silently if nothing came.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ from dataclasses import dataclass, field
 
 import httptools
 
+from coordinator.errors import GymError
 from proxy.exchange import Exchange
 from proxy.routing import Router, WorkerRoute
 from proxy.session_tokens import TokenCodec
@@ -23,6 +31,7 @@ __all__ = ["ProxyState", "ClientConnection"]
 
 _PAUSE_PIPELINE = 1
 _PAUSE_UPSTREAM = 2
+_HEAD_DETAIL = "the request header block is too large"
 
 
 @dataclass(eq=False)
@@ -34,6 +43,10 @@ class ProxyState:
     control: WorkerRoute
     upstream_timeout: float
     keepalive_timeout: float
+    header_timeout: float = 10.0
+    limit_request_line: int = 8190
+    limit_request_head: int = 65536
+    max_connections: int = 10000
     clients: set[ClientConnection] = field(default_factory=set)
     now: float = 0.0  # coarse clock, advanced by the proxy's sweeper
     draining: bool = False
@@ -56,6 +69,10 @@ class ClientConnection(asyncio.Protocol):
         "broken",
         "last_active",
         "peer",
+        "in_head",
+        "head_since",
+        "head_bytes",
+        "head_marks",
     )
 
     def __init__(self, state: ProxyState) -> None:
@@ -70,12 +87,22 @@ class ClientConnection(asyncio.Protocol):
         self.broken = False
         self.last_active = state.now
         self.peer = "-"
+        self.in_head = True  # between messages or inside a head (not inside a body)
+        self.head_since: float | None = state.now  # when the head being waited for began
+        self.head_bytes = 0  # bytes of the current head seen so far (a lower bound)
+        self.head_marks = 0  # message boundaries seen, to tell reads inside one head
 
     # ---- asyncio.Protocol ---------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
-        self.state.clients.add(self)
-        if self.state.access_log is not None:
+        state = self.state
+        if len(state.clients) >= state.max_connections:
+            # Over the cap: answer the first request 503 and close, so descriptors
+            # are given back at once instead of running out for everyone.
+            self.broken = True
+            self._refuse_connection()
+        state.clients.add(self)
+        if state.access_log is not None:
             peer = transport.get_extra_info("peername")
             self.peer = str(peer[0]) if isinstance(peer, tuple) else str(peer or "-")
 
@@ -96,12 +123,26 @@ class ClientConnection(asyncio.Protocol):
         self.last_active = self.state.now
         if self.broken:
             return
+        marks = self.head_marks
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
-            self._refuse(501, "upgrade_not_supported", "protocol upgrades are not proxied")
+            self._refuse("upgrade_not_supported", "protocol upgrades are not proxied")
+            return
+        except httptools.HttpParserCallbackError as exc:
+            refused = exc.__context__
+            if not isinstance(refused, GymError):
+                raise
+            self._refuse(refused.code, refused.detail)
+            return
         except httptools.HttpParserError as exc:
-            self._refuse(400, "bad_request", f"malformed HTTP request: {exc}")
+            self._refuse("bad_request", f"malformed HTTP request: {exc}")
+            return
+        if self.in_head and marks == self.head_marks and self.parsing is not None:
+            # This whole read lay inside one unfinished head (httptools buffers it).
+            self.head_bytes += len(data)
+            if self.head_bytes > self.state.limit_request_head and not self.broken:
+                self._refuse("headers_too_large", _HEAD_DETAIL)
 
     def eof_received(self) -> bool:
         # Like nginx without proxy_ignore_client_abort: a client that closed its side has
@@ -121,21 +162,34 @@ class ClientConnection(asyncio.Protocol):
     # ---- httptools callbacks ------------------------------------------------------
     def on_message_begin(self) -> None:
         self.parsing = Exchange(self)
+        self.head_marks += 1
+        self.head_bytes = 0
+        if self.head_since is None:
+            self.head_since = self.state.now
 
     def on_url(self, url: bytes) -> None:
-        self.parsing.url += url  # type: ignore[union-attr]
+        exchange = self.parsing
+        exchange.url += url  # type: ignore[union-attr]
+        if len(exchange.url) > self.state.limit_request_line:  # type: ignore[union-attr]
+            raise GymError("uri_too_long", "the request line is too long")
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self.parsing.headers.append((name, value))  # type: ignore[union-attr]
+        self.head_bytes += len(name) + len(value) + 4
+        if self.head_bytes > self.state.limit_request_head:
+            raise GymError("headers_too_large", _HEAD_DETAIL)
 
     def on_headers_complete(self) -> None:
+        self.in_head = False
+        self.head_since = None
+        self.head_marks += 1
         exchange = self.parsing
         parser = self.parser
         exchange.method = parser.get_method()  # type: ignore[union-attr]
         exchange.version = parser.get_http_version()  # type: ignore[union-attr]
         exchange.keep_alive = parser.should_keep_alive()  # type: ignore[union-attr]
         if parser.should_upgrade():
-            exchange.error = (501, "upgrade_not_supported", "protocol upgrades are not proxied")  # type: ignore[union-attr]
+            exchange.error = ("upgrade_not_supported", "protocol upgrades are not proxied")  # type: ignore[union-attr]
             exchange.keep_alive = False  # type: ignore[union-attr]
         self.pipeline.append(exchange)  # type: ignore[arg-type]
         if len(self.pipeline) == 1:
@@ -149,6 +203,9 @@ class ClientConnection(asyncio.Protocol):
     def on_message_complete(self) -> None:
         exchange = self.parsing
         self.parsing = None
+        self.in_head = True
+        self.head_bytes = 0
+        self.head_marks += 1
         exchange.request_end()  # type: ignore[union-attr]
 
     # ---- used by Exchange ---------------------------------------------------------
@@ -188,7 +245,23 @@ class ClientConnection(asyncio.Protocol):
             self.closed = True
             self.transport.abort()
 
+    def head_timed_out(self) -> None:
+        """The head did not arrive within the header timeout (the sweep calls this)."""
+        self.head_since = None
+        if self.parsing is None and not self.pipeline:
+            self.close()  # not one byte of a request: nothing to answer
+        elif not self.broken:
+            self._refuse("request_timeout", "the request head did not arrive in time")
+
     # ---- internals ----------------------------------------------------------------
+    def _refuse_connection(self) -> None:
+        exchange = Exchange(self)
+        exchange.request_done = True
+        exchange.keep_alive = False
+        exchange.error = ("too_many_connections", "the proxy is at --max-connections")
+        self.pipeline.append(exchange)
+        exchange.start()
+
     def _pause(self, reason: int) -> None:
         if not self.read_pause and not self.closed:
             self.transport.pause_reading()
@@ -200,7 +273,7 @@ class ClientConnection(asyncio.Protocol):
             if not self.read_pause and not self.closed:
                 self.transport.resume_reading()
 
-    def _refuse(self, status: int, code: str, detail: str) -> None:
+    def _refuse(self, code: str, detail: str) -> None:
         """The byte stream is not HTTP we accept: answer once it is our turn, then close."""
         self.broken = True
         self._pause(_PAUSE_PIPELINE)
@@ -209,16 +282,16 @@ class ClientConnection(asyncio.Protocol):
             current.keep_alive = False
             current.request_done = True
             if current is not self.pipeline[0]:
-                current.error = (status, code, detail)
+                current.error = (code, detail)
             elif current.response_started:
                 self.abort()  # the broken request is the one being answered
             else:
-                current.fail(status, code, detail)
+                current.fail(code, detail)
             return
         exchange = Exchange(self)
         exchange.request_done = True
         exchange.keep_alive = False
-        exchange.error = (status, code, detail)
+        exchange.error = (code, detail)
         self.pipeline.append(exchange)
         if len(self.pipeline) == 1:
             exchange.start()

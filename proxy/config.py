@@ -10,7 +10,15 @@ from collections.abc import Sequence
 from dataclasses import MISSING, dataclass, field, fields, replace
 from typing import Any
 
-__all__ = ["Config", "ConfigError", "build_parser", "config_from_args", "DEFAULT_APP"]
+__all__ = [
+    "Config",
+    "ConfigError",
+    "build_parser",
+    "config_from_args",
+    "secrets_on_command_line",
+    "DEFAULT_APP",
+    "SECRET_ENV",
+]
 
 DEFAULT_APP = "worker.counter:create_app"
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
@@ -71,8 +79,12 @@ class Config:
     )
     secret: str | None = option(
         None,
-        "secret that signs session tokens; set it so cookies survive a restart",
+        "secret that signs session tokens; set it so cookies survive a restart "
+        "(prefer --secret-file: a flag is visible in the process list)",
         env="GYM_PROXY_SECRET",
+    )
+    secret_file: str | None = option(
+        None, "read the session-token secret from this file (surrounding whitespace ignored)"
     )
     graceful_timeout: float = option(
         30.0, "seconds in-flight requests get to finish on SIGTERM/SIGINT", type=float
@@ -85,12 +97,43 @@ class Config:
     keepalive_timeout: float = option(
         75.0, "seconds an idle client keep-alive connection is kept open", type=float
     )
+    header_timeout: float = option(
+        10.0,
+        "seconds a client gets to send a complete request head (408 after; 0: never)",
+        type=float,
+    )
+    limit_request_line: int = option(
+        8190, "longest request line (method, target, version) in bytes; 414 above", type=int
+    )
+    limit_request_headers: int = option(
+        65536, "largest request header block in bytes; 431 above", type=int
+    )
+    max_connections: int = option(
+        10000,
+        "open client connections at most; one more is answered 503 and closed",
+        type=int,
+    )
+    worker_timeout: float = option(
+        30.0,
+        "a worker that does not answer the supervisor's ping for this long is killed and "
+        "restarted (its sessions answer 410)",
+        type=float,
+    )
+    session_idle_ttl: float = option(
+        0.0,
+        "end sessions unused for this many seconds in the workers' session stores (0: never)",
+        type=float,
+    )
     boot_timeout: float = option(60.0, "seconds the workers get to start and register", type=float)
     backlog: int = option(2048, "listen backlog of the public port", type=int)
     control_token: str | None = option(
         None,
-        "bearer token for /ng-control/ checkpoint calls; unset, the server is not a participant",
+        "bearer token for /ng-control/ checkpoint calls; unset, the server is not a participant "
+        "(prefer --control-token-file)",
         env="GYM_PROXY_CONTROL_TOKEN",
+    )
+    control_token_file: str | None = option(
+        None, "read the control token from this file (surrounding whitespace ignored)"
     )
     name: str | None = option(
         None, "instance name in checkpoints (default: the APP module's last name)"
@@ -118,11 +161,23 @@ class Config:
             "graceful_timeout",
             "upstream_timeout",
             "keepalive_timeout",
+            "header_timeout",
             "boot_timeout",
             "lease_grace",
+            "session_idle_ttl",
         ):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"--{name.replace('_', '-')} must not be negative")
+            value = getattr(self, name)
+            if not 0 <= value < float("inf"):
+                raise ConfigError(f"--{name.replace('_', '-')} must be a non-negative number")
+        if not 0 < self.worker_timeout < float("inf"):
+            raise ConfigError("--worker-timeout must be a positive number")
+        for name, least in (
+            ("limit_request_line", 64),
+            ("limit_request_headers", 256),
+            ("max_connections", 1),
+        ):
+            if getattr(self, name) < least:
+                raise ConfigError(f"--{name.replace('_', '-')} must be at least {least}")
         if ":" not in self.app:
             raise ConfigError(f"APP must look like module:attr, got {self.app!r}")
         if self.secret is not None and not self.secret:
@@ -180,8 +235,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _read_secret_file(path: str, flag: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as handle:
+            value = handle.read().strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{flag} {path}: {getattr(exc, 'strerror', None) or exc}") from exc
+    if not value:
+        raise ConfigError(f"{flag} {path} is empty")
+    return value
+
+
 def config_from_args(argv: Sequence[str] | None = None) -> Config:
-    """Flags first, then environment variables, then defaults."""
+    """Flags first, then environment variables, then defaults; secret files are read."""
     namespace = build_parser().parse_args(argv)
     values: dict[str, Any] = {}
     for item in fields(Config):
@@ -194,6 +260,22 @@ def config_from_args(argv: Sequence[str] | None = None) -> Config:
                 raise ConfigError(f"environment variable {env}: {exc}") from exc
         if value is not None:
             values[item.name] = value
+    for name in ("secret", "control_token"):
+        path = values.get(f"{name}_file")
+        if path is not None:
+            flag = f"--{name.replace('_', '-')}"
+            if getattr(namespace, name) is not None:
+                raise ConfigError(f"{flag} and {flag}-file exclude each other")
+            values[name] = _read_secret_file(path, f"{flag}-file")
     config = replace(Config(), **values)
     config.validate()
     return config
+
+
+SECRET_ENV = ("GYM_PROXY_SECRET", "GYM_PROXY_CONTROL_TOKEN")
+
+
+def secrets_on_command_line(argv: Sequence[str]) -> list[str]:
+    """The secret-bearing flags given on the command line (visible in the process list)."""
+    flags = ("--secret", "--control-token")
+    return [f for f in flags if any(a == f or a.startswith(f + "=") for a in argv)]

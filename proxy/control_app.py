@@ -11,6 +11,8 @@ does the work.
 from __future__ import annotations
 
 import hmac
+import logging
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -19,7 +21,7 @@ from aiohttp import web
 
 from coordinator.checkpoint import Checkpointer
 from coordinator.episode_ids import EpisodeId
-from coordinator.phases import ControlError
+from coordinator.errors import GymError, error_body, status_of
 
 __all__ = ["create_control_app", "PREFIX"]
 
@@ -35,13 +37,17 @@ _FIELDS: dict[str, tuple[set[str], set[str]]] = {
     "retire": (_BASE | {"episode_ids"}, set()),
 }
 CHECKPOINTER = web.AppKey("gym_proxy_checkpointer", Checkpointer)
+# Controllers give deadlines of minutes; a day ahead is a bug, and would hold the lease
+# open (and admission closed) for as long.
+MAX_DEADLINE_AHEAD = 86400.0
+log = logging.getLogger("gym_proxy.control")
 
 
-def _error(status: int, code: str, detail: str) -> web.Response:
-    headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
+def _error(code: str, detail: str) -> web.Response:
+    headers = {"WWW-Authenticate": "Bearer"} if code == "unauthorized" else None
     return web.Response(
-        status=status,
-        body=orjson.dumps({"error": {"code": code, "detail": detail}}),
+        status=status_of(code),
+        body=error_body(code, detail),
         content_type="application/json",
         headers=headers,
     )
@@ -53,18 +59,18 @@ def _json(payload: dict[str, Any]) -> web.Response:
 
 def _episode_ids(value: Any) -> list[EpisodeId]:
     if not isinstance(value, list):
-        raise ControlError(400, "invalid_request", "episode_ids must be a list")
+        raise GymError("invalid_request", "episode_ids must be a list")
     result = []
     for item in value:
         if not isinstance(item, dict) or set(item) != {"rollout_id", "attempt"}:
-            raise ControlError(
-                400, "invalid_request", "each episode ID is {rollout_id, attempt}, nothing else"
+            raise GymError(
+                "invalid_request", "each episode ID is {rollout_id, attempt}, nothing else"
             )
         rollout_id, attempt = item["rollout_id"], item["attempt"]
         if not isinstance(rollout_id, str) or not rollout_id:
-            raise ControlError(400, "invalid_request", "rollout_id must be a non-empty string")
+            raise GymError("invalid_request", "rollout_id must be a non-empty string")
         if not isinstance(attempt, int) or isinstance(attempt, bool) or attempt < 0:
-            raise ControlError(400, "invalid_request", "attempt must be a non-negative integer")
+            raise GymError("invalid_request", "attempt must be a non-negative integer")
         result.append(EpisodeId(rollout_id, attempt))
     return result
 
@@ -73,25 +79,31 @@ async def _body(request: web.Request, op: str) -> dict[str, Any]:
     try:
         body = orjson.loads(await request.read())
     except orjson.JSONDecodeError as exc:
-        raise ControlError(400, "invalid_request", f"body is not JSON: {exc}") from exc
+        raise GymError("invalid_request", f"body is not JSON: {exc}") from exc
     if not isinstance(body, dict):
-        raise ControlError(400, "invalid_request", "body must be a JSON object")
+        raise GymError("invalid_request", "body must be a JSON object")
     required, optional = _FIELDS[op]
     unknown = set(body) - required - optional
     if unknown:
-        raise ControlError(400, "invalid_request", f"unknown fields: {', '.join(sorted(unknown))}")
+        raise GymError("invalid_request", f"unknown fields: {', '.join(sorted(unknown))}")
     missing = required - set(body)
     if missing:
-        raise ControlError(400, "invalid_request", f"missing fields: {', '.join(sorted(missing))}")
+        raise GymError("invalid_request", f"missing fields: {', '.join(sorted(missing))}")
     if not isinstance(body["checkpoint_id"], str):
-        raise ControlError(400, "invalid_request", "checkpoint_id must be a string")
+        raise GymError("invalid_request", "checkpoint_id must be a string")
     deadline = body["deadline_ts"]
     if not isinstance(deadline, int | float) or isinstance(deadline, bool):
-        raise ControlError(400, "invalid_request", "deadline_ts must be a number (Unix seconds)")
+        raise GymError("invalid_request", "deadline_ts must be a number (Unix seconds)")
+    if not deadline <= time.time() + MAX_DEADLINE_AHEAD:
+        raise GymError(
+            "invalid_request",
+            f"deadline_ts is more than {MAX_DEADLINE_AHEAD:.0f} s ahead (or not a number)",
+        )
+    directory = body.get("checkpoint_dir")
     if "checkpoint_dir" in body and (
-        not isinstance(body["checkpoint_dir"], str) or not body["checkpoint_dir"]
+        not isinstance(directory, str) or not directory or "\0" in directory
     ):
-        raise ControlError(400, "invalid_request", "checkpoint_dir must be a non-empty string")
+        raise GymError("invalid_request", "checkpoint_dir must be a non-empty path string")
     if body.get("episode_ids") is not None or "episode_ids" in required:
         body["episode_ids"] = _episode_ids(body.get("episode_ids"))
     return body
@@ -125,27 +137,31 @@ async def _status(request: web.Request) -> web.Response:
     return _json(request.app[CHECKPOINTER].status())
 
 
+_HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
+
+
 def _guard(token: str | None) -> Any:
     expected = token.encode() if token else b""
 
     @web.middleware
     async def guard(request: web.Request, handler: Any) -> web.StreamResponse:
         if not expected:
-            return _error(404, "not_found", "checkpoint control is not enabled on this server")
+            return _error("not_found", "checkpoint control is not enabled on this server")
         given = request.headers.get("Authorization", "")
         scheme, _, credential = given.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(
-            credential.strip().encode(), expected
-        ):
-            return _error(401, "unauthorized", "a valid bearer token is required")
+        # Header values may hold any byte (surrogate-escaped); they compare, never crash.
+        offered = credential.strip().encode("utf-8", "surrogateescape")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(offered, expected):
+            return _error("unauthorized", "a valid bearer token is required")
         try:
             return await handler(request)
-        except ControlError as exc:
-            return _error(exc.status, exc.code, exc.detail)
+        except GymError as exc:
+            return _error(exc.code, exc.detail)
         except web.HTTPException as exc:
-            return _error(
-                exc.status, "not_found" if exc.status == 404 else "invalid_request", exc.reason
-            )
+            return _error(_HTTP_CODES.get(exc.status, "invalid_request"), exc.reason)
+        except Exception:
+            log.exception("control call %s %s failed", request.method, request.path)
+            return _error("internal_error", "the control call failed; see the gym-proxy log")
 
     return guard
 

@@ -12,8 +12,10 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
+from coordinator.errors import GymError, status_of
 from proxy import http_wire as wire
-from proxy.routing import RouteError, WorkerRoute
+from proxy.request_head import rewrite_request_head
+from proxy.routing import WorkerRoute
 from proxy.session_tokens import TokenError, is_valid_id
 
 if TYPE_CHECKING:
@@ -25,22 +27,6 @@ __all__ = ["Exchange"]
 _CONTROL_PREFIX = b"/ng-control/"
 _ROLLOUT_PREFIX = b"/ng-rollout/"
 _NO_BODY_STATUS = frozenset({204, 304})
-# Request headers the router reads or rewrites; everything else not hop-by-hop passes.
-_COOKIE, _TOKEN, _OWNER, _DROP, _TE, _EXPECT, _CONNECTION, _HOST = range(8)
-_SPECIAL = {
-    b"cookie": _COOKIE,
-    wire.TOKEN_HEADER: _TOKEN,
-    wire.OWNER_HEADER: _OWNER,
-    b"transfer-encoding": _TE,
-    b"expect": _EXPECT,
-    b"connection": _CONNECTION,
-    b"host": _HOST,
-    **{
-        name: _DROP
-        for name in wire.HOP_BY_HOP | wire.IDENTITY_HEADERS
-        if name not in (b"transfer-encoding", b"connection")
-    },
-}
 
 
 class Exchange:
@@ -73,6 +59,7 @@ class Exchange:
         "close_after",
         "status",
         "started",
+        "routed_at",
     )
 
     def __init__(self, client: ClientConnection) -> None:
@@ -92,8 +79,8 @@ class Exchange:
         self.upstream: UpstreamConnection | None = None
         self.head = b""
         self.new_token: bytes | None = None
-        self.error: tuple[int, str, str] | None = None
-        self.pending_error: tuple[int, str, str, int | None] | None = None
+        self.error: tuple[str, str] | None = None  # (code, detail) decided before start
+        self.pending_error: tuple[str, str] | None = None
         self.response_started = False
         self.chunked_response = False
         self.until_eof = False
@@ -102,6 +89,7 @@ class Exchange:
         self.close_after = False
         self.status = 0
         self.started = 0.0
+        self.routed_at = 0.0  # coarse time the request was sent to a worker
 
     # ---- request side -------------------------------------------------------------
     def start(self) -> None:
@@ -112,55 +100,29 @@ class Exchange:
             self.fail(*self.error)
             return
         self.is_head = self.method == b"HEAD"
-        parts, token, cookie, hint = self._forwarded_headers()
+        try:
+            head = rewrite_request_head(self.method, self.url, self.version, self.headers)
+        except GymError as exc:
+            self.keep_alive = False
+            self.fail(exc.code, exc.detail)
+            return
+        self.chunked_request = head.chunked
+        self.expect_continue = head.expect_continue
+        parts = head.parts
         if self.url.startswith(_CONTROL_PREFIX):
             worker: WorkerRoute | None = self.client.state.control
         else:
-            worker = self._route_session(parts, token, cookie, hint)
+            worker = self._route_session(parts, head.token, head.cookie, head.owner_hint)
             if worker is None:
                 return  # answered with an error
-        if self.chunked_request:
-            parts.append(b"transfer-encoding: chunked\r\n")
-        parts.append(b"\r\n")
+        parts += (head.framing(), b"\r\n")
         self.head = b"".join(parts)
         worker.in_flight += 1
         self.worker = worker
+        self.routed_at = self.client.state.now
         if self.expect_continue and not self.request_done:
             self.client.transport.write(wire.CONTINUE_100)
         worker.pool.acquire(self)
-
-    def _forwarded_headers(self) -> tuple[list[bytes], bytes | None, bytes | None, bytes | None]:
-        """The request line and headers for the worker, plus the identity headers read."""
-        parts = [self.method, b" ", self.url, b" HTTP/1.1\r\n"]
-        token = cookie = hint = listed = None
-        host_seen = False
-        special = _SPECIAL
-        for name, value in self.headers:
-            kind = special.get(name.lower())
-            if kind is None:
-                parts += (name, b": ", value, b"\r\n")
-            elif kind == _COOKIE:
-                cookie = value
-                parts += (name, b": ", value, b"\r\n")
-            elif kind == _TOKEN:
-                token = value
-            elif kind == _OWNER:
-                hint = value
-                parts += (name, b": ", value, b"\r\n")
-            elif kind == _TE:
-                self.chunked_request = b"chunked" in value.lower()
-            elif kind == _EXPECT:
-                self.expect_continue = value.lower() == b"100-continue" and self.version != "1.0"
-            elif kind == _CONNECTION:
-                listed = wire.connection_listed(value)
-            elif kind == _HOST:
-                host_seen = True
-                parts += (name, b": ", value, b"\r\n")
-        if listed:
-            parts = wire.without_headers(parts, 4, listed)
-        if not host_seen:  # HTTP/1.0 clients may omit it; HTTP/1.1 to the worker needs it
-            parts += (b"host", b": ", b"gym-proxy", b"\r\n")
-        return parts, token, cookie, hint
 
     def _route_session(
         self, parts: list[bytes], token: bytes | None, cookie: bytes | None, hint: bytes | None
@@ -171,7 +133,7 @@ class Exchange:
             # /ng-rollout/<key>/rest: the app sees /rest, the runtime sees the key.
             key, rest = wire.split_rollout_path(self.url, len(_ROLLOUT_PREFIX))
             if not key:
-                self.fail(400, "bad_request", "/ng-rollout/ needs an episode key")
+                self.fail("bad_request", "/ng-rollout/ needs an episode key")
                 return None
             parts[2] = rest
             parts += (b"x-ng-episode-key: ", key, b"\r\n")
@@ -184,10 +146,10 @@ class Exchange:
                 raise TokenError("x-ng-session-owner is not a valid owner ID")
             route = state.router.route(identity, owner)
         except (TokenError, UnicodeDecodeError) as exc:
-            self.fail(400, "invalid_session_token", str(exc))
+            self.fail("invalid_session_token", str(exc))
             return None
-        except RouteError as exc:
-            self.fail(exc.status, exc.code, exc.detail, 1 if exc.status == 503 else None)
+        except GymError as exc:
+            self.fail(exc.code, exc.detail)
             return None
         if route.new:
             token = state.codec.sign(route.session_id, route.worker.owner).encode()
@@ -328,22 +290,28 @@ class Exchange:
         worker = self.worker
         state = self.client.state
         if protocol_error:
-            self.fail(502, "upstream_protocol_error", f"worker sent an invalid response: {exc}")
+            self.fail("upstream_protocol_error", f"worker sent an invalid response: {exc}")
         elif (
             worker is not None
             and worker is not state.control
             and (state.router.workers.get(worker.owner) is not worker)
         ):
-            self.fail(410, "session_owner_gone", f"the worker {worker.owner} is gone")
+            self.fail("session_owner_gone", f"the worker {worker.owner} is gone")
         else:
-            self.fail(502, "upstream_connection_lost", f"worker connection failed: {exc}")
+            self.fail("upstream_connection_lost", f"worker connection failed: {exc}")
+
+    def upstream_idle_since(self) -> float | None:
+        """Coarse time of the last sign of life from the worker side (None: not routed)."""
+        if self.upstream is not None:
+            return self.upstream.last_active
+        return self.routed_at if self.worker is not None else None
 
     def timed_out(self) -> None:
         """No byte from the worker for the upstream timeout."""
-        self.fail(504, "upstream_timeout", "the worker did not answer in time")
+        self.fail("upstream_timeout", "the worker did not answer in time")
 
     # ---- endings ------------------------------------------------------------------
-    def fail(self, status: int, code: str, detail: str, retry_after: int | None = None) -> None:
+    def fail(self, code: str, detail: str) -> None:
         """The one place failures become responses."""
         if self.finished:
             return
@@ -352,24 +320,22 @@ class Exchange:
             self.client.abort()  # a truncated response must look truncated
             return
         if self.request_done or self.expect_continue:
-            self._write_error(status, code, detail, retry_after)
+            self._write_error(code, detail)
         else:
             # Answer once the request body has been read (and dropped), so the
             # connection stays usable; drop the worker connection now.
-            self.pending_error = (status, code, detail, retry_after)
+            self.pending_error = (code, detail)
             self._detach(reuse=False)
             self.client.resume_reading_for_upstream()
 
-    def _write_error(self, status: int, code: str, detail: str, retry_after: int | None) -> None:
+    def _write_error(self, code: str, detail: str) -> None:
         client = self.client
         close = not self.keep_alive or not self.request_done or client.state.draining
         self.close_after = close
         self.response_started = True
-        self.status = status
+        self.status = status_of(code)
         client.transport.write(
-            wire.error_response(
-                status, code, detail, close=close, retry_after=retry_after, head_only=self.is_head
-            )
+            wire.error_response(code, detail, close=close, head_only=self.is_head)
         )
         self.finish(reuse=False)
 

@@ -1,14 +1,14 @@
 """HTTP/1.1 bytes the data path writes and the header rules it applies (no I/O).
 
-Error bodies are `{"error": {"code", "detail"}}`; every error the proxy itself answers is
-built here, so status codes and codes live in one place.
+Every error the proxy itself answers is built by `error_response`, with its status and
+`Retry-After` from the one table in `coordinator.errors`.
 """
 
 from __future__ import annotations
 
 from http import HTTPStatus
 
-import orjson
+from coordinator.errors import RETRY_AFTER, error_body, status_of
 
 __all__ = [
     "HOP_BY_HOP",
@@ -59,25 +59,18 @@ def reason_phrase(status: int) -> bytes:
     return _REASONS.get(status, b"")
 
 
-def error_response(
-    status: int,
-    code: str,
-    detail: str,
-    *,
-    close: bool,
-    retry_after: int | None = None,
-    head_only: bool = False,
-) -> bytes:
+def error_response(code: str, detail: str, *, close: bool, head_only: bool = False) -> bytes:
     """A complete JSON error response. `close` adds `Connection: close`."""
-    body = orjson.dumps({"error": {"code": code, "detail": detail}})
+    status = status_of(code)
+    body = error_body(code, detail)
     lines = [
         b"HTTP/1.1 %d %s\r\n" % (status, reason_phrase(status)),
         b"content-type: application/json\r\n",
         b"content-length: %d\r\n" % len(body),
         b"cache-control: no-store\r\n",
     ]
-    if retry_after is not None:
-        lines.append(b"retry-after: %d\r\n" % retry_after)
+    if code in RETRY_AFTER:
+        lines.append(b"retry-after: 1\r\n")
     if close:
         lines.append(b"connection: close\r\n")
     lines.append(b"\r\n")

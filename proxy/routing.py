@@ -7,8 +7,9 @@ The order of decisions is the one in DESIGN.md:
 3. a token naming any other owner: 410 `session_owner_gone`;
 4. a token naming no owner: the session table, else placed like new work;
 5. no token, `x-ng-session-owner`: that worker (or its alias), as a new session there;
-6. nothing: a new session on the live worker with the fewest requests in flight
-   (ties broken round-robin).
+6. nothing: a new session on the live, responsive worker with the fewest requests in
+   flight (ties broken round-robin); a worker not answering the supervisor's pings gets
+   no new sessions.
 
 Only a new session gets a token. An existing session keeps its token for life, even
 when an alias or the session table routes it: a client that keeps an old cookie must
@@ -21,9 +22,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from coordinator.errors import GymError
 from proxy.session_tokens import SessionIdentity, new_session_id
 
-__all__ = ["WorkerRoute", "Route", "RouteError", "Router"]
+__all__ = ["WorkerRoute", "Route", "Router"]
 
 
 @dataclass(slots=True, eq=False)
@@ -35,6 +37,7 @@ class WorkerRoute:
     socket_path: str
     in_flight: int = 0
     pool: Any = None
+    responsive: bool = True  # False while the supervisor's pings go unanswered
 
 
 @dataclass(slots=True)
@@ -47,19 +50,9 @@ class Route:
     new: bool
 
 
-class RouteError(Exception):
-    """A request that no worker may see; carries the HTTP status and error code."""
-
-    def __init__(self, status: int, code: str, detail: str) -> None:
-        super().__init__(detail)
-        self.status = status
-        self.code = code
-        self.detail = detail
-
-
-def _gone(owner: str) -> RouteError:
+def _gone(owner: str) -> GymError:
     detail = f"the worker that held this session ({owner}) is gone"
-    return RouteError(410, "session_owner_gone", detail)
+    return GymError("session_owner_gone", detail)
 
 
 @dataclass
@@ -97,22 +90,22 @@ class Router:
         return self.workers.get(target) if target is not None else None
 
     def least_loaded(self) -> WorkerRoute:
-        """The live worker with the fewest requests in flight; ties go round-robin."""
+        """The responsive worker with the fewest requests in flight; ties go round-robin."""
         live = self._live
         count = len(live)
-        if not count:
-            raise RouteError(503, "worker_unavailable", "no worker is live; retry shortly")
-        start = self._next % count
+        start = self._next % count if count else 0
         self._next = start + 1
-        best = live[start]
-        for i in range(1, count):
+        best = None
+        for i in range(count):
             candidate = live[(start + i) % count]
-            if candidate.in_flight < best.in_flight:
+            if candidate.responsive and (best is None or candidate.in_flight < best.in_flight):
                 best = candidate
+        if best is None:
+            raise GymError("worker_unavailable", "no worker is live and answering; retry shortly")
         return best
 
     def route(self, identity: SessionIdentity | None, owner_hint: str | None) -> Route:
-        """Decide where one request goes; raise RouteError when it may go nowhere."""
+        """Decide where one request goes; raise GymError when it may go nowhere."""
         if identity is not None:
             owner = identity.owner
             if owner is not None:
@@ -135,6 +128,6 @@ class Router:
         if owner_hint is not None:
             worker = self.resolve_owner(owner_hint)
             if worker is None:
-                raise RouteError(410, "session_owner_gone", f"owner {owner_hint} is not live")
+                raise GymError("session_owner_gone", f"owner {owner_hint} is not live")
             return Route(worker, new_session_id(), True)
         return Route(self.least_loaded(), new_session_id(), True)

@@ -10,11 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import shutil
 import signal
 import socket
-import tempfile
 import time
 from typing import Any
 
@@ -27,6 +24,7 @@ from proxy.client_connection import ClientConnection, ProxyState
 from proxy.config import Config
 from proxy.control_app import create_control_app
 from proxy.routing import Router, WorkerRoute
+from proxy.runtime_dir import RuntimeDir, remove_stale
 from proxy.session_tokens import TokenCodec
 from proxy.supervisor import Supervisor, WorkerBootError
 from proxy.upstream import UpstreamPool
@@ -54,10 +52,11 @@ async def run(config: Config, listen_sock: socket.socket, secret: bytes) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal)
 
-    runtime_dir = tempfile.mkdtemp(prefix="gym-proxy-", dir=config.runtime_dir)
-    os.chmod(runtime_dir, 0o700)
-    coordinator_socket = os.path.join(runtime_dir, "coordinator.sock")
-    control_socket = os.path.join(runtime_dir, "control.sock")
+    for stale in remove_stale(config.runtime_dir):
+        log.info("removed the runtime directory of a dead instance: %s", stale)
+    runtime = RuntimeDir(config.runtime_dir)
+    coordinator_socket = runtime.join("coordinator.sock")
+    control_socket = runtime.join("control.sock")
     router = Router()
     control = WorkerRoute("control", -1, control_socket, pool=UpstreamPool(control_socket))
     state = ProxyState(
@@ -66,10 +65,14 @@ async def run(config: Config, listen_sock: socket.socket, secret: bytes) -> int:
         control=control,
         upstream_timeout=config.upstream_timeout,
         keepalive_timeout=config.keepalive_timeout,
+        header_timeout=config.header_timeout,
+        limit_request_line=config.limit_request_line,
+        limit_request_head=config.limit_request_headers,
+        max_connections=config.max_connections,
         now=loop.time(),
         access_log=logging.getLogger("gym_proxy.access") if config.access_log else None,
     )
-    supervisor = Supervisor(config, runtime_dir, coordinator_socket, router)
+    supervisor = Supervisor(config, runtime.path, coordinator_socket, router)
     checkpointer = Checkpointer(supervisor, config.instance, config.lease_grace)
 
     def on_register(message: dict[str, Any], channel: Channel) -> dict[str, Any]:
@@ -87,10 +90,10 @@ async def run(config: Config, listen_sock: socket.socket, secret: bytes) -> int:
         handle_signals=False,
     )
     server: asyncio.AbstractServer | None = None
-    sweeper: asyncio.Task[None] | None = None
+    timers: list[asyncio.Task[None]] = []
     code = 0
     try:
-        log.info("runtime directory %s", runtime_dir)
+        log.info("runtime directory %s", runtime.path)
         await control_runner.setup()
         await web.UnixSite(control_runner, control_socket).start()
         await coordinator.start(coordinator_socket)
@@ -113,7 +116,12 @@ async def run(config: Config, listen_sock: socket.socket, secret: bytes) -> int:
         )
         host, port = listen_sock.getsockname()[:2]
         log.info("ready on http://%s:%d with %d workers", host, port, config.workers)
-        sweeper = asyncio.ensure_future(_sweep(state, supervisor, checkpointer))
+        # Separate tasks on purpose: the data path's timers never wait on the coordinator.
+        timers = [
+            asyncio.ensure_future(_sweep(state, supervisor)),
+            asyncio.ensure_future(_expire_leases(checkpointer)),
+            asyncio.ensure_future(supervisor.watch_liveness()),
+        ]
         stopped = asyncio.ensure_future(stop.wait())
         assert supervisor.fatal is not None
         await asyncio.wait({stopped, supervisor.fatal}, return_when=asyncio.FIRST_COMPLETED)
@@ -127,8 +135,8 @@ async def run(config: Config, listen_sock: socket.socket, secret: bytes) -> int:
         await _drain(state, config.graceful_timeout, force)
         return code
     finally:
-        if sweeper is not None:
-            sweeper.cancel()
+        for timer in timers:
+            timer.cancel()
         if server is not None:
             server.close()
         for client in list(state.clients):
@@ -139,7 +147,7 @@ async def run(config: Config, listen_sock: socket.socket, secret: bytes) -> int:
         await coordinator.close()
         control.pool.close()
         await control_runner.cleanup()
-        shutil.rmtree(runtime_dir, ignore_errors=True)
+        runtime.remove()
         listen_sock.close()
         log.info("stopped")
 
@@ -161,28 +169,44 @@ async def _drain(state: ProxyState, grace: float, force: asyncio.Event) -> None:
         log.warning("cutting %d connections still busy after the grace period", len(state.clients))
 
 
-async def _sweep(state: ProxyState, supervisor: Supervisor, checkpointer: Checkpointer) -> None:
-    """Advance the coarse clock; expire idle clients, stalled upstreams, idle pool entries,
-    and an open checkpoint's lease."""
+async def _sweep(state: ProxyState, supervisor: Supervisor) -> None:
+    """Advance the coarse clock; expire slow heads, idle clients, stalled upstreams and idle
+    pool entries. Never awaits anything but its own timer."""
     loop = asyncio.get_running_loop()
     while True:
         await asyncio.sleep(SWEEP_INTERVAL)
         now = state.now = loop.time()
         idle_before = now - state.keepalive_timeout
+        head_before = now - state.header_timeout if state.header_timeout else None
         stall_before = now - state.upstream_timeout if state.upstream_timeout else None
         for client in list(state.clients):
+            since = client.head_since
+            if (
+                head_before is not None
+                and since is not None
+                and since < head_before
+                and not client.read_pause
+            ):
+                client.head_timed_out()
+                continue
             pipeline = client.pipeline
             if not pipeline:
                 if client.last_active < idle_before and client.parsing is None:
                     client.close()
                 continue
-            conn = pipeline[0].upstream
-            if stall_before is not None and conn is not None and conn.last_active < stall_before:
+            heard = pipeline[0].upstream_idle_since()
+            if stall_before is not None and heard is not None and heard < stall_before:
                 pipeline[0].timed_out()
         pool_before = time.monotonic() - POOL_IDLE_SECONDS
         for worker in supervisor.workers():
             if worker.route is not None:
                 worker.route.pool.close_idle(pool_before)
         state.control.pool.close_idle(pool_before)
-        if checkpointer.machine.is_open:
+
+
+async def _expire_leases(checkpointer: Checkpointer) -> None:
+    """Resume an open checkpoint whose lease ran out (on its own task: may wait its turn)."""
+    while True:
+        await asyncio.sleep(SWEEP_INTERVAL)
+        if checkpointer.machine.lease_expired(checkpointer.clock()):
             await checkpointer.expire_lease()

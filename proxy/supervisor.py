@@ -1,9 +1,15 @@
-"""The one owner of worker lifecycle: spawn, register, reap, restart, stop.
+"""The one owner of worker lifecycle: spawn, register, ping, reap, restart, stop.
 
 Each slot holds at most one `WorkerProcess` record. `reconcile()` compares the wanted
 slots with the records and spawns what is missing (respecting each slot's backoff); it is
 called after every event. A worker that exits with BOOT_ERROR cannot build the app, so
 the supervisor stops the whole server instead of respawning it forever.
+
+Liveness, as gunicorn and uvicorn do it: every live worker is pinged over its channel
+(the worker's channel reader answers, so a pong means its event loop runs). A worker
+silent for two ping intervals gets no new sessions; one silent for `--worker-timeout`
+is killed (SIGKILL, which also ends a SIGSTOPped process) and restarted, and its
+sessions answer 410.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ log = logging.getLogger("gym_proxy.supervisor")
 BACKOFF_FIRST = 0.1
 BACKOFF_MAX = 5.0
 STABLE_AFTER = 10.0  # a worker that lived this long resets its slot's backoff
+PING_INTERVAL = 1.0
 
 
 class WorkerBootError(Exception):
@@ -52,6 +59,8 @@ class WorkerProcess:
     state: str = "starting"  # starting -> live -> dead
     channel: Channel | None = None
     route: WorkerRoute | None = None
+    answered_at: float = 0.0  # monotonic time of the last pong (or of registering)
+    ping: asyncio.Future[Any] | None = None
 
     @property
     def pid(self) -> int:
@@ -146,6 +155,8 @@ class Supervisor:
                 cfg.app_dir,
                 "--graceful-timeout",
                 str(cfg.graceful_timeout),
+                "--session-idle-ttl",
+                str(cfg.session_idle_ttl),
                 "--log-level",
                 cfg.log_level,
                 stdin=asyncio.subprocess.DEVNULL,
@@ -203,6 +214,7 @@ class Supervisor:
             )
         worker.state = "live"
         worker.channel = channel
+        worker.answered_at = time.monotonic()
         worker.route = WorkerRoute(worker.owner, slot_index, worker.socket_path)
         worker.route.pool = UpstreamPool(worker.socket_path)
         self.router.add_worker(worker.route)
@@ -216,6 +228,45 @@ class Supervisor:
             if slot.worker is not None and slot.worker.owner == owner:
                 self._retire(slot.worker)
 
+    # ---- liveness ------------------------------------------------------------------
+    async def watch_liveness(self) -> None:
+        """Ping every live worker; stop placing on silent ones, kill the ones that stay so."""
+        timeout = self.config.worker_timeout
+        interval = min(PING_INTERVAL, timeout / 4)
+        while True:
+            await asyncio.sleep(interval)
+            now = time.monotonic()
+            for worker in self.workers():
+                if worker.state != "live" or worker.channel is None or worker.route is None:
+                    continue
+                if worker.ping is None or worker.ping.done():
+                    worker.ping = asyncio.ensure_future(self._ping(worker, timeout))
+                silent = now - worker.answered_at
+                if silent > timeout:
+                    log.error(
+                        "worker %d (pid %d) did not answer for %.1f s; killing it",
+                        worker.slot,
+                        worker.pid,
+                        silent,
+                    )
+                    with contextlib.suppress(ProcessLookupError):
+                        worker.process.kill()
+                    self._retire(worker)
+                elif silent > 2 * interval and worker.route.responsive:
+                    log.warning("worker %d is not answering; no new sessions go to it", worker.slot)
+                    worker.route.responsive = False
+
+    async def _ping(self, worker: WorkerProcess, within: float) -> None:
+        assert worker.channel is not None
+        try:
+            await worker.channel.request("ping", within=within)
+        except (ConnectionError, TimeoutError):
+            return  # a lost channel retires the worker; silence is judged by the watcher
+        worker.answered_at = time.monotonic()
+        if worker.route is not None and not worker.route.responsive:
+            log.info("worker %d answers again", worker.slot)
+            worker.route.responsive = True
+
     def _retire(self, worker: WorkerProcess) -> None:
         if worker.state == "dead":
             return
@@ -225,6 +276,8 @@ class Supervisor:
             worker.route.pool.close()
         if worker.channel is not None:
             worker.channel.close()
+        if worker.ping is not None:
+            worker.ping.cancel()
 
     # ---- the coordinator's view (coordinator.checkpoint.WorkerView) ----------------
     @property

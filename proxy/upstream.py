@@ -143,7 +143,7 @@ class UpstreamPool:
         self.max_idle = max_idle
         self.idle: list[UpstreamConnection] = []
         self.idle_since: dict[UpstreamConnection, float] = {}
-        self.connecting: set[asyncio.Task[None]] = set()
+        self.connecting: dict[asyncio.Task[None], Exchange] = {}
         self.closed = False
 
     def acquire(self, exchange: Exchange) -> None:
@@ -159,8 +159,8 @@ class UpstreamPool:
             exchange.upstream_failed(ConnectionRefusedError("worker is gone"))
             return
         task = asyncio.get_running_loop().create_task(self._connect(exchange))
-        self.connecting.add(task)
-        task.add_done_callback(self.connecting.discard)
+        self.connecting[task] = exchange
+        task.add_done_callback(self._connected)
 
     async def _connect(self, exchange: Exchange) -> None:
         loop = asyncio.get_running_loop()
@@ -171,13 +171,13 @@ class UpstreamPool:
         except OSError as exc:
             exchange.upstream_failed(exc)
             return
-        except asyncio.CancelledError:
-            exchange.upstream_failed(ConnectionAbortedError("worker is gone"))
-            raise
         if exchange.finished:
             self.release(conn)
         else:
             exchange.attach(conn)
+
+    def _connected(self, task: asyncio.Task[None]) -> None:
+        self.connecting.pop(task, None)
 
     def release(self, conn: UpstreamConnection) -> None:
         """Return a connection whose exchange completed cleanly."""
@@ -208,7 +208,11 @@ class UpstreamPool:
     def close(self) -> None:
         """The worker is gone: close every idle connection and refuse new ones."""
         self.closed = True
-        for task in self.connecting:
+        # Tell the waiting exchanges here: a task cancelled before its first step never
+        # runs its own code, and its exchange would wait forever.
+        for task, exchange in list(self.connecting.items()):
             task.cancel()
+            exchange.upstream_failed(ConnectionAbortedError("worker is gone"))
+        self.connecting.clear()
         for conn in list(self.idle):
             conn.close()

@@ -10,9 +10,17 @@ from tests.support import ProxyProcess
 TEST_APP = "tests.apps:create_app"
 
 
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):  # type: ignore[no-untyped-def]
+    report = yield
+    setattr(item, f"report_{report.when}", report)
+    return report
+
+
 @pytest.fixture
-def start_proxy() -> Iterator[Callable[..., ProxyProcess]]:
-    """Start real gym-proxy processes; every one is stopped (and its workers reaped) after."""
+def start_proxy(request: pytest.FixtureRequest) -> Iterator[Callable[..., ProxyProcess]]:
+    """Start real gym-proxy processes; every one is stopped (and its workers reaped) after.
+    When the test fails, each proxy's log is printed (pytest shows it with the failure)."""
     started: list[ProxyProcess] = []
 
     def start(
@@ -28,7 +36,12 @@ def start_proxy() -> Iterator[Callable[..., ProxyProcess]]:
 
     yield start
     for proxy in started:
-        proxy.close()
+        proxy.close_process()
+    failed = getattr(request.node, "report_call", None)
+    for proxy in started:
+        if failed is not None and failed.failed:
+            print(f"---- gym-proxy log (port {proxy.port}) ----\n{proxy.log()}")
+        proxy.cleanup()
 
 
 @pytest.fixture

@@ -162,6 +162,11 @@ class ProxyProcess:
 
     def close(self) -> None:
         """Stop everything this proxy started, however the test ended."""
+        self.close_process()
+        self.cleanup()
+
+    def close_process(self) -> None:
+        """Stop the proxy and every worker it started (the log stays readable)."""
         self.worker_pids()
         if self.popen.poll() is None:
             self.popen.send_signal(signal.SIGTERM)
@@ -173,6 +178,9 @@ class ProxyProcess:
         for pid in self.seen_pids:
             if pid_alive(pid):
                 os.kill(pid, signal.SIGKILL)
+
+    def cleanup(self) -> None:
+        """Remove the listener, the log and the runtime parent directory."""
         self.listener.close()
         self._log.close()
         shutil.rmtree(self.runtime_parent, ignore_errors=True)

@@ -10,7 +10,8 @@ import pytest
 
 from coordinator import records
 from coordinator.episode_ids import EpisodeId, parse_episode_key
-from coordinator.phases import ControlError, PhaseMachine
+from coordinator.errors import GymError
+from coordinator.phases import PhaseMachine
 from coordinator.placement import place
 from coordinator.reports import Readiness
 from worker.sessions import SessionStore
@@ -19,7 +20,7 @@ NOW = 1000.0
 
 
 def code_of(machine, op, cid, deadline=NOW + 10):
-    with pytest.raises(ControlError) as err:
+    with pytest.raises(GymError) as err:
         machine.check(op, cid, deadline, NOW)
     return err.value.code
 
@@ -160,8 +161,7 @@ def test_records_round_trip_and_exclusive_manifest(tmp_path):
         instance="inst",
         checkpoint_id="c",
         records=recs,
-        session_owners={"o": "o"},
-        placed_sessions={},
+        extras={"session_owners": {"o": "o"}, "placed_sessions": {}},
     )
     assert manifest["record_count"] == 100
     assert records.read(base, kind="resources", instance="inst") == (manifest, recs)
@@ -173,8 +173,7 @@ def test_records_round_trip_and_exclusive_manifest(tmp_path):
             instance="inst",
             checkpoint_id="d",
             records=recs,
-            session_owners={},
-            placed_sessions={},
+            extras={"session_owners": {}, "placed_sessions": {}},
         )
     assert records.read(base, kind="resources", instance="inst")[0]["checkpoint_id"] == "c"
     assert not [p for p in base.iterdir() if p.name.startswith(".")]  # no temp files left

@@ -30,8 +30,7 @@ def write_episode_checkpoint(directory, count):
         instance="apps",
         checkpoint_id="crafted",
         records=episodes,
-        session_owners={},
-        placed_sessions={},
+        extras={"session_owners": {}, "placed_sessions": {}},
     )
 
 

@@ -6,7 +6,8 @@ from collections import Counter
 
 import pytest
 
-from proxy.routing import RouteError, Router, WorkerRoute
+from coordinator.errors import GymError
+from proxy.routing import Router, WorkerRoute
 from proxy.session_tokens import SessionIdentity
 
 
@@ -32,7 +33,7 @@ def test_alias_routes_to_new_holder_and_keeps_the_token():
 
 def test_unknown_owner_is_gone():
     router = make_router("a")
-    with pytest.raises(RouteError) as err:
+    with pytest.raises(GymError) as err:
         router.route(SessionIdentity("s1", "dead"), None)
     assert (err.value.status, err.value.code) == (410, "session_owner_gone")
 
@@ -40,7 +41,7 @@ def test_unknown_owner_is_gone():
 def test_alias_to_dead_worker_is_gone():
     router = make_router("a")
     router.set_tables({"old": "b"}, {})
-    with pytest.raises(RouteError) as err:
+    with pytest.raises(GymError) as err:
         router.route(SessionIdentity("s1", "old"), None)
     assert err.value.status == 410
 
@@ -63,7 +64,7 @@ def test_owner_hint_lands_on_that_worker_as_new_session():
         assert route.worker.owner == "c" and route.new
     router.set_tables({"old": "a"}, {})
     assert router.route(None, "old").worker.owner == "a"
-    with pytest.raises(RouteError):
+    with pytest.raises(GymError):
         router.route(None, "nobody")
 
 
@@ -89,9 +90,9 @@ def test_new_session_goes_to_least_in_flight():
 def test_no_live_worker_is_503():
     router = make_router("a")
     router.remove_worker("a")
-    with pytest.raises(RouteError) as err:
+    with pytest.raises(GymError) as err:
         router.route(None, None)
     assert (err.value.status, err.value.code) == (503, "worker_unavailable")
-    with pytest.raises(RouteError) as err:
+    with pytest.raises(GymError) as err:
         router.route(SessionIdentity("s", "a"), None)
     assert err.value.status == 410

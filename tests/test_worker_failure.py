@@ -31,7 +31,7 @@ async def pid_of(http, url, owner):
 
 
 async def test_kill_9_worker_under_load(start_proxy, http):
-    proxy = start_proxy(workers=2)
+    proxy = start_proxy("--access-log", workers=2)
     sessions = await seed(http, proxy.url, 40)
     owners = sorted({s["owner"] for s in sessions})
     assert len(owners) == 2

@@ -26,8 +26,9 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from coordinator.channel import Channel, RemoteError
+from coordinator.channel import Channel, ChannelClosed, ChannelTimeout, RemoteError
 from coordinator.episode_ids import EpisodeId, parse_episode_key
+from coordinator.errors import RETRY_AFTER, GymError
 from worker.episodes import Episode
 from worker.identity import WorkerInfo
 from worker.sessions import SessionStore
@@ -47,17 +48,23 @@ log = logging.getLogger("gym_proxy.participant")
 
 PARTICIPANT_KIND = web.AppKey("gym_proxy_participant_kind", str)
 REPORT_POLL = 0.2
+CLAIM_WAIT = 30.0
+# Routes that end a session when they answer 2xx (NeMo Gym's session lifecycle);
+# `/verify` ends it only on a resources server.
+_CLOSE_PATHS = frozenset({"/close_session"})
+_RESOURCES_CLOSE_PATHS = frozenset({"/close_session", "/verify"})
 _FLIGHT = "gym_proxy.flight"
 _NEW_SESSION_HEADER = "x-ng-session-new"
 _EPISODE_HEADER = "x-ng-episode-key"
 
 
-def _refuse(code: str, detail: str, retry_after: bool = False) -> web.HTTPConflict:
-    headers = {"Retry-After": "1"} if retry_after else None
-    return web.HTTPConflict(
-        body=orjson.dumps({"error": {"code": code, "detail": detail}}),
+def error_response(error: GymError) -> web.Response:
+    """The JSON answer to a refusal (status and Retry-After from the one table)."""
+    return web.Response(
+        status=error.status,
+        body=error.body(),
         content_type="application/json",
-        headers=headers,
+        headers={"Retry-After": "1"} if error.code in RETRY_AFTER else None,
     )
 
 
@@ -122,11 +129,11 @@ class ParticipantRuntime:
             identity = None
         starts = new_session or (identity is not None and request.path == "/run")
         if identity is not None and identity.key in self.retiring:
-            raise _refuse("stale_attempt", f"attempt {identity.key} is being retired")
+            raise GymError("stale_attempt", f"attempt {identity.key} is being retired")
         flight = InFlight(asyncio.current_task(), sid, identity, request.path)
         if not self.is_open:
             if starts:
-                raise _refuse("checkpoint_parked", "a checkpoint is in progress", True)
+                raise GymError("checkpoint_parked", "a checkpoint is in progress")
             self.flights.add(flight)
             await self.park(flight, "door")
         else:
@@ -149,23 +156,45 @@ class ParticipantRuntime:
     async def _claim(self, identity: EpisodeId) -> Any:
         expected = self.pending[identity.rollout_id]
         if identity.attempt != expected:
-            raise _refuse(
-                "stale_attempt",
-                f"{identity.rollout_id} continues only as attempt {expected}",
+            raise GymError(
+                "stale_attempt", f"{identity.rollout_id} continues only as attempt {expected}"
             )
         assert self.channel is not None
         try:
             reply = await self.channel.request(
-                "claim", rollout_id=identity.rollout_id, attempt=identity.attempt
+                "claim",
+                within=CLAIM_WAIT,
+                rollout_id=identity.rollout_id,
+                attempt=identity.attempt,
             )
+        except (ChannelClosed, ChannelTimeout) as exc:
+            raise GymError(
+                "checkpoint_coordinator_unavailable", f"the claim got no answer: {exc}"
+            ) from exc
         except RemoteError as exc:
-            code = str(exc).split(":", 1)[0]
-            if code == "checkpoint_parked":
-                raise _refuse(code, str(exc), True) from exc
-            self.pending.pop(identity.rollout_id, None)
-            raise _refuse("stale_attempt", str(exc)) from exc
+            if exc.code != "checkpoint_parked":
+                # The coordinator no longer holds it (claimed elsewhere, retired).
+                self.pending.pop(identity.rollout_id, None)
+            raise GymError(exc.code, exc.detail) from exc
         self.pending.pop(identity.rollout_id, None)
         return reply.get("state")
+
+    async def expire_sessions(self, ttl: float) -> None:
+        """End sessions idle for `ttl` seconds, now and then (never while closed: the
+        state a checkpoint exports stays as it was at close)."""
+        while True:
+            await asyncio.sleep(min(ttl / 4, 10.0))
+            if self.is_open:
+                busy = {f.session_id for f in self.flights if f.session_id is not None}
+                self.store.expire(time.monotonic() - ttl, busy)
+
+    def ended(self, path: str, status: int, flight: InFlight) -> None:
+        """A request answered: a 2xx `/close_session` (or a resources `/verify`) ends its
+        session, so session stores shrink as NeMo Gym's clients finish with them."""
+        if 200 <= status < 300 and flight.session_id is not None:
+            closers = _RESOURCES_CLOSE_PATHS if self.kind == "resources" else _CLOSE_PATHS
+            if path in closers:
+                self.store.delete(flight.session_id)
 
     def leave(self, flight: InFlight) -> None:
         self.flights.discard(flight)
@@ -276,15 +305,8 @@ async def _run_identity(request: web.Request) -> EpisodeId | None:
         return None
     attempt = body.get("_ng_attempt_index", 0)
     if not isinstance(attempt, int) or isinstance(attempt, bool) or attempt < 0:
-        raise _refuse_bad("_ng_attempt_index must be a non-negative integer")
+        raise GymError("invalid_request", "_ng_attempt_index must be a non-negative integer")
     return EpisodeId(body["_ng_rollout_id"], attempt)
-
-
-def _refuse_bad(detail: str) -> web.HTTPBadRequest:
-    return web.HTTPBadRequest(
-        body=orjson.dumps({"error": {"code": "invalid_request", "detail": detail}}),
-        content_type="application/json",
-    )
 
 
 RUNTIME = web.AppKey("gym_proxy_participant_runtime", ParticipantRuntime)
@@ -294,15 +316,22 @@ RUNTIME = web.AppKey("gym_proxy_participant_runtime", ParticipantRuntime)
 async def participant_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
     """Admission and in-flight tracking around every request of the app."""
     runtime = request.app[RUNTIME]
-    flight = await runtime.admit(request)
     try:
-        return await handler(request)
+        flight = await runtime.admit(request)
+    except GymError as exc:
+        return error_response(exc)
+    try:
+        response = await handler(request)
+        runtime.ended(request.path, response.status, flight)
+        return response
     except asyncio.CancelledError:
         task = asyncio.current_task()
         if flight.retired and task is not None and task.cancelling() == 1:
             task.uncancel()  # our own cancellation: the caller gets a clear answer
-            raise _refuse("stale_attempt", "this attempt was retired") from None
+            return error_response(GymError("stale_attempt", "this attempt was retired"))
         raise
+    except GymError as exc:
+        return error_response(exc)
     finally:
         runtime.leave(flight)
 
@@ -331,7 +360,7 @@ def current_session(request: web.Request) -> RequestSession:
     """The request's session; 400 if the request did not come through gym-proxy."""
     session_id = request.headers.get("x-ng-session-id")
     if session_id is None:
-        raise _refuse_bad("the request did not come through gym-proxy (no session)")
+        raise GymError("invalid_request", "the request did not come through gym-proxy (no session)")
     flight: InFlight | None = request.get(_FLIGHT)
     key = flight.identity.key if flight is not None and flight.identity is not None else None
     return RequestSession(request.app[RUNTIME].store, session_id, key)
@@ -341,5 +370,6 @@ def episode(request: web.Request) -> Episode:
     """The episode context of a request that carries rollout identity."""
     flight: InFlight | None = request.get(_FLIGHT)
     if flight is None or flight.episode is None:
-        raise _refuse_bad("this request carries no rollout identity (_ng_rollout_id)")
+        detail = "this request carries no rollout identity (_ng_rollout_id)"
+        raise GymError("invalid_request", detail)
     return flight.episode

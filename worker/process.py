@@ -22,7 +22,7 @@ from typing import Any
 import uvloop
 from aiohttp import web
 
-from coordinator.channel import Channel, ChannelClosed, RemoteError
+from coordinator.channel import Channel, ChannelClosed, ChannelTimeout, RemoteError
 from worker.app_loading import build_app
 from worker.identity import WORKER_INFO, WorkerInfo
 from worker.participant import PARTICIPANT_KIND, RUNTIME, ParticipantRuntime, participant_middleware
@@ -32,6 +32,7 @@ __all__ = ["BOOT_ERROR", "main"]
 
 BOOT_ERROR = 3  # reserved exit code: the app cannot be built; do not respawn
 LOST_COORDINATOR = 4
+REGISTER_WAIT = 30.0
 
 log = logging.getLogger("gym_proxy.worker")
 
@@ -45,6 +46,7 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--app", required=True)
     parser.add_argument("--app-dir", default=".")
     parser.add_argument("--graceful-timeout", type=float, default=30.0)
+    parser.add_argument("--session-idle-ttl", type=float, default=0.0)
     parser.add_argument("--log-level", default="info")
     return parser.parse_args(argv)
 
@@ -95,13 +97,14 @@ async def serve(args: argparse.Namespace) -> int:
         channel_task = asyncio.create_task(channel.serve())
         reply = await channel.request(
             "register",
+            within=REGISTER_WAIT,
             slot=info.slot,
             owner=info.owner,
             pid=info.pid,
             socket=info.socket_path,
             kind=runtime.kind,
         )
-    except (OSError, ChannelClosed, RemoteError) as exc:
+    except (OSError, ChannelClosed, ChannelTimeout, RemoteError) as exc:
         log.error("worker %d could not register with the coordinator: %s", info.slot, exc)
         await runner.cleanup()
         return LOST_COORDINATOR
@@ -111,6 +114,8 @@ async def serve(args: argparse.Namespace) -> int:
         runtime.close_gate(reply["checkpoint_id"])
     log.debug("worker %d registered as %s", info.slot, info.owner)
 
+    if args.session_idle_ttl > 0:
+        expiry = asyncio.create_task(runtime.expire_sessions(args.session_idle_ttl))
     stop_task = asyncio.create_task(stop.wait())
     await asyncio.wait({channel_task, stop_task}, return_when=asyncio.FIRST_COMPLETED)
     code = 0
@@ -118,6 +123,8 @@ async def serve(args: argparse.Namespace) -> int:
         log.warning("worker %d lost the coordinator; stopping", info.slot)
         code = LOST_COORDINATOR
     stop_task.cancel()
+    if args.session_idle_ttl > 0:
+        expiry.cancel()
     await runner.cleanup()
     channel.close()
     channel_task.cancel()

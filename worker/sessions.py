@@ -1,8 +1,14 @@
-"""Per-session state a worker holds for its app, exported at commit, installed at restore."""
+"""Per-session state a worker holds for its app, exported at commit, installed at restore.
+
+Entries are kept in order of last use (a use moves an entry to the end), so sessions
+idle longer than a TTL are found at the front and expired without a scan.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from collections.abc import Container
+from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = ["SessionEntry", "SessionStore"]
@@ -15,6 +21,7 @@ class SessionEntry:
     value: Any = None
     episode: str | None = None
     restored: bool = False
+    used: float = field(default_factory=time.monotonic)
 
 
 class SessionStore:
@@ -43,9 +50,25 @@ class SessionStore:
             entry.value = value
 
     def touch(self, session_id: str, episode: str | None = None) -> None:
-        """Record that a session is live, even if the app keeps no value for it."""
-        if session_id not in self._entries:
-            self._entries[session_id] = SessionEntry(None, episode)
+        """Record that a session is live and used now, even if the app keeps no value."""
+        entry = self._entries.pop(session_id, None)
+        if entry is None:
+            entry = SessionEntry(None, episode)
+        else:
+            entry.used = time.monotonic()
+        self._entries[session_id] = entry
+
+    def expire(self, idle_before: float, busy: Container[str]) -> int:
+        """End sessions last used before `idle_before` (monotonic) unless `busy`."""
+        doomed = []
+        for session_id, entry in self._entries.items():
+            if entry.used >= idle_before:
+                break
+            if session_id not in busy:
+                doomed.append(session_id)
+        for session_id in doomed:
+            del self._entries[session_id]
+        return len(doomed)
 
     def delete(self, session_id: str) -> None:
         self._entries.pop(session_id, None)

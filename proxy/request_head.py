@@ -1,0 +1,125 @@
+"""The request head a worker sees, computed from what llhttp parsed (pure; no I/O).
+
+The framing of the forwarded request is always the proxy's own: `content-length` with
+the length llhttp framed the body by, `transfer-encoding: chunked` when llhttp de-chunked
+it, or nothing for a request without a body. No client `Content-Length` or
+`Transfer-Encoding` header is ever passed through, and a `Connection` list cannot remove
+the framing or `Host`; so the worker parses exactly the one request the proxy parsed,
+whatever the client's head says (no request smuggling through the pool).
+
+Headers the proxy reads for routing (cookie, session token, owner hint) are returned to
+the caller; identity headers a client sent are dropped, since only the proxy sets them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from coordinator.errors import GymError
+from proxy import http_wire as wire
+
+__all__ = ["RequestHead", "rewrite_request_head", "PROTECTED"]
+
+# Headers a Connection list may name without effect: framing and Host are the proxy's.
+PROTECTED = frozenset({b"content-length", b"transfer-encoding", b"host"})
+
+_PASS, _COOKIE, _TOKEN, _OWNER, _DROP, _TE, _CL, _EXPECT, _CONNECTION, _HOST = range(10)
+_KINDS = {
+    b"cookie": _COOKIE,
+    wire.TOKEN_HEADER: _TOKEN,
+    wire.OWNER_HEADER: _OWNER,
+    b"transfer-encoding": _TE,
+    b"content-length": _CL,
+    b"expect": _EXPECT,
+    b"connection": _CONNECTION,
+    b"host": _HOST,
+    **{
+        name: _DROP
+        for name in wire.HOP_BY_HOP | wire.IDENTITY_HEADERS
+        if name not in (b"transfer-encoding", b"connection")
+    },
+}
+
+
+@dataclass(slots=True)
+class RequestHead:
+    """The forwarded head (request line and header lines, no framing, no final CRLF)
+    and what the router needs from the client's head."""
+
+    parts: list[bytes]
+    token: bytes | None = None
+    cookie: bytes | None = None
+    owner_hint: bytes | None = None
+    content_length: int | None = None
+    chunked: bool = False
+    expect_continue: bool = False
+
+    def framing(self) -> bytes:
+        """The framing header line the worker gets (the proxy's own)."""
+        if self.chunked:
+            return b"transfer-encoding: chunked\r\n"
+        if self.content_length is not None:
+            return b"content-length: %d\r\n" % self.content_length
+        return b""
+
+
+def rewrite_request_head(
+    method: bytes, url: bytes, version: str, headers: list[tuple[bytes, bytes]]
+) -> RequestHead:
+    """The head to forward for a request llhttp accepted; raise GymError otherwise.
+
+    llhttp already refuses what makes framing ambiguous (Content-Length with
+    Transfer-Encoding, two Content-Lengths, a non-final `chunked`, bare LF, obs-fold);
+    this refuses what it lets through but the proxy will not forward.
+    """
+    if version not in ("1.1", "1.0"):
+        raise GymError("http_version_not_supported", f"HTTP/{version} is not supported")
+    head = RequestHead([method, b" ", url, b" HTTP/1.1\r\n"])
+    parts = head.parts
+    listed: set[bytes] | None = None
+    codings: list[bytes] = []
+    host_seen = False
+    kinds = _KINDS
+    for name, value in headers:
+        kind = kinds.get(name.lower(), _PASS)
+        if kind == _PASS:
+            parts += (name, b": ", value, b"\r\n")
+        elif kind == _COOKIE:
+            head.cookie = value if head.cookie is None else head.cookie + b"; " + value
+            parts += (name, b": ", value, b"\r\n")
+        elif kind == _TOKEN:
+            head.token = value
+        elif kind == _OWNER:
+            head.owner_hint = value
+            parts += (name, b": ", value, b"\r\n")
+        elif kind == _CL:
+            head.content_length = int(value)  # llhttp checked: digits only, exactly one
+        elif kind == _TE:
+            codings += (c.strip().lower() for c in value.split(b","))
+        elif kind == _EXPECT:
+            head.expect_continue = value.lower() == b"100-continue" and version != "1.0"
+        elif kind == _CONNECTION:
+            names = wire.connection_listed(value)
+            listed = names if listed is None else listed | names
+        elif kind == _HOST:
+            if host_seen:
+                raise GymError("bad_request", "more than one Host header")
+            host_seen = True
+            parts += (name, b": ", value, b"\r\n")
+    if codings:
+        if version == "1.0":
+            # RFC 9112 6.1: Transfer-Encoding in HTTP/1.0 means the framing is faulty.
+            raise GymError("bad_request", "Transfer-Encoding in an HTTP/1.0 request")
+        if codings != [b"chunked"]:
+            raise GymError(
+                "unsupported_transfer_coding", "only Transfer-Encoding: chunked is accepted"
+            )
+        head.chunked = True
+        head.content_length = None
+    if listed:
+        listed -= PROTECTED
+        if listed:
+            head.parts = parts = wire.without_headers(parts, 4, listed)
+    if not host_seen:  # HTTP/1.0 clients may omit it; HTTP/1.1 to the worker needs it
+        parts += (b"host", b": ", b"gym-proxy", b"\r\n")
+    return head
