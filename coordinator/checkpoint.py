@@ -400,16 +400,19 @@ class Checkpointer:
         return self.machine.succeed("restore", "restored", reply)
 
     async def _rollback(self, live: list[LiveWorker]) -> None:
+        """Undo an install on every worker and reopen it (each worker handles the three
+        messages in order; a silent worker costs REOPEN_WAIT once, not per message)."""
         empty = {"aliases": {}, "sessions": {}, "pending": {}}
-
-        async def undo(worker: LiveWorker) -> None:
-            for message, fields in (("uninstall", {}), ("tables", empty), ("reopen", {})):
-                try:
-                    await worker.channel.request(message, within=REOPEN_WAIT, **fields)
-                except (ChannelClosed, ChannelTimeout, RemoteError) as exc:
-                    log.warning("rollback %s on worker %d failed: %s", message, worker.slot, exc)
-
-        await asyncio.gather(*(undo(w) for w in live))
+        undo = (("uninstall", {}), ("tables", empty), ("reopen", {}))
+        sends = [
+            (worker, message, worker.channel.request(message, within=REOPEN_WAIT, **fields))
+            for worker in live
+            for message, fields in undo
+        ]
+        results = await asyncio.gather(*(send for _, _, send in sends), return_exceptions=True)
+        for (worker, message, _), result in zip(sends, results, strict=True):
+            if isinstance(result, BaseException):
+                log.warning("rollback %s on worker %d failed: %s", message, worker.slot, result)
         self.machine.abandon()
 
     async def renew(self, checkpoint_id: str, deadline_ts: float) -> dict[str, Any]:

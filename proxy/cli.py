@@ -14,6 +14,7 @@ import secrets
 import socket
 import stat
 import sys
+import tempfile
 from collections.abc import Sequence
 
 import uvloop
@@ -88,11 +89,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         import_app_target(config.app, config.app_dir)
     except AppLoadError as exc:
         _fail(str(exc))
-    if config.runtime_dir is not None:
-        try:
-            ensure_parent(config.runtime_dir)
-        except OSError as exc:
-            _fail(f"--runtime-dir {config.runtime_dir}: {exc.strerror or exc}")
+    try:
+        ensure_parent(config.runtime_dir or tempfile.gettempdir())
+    except ValueError as exc:
+        _fail(f"--runtime-dir {config.runtime_dir or tempfile.gettempdir()} {exc}")
+    except OSError as exc:
+        _fail(f"--runtime-dir {config.runtime_dir}: {exc.strerror or exc}")
     if config.secret is None:
         log.warning("no --secret: using a random one, so session cookies do not survive a restart")
         secret = secrets.token_bytes(32)

@@ -34,6 +34,10 @@ _PAUSE_UPSTREAM = 2
 _HEAD_DETAIL = "the request header block is too large"
 
 
+class _Discarded(Exception):
+    """Raised from a parser callback: the rest of the input is not to be parsed."""
+
+
 @dataclass(eq=False)
 class ProxyState:
     """What every connection of the data path shares."""
@@ -73,6 +77,8 @@ class ClientConnection(asyncio.Protocol):
         "head_since",
         "head_bytes",
         "head_marks",
+        "discard_rest",
+        "lingering",
     )
 
     def __init__(self, state: ProxyState) -> None:
@@ -91,6 +97,11 @@ class ClientConnection(asyncio.Protocol):
         self.head_since: float | None = state.now  # when the head being waited for began
         self.head_bytes = 0  # bytes of the current head seen so far (a lower bound)
         self.head_marks = 0  # message boundaries seen, to tell reads inside one head
+        # The worker answered before the request body was all here: read the rest and
+        # drop it, then close (closing with unread input would reset the connection and
+        # could destroy the answer in the client's receive buffer).
+        self.discard_rest = False
+        self.lingering = False  # answered and half-closed; dropping input until EOF
 
     # ---- asyncio.Protocol ---------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -131,6 +142,8 @@ class ClientConnection(asyncio.Protocol):
             return
         except httptools.HttpParserCallbackError as exc:
             refused = exc.__context__
+            if isinstance(refused, _Discarded):
+                return
             if not isinstance(refused, GymError):
                 raise
             self._refuse(refused.code, refused.detail)
@@ -207,6 +220,10 @@ class ClientConnection(asyncio.Protocol):
         self.head_bytes = 0
         self.head_marks += 1
         exchange.request_end()  # type: ignore[union-attr]
+        if self.discard_rest:
+            self.broken = True
+            self.close()
+            raise _Discarded  # stop parsing: nothing after this request is served
 
     # ---- used by Exchange ---------------------------------------------------------
     def exchange_done(self, exchange: Exchange) -> None:
@@ -216,7 +233,11 @@ class ClientConnection(asyncio.Protocol):
             pipeline.popleft()
         if self.closed:
             return
-        if exchange.close_after or not exchange.request_done:
+        if not exchange.request_done:
+            self.discard_rest = True
+            self._resume(_PAUSE_UPSTREAM | _PAUSE_PIPELINE)
+            return
+        if exchange.close_after:
             self.close()
             return
         # Whatever the exchange paused reading for (a worker connection that never came,
@@ -234,9 +255,23 @@ class ClientConnection(asyncio.Protocol):
         self._resume(_PAUSE_UPSTREAM)
 
     def close(self) -> None:
-        """Close after everything written so far has been sent."""
-        if not self.closed:
-            self.closed = True
+        """Close after everything written so far has been sent.
+
+        A connection whose input was refused may still be receiving (a head or body the
+        client keeps writing); closing with unread input would reset it and could destroy
+        the answer in the client's buffer. So, like nginx's lingering close, it sends FIN
+        after the answer and reads and drops input until the client closes (the sweep
+        cuts it after LINGER seconds).
+        """
+        if self.closed:
+            return
+        self.closed = True
+        if self.broken and self.transport.can_write_eof():
+            self.lingering = True
+            self.read_pause = 0
+            self.transport.resume_reading()
+            self.transport.write_eof()
+        else:
             self.transport.close()
 
     def abort(self) -> None:

@@ -108,9 +108,10 @@ class Config:
     limit_request_headers: int = option(
         65536, "largest request header block in bytes; 431 above", type=int
     )
-    max_connections: int = option(
-        10000,
-        "open client connections at most; one more is answered 503 and closed",
+    max_connections: int | None = option(
+        None,
+        "open client connections at most; one more is answered 503 and closed "
+        "(default: 10000, or what the descriptor limit allows)",
         type=int,
     )
     worker_timeout: float = option(
@@ -176,7 +177,8 @@ class Config:
             ("limit_request_headers", 256),
             ("max_connections", 1),
         ):
-            if getattr(self, name) < least:
+            value = getattr(self, name)
+            if value is not None and value < least:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least {least}")
         if ":" not in self.app:
             raise ConfigError(f"APP must look like module:attr, got {self.app!r}")

@@ -216,7 +216,9 @@ class Exchange:
         self.upstream_keep_alive = keep_alive
         self.status = status
         client = self.client
-        close = not self.keep_alive or client.state.draining
+        # A response that starts before the request body ended may end first; the rest of
+        # the body is then dropped, and the connection cannot be reused.
+        close = not self.keep_alive or not self.request_done or client.state.draining
         parts = [b"HTTP/1.1 %d %s\r\n" % (status, reason or wire.reason_phrase(status))]
         length_known = upstream_chunked = False
         listed = None
@@ -301,7 +303,11 @@ class Exchange:
             self.fail("upstream_connection_lost", f"worker connection failed: {exc}")
 
     def upstream_idle_since(self) -> float | None:
-        """Coarse time of the last sign of life from the worker side (None: not routed)."""
+        """Coarse time of the last sign of life from the worker side; None when the
+        upstream timeout does not apply (not routed yet, or a control call: those are
+        bounded by their own deadline_ts, and a prepare may rightly wait minutes)."""
+        if self.worker is self.client.state.control:
+            return None
         if self.upstream is not None:
             return self.upstream.last_active
         return self.routed_at if self.worker is not None else None

@@ -17,7 +17,7 @@ import shutil
 import tempfile
 import time
 
-__all__ = ["RuntimeDir", "ensure_parent", "remove_stale"]
+__all__ = ["RuntimeDir", "ensure_parent", "remove_stale", "longest_parent"]
 
 log = logging.getLogger("gym_proxy")
 
@@ -27,8 +27,25 @@ LOCK_NAME = "instance.lock"
 STALE_AFTER = 10.0
 
 
+# Socket paths must fit sockaddr_un (108 bytes with the NUL): the parent, then
+# "/gym-proxy-XXXXXXXX", then the longest socket name, "/w<slot>-<owner>.sock".
+SOCKET_PATH_MAX = 107
+_LONGEST_NAME = len("/gym-proxy-XXXXXXXX") + len("/w9999-") + 11 + len(".sock")
+
+
+def longest_parent() -> int:
+    """The longest parent directory path whose sockets still fit sockaddr_un."""
+    return SOCKET_PATH_MAX - _LONGEST_NAME
+
+
 def ensure_parent(parent: str) -> None:
-    """Create `--runtime-dir` (mode 0700) if it does not exist; OSError if it cannot be."""
+    """Create `--runtime-dir` (mode 0700) if it does not exist; OSError if it cannot be,
+    ValueError if it is too long for Unix socket paths."""
+    if len(os.path.abspath(parent).encode()) > longest_parent():
+        raise ValueError(
+            f"is too long for Unix socket paths (at most {longest_parent()} bytes); "
+            "pick a shorter directory"
+        )
     if not os.path.isdir(parent):
         os.makedirs(parent, mode=0o700, exist_ok=True)
     if not os.access(parent, os.W_OK | os.X_OK):

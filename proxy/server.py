@@ -9,7 +9,9 @@ finish within the grace period, cut the rest, stop workers, remove the runtime d
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import resource
 import signal
 import socket
 import time
@@ -36,6 +38,9 @@ log = logging.getLogger("gym_proxy")
 EXIT_BOOT_ERROR = 3
 SWEEP_INTERVAL = 1.0
 POOL_IDLE_SECONDS = 30.0  # well below the worker's keep-alive timeout
+FD_RESERVE = 64  # descriptors for workers' channels, the control app, logs
+DEFAULT_MAX_CONNECTIONS = 10000
+LINGER = 2.0  # a refused client gets this long (since its last byte) to stop sending
 
 
 async def run(config: Config, listen_sock: socket.socket, secret: bytes) -> int:
@@ -52,6 +57,7 @@ async def run(config: Config, listen_sock: socket.socket, secret: bytes) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal)
 
+    max_connections = _connection_cap(config.max_connections)
     for stale in remove_stale(config.runtime_dir):
         log.info("removed the runtime directory of a dead instance: %s", stale)
     runtime = RuntimeDir(config.runtime_dir)
@@ -68,7 +74,7 @@ async def run(config: Config, listen_sock: socket.socket, secret: bytes) -> int:
         header_timeout=config.header_timeout,
         limit_request_line=config.limit_request_line,
         limit_request_head=config.limit_request_headers,
-        max_connections=config.max_connections,
+        max_connections=max_connections,
         now=loop.time(),
         access_log=logging.getLogger("gym_proxy.access") if config.access_log else None,
     )
@@ -152,6 +158,34 @@ async def run(config: Config, listen_sock: socket.socket, secret: bytes) -> int:
         log.info("stopped")
 
 
+def _connection_cap(asked: int | None) -> int:
+    """Raise the soft descriptor limit toward what the cap needs (a client connection
+    plus, while it has a request in flight, one to a worker) and return the cap. Without
+    `--max-connections` the cap is DEFAULT_MAX_CONNECTIONS or what the limit allows; an
+    explicit cap is kept, with a warning when the limit is too low (as HAProxy does)."""
+    wanted = asked or DEFAULT_MAX_CONNECTIONS
+    needed = 2 * wanted + FD_RESERVE
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= needed:
+        return wanted
+    target = needed if hard == resource.RLIM_INFINITY else min(needed, hard)
+    with contextlib.suppress(ValueError, OSError):
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        soft = target
+    if soft >= needed:
+        return wanted
+    if asked is None:
+        return max(1, (soft - FD_RESERVE) // 2)
+    log.warning(
+        "the descriptor limit (%d) is below the %d that --max-connections %d can need; "
+        "raise it (ulimit -n) or lower --max-connections",
+        soft,
+        needed,
+        wanted,
+    )
+    return wanted
+
+
 async def _drain(state: ProxyState, grace: float, force: asyncio.Event) -> None:
     """Close idle connections now and busy ones after their response, within `grace`."""
     state.draining = True
@@ -178,8 +212,14 @@ async def _sweep(state: ProxyState, supervisor: Supervisor) -> None:
         now = state.now = loop.time()
         idle_before = now - state.keepalive_timeout
         head_before = now - state.header_timeout if state.header_timeout else None
+        discard_before = now - (state.header_timeout or state.keepalive_timeout)
         stall_before = now - state.upstream_timeout if state.upstream_timeout else None
+        linger_before = now - LINGER
         for client in list(state.clients):
+            if client.lingering:
+                if client.last_active < linger_before:
+                    client.transport.abort()
+                continue
             since = client.head_since
             if (
                 head_before is not None
@@ -191,8 +231,11 @@ async def _sweep(state: ProxyState, supervisor: Supervisor) -> None:
                 continue
             pipeline = client.pipeline
             if not pipeline:
-                if client.last_active < idle_before and client.parsing is None:
-                    client.close()
+                if client.parsing is None:
+                    if client.last_active < idle_before:
+                        client.close()
+                elif client.discard_rest and client.last_active < discard_before:
+                    client.abort()  # a client that stopped sending the body we drop
                 continue
             heard = pipeline[0].upstream_idle_since()
             if stall_before is not None and heard is not None and heard < stall_before:

@@ -4,11 +4,19 @@ An `UpstreamConnection` parses the worker's responses with llhttp (httptools) an
 each event to the exchange attached to it; between exchanges it sits in its pool's idle
 stack. The pool closes idle connections before the worker would (the worker's keep-alive
 timeout is longer), so a reused connection is never one the worker is closing.
+
+A worker may answer before it read the whole request body (a 400 for a bad head, a 413)
+and close. Our next body write then fails (EPIPE) and the transport drops the socket
+unread, with the worker's answer still in its receive queue. So each connection keeps a
+duplicate of its descriptor; when the connection is lost under an unanswered exchange,
+whatever the worker sent is read from the duplicate and relayed, instead of a 502.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 import time
 from typing import TYPE_CHECKING
 
@@ -34,6 +42,7 @@ class UpstreamConnection(asyncio.Protocol):
         "last_active",
         "headers",
         "reason",
+        "spare_fd",
     )
 
     def __init__(self, pool: UpstreamPool) -> None:
@@ -47,10 +56,15 @@ class UpstreamConnection(asyncio.Protocol):
         self.last_active = 0.0
         self.headers: list[tuple[bytes, bytes]] = []
         self.reason = b""
+        self.spare_fd = -1
 
     # asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            with contextlib.suppress(OSError):  # best effort: out of descriptors, no spare
+                self.spare_fd = os.dup(sock.fileno())
 
     def data_received(self, data: bytes) -> None:
         exchange = self.exchange
@@ -69,10 +83,24 @@ class UpstreamConnection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self.pool.forget(self)
+        if self.spare_fd >= 0:
+            if exc is not None and self.exchange is not None:
+                self._read_what_is_left()
+            os.close(self.spare_fd)
+            self.spare_fd = -1
         exchange = self.exchange
         if exchange is not None:
             self.exchange = None
             exchange.upstream_lost(exc)
+
+    def _read_what_is_left(self) -> None:
+        """Feed the parser what the worker sent before the connection failed."""
+        with contextlib.suppress(OSError, httptools.HttpParserError):
+            while self.exchange is not None and not self.exchange.finished:
+                data = os.read(self.spare_fd, 65536)  # non-blocking, like the original
+                if not data:
+                    return
+                self.parser.feed_data(data)
 
     def pause_writing(self) -> None:
         self.write_paused = True

@@ -11,7 +11,7 @@ from aiohttp import web
 
 from worker.counter import create_app as create_counter_app
 from worker.identity import WORKER_INFO, session_id, session_token
-from worker.participant import PARTICIPANT_KIND, episode
+from worker.participant import PARTICIPANT_KIND, RUNTIME, episode
 
 SEEN = web.AppKey("seen", list)
 GATES = web.AppKey("gates", dict)
@@ -37,7 +37,14 @@ async def whoami(request: web.Request) -> web.Response:
 
 async def seen(request: web.Request) -> web.Response:
     # The /seen call itself is the last entry; report what came before it.
-    return web.json_response({**_info(request), "paths": request.app[SEEN][:-1]})
+    entries = request.app[SEEN][:-1]
+    return web.json_response(
+        {
+            **_info(request),
+            "paths": [path for path, _ in entries],
+            "session_ids": [sid for _, sid in entries],
+        }
+    )
 
 
 def _gate(request: web.Request, name: str) -> asyncio.Event:
@@ -129,13 +136,25 @@ async def progress(request: web.Request) -> web.Response:
     return web.json_response({**_info(request), "progress": request.app[PROGRESS]})
 
 
+async def sessions(request: web.Request) -> web.Response:
+    """How many sessions this worker's participant runtime holds."""
+    return web.json_response({**_info(request), "sessions": len(request.app[RUNTIME].store)})
+
+
+async def close_session(request: web.Request) -> web.Response:
+    return web.json_response({"closed": session_id(request)})
+
+
 async def cancelled(request: web.Request) -> web.Response:
     return web.json_response({**_info(request), "cancelled": request.app[CANCELLED]})
 
 
 @web.middleware
 async def record(request: web.Request, handler):  # type: ignore[no-untyped-def]
-    request.app[SEEN].append(request.path)
+    # The path and the identity the request arrived with: every request the proxy sends
+    # carries its x-ng-session-id, so one without it (or with a client's value) was parsed
+    # by the worker but not by the proxy.
+    request.app[SEEN].append((request.path, request.headers.get("x-ng-session-id")))
     return await handler(request)
 
 
@@ -165,6 +184,8 @@ def create_app() -> web.Application:
     app.router.add_get("/cancelled", cancelled)
     app.router.add_post("/run", run)
     app.router.add_get("/progress", progress)
+    app.router.add_get("/sessions", sessions)
+    app.router.add_post("/close_session", close_session)
     return app
 
 

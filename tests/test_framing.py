@@ -117,3 +117,52 @@ async def test_garbage_from_peer_drops_the_channel():
     assert channel.closed
     right.close()
     assert orjson.loads(encode_frame({"type": "t"})[4:]) == {"type": "t"}
+
+
+async def test_typed_errors_cross_the_channel():
+    from coordinator.errors import GymError
+
+    async def refuse(message):
+        raise GymError("checkpoint_parked", "come back later")
+
+    async def none(message):
+        return None
+
+    a, b, tasks = await _pair(none, refuse)
+    with pytest.raises(RemoteError) as err:
+        await a.request("claim")
+    assert (err.value.code, err.value.detail) == ("checkpoint_parked", "come back later")
+    assert err.value.status == 409 and isinstance(err.value, GymError)
+    b.close()
+    await asyncio.gather(*tasks)
+
+
+async def test_request_deadline_and_pings_while_a_handler_is_stuck():
+    from coordinator.channel import ChannelTimeout
+
+    gate, entered = asyncio.Event(), asyncio.Event()
+    handled = []
+
+    async def slow_then_record(message):
+        if message["type"] == "stall":
+            entered.set()
+            await gate.wait()
+        handled.append(message["type"])
+        return {"done": message["type"]}
+
+    async def none(message):
+        return None
+
+    a, b, tasks = await _pair(none, slow_then_record)
+    stalled = asyncio.ensure_future(a.request("stall"))
+    await asyncio.wait_for(entered.wait(), 5)
+    with pytest.raises(ChannelTimeout):
+        await a.request("after", within=0.2)  # queued behind the stuck handler
+    # the peer's reader still answers pings: its event loop runs
+    assert (await a.request("ping", within=1.0))["type"] == "ok"
+    gate.set()
+    assert (await stalled)["done"] == "stall"
+    assert handled == ["stall", "after"]  # in arrival order; the late reply was dropped
+    a.close()
+    b.close()
+    await asyncio.gather(*tasks)

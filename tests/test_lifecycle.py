@@ -5,11 +5,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import shutil
 import signal
 import socket
 import stat
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -182,3 +184,115 @@ async def test_access_log(start_proxy, http):
         )
 
     wait_until_sync(logged, 10, "both requests in the access log")
+
+
+def proc_cmdline(pid: int) -> bytes:
+    return Path(f"/proc/{pid}/cmdline").read_bytes()
+
+
+def proc_environ(pid: int) -> dict[str, str]:
+    raw = Path(f"/proc/{pid}/environ").read_bytes()
+    return dict(
+        item.split("=", 1) for item in raw.decode(errors="replace").split("\0") if "=" in item
+    )
+
+
+async def test_secrets_from_files_stay_out_of_argv_and_workers(start_proxy, http, tmp_path):
+    secret_file = tmp_path / "secret"
+    secret_file.write_text("file-secret\n")
+    proxy = start_proxy(
+        "--secret-file",
+        str(secret_file),
+        workers=2,
+        secret=None,
+        env={"GYM_PROXY_CONTROL_TOKEN": "env-token"},
+    )
+    async with http.get(
+        f"{proxy.url}/ng-control/v1/checkpoint/status",
+        headers={"Authorization": "Bearer env-token"},
+    ) as resp:
+        assert resp.status == 200
+    cmdline = proc_cmdline(proxy.pid)
+    assert b"file-secret" not in cmdline and b"env-token" not in cmdline
+    for pid in proxy.worker_pids():
+        environment = proc_environ(pid)
+        assert "GYM_PROXY_SECRET" not in environment
+        assert "GYM_PROXY_CONTROL_TOKEN" not in environment
+        assert b"file-secret" not in proc_cmdline(pid)
+    assert "visible to every local user" not in proxy.log()
+
+
+def test_secret_flags_warn_and_files_are_checked(tmp_path):
+    result = run_cli("--secret-file", str(tmp_path / "missing"))
+    assert result.returncode == 2 and "--secret-file" in result.stderr
+    empty = tmp_path / "empty"
+    empty.write_text("  \n")
+    result = run_cli("--control-token-file", str(empty), "--secret", "s")
+    assert result.returncode == 2 and "is empty" in result.stderr
+    result = run_cli("--secret", "s", "--secret-file", str(empty))
+    assert result.returncode == 2 and "exclude each other" in result.stderr
+
+
+def test_command_line_secret_is_warned_about(start_proxy):
+    proxy = start_proxy(workers=1)  # the test helper passes --secret on the command line
+    assert "--secret on the command line is visible to every local user" in proxy.log()
+
+
+def test_stale_runtime_directories_are_removed(start_proxy):
+    first = start_proxy(workers=1)
+    stale = first.runtime_dir()
+    first.kill_all()
+    assert stale.exists()
+    old = stale.stat().st_mtime - 3600
+    os.utime(stale, (old, old))
+    unrelated = Path(first.runtime_parent) / "gym-proxy-not-ours"
+    unrelated.mkdir()  # no lock file: not judged
+    second = start_proxy("--runtime-dir", first.runtime_parent, workers=1)
+    assert not stale.exists() and unrelated.exists()
+    assert "removed the runtime directory of a dead instance" in second.log()
+    live = [p for p in Path(first.runtime_parent).iterdir() if p.is_dir() and p != unrelated]
+    assert len(live) == 1  # the second instance's own directory, untouched
+
+
+def test_missing_runtime_dir_is_created_private(start_proxy, tmp_path):
+    short = Path(tempfile.mkdtemp(prefix="gpt-", dir="/tmp"))  # socket paths stay short
+    parent = short / "not" / "yet"
+    proxy = start_proxy("--runtime-dir", str(parent), workers=1)
+    assert stat.S_IMODE(parent.stat().st_mode) == 0o700
+    assert [p.name.startswith("gym-proxy-") for p in parent.iterdir()] == [True]
+    proxy.close_process()
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    result = run_cli("--runtime-dir", str(blocked / "sub"))
+    assert result.returncode == 2 and "--runtime-dir" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+    result = run_cli("--runtime-dir", "/tmp/" + "d" * 80)
+    assert result.returncode == 2 and "too long for Unix socket paths" in result.stderr
+    shutil.rmtree(short)
+
+
+async def test_sessions_end_on_close_verify_and_idle_ttl(start_proxy, http):
+    proxy = start_proxy("--session-idle-ttl", "1", workers=1)
+    token_header = "X-NeMo-Gym-Session-Token"
+
+    async def store_size():
+        async with http.get(f"{proxy.url}/sessions") as resp:
+            return (await resp.json())["sessions"]
+
+    tokens = []
+    for i in range(3):
+        async with http.post(f"{proxy.url}/seed_session", json={"initial_count": i}) as resp:
+            tokens.append(resp.headers[token_header])
+    assert await store_size() == 3
+    async with http.post(f"{proxy.url}/close_session", headers={token_header: tokens[0]}) as resp:
+        assert resp.status == 200
+    async with http.post(
+        f"{proxy.url}/verify", json={"expected_count": 1}, headers={token_header: tokens[1]}
+    ) as resp:
+        assert (await resp.json())["reward"] == 1.0
+    assert await store_size() == 1  # ended by /close_session and by a resources /verify
+
+    async def expired():
+        return await store_size() == 0
+
+    await wait_until(expired, 10, "the idle session to expire")

@@ -1,0 +1,234 @@
+"""Crafted checkpoints (valid digests, hostile fields or files) and bad control input:
+always a JSON 4xx, never a plain-text 500, and the participant is left idle and open."""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import hashlib
+import os
+import time
+
+import orjson
+import pytest
+
+from coordinator import records
+from tests.raw_http import open_raw, read_responses
+from tests.support import CONTROL_TOKEN, Control
+
+TOKEN = "X-NeMo-Gym-Session-Token"
+GOOD_SESSION = {"type": "session", "session_id": "s1", "owner": "o1", "episode": None, "value": 1}
+GOOD_EPISODE = {"type": "episode", "rollout_id": "r1", "attempt": 0, "state": {"step": 1}}
+
+
+def craft(directory, lines: list[bytes], **manifest_fields) -> None:
+    """A checkpoint whose digest and count match `lines`, with manifest fields overridden
+    (a field given as "<absent>" is left out)."""
+    base = records.checkpoint_path(str(directory), "resources", "apps")
+    base.mkdir(parents=True)
+    data = b"".join(line + b"\n" for line in lines)
+    digest = hashlib.sha256(data).hexdigest()
+    (base / f"records-{digest}.jsonl").write_bytes(data)
+    manifest = {
+        "schema_version": 1,
+        "kind": "resources",
+        "instance": "apps",
+        "checkpoint_id": "crafted",
+        "records_file": f"records-{digest}.jsonl",
+        "records_sha256": digest,
+        "record_count": len(lines),
+        "session_owners": {"o1": "o1"},
+        "placed_sessions": {},
+        **manifest_fields,
+    }
+    manifest = {k: v for k, v in manifest.items() if v != "<absent>"}
+    (base / "manifest.json").write_bytes(orjson.dumps(manifest))
+
+
+def record(**changes) -> bytes:
+    base = GOOD_EPISODE if changes.pop("episode_record", False) else GOOD_SESSION
+    merged = {**base, **changes}
+    return orjson.dumps({k: v for k, v in merged.items() if v != "<absent>"})
+
+
+CRAFTED: dict[str, tuple[list[bytes], dict]] = {
+    "session_owners-value-list": ([record()], {"session_owners": {"o1": ["o1"]}}),
+    "session_owners-value-int": ([record()], {"session_owners": {"o1": 7}}),
+    "session_owners-a-list": ([record()], {"session_owners": ["o1"]}),
+    "session_owners-bad-key": ([record()], {"session_owners": {"a/b": "o1"}}),
+    "placed_sessions-value-int": ([record()], {"placed_sessions": {"s1": 3}}),
+    "record_count-a-string": ([record()], {"record_count": "1"}),
+    "checkpoint_id-missing": ([record()], {"checkpoint_id": "<absent>"}),
+    "session_id-missing": ([record(session_id="<absent>")], {}),
+    "session_id-an-int": ([record(session_id=5)], {}),
+    "session_id-with-a-slash": ([record(session_id="../x")], {}),
+    "owner-a-list": ([record(owner=["o1"])], {}),
+    "owner-an-int": ([record(owner=1)], {}),
+    "episode-key-an-int": ([record(episode=3)], {}),
+    "episode-without-rollout_id": ([record(episode_record=True, rollout_id="<absent>")], {}),
+    "episode-rollout_id-a-list": ([record(episode_record=True, rollout_id=["r"])], {}),
+    "episode-attempt-a-string": ([record(episode_record=True, attempt="1")], {}),
+    "episode-attempt-negative": ([record(episode_record=True, attempt=-1)], {}),
+    "episode-attempt-a-bool": ([record(episode_record=True, attempt=True)], {}),
+    "record-a-list": ([b"[1, 2]"], {}),
+    "record-unknown-type": ([record(type="blob")], {}),
+    "valid-then-invalid": ([record(), record(session_id="s2", owner={"x": 1})], {}),
+}
+
+
+@pytest.fixture
+def restorer(start_proxy):
+    # A restore that fails installs nothing, so one fresh participant serves every case.
+    return start_proxy(workers=2, control_token=CONTROL_TOKEN)
+
+
+async def assert_idle_and_open(control, http, url):
+    status = await control.ok("status")
+    assert status["phase"] == "idle" and status["restored_pending"] == 0, status
+    assert status["session_aliases"] == {}
+    async with http.post(f"{url}/seed_session", json={}) as resp:
+        assert resp.status == 200  # admission is open
+
+
+async def test_crafted_fields_are_422(restorer, http, tmp_path):
+    control = Control(http, restorer.url)
+    for name, (lines, fields) in CRAFTED.items():
+        directory = tmp_path / name
+        craft(directory, lines, **fields)
+        code, body = await control.call(
+            "restore",
+            checkpoint_id=f"r-{name}",
+            checkpoint_dir=str(directory),
+            episode_ids=[{"rollout_id": "r1", "attempt": 0}],
+        )
+        assert code == 422, (name, code, body)
+        assert body["error"]["code"] == "invalid_checkpoint_state", name
+        await assert_idle_and_open(control, http, restorer.url)
+
+
+async def test_special_files_are_refused_without_blocking(restorer, http, tmp_path):
+    control = Control(http, restorer.url)
+    cases = {}
+    fifo_records = tmp_path / "fifo-records"
+    craft(fifo_records, [record()])
+    base = records.checkpoint_path(str(fifo_records), "resources", "apps")
+    [data_file] = base.glob("records-*.jsonl")
+    data_file.unlink()
+    os.mkfifo(data_file)
+    cases["records-a-fifo"] = fifo_records
+    fifo_manifest = tmp_path / "fifo-manifest"
+    craft(fifo_manifest, [record()])
+    base = records.checkpoint_path(str(fifo_manifest), "resources", "apps")
+    (base / "manifest.json").unlink()
+    os.mkfifo(base / "manifest.json")
+    cases["manifest-a-fifo"] = fifo_manifest
+    dir_records = tmp_path / "dir-records"
+    craft(dir_records, [record()])
+    base = records.checkpoint_path(str(dir_records), "resources", "apps")
+    [data_file] = base.glob("records-*.jsonl")
+    data_file.unlink()
+    data_file.mkdir()
+    cases["records-a-directory"] = dir_records
+    device = tmp_path / "device-manifest"
+    craft(device, [record()])
+    base = records.checkpoint_path(str(device), "resources", "apps")
+    (base / "manifest.json").unlink()
+    (base / "manifest.json").symlink_to("/dev/zero")
+    cases["manifest-a-device"] = device
+    for name, directory in cases.items():
+        started = time.monotonic()
+        restore = asyncio.ensure_future(
+            control.call(
+                "restore", checkpoint_id=f"r-{name}", checkpoint_dir=str(directory), episode_ids=[]
+            )
+        )
+        # a concurrent control call is not held up by it
+        resumed = await asyncio.wait_for(control.call("resume", checkpoint_id="other"), 5)
+        assert resumed[0] == 200
+        code, body = await asyncio.wait_for(restore, 5)
+        assert (code, body["error"]["code"]) == (422, "invalid_checkpoint_state"), name
+        assert time.monotonic() - started < 5
+        await assert_idle_and_open(control, http, restorer.url)
+
+
+async def raw_control(proxy, request: bytes):
+    reader, writer = await open_raw(proxy)
+    writer.write(request)
+    responses = await read_responses(reader, 1)
+    writer.close()
+    [(status, headers, body)] = responses
+    assert headers[b"content-type"].startswith(b"application/json"), (status, body)
+    return status, orjson.loads(body)["error"]["code"]
+
+
+async def test_bad_control_input_is_json_never_a_500(restorer, http):
+    path = "/ng-control/v1/checkpoint"
+    body = orjson.dumps({"checkpoint_id": "x", "deadline_ts": time.time() + 30})
+
+    def post(target: str, payload: bytes, auth: bytes = b"Bearer " + CONTROL_TOKEN.encode()):
+        return (
+            b"POST " + target.encode() + b" HTTP/1.1\r\nHost: t\r\nAuthorization: " + auth
+            + b"\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(payload)
+            + payload
+        )  # fmt: skip
+
+    cases = [
+        (post(f"{path}/prepare", body, b"Bearer t\xc3\xa9st\xff\xfe"), (401, "unauthorized")),
+        (post(f"{path}/prepare", body, b"Bearer \xff"), (401, "unauthorized")),
+        (post(f"{path}/prepare", body, b"Basic abc"), (401, "unauthorized")),
+        (
+            post(
+                f"{path}/commit",
+                orjson.dumps(
+                    {
+                        "checkpoint_id": "x",
+                        "deadline_ts": time.time() + 30,
+                        "checkpoint_dir": "/a\0b",
+                    }
+                ),
+            ),
+            (400, "invalid_request"),
+        ),
+        (
+            post(f"{path}/prepare", orjson.dumps({"checkpoint_id": "x", "deadline_ts": 1e308})),
+            (400, "invalid_request"),
+        ),
+        (
+            post(f"{path}/prepare", orjson.dumps({"checkpoint_id": "x", "deadline_ts": -1e308})),
+            (409, "deadline_exceeded"),
+        ),
+        (post(f"{path}/nothing", body), (404, "not_found")),
+        (post(f"{path}/status", body), (405, "method_not_allowed")),
+        (post(f"{path}/prepare", b"\xff\xfe{"), (400, "invalid_request")),
+    ]
+    for request, expected in cases:
+        assert await raw_control(restorer, request) == expected, request[:90]
+    status = await Control(http, restorer.url).ok("status")
+    assert status["phase"] == "idle"
+
+
+def test_disk_full_leaves_no_files_behind(tmp_path, monkeypatch):
+    """A write that fails (ENOSPC at the manifest's fsync) removes its temp files and the
+    records file it created, and says so with OSError."""
+    base = records.checkpoint_path(str(tmp_path), "resources", "inst")
+    real_fsync = os.fsync
+    calls = []
+
+    def full(fd):
+        calls.append(fd)
+        if len(calls) == 2:  # the records file synced; the manifest's sync hits a full disk
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", full)
+    with pytest.raises(OSError) as err:
+        records.write(
+            base,
+            kind="resources",
+            instance="inst",
+            checkpoint_id="c",
+            records=[GOOD_SESSION],
+            extras={"session_owners": {}, "placed_sessions": {}},
+        )
+    assert err.value.errno == errno.ENOSPC
+    assert list(base.iterdir()) == []
