@@ -14,6 +14,7 @@ import signal
 import time
 
 import aiohttp
+import orjson
 import pytest
 
 from tests.support import CONTROL_TOKEN, Control, pid_alive, wait_until
@@ -205,3 +206,33 @@ async def test_silent_worker_gets_no_new_sessions_then_is_replaced(start_proxy, 
 
     await wait_until(replaced, 20, "a new worker in the slot")
     assert "did not answer" in proxy.log()
+
+
+async def test_restore_fails_at_its_deadline_and_rolls_back(participant, http, tmp_path):
+    from tests.test_crafted_checkpoints import GOOD_SESSION, craft
+
+    craft(tmp_path, [orjson.dumps(GOOD_SESSION)])
+    control = Control(http, participant.url)
+    owners = await sessions_by_owner(http, participant.url)
+    victim, _ = sorted(owners)
+    victim_pid = await pid_of(http, participant.url, victim)
+    async with stopped(victim_pid):
+        started = time.monotonic()
+        status, body = await control.call(
+            "restore",
+            checkpoint_id="r1",
+            checkpoint_dir=str(tmp_path),
+            episode_ids=[],
+            deadline_ts=time.time() + 2,
+        )
+        assert (status, body["error"]["code"]) == (409, "deadline_exceeded"), body
+        assert "nothing was installed" in body["error"]["detail"]
+        assert time.monotonic() - started < 2 + SLACK + 2  # + the rollback's wait
+        state = await control.ok("status")
+        assert state["phase"] == "idle" and state["session_aliases"] == {}
+    # awake again: it rolled back too, and a restore now succeeds
+    reply = await control.ok(
+        "restore", checkpoint_id="r2", checkpoint_dir=str(tmp_path), episode_ids=[]
+    )
+    assert reply["phase"] == "restored"
+    await control.ok("resume", checkpoint_id="r2")
