@@ -139,6 +139,12 @@ class Config:
     name: str | None = option(
         None, "instance name in checkpoints (default: the APP module's last name)"
     )
+    kind: str | None = option(
+        None,
+        "participant kind: resources, agent, environment or model (default: what the app "
+        "declares, else resources)",
+        choices=("resources", "agent", "environment", "model"),
+    )
     lease_grace: float = option(
         600.0,
         "seconds past the last deadline_ts before an open checkpoint resumes itself",

@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING
 
 from coordinator.errors import GymError, status_of
 from proxy import http_wire as wire
-from proxy.request_head import rewrite_request_head
+from proxy.app_tokens import app_token_session
+from proxy.request_head import RequestHead, rewrite_request_head
 from proxy.routing import WorkerRoute
 from proxy.session_tokens import TokenError, is_valid_id
 
@@ -27,6 +28,15 @@ __all__ = ["Exchange"]
 _CONTROL_PREFIX = b"/ng-control/"
 _ROLLOUT_PREFIX = b"/ng-rollout/"
 _NO_BODY_STATUS = frozenset({204, 304})
+# Response headers the proxy acts on; hop-by-hop and worker-only ones never reach clients.
+_R_LENGTH, _R_CHUNKED, _R_CONNECTION, _R_DROP, _R_APP_SESSION = range(5)
+_RESPONSE_KINDS = {
+    **dict.fromkeys(wire.HOP_BY_HOP, _R_DROP),
+    b"content-length": _R_LENGTH,
+    b"transfer-encoding": _R_CHUNKED,
+    b"connection": _R_CONNECTION,
+    wire.APP_SESSION_HEADER: _R_APP_SESSION,
+}
 
 
 class Exchange:
@@ -112,7 +122,7 @@ class Exchange:
         if self.url.startswith(_CONTROL_PREFIX):
             worker: WorkerRoute | None = self.client.state.control
         else:
-            worker = self._route_session(parts, head.token, head.cookie, head.owner_hint)
+            worker = self._route_session(parts, head)
             if worker is None:
                 return  # answered with an error
         parts += (head.framing(), b"\r\n")
@@ -124,40 +134,54 @@ class Exchange:
             self.client.transport.write(wire.CONTINUE_100)
         worker.pool.acquire(self)
 
-    def _route_session(
-        self, parts: list[bytes], token: bytes | None, cookie: bytes | None, hint: bytes | None
-    ) -> WorkerRoute | None:
+    def _route_session(self, parts: list[bytes], head: RequestHead) -> WorkerRoute | None:
         """Pick the worker and add the identity headers; None after answering an error."""
         state = self.client.state
+        router = state.router
+        key = rest = None
         if self.url.startswith(_ROLLOUT_PREFIX):
-            # /ng-rollout/<key>/rest: the app sees /rest, the runtime sees the key.
             key, rest = wire.split_rollout_path(self.url, len(_ROLLOUT_PREFIX))
             if not key:
                 self.fail("bad_request", "/ng-rollout/ needs an episode key")
                 return None
-            parts[2] = rest
-            parts += (b"x-ng-episode-key: ", key, b"\r\n")
-        if token is None and cookie is not None:
-            token = wire.cookie_token(cookie)
+        app_session = None
         try:
-            identity = state.codec.verify(token.decode("ascii")) if token else None
-            owner = hint.decode("ascii") if hint else None
+            owner = head.owner_hint.decode("ascii") if head.owner_hint else None
             if owner is not None and not is_valid_id(owner):
                 raise TokenError("x-ng-session-owner is not a valid owner ID")
-            route = state.router.route(identity, owner)
+            if head.app_token is not None:
+                app_session = app_token_session(head.app_token)
+            route = router.route_app_session(app_session) if app_session else None
+            if route is None:
+                token = head.token
+                if token is None and head.cookie is not None:
+                    token = wire.cookie_token(head.cookie)
+                identity = state.codec.verify(token.decode("ascii")) if token else None
+                route = router.route(identity, owner)
         except (TokenError, UnicodeDecodeError) as exc:
             self.fail("invalid_session_token", str(exc))
             return None
         except GymError as exc:
             self.fail(exc.code, exc.detail)
             return None
+        worker = route.worker
+        if key is not None and not worker.keeps_rollout_prefix:
+            # aiohttp routes before any middleware: the app sees /rest, the runtime the key.
+            parts[2] = rest  # type: ignore[call-overload]
+            parts += (b"x-ng-episode-key: ", key, b"\r\n")
+        if head.app_token is not None:
+            # The app's own token decides; the proxy mints nothing for such a call.
+            if app_session is not None:
+                parts += (b"x-ng-session-id: ", app_session.encode(), b"\r\n")
+            return worker
+        token = head.token or (wire.cookie_token(head.cookie) if head.cookie else None)
         if route.new:
-            token = state.codec.sign(route.session_id, route.worker.owner).encode()
+            token = state.codec.sign(route.session_id, worker.owner).encode()
             self.new_token = token
             parts.append(b"x-ng-session-new: 1\r\n")
         parts += (b"x-ng-session-id: ", route.session_id.encode(), b"\r\n")
         parts += (b"x-ng-session-token: ", token, b"\r\n")  # type: ignore[list-item]
-        return route.worker
+        return worker
 
     def request_body(self, body: bytes) -> None:
         if self.finished or self.pending_error is not None or self.error is not None:
@@ -222,18 +246,20 @@ class Exchange:
         parts = [b"HTTP/1.1 %d %s\r\n" % (status, reason or wire.reason_phrase(status))]
         length_known = upstream_chunked = False
         listed = None
-        hop = wire.HOP_BY_HOP
+        kinds = _RESPONSE_KINDS
         for name, value in headers:
-            lname = name.lower()
-            if lname in hop:
-                if lname == b"transfer-encoding":
-                    upstream_chunked = True
-                elif lname == b"connection":
-                    listed = wire.connection_listed(value)
-                continue
-            if lname == b"content-length":
+            kind = kinds.get(name.lower())
+            if kind is None:
+                parts += (name, b": ", value, b"\r\n")
+            elif kind == _R_LENGTH:
                 length_known = True
-            parts += (name, b": ", value, b"\r\n")
+                parts += (name, b": ", value, b"\r\n")
+            elif kind == _R_CHUNKED:
+                upstream_chunked = True
+            elif kind == _R_CONNECTION:
+                listed = wire.connection_listed(value)
+            elif kind == _R_APP_SESSION:
+                self._learn_app_session(value)
         if listed:
             parts = wire.without_headers(parts, 1, listed)
         if self.new_token is not None:
@@ -258,6 +284,13 @@ class Exchange:
             # llhttp would wait for the body a HEAD response announces but never sends,
             # so the message ends here and the connection is not reused.
             self.finish(reuse=False)
+
+    def _learn_app_session(self, value: bytes) -> None:
+        """The worker announced an app session it holds (its MCP token names it)."""
+        worker = self.worker
+        session_id = value.decode("latin-1")
+        if worker is not None and is_valid_id(session_id):
+            self.client.state.router.sessions[session_id] = worker.owner
 
     def response_body(self, body: bytes) -> None:
         if self.chunked_response:

@@ -47,6 +47,8 @@ IDENTITY_HEADERS = frozenset(
 COOKIE_NAME = b"ng_session"
 TOKEN_HEADER = b"x-nemo-gym-session-token"
 OWNER_HEADER = b"x-ng-session-owner"
+# A worker's runtime announces an app session it holds (stripped before the client).
+APP_SESSION_HEADER = b"x-ng-app-session"
 CONTINUE_100 = b"HTTP/1.1 100 Continue\r\n\r\n"
 LAST_CHUNK = b"0\r\n\r\n"
 

@@ -9,6 +9,8 @@ whatever the client's head says (no request smuggling through the pool).
 
 Headers the proxy reads for routing (cookie, session token, owner hint) are returned to
 the caller; identity headers a client sent are dropped, since only the proxy sets them.
+An `X-NeMo-Gym-Session-Token` is the proxy's own (`v1.` tokens, consumed here) or the
+app's (anything else: NeMo Gym's MCP tokens), which passes through unchanged.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from dataclasses import dataclass
 
 from coordinator.errors import GymError
 from proxy import http_wire as wire
+from proxy.app_tokens import PROXY_TOKEN_PREFIX
 
 __all__ = ["RequestHead", "rewrite_request_head", "PROTECTED"]
 
@@ -47,7 +50,8 @@ class RequestHead:
     and what the router needs from the client's head."""
 
     parts: list[bytes]
-    token: bytes | None = None
+    token: bytes | None = None  # the proxy's v1 token from the header
+    app_token: bytes | None = None  # an app's own token from the same header
     cookie: bytes | None = None
     owner_hint: bytes | None = None
     content_length: int | None = None
@@ -88,7 +92,11 @@ def rewrite_request_head(
             head.cookie = value if head.cookie is None else head.cookie + b"; " + value
             parts += (name, b": ", value, b"\r\n")
         elif kind == _TOKEN:
-            head.token = value
+            if value.startswith(PROXY_TOKEN_PREFIX):
+                head.token, head.app_token = value, None
+            else:
+                head.app_token, head.token = value, None
+                parts += (name, b": ", value, b"\r\n")
         elif kind == _OWNER:
             head.owner_hint = value
             parts += (name, b": ", value, b"\r\n")

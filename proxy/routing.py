@@ -38,6 +38,7 @@ class WorkerRoute:
     in_flight: int = 0
     pool: Any = None
     responsive: bool = True  # False while the supervisor's pings go unanswered
+    keeps_rollout_prefix: bool = False  # ASGI apps see /ng-rollout/<key>/ as sent
 
 
 @dataclass(slots=True)
@@ -103,6 +104,17 @@ class Router:
         if best is None:
             raise GymError("worker_unavailable", "no worker is live and answering; retry shortly")
         return best
+
+    def route_app_session(self, session_id: str) -> Route | None:
+        """Where an app's own token goes: the worker that announced its session (None when
+        no worker did; such a token is never remembered)."""
+        holder = self.sessions.get(session_id)
+        if holder is None:
+            return None
+        worker = self.resolve_owner(holder)
+        if worker is None:
+            raise _gone(holder)
+        return Route(worker, session_id, False)
 
     def route(self, identity: SessionIdentity | None, owner_hint: str | None) -> Route:
         """Decide where one request goes; raise GymError when it may go nowhere."""

@@ -157,6 +157,7 @@ class Supervisor:
                 str(cfg.graceful_timeout),
                 "--session-idle-ttl",
                 str(cfg.session_idle_ttl),
+                *(["--kind", cfg.kind] if cfg.kind else []),
                 "--log-level",
                 cfg.log_level,
                 stdin=asyncio.subprocess.DEVNULL,
@@ -215,7 +216,12 @@ class Supervisor:
         worker.state = "live"
         worker.channel = channel
         worker.answered_at = time.monotonic()
-        worker.route = WorkerRoute(worker.owner, slot_index, worker.socket_path)
+        worker.route = WorkerRoute(
+            worker.owner,
+            slot_index,
+            worker.socket_path,
+            keeps_rollout_prefix=message.get("framework") == "asgi",
+        )
         worker.route.pool = UpstreamPool(worker.socket_path)
         self.router.add_worker(worker.route)
         log.info("worker %d registered (owner %s)", slot_index, worker.owner)

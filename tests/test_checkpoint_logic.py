@@ -135,11 +135,11 @@ def test_session_store_scope_release_and_retire():
     assert {r["session_id"] for r in exported} == {"u", "t"}
     assert {r["session_id"] for r in store.export("own", None)} == {"u", "e", "t"}
     store.install([{"session_id": "r", "value": 5, "episode": "ep-a1"}])
-    assert store.release({"ep-a1"}) == 0 and store.get("r") == 5
-    assert store.release(set()) == 1 and "r" not in store
-    assert store.release_episodes({"ep"}) == 1 and "e" not in store
+    assert store.release({"ep-a1"}) == [] and store.get("r") == 5
+    assert store.release(set()) == ["r"] and "r" not in store
+    assert store.release_episodes({"ep"}) == ["e"] and "e" not in store
     store.install([{"session_id": "q", "value": None, "episode": None}])
-    assert store.uninstall() == 1 and len(store) == 2
+    assert store.uninstall() == ["q"] and len(store) == 2
 
 
 def test_episode_keys_round_trip():

@@ -40,7 +40,7 @@ def forged_tokens(valid: str) -> dict[str, str]:
         "forged-owner": f"v1.{sid}.someoneelse.{mac}",
         "truncated": valid[:-5],
         "re-signed": other,
-        "garbage": "not-a-token",
+        "garbage": "v1.not-a-token",
         "bad-chars": "v1.a%20b.c.d",
     }
 

@@ -1,4 +1,14 @@
-"""Find the server's aiohttp application from a `module:attr` string."""
+"""Find the server's app from a `module:attr` string: aiohttp, ASGI, or a factory.
+
+`APP` names one of:
+- an aiohttp `Application`;
+- an ASGI app: a callable taking `(scope, receive, send)` (a FastAPI or Starlette app,
+  an `async def app(scope, receive, send)`);
+- a factory: a callable taking no arguments (sync or async) that returns either.
+
+The two callables are told apart by their signature (three required positional
+parameters, or none), so no `--factory` flag is needed.
+"""
 
 from __future__ import annotations
 
@@ -9,15 +19,33 @@ from typing import Any
 
 from aiohttp import web
 
-__all__ = ["AppLoadError", "import_app_target", "build_app"]
+__all__ = ["AppLoadError", "import_app_target", "build_app", "is_asgi_app"]
 
 
 class AppLoadError(Exception):
-    """APP does not name an importable aiohttp Application or factory."""
+    """APP does not name an importable aiohttp Application, ASGI app or factory."""
+
+
+def _required_positional(target: Any) -> int | None:
+    try:
+        signature = inspect.signature(target)
+    except (TypeError, ValueError):
+        return None
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return sum(
+        1
+        for p in signature.parameters.values()
+        if p.kind in kinds and p.default is inspect.Parameter.empty
+    )
+
+
+def is_asgi_app(target: Any) -> bool:
+    """True for a callable taking exactly (scope, receive, send)."""
+    return callable(target) and _required_positional(target) == 3
 
 
 def import_app_target(spec: str, app_dir: str = ".") -> Any:
-    """Import `module:attr` and return the attribute (an Application or a callable).
+    """Import `module:attr` and return the attribute (an app or a factory).
 
     Raises AppLoadError with a one-line reason; the import error is chained.
     """
@@ -36,19 +64,27 @@ def import_app_target(spec: str, app_dir: str = ".") -> Any:
             target = getattr(target, part)
         except AttributeError as exc:
             raise AppLoadError(f"module {module_name!r} has no attribute {attr!r}") from exc
-    if not isinstance(target, web.Application) and not callable(target):
-        raise AppLoadError(f"{spec} is neither an aiohttp Application nor a factory")
-    return target
+    if isinstance(target, web.Application) or is_asgi_app(target):
+        return target
+    if callable(target) and _required_positional(target) == 0:
+        return target
+    raise AppLoadError(
+        f"{spec} is neither an aiohttp Application, an ASGI app (scope, receive, send) "
+        "nor a factory taking no arguments"
+    )
 
 
-async def build_app(spec: str, app_dir: str = ".") -> web.Application:
-    """Import APP and, for a factory, call (and await) it."""
+async def build_app(spec: str, app_dir: str = ".") -> Any:
+    """Import APP and, for a factory, call (and await) it: an aiohttp Application or an
+    ASGI app."""
     target = import_app_target(spec, app_dir)
-    if isinstance(target, web.Application):
+    if isinstance(target, web.Application) or is_asgi_app(target):
         return target
     app = target()
     if inspect.isawaitable(app):
         app = await app
-    if not isinstance(app, web.Application):
-        raise AppLoadError(f"{spec}() returned {type(app).__name__}, not an aiohttp Application")
-    return app
+    if isinstance(app, web.Application) or is_asgi_app(app):
+        return app
+    raise AppLoadError(
+        f"{spec}() returned {type(app).__name__}, not an aiohttp Application or an ASGI app"
+    )

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from coordinator.episode_ids import EpisodeId, episode_key, parse_episode_key
 
 if TYPE_CHECKING:
-    from worker.participant import InFlight, ParticipantRuntime
+    from worker.runtime import InFlight, ParticipantRuntime
 
 __all__ = ["EpisodeId", "Episode", "episode_key", "parse_episode_key"]
 

@@ -1,10 +1,11 @@
 """Entry point of a worker process (`python -m worker ...`), started by the supervisor.
 
-Order: build the app, listen on the private Unix socket, then register with the
-coordinator, so the proxy never routes to a worker that is not yet accepting. The worker
-stops by itself when the coordinator connection ends (no orphans) and drains gracefully
-on SIGTERM. Failing to build the app exits with BOOT_ERROR, which tells the supervisor
-not to respawn it.
+Order: build the app, start it on the private Unix socket (an ASGI app's lifespan
+startup runs first), then register with the coordinator, so the proxy never routes to a
+worker that is not yet accepting. The worker stops by itself when the coordinator
+connection ends (no orphans) and drains gracefully on SIGTERM (an ASGI app's lifespan
+shutdown runs last). Failing to build or start the app exits with BOOT_ERROR, which tells
+the supervisor not to respawn it.
 """
 
 from __future__ import annotations
@@ -17,22 +18,27 @@ import signal
 import sys
 import traceback
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import uvloop
 from aiohttp import web
 
 from coordinator.channel import Channel, ChannelClosed, ChannelTimeout, RemoteError
+from worker.aiohttp_door import RUNTIME, participant_middleware, participation_of
 from worker.app_loading import build_app
+from worker.asgi_door import AsgiDoor
+from worker.asgi_server import AsgiWorkerServer
 from worker.identity import WORKER_INFO, WorkerInfo
-from worker.participant import PARTICIPANT_KIND, RUNTIME, ParticipantRuntime, participant_middleware
 from worker.participant_messages import handle_coordinator_message
+from worker.participation import Participation, declared
+from worker.runtime import ParticipantRuntime
 
 __all__ = ["BOOT_ERROR", "main"]
 
 BOOT_ERROR = 3  # reserved exit code: the app cannot be built; do not respawn
 LOST_COORDINATOR = 4
 REGISTER_WAIT = 30.0
+KEEPALIVE = 3600  # longer than the proxy's pool idle time
 
 log = logging.getLogger("gym_proxy.worker")
 
@@ -45,25 +51,70 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--coordinator", required=True)
     parser.add_argument("--app", required=True)
     parser.add_argument("--app-dir", default=".")
+    parser.add_argument("--kind", default=None)
     parser.add_argument("--graceful-timeout", type=float, default=30.0)
     parser.add_argument("--session-idle-ttl", type=float, default=0.0)
     parser.add_argument("--log-level", default="info")
     return parser.parse_args(argv)
 
 
-async def serve(args: argparse.Namespace) -> int:
-    """Run the app until SIGTERM or the coordinator goes away; return the exit code."""
-    try:
-        app = await build_app(args.app, args.app_dir)
-        info = WorkerInfo(args.slot, args.owner, os.getpid(), args.socket)
+class WorkerServer(Protocol):
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+
+class AiohttpWorkerServer:
+    """An aiohttp app on the worker socket (runner + Unix site)."""
+
+    def __init__(self, app: web.Application, socket_path: str, graceful_timeout: float):
+        self.runner = web.AppRunner(
+            app,
+            handle_signals=False,
+            access_log=None,
+            handler_cancellation=True,  # a client that goes away cancels its handler
+            keepalive_timeout=KEEPALIVE,
+            shutdown_timeout=graceful_timeout,
+        )
+        self.socket_path = socket_path
+
+    async def start(self) -> None:
+        await self.runner.setup()
+        await web.UnixSite(self.runner, self.socket_path).start()
+
+    async def stop(self) -> None:
+        await self.runner.cleanup()
+
+
+def _host(
+    app: Any, info: WorkerInfo, args: argparse.Namespace
+) -> tuple[ParticipantRuntime, WorkerServer]:
+    """The runtime and the server for `app`, aiohttp or ASGI."""
+    if isinstance(app, web.Application):
+        runtime = ParticipantRuntime(info, participation_of(app).with_kind(args.kind))
         app[WORKER_INFO] = info
-        runtime = ParticipantRuntime(info, kind=app.get(PARTICIPANT_KIND, "resources"))
         app[RUNTIME] = runtime
         # Outermost, so admission decides before any app middleware runs.
         app.middlewares.insert(0, participant_middleware)
+        return runtime, AiohttpWorkerServer(app, args.socket, args.graceful_timeout)
+    participation = declared(app) or Participation(restart_only=True)
+    runtime = ParticipantRuntime(info, participation.with_kind(args.kind))
+    server = AsgiWorkerServer(
+        AsgiDoor(app, runtime), args.socket, args.graceful_timeout, args.log_level
+    )
+    return runtime, server
+
+
+async def serve(args: argparse.Namespace) -> int:
+    """Run the app until SIGTERM or the coordinator goes away; return the exit code."""
+    info = WorkerInfo(args.slot, args.owner, os.getpid(), args.socket)
+    try:
+        app = await build_app(args.app, args.app_dir)
+        runtime, server = _host(app, info, args)
+        await server.start()
     except Exception:
         traceback.print_exc()
-        print(f"gym-proxy worker {args.slot}: cannot build app {args.app}", file=sys.stderr)
+        print(f"gym-proxy worker {args.slot}: cannot start app {args.app}", file=sys.stderr)
         return BOOT_ERROR
 
     loop = asyncio.get_running_loop()
@@ -71,22 +122,6 @@ async def serve(args: argparse.Namespace) -> int:
     loop.add_signal_handler(signal.SIGTERM, stop.set)
     # Ctrl-C reaches the whole process group; the proxy decides and sends SIGTERM.
     loop.add_signal_handler(signal.SIGINT, lambda: None)
-
-    runner = web.AppRunner(
-        app,
-        handle_signals=False,
-        access_log=None,
-        handler_cancellation=True,  # a client that goes away cancels its handler
-        keepalive_timeout=3600,  # longer than the proxy's pool idle time
-        shutdown_timeout=args.graceful_timeout,
-    )
-    try:
-        await runner.setup()
-        await web.UnixSite(runner, args.socket).start()
-    except Exception:
-        traceback.print_exc()
-        await runner.cleanup()
-        return BOOT_ERROR
 
     async def handle(message: dict[str, Any]) -> dict[str, Any]:
         return await handle_coordinator_message(runtime, message)
@@ -103,10 +138,11 @@ async def serve(args: argparse.Namespace) -> int:
             pid=info.pid,
             socket=info.socket_path,
             kind=runtime.kind,
+            framework="aiohttp" if isinstance(app, web.Application) else "asgi",
         )
     except (OSError, ChannelClosed, ChannelTimeout, RemoteError) as exc:
         log.error("worker %d could not register with the coordinator: %s", info.slot, exc)
-        await runner.cleanup()
+        await server.stop()
         return LOST_COORDINATOR
     runtime.channel = channel
     await handle_coordinator_message(runtime, {"type": "tables", **reply["tables"]})
@@ -114,6 +150,7 @@ async def serve(args: argparse.Namespace) -> int:
         runtime.close_gate(reply["checkpoint_id"])
     log.debug("worker %d registered as %s", info.slot, info.owner)
 
+    expiry = None
     if args.session_idle_ttl > 0:
         expiry = asyncio.create_task(runtime.expire_sessions(args.session_idle_ttl))
     stop_task = asyncio.create_task(stop.wait())
@@ -123,9 +160,9 @@ async def serve(args: argparse.Namespace) -> int:
         log.warning("worker %d lost the coordinator; stopping", info.slot)
         code = LOST_COORDINATOR
     stop_task.cancel()
-    if args.session_idle_ttl > 0:
+    if expiry is not None:
         expiry.cancel()
-    await runner.cleanup()
+    await server.stop()
     channel.close()
     channel_task.cancel()
     return code

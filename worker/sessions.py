@@ -58,7 +58,7 @@ class SessionStore:
             entry.used = time.monotonic()
         self._entries[session_id] = entry
 
-    def expire(self, idle_before: float, busy: Container[str]) -> int:
+    def expire(self, idle_before: float, busy: Container[str]) -> list[str]:
         """End sessions last used before `idle_before` (monotonic) unless `busy`."""
         doomed = []
         for session_id, entry in self._entries.items():
@@ -68,10 +68,29 @@ class SessionStore:
                 doomed.append(session_id)
         for session_id in doomed:
             del self._entries[session_id]
-        return len(doomed)
+        return doomed
 
-    def delete(self, session_id: str) -> None:
-        self._entries.pop(session_id, None)
+    def delete(self, session_id: str) -> bool:
+        """End a session; True if it was live."""
+        return self._entries.pop(session_id, None) is not None
+
+    def bind(self, session_id: str, episode: str) -> None:
+        """Bind a live session with no episode to `episode` (a seed sent under one)."""
+        entry = self._entries.get(session_id)
+        if entry is not None and entry.episode is None:
+            entry.episode = episode
+
+    def episodes(self) -> set[str]:
+        """The episode keys live sessions are bound to."""
+        return {e.episode for e in self._entries.values() if e.episode is not None}
+
+    def sessions_in(self, scope: set[str] | None) -> dict[str, SessionEntry]:
+        """Sessions unbound or bound to an episode in `scope` (None: all)."""
+        return {
+            sid: entry
+            for sid, entry in self._entries.items()
+            if entry.episode is None or scope is None or entry.episode in scope
+        }
 
     def export(self, owner: str, scope: set[str] | None) -> list[dict[str, Any]]:
         """Records of every session unbound or bound to an episode in `scope` (None: all)."""
@@ -83,8 +102,7 @@ class SessionStore:
                 "episode": entry.episode,
                 "value": entry.value,
             }
-            for session_id, entry in self._entries.items()
-            if entry.episode is None or scope is None or entry.episode in scope
+            for session_id, entry in self.sessions_in(scope).items()
         ]
 
     def install(self, records: list[dict[str, Any]]) -> int:
@@ -95,20 +113,20 @@ class SessionStore:
             )
         return len(records)
 
-    def uninstall(self) -> int:
+    def uninstall(self) -> list[str]:
         """Drop every restored session (a restore that failed elsewhere)."""
         return self._drop(lambda e: e.restored)
 
-    def release(self, keep: set[str]) -> int:
+    def release(self, keep: set[str]) -> list[str]:
         """Drop restored sessions bound to an episode outside `keep`."""
         return self._drop(lambda e: e.restored and e.episode is not None and e.episode not in keep)
 
-    def release_episodes(self, keys: set[str]) -> int:
+    def release_episodes(self, keys: set[str]) -> list[str]:
         """Drop every session bound to one of `keys` (a retired attempt)."""
         return self._drop(lambda e: e.episode in keys)
 
-    def _drop(self, doomed: Any) -> int:
+    def _drop(self, doomed: Any) -> list[str]:
         victims = [sid for sid, entry in self._entries.items() if doomed(entry)]
         for sid in victims:
             del self._entries[sid]
-        return len(victims)
+        return victims

@@ -1,0 +1,81 @@
+"""The participant runtime's front door for aiohttp apps: one middleware, outermost.
+
+aiohttp routes a request before any middleware runs, so for these workers the proxy
+strips `/ng-rollout/<key>/` and passes the key as `x-ng-episode-key`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from aiohttp import web
+
+from coordinator.errors import RETRY_AFTER, GymError
+from worker.participation import Participation
+from worker.runtime import ParticipantRuntime, RequestFacts, own_cancellation
+
+__all__ = [
+    "PARTICIPANT_KIND",
+    "PARTICIPATION",
+    "RUNTIME",
+    "FLIGHT",
+    "error_response",
+    "participant_middleware",
+    "participation_of",
+]
+
+PARTICIPANT_KIND = web.AppKey("gym_proxy_participant_kind", str)
+PARTICIPATION = web.AppKey("gym_proxy_participation", Participation)
+RUNTIME = web.AppKey("gym_proxy_participant_runtime", ParticipantRuntime)
+FLIGHT = "gym_proxy.flight"
+
+
+def participation_of(app: web.Application) -> Participation:
+    """What the app declared (`declare`, or the older `app[PARTICIPANT_KIND]`)."""
+    declared = app.get(PARTICIPATION)
+    if declared is not None:
+        return declared
+    return Participation(kind=app.get(PARTICIPANT_KIND, "resources"))
+
+
+def error_response(error: GymError) -> web.Response:
+    """The JSON answer to a refusal (status and Retry-After from the one table)."""
+    return web.Response(
+        status=error.status,
+        body=error.body(),
+        content_type="application/json",
+        headers={"Retry-After": "1"} if error.code in RETRY_AFTER else None,
+    )
+
+
+@web.middleware
+async def participant_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
+    """Admission and in-flight tracking around every request of the app."""
+    runtime = request.app[RUNTIME]
+    headers = request.headers
+    facts = RequestFacts(
+        request.method,
+        request.path,
+        headers.get("x-ng-session-id"),
+        headers.get("x-ng-session-new") == "1",
+        headers.get("x-ng-episode-key"),
+    )
+    try:
+        flight = await runtime.admit(facts, request.read)
+    except GymError as exc:
+        return error_response(exc)
+    request[FLIGHT] = flight
+    try:
+        response = await handler(request)
+        runtime.answered(flight, response.status)
+        return response
+    except asyncio.CancelledError:
+        if own_cancellation(flight):
+            return error_response(GymError("stale_attempt", "this attempt was retired"))
+        raise
+    except GymError as exc:
+        return error_response(exc)
+    finally:
+        runtime.leave(flight)
+

@@ -1,0 +1,155 @@
+"""The participant runtime's front door for ASGI apps: pure ASGI, outermost.
+
+Bodies stream through untouched, with one exception: a `POST /run` body is read ahead
+(and handed to the app unchanged) because the rollout identity is in it, as NeMo Gym's
+own middleware does. The path reaches the app as the client sent it, `/ng-rollout/<key>/`
+included (NeMo Gym apps strip it themselves); the runtime still learns the key.
+
+An app with a Starlette session (NeMo Gym's SessionMiddleware keeps `session_id` in it)
+is tracked by its own session ID: a 2xx `/seed_session` starts tracking it, and the first
+time a session is seen the response carries `x-ng-app-session: <id>`, which the proxy
+strips and records, so MCP calls that carry only the app's token route to this worker.
+A request the proxy routed by the app's token arrives with that session ID and no
+`x-ng-session-token`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+from coordinator.errors import RETRY_AFTER, GymError
+from worker.request_context import RequestContext
+from worker.runtime import (
+    RUN_BODY_LIMIT,
+    InFlight,
+    ParticipantRuntime,
+    RequestFacts,
+    own_cancellation,
+    split_rollout_path,
+)
+
+__all__ = ["AsgiDoor", "SCOPE_KEY", "APP_SESSION_HEADER"]
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+SCOPE_KEY = "gym_proxy"  # scope[SCOPE_KEY] is the request's worker.participant.RequestContext
+APP_SESSION_HEADER = b"x-ng-app-session"
+_APP_SESSION_KEY = "session_id"  # NeMo Gym's SESSION_ID_KEY
+
+
+class AsgiDoor:
+    """Wraps an ASGI app with admission and in-flight tracking."""
+
+    def __init__(self, app: Any, runtime: ParticipantRuntime) -> None:
+        self.app = app
+        self.runtime = runtime
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)  # lifespan (and anything else) passes
+            return
+        runtime = self.runtime
+        session_id = new_session = proxy_token = None
+        for name, value in scope["headers"]:
+            if name == b"x-ng-session-id":
+                session_id = value.decode("latin-1")
+            elif name == b"x-ng-session-new":
+                new_session = value == b"1"
+            elif name == b"x-ng-session-token":
+                proxy_token = True
+        buffered: list[bytes] = []
+
+        async def read_body() -> bytes:
+            size = 0
+            while True:
+                message = await receive()
+                if message["type"] != "http.request":
+                    break
+                buffered.append(message.get("body", b""))
+                size += len(buffered[-1])
+                if size > RUN_BODY_LIMIT:
+                    raise GymError("request_too_large", "a /run body over 64 MiB")
+                if not message.get("more_body"):
+                    break
+            return b"".join(buffered)
+
+        async def replay() -> Message:
+            if buffered:
+                body = b"".join(buffered)
+                buffered.clear()
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        try:
+            key, path = split_rollout_path(scope["path"])
+            facts = RequestFacts(scope["method"], path, session_id, bool(new_session), key)
+            flight = await runtime.admit(facts, read_body)
+        except GymError as exc:
+            await send_error(send, exc)
+            return
+        scope[SCOPE_KEY] = RequestContext(runtime, flight)
+        status = 0
+        app_session: str | None = None
+
+        async def watch(message: Message) -> None:
+            nonlocal status, app_session
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                if proxy_token or session_id is None:  # else routed by the app's own token
+                    app_session = _app_session(scope)
+                if app_session is not None and _announce(runtime, flight, app_session, status):
+                    message["headers"] = [
+                        *message.get("headers", ()),
+                        (APP_SESSION_HEADER, app_session.encode("latin-1")),
+                    ]
+            await send(message)
+
+        try:
+            await self.app(scope, replay if buffered else receive, watch)
+        except asyncio.CancelledError:
+            if not own_cancellation(flight):
+                raise
+            if not status:
+                await send_error(send, GymError("stale_attempt", "this attempt was retired"))
+        except GymError as exc:
+            if status:
+                raise
+            await send_error(send, exc)
+        else:
+            runtime.answered(flight, status, app_session)
+        finally:
+            runtime.leave(flight)
+
+
+def _app_session(scope: Scope) -> str | None:
+    session = scope.get("session")
+    if isinstance(session, dict):
+        value = session.get(_APP_SESSION_KEY)
+        if isinstance(value, str) and value:
+            return value
+    return None
+
+
+def _announce(runtime: ParticipantRuntime, flight: InFlight, app_session: str, status: int) -> bool:
+    """Whether the proxy must learn that `app_session` lives here: the first 2xx seed."""
+    return (
+        200 <= status < 300 and flight.path == "/seed_session" and app_session not in runtime.store
+    )
+
+
+async def send_error(send: Send, error: GymError) -> None:
+    """Answer with the JSON error body (status and Retry-After from the one table)."""
+    body = error.body()
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+    ]
+    if error.code in RETRY_AFTER:
+        headers.append((b"retry-after", b"1"))
+    await send({"type": "http.response.start", "status": error.status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})

@@ -1,0 +1,66 @@
+"""Serve an ASGI app on the worker's private Unix socket with uvicorn (httptools).
+
+uvicorn is what NeMo Gym runs its servers on. The worker drives uvicorn's server from its
+own event loop (uvloop) and keeps its own signal handling: uvicorn's `serve()` would take
+over SIGTERM/SIGINT, so the worker calls the steps `serve()` is made of itself: lifespan
+startup (a failure is a boot error), listening, the main loop, then shutdown (graceful,
+then lifespan shutdown).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import uvicorn
+
+__all__ = ["AsgiWorkerServer", "AppStartupFailed"]
+
+# Longer than the proxy's pool idle time, so the worker never closes a pooled connection
+# the proxy is about to reuse.
+KEEPALIVE = 3600
+
+
+class AppStartupFailed(Exception):
+    """The app's lifespan startup failed."""
+
+
+class AsgiWorkerServer:
+    """One uvicorn server for one worker socket."""
+
+    def __init__(self, app: Any, socket_path: str, graceful_timeout: float, log_level: str):
+        self.config = uvicorn.Config(
+            app,
+            uds=socket_path,
+            interface="asgi3",
+            http="httptools",
+            lifespan="auto",
+            timeout_keep_alive=KEEPALIVE,
+            timeout_graceful_shutdown=graceful_timeout,
+            log_config=None,
+            log_level=logging.getLevelName(log_level.upper()),
+            access_log=False,
+            proxy_headers=False,
+            server_header=False,
+        )
+        self.server = uvicorn.Server(self.config)
+        self._main: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        """Run the lifespan startup and listen; AppStartupFailed if the startup failed."""
+        self.config.load()
+        self.server.lifespan = self.config.lifespan_class(self.config)
+        try:
+            await self.server.startup()
+        except SystemExit:  # uvicorn exits when the lifespan startup fails
+            raise AppStartupFailed("the app's lifespan startup failed (see above)") from None
+        self._main = asyncio.ensure_future(self.server.main_loop())
+
+    async def stop(self) -> None:
+        """Stop accepting, let requests finish (graceful timeout), run lifespan shutdown."""
+        self.server.should_exit = True
+        if self._main is not None:
+            await self._main
+        if self.server.started:
+            await self.server.shutdown()

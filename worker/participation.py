@@ -1,0 +1,84 @@
+"""How an app takes part in checkpoints: its kind, and where its session state lives.
+
+Three ways, as in NeMo Gym:
+
+- **the session store** (the default for aiohttp apps): the app keeps per-session state
+  through `current_session(request).set(...)`; the runtime exports and installs it;
+- **hooks**: the app keeps its state itself (a dict keyed by its own session IDs, as
+  NeMo Gym servers do) and hands the runtime four async callables;
+- **restart-only** (the default for an ASGI app that declares nothing): it never blocks
+  a checkpoint, exports nothing, and reports the episodes of its live sessions under
+  `report.restarts`, so the controller starts those rollouts over.
+
+An app declares itself with `declare(app, Participation(...))`: on an aiohttp
+Application it is stored under an `AppKey`, on any ASGI app as the attribute
+`gym_proxy_participation`. `gym-proxy --kind` overrides the kind.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+__all__ = ["KINDS", "ParticipantHooks", "Participation", "declare", "declared"]
+
+KINDS = ("resources", "agent", "environment", "model")
+_ATTRIBUTE = "gym_proxy_participation"
+
+SessionStates = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class ParticipantHooks:
+    """Callables for an app that keeps session state itself. Session IDs are the ones the
+    runtime tracks for the app (the app's own, for an app with a Starlette session).
+
+    - `export(session_ids) -> {session_id: state}`: the JSON-able state of these live
+      sessions, all at once (a session the app already dropped is simply left out);
+    - `restore({session_id: state})`: install all of them, or raise and install none;
+    - `retire(session_ids)`: drop these sessions' state (a retired attempt, restored state a
+      commit left out, a failed restore); must tolerate repeats and unknown IDs;
+    - `stop()`: a commit with `stop: true` was written; free what can be freed.
+    """
+
+    export: Callable[[list[str]], Awaitable[SessionStates]] | None = None
+    restore: Callable[[SessionStates], Awaitable[None]] | None = None
+    retire: Callable[[list[str]], Awaitable[None]] | None = None
+    stop: Callable[[], Awaitable[None]] | None = None
+
+
+@dataclass(frozen=True)
+class Participation:
+    """An app's declaration: its kind, and hooks or restart-only (else the session store)."""
+
+    kind: str = "resources"
+    hooks: ParticipantHooks | None = None
+    restart_only: bool = False
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"kind must be one of {', '.join(KINDS)}, not {self.kind!r}")
+        if self.restart_only and self.hooks is not None:
+            raise ValueError("a restart-only participant has no hooks")
+
+    def with_kind(self, kind: str | None) -> Participation:
+        return self if kind is None else replace(self, kind=kind)
+
+
+def declare(app: Any, participation: Participation) -> Any:
+    """Attach `participation` to an aiohttp Application or an ASGI app; return the app."""
+    from aiohttp import web
+
+    from worker.aiohttp_door import PARTICIPATION
+
+    if isinstance(app, web.Application):
+        app[PARTICIPATION] = participation
+    else:
+        setattr(app, _ATTRIBUTE, participation)
+    return app
+
+
+def declared(app: Any) -> Participation | None:
+    """The participation an ASGI app declared, if any."""
+    return getattr(app, _ATTRIBUTE, None)

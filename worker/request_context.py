@@ -1,0 +1,67 @@
+"""One request as the participant runtime shows it to the app (both front doors)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from coordinator.errors import GymError
+from worker.episodes import Episode
+from worker.identity import WorkerInfo
+from worker.runtime import InFlight, ParticipantRuntime
+from worker.sessions import SessionStore
+
+__all__ = ["RequestContext", "RequestSession"]
+
+
+class RequestSession:
+    """The session of one request: its ID and its value in the session store."""
+
+    __slots__ = ("id", "_store", "_episode")
+
+    def __init__(self, store: SessionStore, session_id: str, episode_key: str | None) -> None:
+        self.id = session_id
+        self._store = store
+        self._episode = episode_key
+
+    def get(self, default: Any = None) -> Any:
+        return self._store.get(self.id, default)
+
+    def set(self, value: Any) -> None:
+        self._store.put(self.id, value, self._episode)
+
+    def delete(self) -> None:
+        self._store.delete(self.id)
+
+
+@dataclass(slots=True)
+class RequestContext:
+    """One request as the participant runtime sees it."""
+
+    runtime: ParticipantRuntime
+    flight: InFlight
+
+    @property
+    def kind(self) -> str:
+        return self.runtime.kind
+
+    @property
+    def worker(self) -> WorkerInfo:
+        return self.runtime.info
+
+    @property
+    def session(self) -> RequestSession:
+        session_id = self.flight.session_id
+        if session_id is None:
+            raise GymError(
+                "invalid_request", "the request did not come through gym-proxy (no session)"
+            )
+        key = self.flight.identity.key if self.flight.identity is not None else None
+        return RequestSession(self.runtime.store, session_id, key)
+
+    @property
+    def episode(self) -> Episode:
+        if self.flight.episode is None:
+            detail = "this request carries no rollout identity (_ng_rollout_id)"
+            raise GymError("invalid_request", detail)
+        return self.flight.episode

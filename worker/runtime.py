@@ -1,0 +1,387 @@
+"""The participant runtime of one worker: the part that knows no web framework.
+
+- **Admission.** While a checkpoint is open, requests that would start something (a new
+  session, a new episode `/run`, a claim) are refused with `checkpoint_parked`; calls on
+  existing sessions wait at the door until resume, so a tool call never shows a refusal.
+- **Readiness.** The worker is ready when the gate is closed and every request in flight
+  is parked at a boundary, inside a replay step, or waiting at the door. Reports carry a
+  sequence number and the blockers (episode keys, sessions); they are sent on every change
+  and re-sent on a short poll while the checkpoint is open.
+- **State.** The session store (`worker.sessions`) holds what the app keeps through the
+  runtime; an app that keeps its state elsewhere registers hooks (`Participation`), and an
+  app with neither is restart-only: it never blocks, exports nothing, and reports the
+  episodes of its live sessions as restarts.
+
+The aiohttp and ASGI front doors (`worker.aiohttp_door`, `worker.asgi_door`) turn a
+request into `RequestFacts`, call `admit`, run the app, then `answered` and `leave`.
+Coordinator messages are served by `worker.participant_messages`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+from coordinator.channel import Channel, ChannelClosed, ChannelTimeout, RemoteError
+from coordinator.episode_ids import EpisodeId, parse_episode_key
+from coordinator.errors import GymError
+from worker.episodes import Episode
+from worker.identity import WorkerInfo
+from worker.participation import Participation
+from worker.sessions import SessionStore
+
+__all__ = [
+    "InFlight",
+    "ParticipantRuntime",
+    "RequestFacts",
+    "ROLLOUT_PREFIX",
+    "own_cancellation",
+    "split_rollout_path",
+]
+
+log = logging.getLogger("gym_proxy.participant")
+
+REPORT_POLL = 0.2
+CLAIM_WAIT = 30.0
+ROLLOUT_PREFIX = "/ng-rollout/"
+RUN_BODY_LIMIT = 64 * 1024 * 1024
+# Routes that end a session when they answer 2xx (NeMo Gym's session lifecycle);
+# `/verify` ends it only on a resources server.
+_CLOSE_PATHS = frozenset({"/close_session"})
+_RESOURCES_CLOSE_PATHS = frozenset({"/close_session", "/verify"})
+
+
+def split_rollout_path(path: str) -> tuple[str | None, str]:
+    """`/ng-rollout/<key>/rest` -> (key, `/rest`); any other path -> (None, path)."""
+    if not path.startswith(ROLLOUT_PREFIX):
+        return None, path
+    key, slash, rest = path[len(ROLLOUT_PREFIX) :].partition("/")
+    if not key:
+        raise GymError("invalid_request", "/ng-rollout/ needs an episode key")
+    return key, "/" + rest if slash else "/"
+
+
+@dataclass(slots=True)
+class RequestFacts:
+    """What admission needs to know about a request, from whichever framework."""
+
+    method: str
+    path: str  # without the /ng-rollout/<key> prefix
+    session_id: str | None  # x-ng-session-id from the proxy
+    new_session: bool  # x-ng-session-new: the proxy minted the session for this request
+    episode_key: str | None  # from the /ng-rollout/<key>/ prefix
+
+
+@dataclass(slots=True, eq=False)
+class InFlight:
+    """One request being handled: what it is and where it stands."""
+
+    task: asyncio.Task[Any] | None
+    session_id: str | None
+    identity: EpisodeId | None
+    path: str
+    new_session: bool = False
+    position: str = "running"  # running | door | parked | replay
+    episode: Episode | None = None
+    retired: bool = False
+
+    def blocker(self) -> str:
+        if self.identity is not None:
+            return self.identity.key
+        if self.session_id is not None:
+            return f"session:{self.session_id}"
+        return f"request:{self.path}"
+
+
+@dataclass(eq=False)
+class ParticipantRuntime:
+    """Admission, readiness and state of one worker (see the module docstring)."""
+
+    info: WorkerInfo
+    participation: Participation = field(default_factory=Participation)
+    store: SessionStore = field(default_factory=SessionStore)
+    flights: set[InFlight] = field(default_factory=set)
+    channel: Channel | None = None
+    checkpoint_id: str | None = None
+    pending: dict[str, int] = field(default_factory=dict)  # restored rollout -> attempt
+    retiring: set[str] = field(default_factory=set)
+    aliases: dict[str, str] = field(default_factory=dict)
+    sessions: dict[str, str] = field(default_factory=dict)
+    opened: asyncio.Event = field(default_factory=asyncio.Event)
+    seq: int = 0
+    _report_due: bool = False
+    _poller: asyncio.Task[None] | None = None
+    _sends: set[asyncio.Task[None]] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        self.opened.set()
+
+    @property
+    def kind(self) -> str:
+        return self.participation.kind
+
+    # ---- admission --------------------------------------------------------------
+    @property
+    def is_open(self) -> bool:
+        return self.opened.is_set()
+
+    async def admit(
+        self, facts: RequestFacts, read_body: Callable[[], Awaitable[bytes]]
+    ) -> InFlight:
+        """Let a request in, park it at the door, or refuse it (GymError); track it."""
+        if facts.episode_key:
+            identity: EpisodeId | None = parse_episode_key(facts.episode_key)
+        elif facts.path == "/run" and facts.method == "POST":
+            identity = _run_identity(await read_body())
+        else:
+            identity = None
+        starts = facts.new_session or (identity is not None and facts.path == "/run")
+        if identity is not None and identity.key in self.retiring:
+            raise GymError("stale_attempt", f"attempt {identity.key} is being retired")
+        flight = InFlight(
+            asyncio.current_task(), facts.session_id, identity, facts.path, facts.new_session
+        )
+        if not self.is_open:
+            if starts:
+                raise GymError("checkpoint_parked", "a checkpoint is in progress")
+            self.flights.add(flight)
+            await self.park(flight, "door")
+        else:
+            self.flights.add(flight)
+        try:
+            if identity is not None:
+                restored, state = False, None
+                if facts.path == "/run" and identity.rollout_id in self.pending:
+                    state = await self._claim(identity)
+                    restored = True
+                flight.episode = Episode(self, flight, identity, restored, state)
+        except BaseException:
+            self.leave(flight)
+            raise
+        return flight
+
+    async def _claim(self, identity: EpisodeId) -> Any:
+        expected = self.pending[identity.rollout_id]
+        if identity.attempt != expected:
+            raise GymError(
+                "stale_attempt", f"{identity.rollout_id} continues only as attempt {expected}"
+            )
+        assert self.channel is not None
+        try:
+            reply = await self.channel.request(
+                "claim",
+                within=CLAIM_WAIT,
+                rollout_id=identity.rollout_id,
+                attempt=identity.attempt,
+            )
+        except (ChannelClosed, ChannelTimeout) as exc:
+            raise GymError(
+                "checkpoint_coordinator_unavailable", f"the claim got no answer: {exc}"
+            ) from exc
+        except RemoteError as exc:
+            if exc.code != "checkpoint_parked":
+                # The coordinator no longer holds it (claimed elsewhere, retired).
+                self.pending.pop(identity.rollout_id, None)
+            raise GymError(exc.code, exc.detail) from exc
+        self.pending.pop(identity.rollout_id, None)
+        return reply.get("state")
+
+    def answered(self, flight: InFlight, status: int, app_session: str | None = None) -> None:
+        """The app answered `status`: track the request's session.
+
+        The session is the proxy's (`x-ng-session-id`), or the app's own when the front
+        door learned one. A proxy session is tracked once its token comes back (a client
+        that never returns its cookie does not grow the store); an app session from its
+        first 2xx `/seed_session`. A 2xx `/close_session` (or a resources `/verify`) ends
+        the session (NeMo Gym's lifecycle); a request sent under an episode binds it."""
+        sid = app_session or flight.session_id
+        if sid is None or not 200 <= status < 300:
+            return
+        closers = _RESOURCES_CLOSE_PATHS if self.kind == "resources" else _CLOSE_PATHS
+        if flight.path in closers:
+            self.store.delete(sid)
+            return
+        episode = flight.identity.key if flight.identity is not None else None
+        if app_session is not None:
+            tracked = flight.path == "/seed_session" or app_session in self.store
+        else:
+            tracked = not flight.new_session
+        if tracked:
+            self.store.touch(sid, episode)
+        if episode is not None:
+            self.store.bind(sid, episode)
+
+    def leave(self, flight: InFlight) -> None:
+        self.flights.discard(flight)
+        self.changed()
+
+    async def park(self, flight: InFlight, position: str) -> float:
+        """Wait while the gate is closed; return the seconds spent parked."""
+        if self.is_open:
+            return 0.0
+        started = time.monotonic()
+        self.set_position(flight, position)
+        try:
+            await self.opened.wait()
+        finally:
+            self.set_position(flight, "running")
+        return time.monotonic() - started
+
+    def set_position(self, flight: InFlight, position: str) -> None:
+        flight.position = position
+        self.changed()
+
+    async def expire_sessions(self, ttl: float) -> None:
+        """End sessions idle for `ttl` seconds, now and then (never while closed: the
+        state a checkpoint exports stays as it was at close)."""
+        while True:
+            await asyncio.sleep(min(ttl / 4, 10.0))
+            if self.is_open:
+                busy = {f.session_id for f in self.flights if f.session_id is not None}
+                self.store.expire(time.monotonic() - ttl, busy)
+
+    # ---- readiness --------------------------------------------------------------
+    def report(self) -> dict[str, Any]:
+        """This worker's readiness for the open checkpoint."""
+        counts = {"in_flight": 0, "running": 0, "door": 0, "parked": 0, "replay": 0}
+        blockers = []
+        restart_only = self.participation.restart_only
+        for flight in self.flights:
+            counts["in_flight"] += 1
+            counts[flight.position] += 1
+            if flight.position == "running" and not restart_only:
+                blockers.append(flight.blocker())
+        counts["sessions"] = len(self.store)
+        return {
+            "checkpoint_id": self.checkpoint_id,
+            "ready": not self.is_open and not blockers,
+            "blockers": sorted(blockers),
+            "counts": counts,
+            "restarts": sorted(self.store.episodes()) if restart_only else [],
+        }
+
+    def changed(self) -> None:
+        """Something readiness depends on changed: report soon (coalesced)."""
+        if self.is_open or self._report_due or self.channel is None:
+            return
+        self._report_due = True
+        asyncio.get_running_loop().call_soon(self._send_report)
+
+    def _send_report(self) -> None:
+        self._report_due = False
+        if self.channel is None or self.channel.closed or self.checkpoint_id is None:
+            return
+        self.seq += 1
+        with contextlib.suppress(ChannelClosed):
+            self.channel.send_nowait({"type": "ready", "seq": self.seq, **self.report()})
+
+    async def _poll_reports(self) -> None:
+        while True:
+            await asyncio.sleep(REPORT_POLL)
+            self._send_report()
+
+    def close_gate(self, checkpoint_id: str) -> None:
+        self.checkpoint_id = checkpoint_id
+        if self.is_open:
+            self.opened.clear()
+            self._poller = asyncio.ensure_future(self._poll_reports())
+        self.changed()  # a worker that joins an open checkpoint reports at once
+
+    def open_gate(self) -> None:
+        self.checkpoint_id = None
+        if self._poller is not None:
+            self._poller.cancel()
+            self._poller = None
+        self.opened.set()
+
+    # ---- state ------------------------------------------------------------------
+    async def export(self, scope: set[str] | None) -> list[dict[str, Any]]:
+        """Records of this worker's sessions and parked episodes within `scope`."""
+        participation = self.participation
+        owner = self.info.owner
+        if participation.restart_only:
+            records = []
+        elif participation.hooks is not None and participation.hooks.export is not None:
+            live = self.store.sessions_in(scope)
+            states = await participation.hooks.export(sorted(live))
+            records = [
+                {
+                    "type": "session",
+                    "session_id": sid,
+                    "owner": owner,
+                    "episode": live[sid].episode if sid in live else None,
+                    "value": value,
+                }
+                for sid, value in states.items()
+                if sid in live
+            ]
+        else:
+            records = self.store.export(owner, scope)
+        for flight in self.flights:
+            ep = flight.episode
+            if ep is not None and (scope is None or ep.key in scope):
+                records.append(ep.export())
+        return records
+
+    async def install(self, records: list[dict[str, Any]]) -> int:
+        """Install restored sessions (all or nothing: the hook raises to refuse)."""
+        hooks = self.participation.hooks
+        if hooks is not None and hooks.restore is not None:
+            await hooks.restore({r["session_id"]: r.get("value") for r in records})
+            records = [{**r, "value": None} for r in records]
+        return self.store.install(records)
+
+    async def forget_sessions(self, session_ids: list[str]) -> int:
+        """The store dropped these sessions: tell the app's hook too (idempotent)."""
+        hooks = self.participation.hooks
+        if session_ids and hooks is not None and hooks.retire is not None:
+            await hooks.retire(session_ids)
+        return len(session_ids)
+
+    async def retire(self, keys: set[str]) -> int:
+        """Cancel the attempts' requests, wait for them to stop, free their sessions."""
+        self.retiring |= keys
+        try:
+            doomed = [f for f in self.flights if f.identity is not None and f.identity.key in keys]
+            for flight in doomed:
+                flight.retired = True
+                if flight.task is not None:
+                    flight.task.cancel()
+            tasks = [f.task for f in doomed if f.task is not None]
+            if tasks:
+                await asyncio.wait(tasks)
+            freed = await self.forget_sessions(self.store.release_episodes(keys))
+            return freed + len(doomed)
+        finally:
+            self.retiring -= keys
+
+
+def own_cancellation(flight: InFlight) -> bool:
+    """True when the runtime's retire cancelled the current task (and nothing else did);
+    the cancellation is then taken back so the front door can answer `stale_attempt`."""
+    task = asyncio.current_task()
+    if flight.retired and task is not None and task.cancelling() == 1:
+        task.uncancel()
+        return True
+    return False
+
+
+def _run_identity(raw: bytes) -> EpisodeId | None:
+    """Rollout identity from a `/run` body's `_ng_rollout_id` and `_ng_attempt_index`."""
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return None
+    if not isinstance(body, dict) or not isinstance(body.get("_ng_rollout_id"), str):
+        return None
+    attempt = body.get("_ng_attempt_index", 0)
+    if not isinstance(attempt, int) or isinstance(attempt, bool) or attempt < 0:
+        raise GymError("invalid_request", "_ng_attempt_index must be a non-negative integer")
+    return EpisodeId(body["_ng_rollout_id"], attempt)
