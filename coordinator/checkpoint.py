@@ -159,7 +159,13 @@ class Checkpointer:
 
     def _report(self, live: list[LiveWorker] | None = None) -> dict[str, Any]:
         if not self.machine.is_open:
-            return {"ready": False, "blockers": [], "blocker_count": 0, "counts": {}}
+            return {
+                "ready": False,
+                "blockers": [],
+                "blocker_count": 0,
+                "counts": {},
+                "restarts": [],
+            }
         return self.readiness.report(live or self.workers.live(), self.workers.expected)
 
     async def prepare(self, checkpoint_id: str, deadline_ts: float) -> dict[str, Any]:

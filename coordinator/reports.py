@@ -51,8 +51,10 @@ class Readiness:
         return None if report is None else bool(report["ready"])
 
     def report(self, live: Sequence[_Worker], expected: int) -> dict[str, Any]:
-        """`{ready, blockers[<=100], blocker_count, counts}` across every worker."""
+        """`{ready, blockers[<=100], blocker_count, counts, restarts}` across every worker;
+        `restarts` (episodes a restart-only app cannot continue) is never capped."""
         blockers: list[str] = []
+        restarts: set[str] = set()
         counts: dict[str, int] = {}
         unreported = max(0, expected - len(live))
         for worker in live:
@@ -61,6 +63,7 @@ class Readiness:
                 unreported += 1
                 continue
             blockers.extend(report["blockers"])
+            restarts.update(report.get("restarts", ()))
             if not report["ready"] and not report["blockers"]:
                 blockers.append(f"worker-not-closed:{worker.slot}")
             for name, value in report.get("counts", {}).items():
@@ -76,6 +79,7 @@ class Readiness:
             "blockers": blockers[:MAX_BLOCKERS],
             "blocker_count": len(blockers),
             "counts": counts,
+            "restarts": sorted(restarts),
         }
 
     async def wait_ready(self, done: Callable[[], bool], within: float) -> None:

@@ -59,6 +59,7 @@ class Exchange:
         "upstream",
         "head",
         "new_token",
+        "cookie_token",
         "error",
         "pending_error",
         "response_started",
@@ -89,6 +90,7 @@ class Exchange:
         self.upstream: UpstreamConnection | None = None
         self.head = b""
         self.new_token: bytes | None = None
+        self.cookie_token: bytes | None = None  # routed by this ng_session cookie
         self.error: tuple[str, str] | None = None  # (code, detail) decided before start
         self.pending_error: tuple[str, str] | None = None
         self.response_started = False
@@ -174,7 +176,9 @@ class Exchange:
             if app_session is not None:
                 parts += (b"x-ng-session-id: ", app_session.encode(), b"\r\n")
             return worker
-        token = head.token or (wire.cookie_token(head.cookie) if head.cookie else None)
+        token = head.token
+        if token is None and head.cookie is not None:
+            token = self.cookie_token = wire.cookie_token(head.cookie)
         if route.new:
             token = state.codec.sign(route.session_id, worker.owner).encode()
             self.new_token = token
@@ -264,6 +268,10 @@ class Exchange:
             parts = wire.without_headers(parts, 1, listed)
         if self.new_token is not None:
             parts.append(wire.set_cookie_headers(self.new_token))
+        elif self.cookie_token is not None:
+            # Re-set on every answer, as Starlette does its session cookie: NeMo Gym's
+            # clients send on only the cookies of the last response they got.
+            parts.append(wire.refresh_cookie_header(self.cookie_token))
         no_body = self.is_head or status in _NO_BODY_STATUS
         if not no_body and not length_known:
             self.until_eof = not upstream_chunked

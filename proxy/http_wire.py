@@ -19,6 +19,7 @@ __all__ = [
     "error_response",
     "cookie_token",
     "set_cookie_headers",
+    "refresh_cookie_header",
     "reason_phrase",
     "chunk",
     "connection_listed",
@@ -106,6 +107,14 @@ def set_cookie_headers(token: bytes) -> bytes:
         b"set-cookie: ng_session=" + token + b"; Path=/; HttpOnly; SameSite=Lax\r\n"
         b'cache-control: no-cache="Set-Cookie"\r\n'
         b"x-nemo-gym-session-token: " + token + b"\r\n"
+    )
+
+
+def refresh_cookie_header(token: bytes) -> bytes:
+    """The same session cookie again (its value never changes: tokens are for life)."""
+    return (
+        b"set-cookie: ng_session=" + token + b"; Path=/; HttpOnly; SameSite=Lax\r\n"
+        b'cache-control: no-cache="Set-Cookie"\r\n'
     )
 
 

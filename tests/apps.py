@@ -158,14 +158,19 @@ async def record(request: web.Request, handler):  # type: ignore[no-untyped-def]
     return await handler(request)
 
 
-def create_app() -> web.Application:
-    """The counter app plus test routes."""
+def hold_while_file() -> None:
+    """Lets a test keep a restarted worker from booting until it removes the file named
+    by GYM_TEST_HOLD_FILE (a blocking wait, at boot, before the app exists)."""
     hold = os.environ.get("GYM_TEST_HOLD_FILE")
     if hold:
-        # Lets a test keep a restarted worker from booting until it removes the file.
         deadline = time.monotonic() + 60
         while os.path.exists(hold) and time.monotonic() < deadline:
             time.sleep(0.05)
+
+
+def create_app() -> web.Application:
+    """The counter app plus test routes."""
+    hold_while_file()
     app = create_counter_app()
     app[PARTICIPANT_KIND] = os.environ.get("GYM_TEST_KIND", "resources")
     app.middlewares.append(record)

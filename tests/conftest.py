@@ -8,6 +8,17 @@ import pytest
 from tests.support import ProxyProcess
 
 TEST_APP = "tests.apps:create_app"
+ASGI_TEST_APP = "tests.asgi_apps:create_app"
+BOTH_APP_KINDS = pytest.mark.parametrize(
+    "test_app", [TEST_APP, ASGI_TEST_APP], ids=["aiohttp", "asgi"], indirect=True
+)
+
+
+@pytest.fixture
+def test_app(request: pytest.FixtureRequest) -> str:
+    """The app `start_proxy` runs by default; BOTH_APP_KINDS runs a test over the aiohttp
+    app and its ASGI twin (tests/asgi_apps.py)."""
+    return getattr(request, "param", TEST_APP)
 
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)
@@ -18,7 +29,9 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):  
 
 
 @pytest.fixture
-def start_proxy(request: pytest.FixtureRequest) -> Iterator[Callable[..., ProxyProcess]]:
+def start_proxy(
+    request: pytest.FixtureRequest, test_app: str
+) -> Iterator[Callable[..., ProxyProcess]]:
     """Start real gym-proxy processes; every one is stopped (and its workers reaped) after.
     When the test fails, each proxy's log is printed (pytest shows it with the failure)."""
     started: list[ProxyProcess] = []
@@ -26,10 +39,12 @@ def start_proxy(request: pytest.FixtureRequest) -> Iterator[Callable[..., ProxyP
     def start(
         *args: str,
         workers: int = 2,
-        app: str | None = TEST_APP,
+        app: str | None = test_app,
         ready: bool = True,
         **kwargs: object,
     ) -> ProxyProcess:
+        if app in (TEST_APP, ASGI_TEST_APP) and "--name" not in args:
+            args = (*args, "--name", "apps")  # the twins are one server to checkpoints
         proxy = ProxyProcess(*args, workers=workers, app=app, **kwargs)  # type: ignore[arg-type]
         started.append(proxy)
         return proxy.wait_ready() if ready else proxy

@@ -105,13 +105,14 @@ def test_readiness_fail_closed_and_sequencing():
     live = [W(0, "a"), W(1, "b")]
     assert r.report(live, 3)["blockers"] == ["workers-unreported:3"]
     r.update("a", {"seq": 2, "ready": True, "blockers": [], "counts": {"door": 1}})
-    r.update("b", {"seq": 1, "ready": False, "blockers": ["episode:x"], "counts": {}})
+    r.update("b", {"seq": 1, "ready": False, "blockers": ["x"], "counts": {}, "restarts": ["r"]})
     report = r.report(live, 2)
     assert report == {
         "ready": False,
-        "blockers": ["episode:x"],
+        "blockers": ["x"],
         "blocker_count": 1,
         "counts": {"door": 1},
+        "restarts": ["r"],
     }
     r.update("b", {"seq": 3, "ready": True, "blockers": [], "counts": {}})
     r.update("b", {"seq": 2, "ready": False, "blockers": ["late"], "counts": {}})  # stale

@@ -11,6 +11,7 @@ import orjson
 import pytest
 
 from coordinator import records
+from tests.conftest import BOTH_APP_KINDS
 from tests.support import CONTROL_TOKEN, Control, ProxyProcess, wait_until
 
 TOKEN = "X-NeMo-Gym-Session-Token"
@@ -28,6 +29,7 @@ async def new_session(http, url, count=0):
         return resp.headers[TOKEN]
 
 
+@BOTH_APP_KINDS
 async def test_session_call_waits_at_the_door_new_session_is_parked(participant, http):
     control = Control(http, participant.url)
     token = await new_session(http, participant.url, 5)
@@ -51,6 +53,7 @@ async def test_session_call_waits_at_the_door_new_session_is_parked(participant,
     assert (await resp.json())["count"] == 6
 
 
+@BOTH_APP_KINDS
 async def test_in_flight_request_blocks_until_done(participant, http):
     control = Control(http, participant.url)
     token = await new_session(http, participant.url)
@@ -73,6 +76,7 @@ async def test_in_flight_request_blocks_until_done(participant, http):
     await control.ok("resume", checkpoint_id="busy")
 
 
+@BOTH_APP_KINDS
 async def test_lost_worker_blocks_until_resume(start_proxy, http, tmp_path):
     hold = tmp_path / "hold"
     control, status = await _held_participant(start_proxy, http, hold)
@@ -121,6 +125,7 @@ async def _held_participant(start_proxy, http, hold):
     return control, await control.ok("status")
 
 
+@BOTH_APP_KINDS
 async def test_missing_worker_blocks_prepare(start_proxy, http, tmp_path):
     hold = tmp_path / "hold"
     control, status = await _held_participant(start_proxy, http, hold)
@@ -134,6 +139,7 @@ async def test_missing_worker_blocks_prepare(start_proxy, http, tmp_path):
     hold.unlink()
 
 
+@BOTH_APP_KINDS
 async def test_retries_conflicts_and_stale_ids(participant, http, tmp_path):
     control = Control(http, participant.url)
     await new_session(http, participant.url)
@@ -155,6 +161,7 @@ async def test_retries_conflicts_and_stale_ids(participant, http, tmp_path):
     assert code == 409 and body["error"]["code"] == "deadline_exceeded"
 
 
+@BOTH_APP_KINDS
 async def test_auth_and_bad_bodies(participant, http):
     control = Control(http, participant.url)
     base = control.base
@@ -182,6 +189,7 @@ async def test_auth_and_bad_bodies(participant, http):
     assert (await control.ok("status"))["phase"] == "idle"  # nothing opened by bad calls
 
 
+@BOTH_APP_KINDS
 async def test_control_is_404_without_a_token(start_proxy, http):
     proxy = start_proxy(workers=1)
     async with http.get(
@@ -199,6 +207,7 @@ def test_control_token_requires_secret(tmp_path):
         proxy.close()
 
 
+@BOTH_APP_KINDS
 async def test_lease_expiry_resumes(start_proxy, http):
     proxy = start_proxy("--lease-grace", "0.5", workers=1, control_token=CONTROL_TOKEN)
     control = Control(http, proxy.url)
@@ -217,6 +226,7 @@ async def test_lease_expiry_resumes(start_proxy, http):
 
 
 @pytest.mark.parametrize("damage", ["records", "digest", "count", "manifest", "kind", "instance"])
+@BOTH_APP_KINDS
 async def test_bad_checkpoints_are_422_and_install_nothing(start_proxy, http, tmp_path, damage):
     first = start_proxy(workers=1, control_token=CONTROL_TOKEN)
     control = Control(http, first.url)
@@ -253,6 +263,7 @@ async def test_bad_checkpoints_are_422_and_install_nothing(start_proxy, http, tm
         assert resp.status == 410  # nothing was installed: the old owner is unknown
 
 
+@BOTH_APP_KINDS
 async def test_crash_between_records_and_manifest(start_proxy, http, tmp_path):
     good, torn = tmp_path / "good", tmp_path / "torn"
     first = start_proxy(workers=1, control_token=CONTROL_TOKEN)
@@ -292,6 +303,7 @@ async def _call_dies(control, op, **body):
         return None, exc
 
 
+@BOTH_APP_KINDS
 async def test_retire_cancels_and_frees_an_attempt(participant, http):
     control = Control(http, participant.url)
     run = asyncio.ensure_future(

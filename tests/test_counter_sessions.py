@@ -8,6 +8,8 @@ from collections import Counter
 import aiohttp
 import pytest
 
+from tests.conftest import BOTH_APP_KINDS
+
 TOKEN = "X-NeMo-Gym-Session-Token"
 
 
@@ -31,6 +33,7 @@ async def _run_session(http: aiohttp.ClientSession, url: str, start: int) -> tup
 
 
 @pytest.mark.parametrize("workers", [2, 4])
+@BOTH_APP_KINDS
 async def test_counters_exact_and_spread(start_proxy, http, workers):
     proxy = start_proxy(workers=workers)
     results = await asyncio.gather(*(_run_session(http, proxy.url, i) for i in range(200)))
@@ -40,6 +43,7 @@ async def test_counters_exact_and_spread(start_proxy, http, workers):
     assert max(per_owner.values()) <= 2 * fair, per_owner
 
 
+@BOTH_APP_KINDS
 async def test_cookie_session_round_trip(start_proxy):
     """A browser-style client: the cookie alone carries the session."""
     proxy = start_proxy(workers=2)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 from coordinator import records
+from tests.conftest import BOTH_APP_KINDS
 from tests.support import CONTROL_TOKEN, Control
 
 TOKEN = "X-NeMo-Gym-Session-Token"
@@ -34,6 +35,7 @@ def write_episode_checkpoint(directory, count):
     )
 
 
+@BOTH_APP_KINDS
 async def test_two_workers_race_to_claim_each_restored_episode(start_proxy, http, tmp_path):
     write_episode_checkpoint(tmp_path, RACES)
     proxy = start_proxy(workers=2, control_token=CONTROL_TOKEN)
@@ -67,6 +69,7 @@ async def test_two_workers_race_to_claim_each_restored_episode(start_proxy, http
     assert (await control.ok("status"))["restored_pending"] == 0
 
 
+@BOTH_APP_KINDS
 async def test_commit_scope_and_release(start_proxy, http, tmp_path):
     first = start_proxy(workers=2, control_token=CONTROL_TOKEN)
     control = Control(http, first.url)
@@ -103,6 +106,7 @@ async def test_commit_scope_and_release(start_proxy, http, tmp_path):
         assert (await r.json())["count"] == 0  # released: a fresh counter
 
 
+@BOTH_APP_KINDS
 async def test_unclaimed_records_are_exported_again_while_in_scope(start_proxy, http, tmp_path):
     write_episode_checkpoint(tmp_path / "one", 2)
     proxy = start_proxy(workers=1, control_token=CONTROL_TOKEN)

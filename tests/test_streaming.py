@@ -8,6 +8,7 @@ import io
 from pathlib import Path
 
 from tests.apps import pattern_block
+from tests.conftest import BOTH_APP_KINDS
 
 TOKEN = "X-NeMo-Gym-Session-Token"
 SIZE = 50 * 1024 * 1024
@@ -25,6 +26,7 @@ async def new_session(http, url):
         return resp.headers[TOKEN]
 
 
+@BOTH_APP_KINDS
 async def test_sse_arrives_event_by_event(start_proxy, http):
     proxy = start_proxy(workers=2)
     token = await new_session(http, proxy.url)
@@ -42,6 +44,7 @@ async def test_sse_arrives_event_by_event(start_proxy, http):
         assert await resp.content.read() == b""
 
 
+@BOTH_APP_KINDS
 async def test_50mb_upload_and_download_intact_with_bounded_memory(start_proxy, http):
     proxy = start_proxy(workers=2)
     token = await new_session(http, proxy.url)
@@ -78,6 +81,7 @@ async def test_50mb_upload_and_download_intact_with_bounded_memory(start_proxy, 
     assert grown_mib < 20, f"proxy peak memory grew by {grown_mib:.1f} MiB"
 
 
+@BOTH_APP_KINDS
 async def test_slow_reader_does_not_make_the_proxy_buffer(start_proxy, http):
     proxy = start_proxy(workers=1)
     token = await new_session(http, proxy.url)

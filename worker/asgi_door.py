@@ -6,11 +6,11 @@ own middleware does. The path reaches the app as the client sent it, `/ng-rollou
 included (NeMo Gym apps strip it themselves); the runtime still learns the key.
 
 An app with a Starlette session (NeMo Gym's SessionMiddleware keeps `session_id` in it)
-is tracked by its own session ID: a 2xx `/seed_session` starts tracking it, and the first
-time a session is seen the response carries `x-ng-app-session: <id>`, which the proxy
-strips and records, so MCP calls that carry only the app's token route to this worker.
-A request the proxy routed by the app's token arrives with that session ID and no
-`x-ng-session-token`.
+is tracked by its own session ID, read from the session cookie (`worker.app_sessions`):
+a 2xx `/seed_session` starts tracking it, and its response carries
+`x-ng-app-session: <id>`, which the proxy strips and records, so MCP calls that carry
+only the app's token route to this worker. A request the proxy routed by the app's token
+arrives with that session ID and no `x-ng-session-token`.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 from coordinator.errors import RETRY_AFTER, GymError
+from worker.app_sessions import session_in_headers
 from worker.request_context import RequestContext
 from worker.runtime import (
     RUN_BODY_LIMIT,
@@ -39,7 +40,6 @@ Send = Callable[[Message], Awaitable[None]]
 
 SCOPE_KEY = "gym_proxy"  # scope[SCOPE_KEY] is the request's worker.participant.RequestContext
 APP_SESSION_HEADER = b"x-ng-app-session"
-_APP_SESSION_KEY = "session_id"  # NeMo Gym's SESSION_ID_KEY
 
 
 class AsgiDoor:
@@ -101,7 +101,9 @@ class AsgiDoor:
             if message["type"] == "http.response.start":
                 status = message["status"]
                 if proxy_token or session_id is None:  # else routed by the app's own token
-                    app_session = _app_session(scope)
+                    app_session = session_in_headers(
+                        message.get("headers", ()), set_cookie=True
+                    ) or session_in_headers(scope["headers"], set_cookie=False)
                 if app_session is not None and _announce(runtime, flight, app_session, status):
                     message["headers"] = [
                         *message.get("headers", ()),
@@ -124,15 +126,6 @@ class AsgiDoor:
             runtime.answered(flight, status, app_session)
         finally:
             runtime.leave(flight)
-
-
-def _app_session(scope: Scope) -> str | None:
-    session = scope.get("session")
-    if isinstance(session, dict):
-        value = session.get(_APP_SESSION_KEY)
-        if isinstance(value, str) and value:
-            return value
-    return None
 
 
 def _announce(runtime: ParticipantRuntime, flight: InFlight, app_session: str, status: int) -> bool:
