@@ -78,4 +78,3 @@ async def participant_middleware(request: web.Request, handler: Any) -> web.Stre
         return error_response(exc)
     finally:
         runtime.leave(flight)
-

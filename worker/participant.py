@@ -63,4 +63,3 @@ def current_session(request: Any) -> RequestSession:
 def episode(request: Any) -> Episode:
     """The episode context of a request that carries rollout identity."""
     return context(request).episode
-
