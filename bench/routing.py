@@ -2,14 +2,15 @@
 
     python bench/routing.py [--seconds 5] [--workers 2] [--concurrency 1 64 256]
 
-Starts `gym-proxy --workers 2` with the counter app, then for each concurrency runs the
-load generator (its own process) (a) through the proxy, every connection on its own
-session, (b) straight to the workers' Unix sockets, connections split evenly, and (c) when
-uvicorn is installed (`pip install -e '.[bench]'`), against `uvicorn --workers 2` on one
-shared port with the same counter as a bare ASGI app (`bench/asgi_counter.py`): the
-shared-port setup gym-proxy replaces, which cannot keep a session on one worker. Prints
-requests/s, p50/p99 latency, the proxy's CPU microseconds per request (from
-/proc/PID/stat, warm-up included in both CPU and request counts) and ratios.
+For each app kind (the aiohttp counter, `worker.counter`, and the counter as a bare ASGI
+app, `bench/asgi_counter.py`, on uvicorn workers) it starts `gym-proxy --workers 2`, then
+for each concurrency runs the load generator (its own process) (a) through the proxy,
+every connection on its own session, (b) straight to the workers' Unix sockets (the same
+workers, participant runtime included), connections split evenly. Then (c) the same ASGI
+counter under `uvicorn --workers 2` on one shared port: the setup gym-proxy replaces,
+which cannot keep a session on one worker. Prints requests/s, p50/p99 latency, the
+proxy's CPU microseconds per request (from /proc/PID/stat, warm-up included in both CPU
+and request counts) and ratios to direct-to-workers of the same app.
 """
 
 from __future__ import annotations
@@ -37,7 +38,16 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / TICK
 
 
-def start_proxy(workers: int, runtime_parent: str) -> tuple[subprocess.Popen[bytes], int, Path]:
+APPS = {
+    # name -> gym-proxy APP arguments
+    "aiohttp counter": ["worker.counter:create_app"],
+    "ASGI counter": ["asgi_counter:app", "--app-dir", str(HERE)],
+}
+
+
+def start_proxy(
+    workers: int, runtime_parent: str, app: list[str]
+) -> tuple[subprocess.Popen[bytes], int, Path]:
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
     port = listener.getsockname()[1]
@@ -48,6 +58,7 @@ def start_proxy(workers: int, runtime_parent: str) -> tuple[subprocess.Popen[byt
                 sys.executable,
                 "-m",
                 "proxy",
+                *app,
                 "--workers",
                 str(workers),
                 "--fd",
@@ -68,7 +79,7 @@ def start_proxy(workers: int, runtime_parent: str) -> tuple[subprocess.Popen[byt
     deadline = time.monotonic() + 30
     while True:
         sockets = sorted(Path(runtime_parent).glob("gym-proxy-*/w*.sock"))
-        if len(sockets) == workers and _answers(port):
+        if len(sockets) == workers and _answers(port, b"POST /increment_counter"):
             return proc, port, sockets[0].parent
         if proc.poll() is not None or time.monotonic() > deadline:
             raise SystemExit(f"gym-proxy did not start:\n{log.read_text()}")
@@ -132,27 +143,31 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 64, 256])
     opts = parser.parse_args()
-    runtime_parent = tempfile.mkdtemp(prefix="gpb-", dir="/tmp")
-    proc, port, runtime = start_proxy(opts.workers, runtime_parent)
-    sockets = sorted(str(p) for p in runtime.glob("w*.sock"))
     rows: list[tuple[int, str, dict[str, float]]] = []
-    try:
-        for conc in opts.concurrency:
-            before = cpu_seconds(proc.pid)
-            via = load(["--tcp", f"127.0.0.1:{port}"], opts.seconds, conc)
-            via["cpu_us"] = (cpu_seconds(proc.pid) - before) * 1e6 / max(1, via["total"])
-            direct_args = ["--direct"] + [a for s in sockets for a in ("--unix", s)]
-            rows.append((conc, "gym-proxy", via))
-            rows.append((conc, "direct to workers", load(direct_args, opts.seconds, conc)))
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(30)
+    for app_name, app in APPS.items():
+        runtime_parent = tempfile.mkdtemp(prefix="gpb-", dir="/tmp")
+        proc, port, runtime = start_proxy(opts.workers, runtime_parent, app)
+        sockets = sorted(str(p) for p in runtime.glob("w*.sock"))
+        try:
+            for conc in opts.concurrency:
+                before = cpu_seconds(proc.pid)
+                via = load(["--tcp", f"127.0.0.1:{port}"], opts.seconds, conc)
+                via["cpu_us"] = (cpu_seconds(proc.pid) - before) * 1e6 / max(1, via["total"])
+                direct_args = ["--direct"] + [a for s in sockets for a in ("--unix", s)]
+                rows.append((conc, f"gym-proxy, {app_name}", via))
+                direct = load(direct_args, opts.seconds, conc)
+                rows.append((conc, f"direct to workers, {app_name}", direct))
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(30)
     uvicorn = start_uvicorn(opts.workers)
     if uvicorn is not None:
         try:
             for conc in opts.concurrency:
                 args = ["--direct", "--tcp", f"127.0.0.1:{uvicorn[1]}"]
-                rows.append((conc, "uvicorn shared port", load(args, opts.seconds, conc)))
+                rows.append(
+                    (conc, "uvicorn shared port, ASGI counter", load(args, opts.seconds, conc))
+                )
         finally:
             uvicorn[0].send_signal(signal.SIGTERM)
             uvicorn[0].wait(30)
@@ -167,12 +182,17 @@ def main() -> None:
         "| errors |"
     )
     print("|---|---|---|---|---|---|---|---|")
-    direct_rate = {c: r["requests"] / r["seconds"] for c, name, r in rows if name.startswith("d")}
+    direct_rate = {
+        (c, name.split(", ")[1]): r["requests"] / r["seconds"]
+        for c, name, r in rows
+        if name.startswith("direct")
+    }
     for conc, name, result in sorted(rows, key=lambda row: row[0]):
         rate = result["requests"] / result["seconds"]
+        base = direct_rate[conc, name.split(", ")[1]]
         cpu = f"{result['cpu_us']:.0f}" if "cpu_us" in result else "-"
         print(
-            f"| {conc} | {name} | {rate:,.0f} | {rate / direct_rate[conc]:.2f} "
+            f"| {conc} | {name} | {rate:,.0f} | {rate / base:.2f} "
             f"| {result['p50_ms']:.2f} | {result['p99_ms']:.2f} | {cpu} | {result['errors']} |"
         )
 
