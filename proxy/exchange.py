@@ -29,13 +29,14 @@ _CONTROL_PREFIX = b"/ng-control/"
 _ROLLOUT_PREFIX = b"/ng-rollout/"
 _NO_BODY_STATUS = frozenset({204, 304})
 # Response headers the proxy acts on; hop-by-hop and worker-only ones never reach clients.
-_R_LENGTH, _R_CHUNKED, _R_CONNECTION, _R_DROP, _R_APP_SESSION = range(5)
+_R_LENGTH, _R_CHUNKED, _R_CONNECTION, _R_DROP, _R_APP_SESSION, _R_APP_END = range(6)
 _RESPONSE_KINDS = {
     **dict.fromkeys(wire.HOP_BY_HOP, _R_DROP),
     b"content-length": _R_LENGTH,
     b"transfer-encoding": _R_CHUNKED,
     b"connection": _R_CONNECTION,
     wire.APP_SESSION_HEADER: _R_APP_SESSION,
+    wire.APP_SESSION_END_HEADER: _R_APP_END,
 }
 
 
@@ -264,6 +265,8 @@ class Exchange:
                 listed = wire.connection_listed(value)
             elif kind == _R_APP_SESSION:
                 self._learn_app_session(value)
+            elif kind == _R_APP_END:
+                self._forget_app_session(value)
         if listed:
             parts = wire.without_headers(parts, 1, listed)
         if self.new_token is not None:
@@ -299,6 +302,13 @@ class Exchange:
         session_id = value.decode("latin-1")
         if worker is not None and is_valid_id(session_id):
             self.client.state.router.sessions[session_id] = worker.owner
+
+    def _forget_app_session(self, value: bytes) -> None:
+        worker = self.worker
+        sessions = self.client.state.router.sessions
+        session_id = value.decode("latin-1")
+        if worker is not None and sessions.get(session_id) == worker.owner:
+            del sessions[session_id]
 
     def response_body(self, body: bytes) -> None:
         if self.chunked_response:

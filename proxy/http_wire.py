@@ -50,6 +50,7 @@ TOKEN_HEADER = b"x-nemo-gym-session-token"
 OWNER_HEADER = b"x-ng-session-owner"
 # A worker's runtime announces an app session it holds (stripped before the client).
 APP_SESSION_HEADER = b"x-ng-app-session"
+APP_SESSION_END_HEADER = b"x-ng-app-session-end"
 CONTINUE_100 = b"HTTP/1.1 100 Continue\r\n\r\n"
 LAST_CHUNK = b"0\r\n\r\n"
 

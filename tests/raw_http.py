@@ -6,7 +6,7 @@ import asyncio
 
 import httptools
 
-__all__ = ["Responses", "open_raw", "read_responses", "post"]
+__all__ = ["Responses", "open_raw", "read_responses", "post", "close"]
 
 
 class Responses:
@@ -51,3 +51,13 @@ def post(path: str, body: bytes, extra: str = "") -> bytes:
         f"POST {path} HTTP/1.1\r\nHost: t\r\nContent-Length: {len(body)}\r\n{extra}\r\n".encode()
         + body
     )
+
+
+async def close(writer) -> None:
+    """Close a raw connection and wait until it is closed (a transport left closing when
+    the test's loop ends is reported as unclosed)."""
+    writer.close()
+    try:
+        await writer.wait_closed()
+    except (ConnectionError, OSError):
+        pass

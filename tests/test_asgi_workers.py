@@ -226,3 +226,26 @@ async def test_only_a_seed_starts_tracking_an_app_session(start_proxy):
         reply = await control.ok("prepare", checkpoint_id="p", deadline_ts=time.time() + 5)
         assert reply["phase"] == "prepared" and reply["report"]["counts"]["sessions"] == 1
         await control.ok("resume", checkpoint_id="p")
+
+
+async def test_verify_ends_the_session_and_its_routing_entry(start_proxy):
+    proxy = start_proxy(workers=2, app=NEMO_APP)
+    async with nemo_http() as http:
+        client = NemoClient(http, proxy.url)
+        await client.seed(3)
+        assert (await mcp_increment(proxy.url, client.mcp_token, 1))["count"] == 4
+        reply = await client.post("/verify", {"expected_count": 4})
+        assert reply["reward"] == 1.0
+        # the session ended: its token names no known session any more, so the call is
+        # placed like new work and may land on a worker that never held it
+        holders = set()
+        for _ in range(6):
+            async with (
+                create_mcp_http_client(headers={MCP_TOKEN: client.mcp_token}) as mcp_http,
+                streamable_http_client(f"{proxy.url}/mcp", http_client=mcp_http) as (r, w, _),
+                ClientSession(r, w) as session,
+            ):
+                await session.initialize()
+                result = await session.call_tool("increment_counter", {"count": 1})
+                holders.add(result.isError)
+        assert True in holders  # some call reached a worker without the session

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import orjson
 
-from tests.raw_http import open_raw, read_responses
+from tests.raw_http import close, open_raw, read_responses
 from tests.support import wait_until
 
 
@@ -37,7 +37,7 @@ async def stream_until_answered(proxy, first: bytes, filler: bytes, megabytes: i
     except ConnectionError:
         pass  # the proxy closed after answering: expected
     [(status, _, body)] = await answer
-    writer.close()
+    await close(writer)
     return status, orjson.loads(body)["error"]["code"], sent
 
 
@@ -99,15 +99,15 @@ async def test_slow_heads_time_out(start_proxy):
         [(status, headers, body)] = await read_responses(reader, 1, within=10)
         assert status == 408 and orjson.loads(body)["error"]["code"] == "request_timeout"
         assert await asyncio.wait_for(reader.read(), 5) == b""
-        writer.close()
+        await close(writer)
     [(status, _, _)] = await read_responses(slow_reader, 1, within=10)
     assert status == 408
     dribbling.cancel()
     # nothing was sent at all: closed without an answer
     assert await asyncio.wait_for(silent_reader.read(), 10) == b""
     assert time.monotonic() - started < 8
-    silent_writer.close()
-    slow_writer.close()
+    await close(silent_writer)
+    await close(slow_writer)
 
 
 async def test_keep_alive_connection_is_not_a_slow_head(start_proxy):
@@ -120,7 +120,7 @@ async def test_keep_alive_connection_is_not_a_slow_head(start_proxy):
     writer.write(b"GET /whoami HTTP/1.1\r\nHost: t\r\n\r\n")
     [(status, _, _)] = await read_responses(reader, 1)
     assert status == 200
-    writer.close()
+    await close(writer)
 
 
 async def test_connection_cap(start_proxy):
@@ -137,19 +137,19 @@ async def test_connection_cap(start_proxy):
     [(status, headers, body)] = await read_responses(reader, 1)
     assert status == 503 and headers[b"retry-after"] == b"1"
     assert orjson.loads(body)["error"]["code"] == "too_many_connections"
-    writer.close()
-    held.pop()[1].close()
+    await close(writer)
+    await close(held.pop()[1])
 
     async def admitted():
         reader, writer = await open_raw(proxy)
         writer.write(b"GET /whoami HTTP/1.1\r\nHost: t\r\n\r\n")
         responses = await read_responses(reader, 1)
-        writer.close()
+        await close(writer)
         return responses and responses[0][0] == 200
 
     await wait_until(admitted, 10, "a freed connection slot")
     for _, writer in held:
-        writer.close()
+        await close(writer)
 
 
 async def test_early_worker_answer_is_relayed_not_502(start_proxy):
@@ -178,5 +178,5 @@ async def test_early_worker_answer_is_relayed_not_502(start_proxy):
         statuses.append(responses[0][0] if responses else None)
         assert responses[0][1][b"connection"] == b"close"
         sending.cancel()
-        writer.close()
+        await close(writer)
     assert statuses == [400] * 30

@@ -13,7 +13,7 @@ import orjson
 import pytest
 
 from coordinator import records
-from tests.raw_http import open_raw, read_responses
+from tests.raw_http import close, open_raw, read_responses
 from tests.support import CONTROL_TOKEN, Control
 
 TOKEN = "X-NeMo-Gym-Session-Token"
@@ -155,7 +155,7 @@ async def raw_control(proxy, request: bytes):
     reader, writer = await open_raw(proxy)
     writer.write(request)
     responses = await read_responses(reader, 1)
-    writer.close()
+    await close(writer)
     [(status, headers, body)] = responses
     assert headers[b"content-type"].startswith(b"application/json"), (status, body)
     return status, orjson.loads(body)["error"]["code"]

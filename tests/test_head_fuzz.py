@@ -21,7 +21,7 @@ import random
 import orjson
 import pytest
 
-from tests.raw_http import Responses, open_raw
+from tests.raw_http import Responses, close, open_raw
 
 TOKEN = "X-NeMo-Gym-Session-Token"
 FUZZ_CASES = int(os.environ.get("GYM_PROXY_FUZZ_CASES", "300"))
@@ -100,7 +100,7 @@ async def exchange(proxy, raw: bytes) -> list[int]:
     except (TimeoutError, ConnectionError, Exception):
         pass
     finally:
-        writer.close()
+        await close(writer)
     return [status for status, _, _ in parsed.done]
 
 

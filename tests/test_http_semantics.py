@@ -6,7 +6,7 @@ import asyncio
 
 import orjson
 
-from tests.raw_http import open_raw, post, read_responses
+from tests.raw_http import close, open_raw, post, read_responses
 from tests.support import wait_until
 
 OWNER = "x-ng-session-owner"
@@ -21,7 +21,7 @@ async def test_pipelined_requests_answered_in_order(start_proxy):
     writer.write(requests)  # all at once: the proxy must answer one by one, in order
     responses = await read_responses(reader, 20)
     assert [body for _, _, body in responses] == [f"body-{i}".encode() for i in range(20)]
-    writer.close()
+    await close(writer)
 
 
 async def test_keep_alive_and_http10(start_proxy):
@@ -34,7 +34,7 @@ async def test_keep_alive_and_http10(start_proxy):
     [(status, _, _)] = await read_responses(reader, 1)
     assert status == 200
     assert await asyncio.wait_for(reader.read(), 5) == b""
-    writer.close()
+    await close(writer)
 
 
 async def test_head_then_get_on_one_connection(start_proxy):
@@ -46,7 +46,7 @@ async def test_head_then_get_on_one_connection(start_proxy):
     writer.write(b"GET /download?size=1000&length=1 HTTP/1.1\r\nHost: t\r\n\r\n")
     [(status, _, body)] = await read_responses(reader, 1)
     assert status == 200 and len(body) == 1000
-    writer.close()
+    await close(writer)
 
 
 async def test_expect_100_continue(start_proxy):
@@ -62,7 +62,7 @@ async def test_expect_100_continue(start_proxy):
     writer.write(body)
     [(status, _, reply)] = await read_responses(reader, 1)
     assert status == 200 and orjson.loads(reply) == {"count": 3}
-    writer.close()
+    await close(writer)
 
 
 async def test_expect_100_with_bad_token_gets_final_answer_without_body(start_proxy):
@@ -75,7 +75,7 @@ async def test_expect_100_with_bad_token_gets_final_answer_without_body(start_pr
     [(status, headers, body)] = await read_responses(reader, 1)
     assert status == 400 and headers[b"connection"] == b"close"
     assert orjson.loads(body)["error"]["code"] == "invalid_session_token"
-    writer.close()
+    await close(writer)
 
 
 async def test_chunked_request_and_error_keeps_connection(start_proxy):
@@ -92,7 +92,7 @@ async def test_chunked_request_and_error_keeps_connection(start_proxy):
     writer.write(post("/echo", b"after", "Content-Type: text/plain\r\n"))
     responses = await read_responses(reader, 2)
     assert [r[0] for r in responses] == [400, 200] and responses[1][2] == b"after"
-    writer.close()
+    await close(writer)
 
 
 async def test_malformed_request_is_400_and_closed(start_proxy):
@@ -102,7 +102,7 @@ async def test_malformed_request_is_400_and_closed(start_proxy):
     [(status, headers, body)] = await read_responses(reader, 1)
     assert status == 400 and orjson.loads(body)["error"]["code"] == "bad_request"
     assert await asyncio.wait_for(reader.read(), 5) == b""
-    writer.close()
+    await close(writer)
 
 
 async def test_upgrade_is_refused(start_proxy):
@@ -113,7 +113,7 @@ async def test_upgrade_is_refused(start_proxy):
     )
     [(status, _, body)] = await read_responses(reader, 1)
     assert status == 501 and orjson.loads(body)["error"]["code"] == "upgrade_not_supported"
-    writer.close()
+    await close(writer)
 
 
 async def test_client_going_away_cancels_the_worker_request(start_proxy, http):
@@ -130,7 +130,7 @@ async def test_client_going_away_cancels_the_worker_request(start_proxy, http):
             return "/slow" in (await resp.json())["paths"]
 
     await wait_until(seen_slow, 10, "the slow request to reach the worker")
-    writer.close()
+    await close(writer)
 
     async def cancelled():
         async with http.get(f"{proxy.url}/cancelled", headers={OWNER: owner}) as resp:
@@ -160,4 +160,4 @@ async def test_unreachable_worker_socket_is_502_and_connection_stays_usable(star
     writer.write(post("/echo", b"again", "Content-Type: text/plain\r\n"))
     [(status, _, _)] = await read_responses(reader, 1)  # must not hang: reading resumed
     assert status == 502
-    writer.close()
+    await close(writer)

@@ -13,7 +13,7 @@ import asyncio
 import orjson
 import pytest
 
-from tests.raw_http import open_raw, read_responses
+from tests.raw_http import close, open_raw, read_responses
 
 TOKEN = "X-NeMo-Gym-Session-Token"
 SMUGGLED = (
@@ -183,7 +183,7 @@ async def test_every_shape_reaches_the_worker_as_exactly_one_request(start_proxy
         reader, writer = await open_raw(proxy)
         writer.write(raw)
         responses = await read_responses(reader, 1)
-        writer.close()
+        await close(writer)
         got = responses[0][0] if responses else None
         # the canary, on a new client connection that reuses the pooled worker connection
         async with http.post(
@@ -223,7 +223,7 @@ async def test_worker_sees_the_proxys_framing(start_proxy, framing):
     reader, writer = await open_raw(proxy)
     writer.write(raw)
     [(status, _, reply)] = await read_responses(reader, 1)
-    writer.close()
+    await close(writer)
     assert status == 200
     headers = orjson.loads(reply)["headers"]
     if "chunked" in framing:
@@ -247,7 +247,7 @@ async def test_pipelined_attack_cannot_desync_the_pool(start_proxy, http):
             reader, writer = await open_raw(proxy)
             writer.write(attack * 2)
             responses = await read_responses(reader, 2)
-            writer.close()
+            await close(writer)
             assert [r[0] for r in responses] == [200, 200]
             assert all(r[2] == SMUGGLED for r in responses)
 

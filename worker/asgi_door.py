@@ -9,8 +9,9 @@ An app with a Starlette session (NeMo Gym's SessionMiddleware keeps `session_id`
 is tracked by its own session ID, read from the session cookie (`worker.app_sessions`):
 a 2xx `/seed_session` starts tracking it, and its response carries
 `x-ng-app-session: <id>`, which the proxy strips and records, so MCP calls that carry
-only the app's token route to this worker. A request the proxy routed by the app's token
-arrives with that session ID and no `x-ng-session-token`.
+only the app's token route to this worker; the answer that ends it (a 2xx `/verify` on
+resources, or `/close_session`) carries `x-ng-app-session-end: <id>`. A request the
+proxy routed by the app's token arrives with that session ID and no `x-ng-session-token`.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from worker.runtime import (
     split_rollout_path,
 )
 
-__all__ = ["AsgiDoor", "SCOPE_KEY", "APP_SESSION_HEADER"]
+__all__ = ["AsgiDoor", "SCOPE_KEY", "APP_SESSION_HEADER", "APP_SESSION_END_HEADER"]
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -40,6 +41,7 @@ Send = Callable[[Message], Awaitable[None]]
 
 SCOPE_KEY = "gym_proxy"  # scope[SCOPE_KEY] is the request's worker.participant.RequestContext
 APP_SESSION_HEADER = b"x-ng-app-session"
+APP_SESSION_END_HEADER = b"x-ng-app-session-end"
 
 
 class AsgiDoor:
@@ -104,11 +106,9 @@ class AsgiDoor:
                     app_session = session_in_headers(
                         message.get("headers", ()), set_cookie=True
                     ) or session_in_headers(scope["headers"], set_cookie=False)
-                if app_session is not None and _announce(runtime, flight, app_session, status):
-                    message["headers"] = [
-                        *message.get("headers", ()),
-                        (APP_SESSION_HEADER, app_session.encode("latin-1")),
-                    ]
+                announce = _announcement(runtime, flight, app_session, status)
+                if announce is not None:
+                    message["headers"] = [*message.get("headers", ()), announce]
             await send(message)
 
         try:
@@ -128,11 +128,18 @@ class AsgiDoor:
             runtime.leave(flight)
 
 
-def _announce(runtime: ParticipantRuntime, flight: InFlight, app_session: str, status: int) -> bool:
-    """Whether the proxy must learn that `app_session` lives here: the first 2xx seed."""
-    return (
-        200 <= status < 300 and flight.path == "/seed_session" and app_session not in runtime.store
-    )
+def _announcement(
+    runtime: ParticipantRuntime, flight: InFlight, app_session: str | None, status: int
+) -> tuple[bytes, bytes] | None:
+    """The header that tells the proxy an app session starts (its first 2xx seed) or
+    ends (a 2xx close) here, so its table of app sessions follows the sessions."""
+    if app_session is None or not 200 <= status < 300:
+        return None
+    if flight.path == "/seed_session" and app_session not in runtime.store:
+        return APP_SESSION_HEADER, app_session.encode("latin-1")
+    if runtime.ends_session(flight.path) and app_session in runtime.store:
+        return APP_SESSION_END_HEADER, app_session.encode("latin-1")
+    return None
 
 
 async def send_error(send: Send, error: GymError) -> None:

@@ -204,8 +204,7 @@ class ParticipantRuntime:
         sid = app_session or flight.session_id
         if sid is None or not 200 <= status < 300:
             return
-        closers = _RESOURCES_CLOSE_PATHS if self.kind == "resources" else _CLOSE_PATHS
-        if flight.path in closers:
+        if self.ends_session(flight.path):
             self.store.delete(sid)
             return
         episode = flight.identity.key if flight.identity is not None else None
@@ -217,6 +216,10 @@ class ParticipantRuntime:
             self.store.touch(sid, episode)
         if episode is not None:
             self.store.bind(sid, episode)
+
+    def ends_session(self, path: str) -> bool:
+        """Whether a 2xx answer to `path` ends its session."""
+        return path in (_RESOURCES_CLOSE_PATHS if self.kind == "resources" else _CLOSE_PATHS)
 
     def leave(self, flight: InFlight) -> None:
         self.flights.discard(flight)
