@@ -86,6 +86,7 @@ class Checkpointer:
     machine: PhaseMachine = field(init=False)
     readiness: Readiness = field(default_factory=Readiness)
     pending: dict[str, tuple[int, dict[str, Any]]] = field(default_factory=dict)
+    marks: dict[str, int] = field(default_factory=dict)  # rollout -> highest retired attempt
     restored_once: bool = False
     _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     _op: tuple[str, asyncio.Task[Any]] | None = None
@@ -129,8 +130,14 @@ class Checkpointer:
             raise GymError("stale_attempt", f"{rollout_id} has no unclaimed restored record")
         if held[0] != attempt:
             raise GymError("stale_attempt", f"{rollout_id} continues only as attempt {held[0]}")
+        recorded, offered = held[1].get("task_digest"), message.get("task_digest")
+        if recorded and offered and recorded != offered:
+            # The record stays: the right replacement may still come.
+            raise GymError(
+                "invalid_request", f"{rollout_id} continues a checkpoint of a different task"
+            )
         del self.pending[rollout_id]
-        return {"state": held[1].get("state")}
+        return {"boundary": held[1].get("boundary")}
 
     # ---- control operations -------------------------------------------------------
     def status(self) -> dict[str, Any]:
@@ -154,7 +161,8 @@ class Checkpointer:
             ],
             "expected_workers": self.workers.expected,
             "session_aliases": self.workers.aliases(),
-            "restored_pending": len(self.pending),
+            "restored_pending": self._pending_keys(),
+            "retired_rollouts": len(self.marks),
         }
 
     def _report(self, live: list[LiveWorker] | None = None) -> dict[str, Any]:
@@ -166,7 +174,9 @@ class Checkpointer:
                 "counts": {},
                 "restarts": [],
             }
-        return self.readiness.report(live or self.workers.live(), self.workers.expected)
+        return self.readiness.report(
+            live or self.workers.live(), self.workers.expected, self.kind or "resources"
+        )
 
     async def prepare(self, checkpoint_id: str, deadline_ts: float) -> dict[str, Any]:
         async with self._lock:
@@ -187,7 +197,7 @@ class Checkpointer:
             if self.machine.checkpoint_id != checkpoint_id:
                 raise GymError("stale_checkpoint", "the checkpoint was resumed")
             if "prepare" in self.machine.replies:
-                return self.machine.replies["prepare"]
+                return self.machine.replies["prepare"][1]
             report = self._report()
             if not report["ready"]:
                 return {"phase": "preparing", "report": report}
@@ -223,10 +233,11 @@ class Checkpointer:
         deadline_ts: float,
         checkpoint_dir: str,
         episode_ids: list[EpisodeId] | None,
+        stop: bool = False,
     ) -> dict[str, Any]:
         return await self._exclusive(
             checkpoint_id,
-            lambda: self._commit(checkpoint_id, deadline_ts, checkpoint_dir, episode_ids),
+            lambda: self._commit(checkpoint_id, deadline_ts, checkpoint_dir, episode_ids, stop),
         )
 
     async def _commit(
@@ -235,11 +246,13 @@ class Checkpointer:
         deadline_ts: float,
         checkpoint_dir: str,
         episode_ids: list[EpisodeId] | None,
+        stop: bool,
     ) -> dict[str, Any]:
-        cached = self.machine.check("commit", checkpoint_id, deadline_ts, self.clock())
+        scope = None if episode_ids is None else tuple(sorted({e.key for e in episode_ids}))
+        arguments = (checkpoint_dir, scope)
+        cached = self.machine.check("commit", checkpoint_id, deadline_ts, self.clock(), arguments)
         if cached is not None:
             return cached
-        scope = None if episode_ids is None else tuple(sorted({e.key for e in episode_ids}))
         live = self.workers.live()
         write = self._write
         if write is not None and write.task.done() and not _succeeded(write.task):
@@ -248,7 +261,12 @@ class Checkpointer:
             report = self._report(live)
             if not report["ready"]:
                 blockers = ", ".join(report["blockers"][:5])
-                raise GymError("invalid_phase", f"participant is not ready: {blockers}")
+                raise GymError("invalid_phase", f"participant is no longer ready: {blockers}")
+            restarted = sorted(set(report["restarts"]) & set(scope or ()))
+            if restarted:
+                # This participant holds none of a restart's state: continuing it would
+                # resume a rollout whose other parts start over.
+                raise GymError("restart_in_scope", f"the scope names restarts: {restarted}")
             write = await self._start_write(checkpoint_id, checkpoint_dir, scope, live, deadline_ts)
         elif write.target != (checkpoint_dir, scope):
             raise GymError(
@@ -274,16 +292,25 @@ class Checkpointer:
             for rollout_id, (attempt, _) in list(self.pending.items()):
                 if EpisodeId(rollout_id, attempt).key not in keep:
                     del self.pending[rollout_id]
-        exported = [
-            {"rollout_id": r["rollout_id"], "attempt": r["attempt"]}
-            for r in write.records
-            if r["type"] == "episode"
-        ]
+        if stop:
+            await self._stop_workers(live, deadline_ts)
+        exported = sorted({key for r in write.records if (key := files.record_key(r))})
         return self.machine.succeed(
             "commit",
             "committed",
             {"phase": "committed", "manifest": manifest, "episode_ids": exported},
+            arguments,
         )
+
+    async def _stop_workers(self, live: list[LiveWorker], deadline_ts: float) -> None:
+        """After a commit with `stop: true`: each app frees what it can, best effort."""
+        within = max(0.0, deadline_ts - self.clock())
+        results = await asyncio.gather(
+            *(w.channel.request("stop", within=within) for w in live), return_exceptions=True
+        )
+        for worker, result in zip(live, results, strict=True):
+            if isinstance(result, BaseException):
+                log.warning("stop on worker %d failed: %s", worker.slot, result)
 
     async def _start_write(
         self,
@@ -304,7 +331,9 @@ class Checkpointer:
         keep = None if scope is None else set(scope)
         for rollout_id, (attempt, record) in list(self.pending.items()):
             if keep is None or EpisodeId(rollout_id, attempt).key in keep:
-                records.append({**record, "attempt": attempt})
+                # Not claimed yet: exported again, named by the attempt that continues it.
+                continues = {"rollout_id": rollout_id, "attempt": attempt}
+                records.append({**record, "episode_id": continues})
         owners = {w.owner for w in live}
         session_owners = {o: o for o in owners}
         session_owners.update(
@@ -347,7 +376,9 @@ class Checkpointer:
         checkpoint_dir: str,
         episode_ids: list[EpisodeId],
     ) -> dict[str, Any]:
-        cached = self.machine.check("restore", checkpoint_id, deadline_ts, self.clock())
+        scope = {e.key for e in episode_ids}
+        arguments = (checkpoint_dir, tuple(sorted(scope)))
+        cached = self.machine.check("restore", checkpoint_id, deadline_ts, self.clock(), arguments)
         if cached is not None:
             return cached
         if self.restored_once:
@@ -355,7 +386,7 @@ class Checkpointer:
         live = self.workers.live()
         if len(live) < self.workers.expected:
             missing = self.workers.expected - len(live)
-            raise GymError("invalid_phase", f"workers-unreported:{missing}")
+            raise GymError("invalid_phase", f"{self._kind()}-workers-unreported:{missing}")
         base = files.checkpoint_path(checkpoint_dir, self._kind(), self.instance)
         try:
             manifest, records = await asyncio.wait_for(
@@ -368,20 +399,23 @@ class Checkpointer:
             ) from None
         except files.InvalidCheckpoint as exc:
             raise GymError("invalid_checkpoint_state", str(exc)) from exc
-        sessions, episodes = _select(records, {e.key for e in episode_ids})
+        sessions, episodes = _select(records, scope)
         placement = place(
             sessions,
             manifest["session_owners"],
             manifest["placed_sessions"],
             [w.owner for w in live],
         )
-        pending = {r["rollout_id"]: (r["attempt"] + 1, r) for r in episodes}
+        pending = {
+            r["episode_id"]["rollout_id"]: (r["episode_id"]["attempt"] + 1, r) for r in episodes
+        }
         self.machine.open(checkpoint_id, "restored", deadline_ts)
         self.readiness.reset()
         tables = {
             "aliases": placement.aliases,
             "sessions": placement.sessions,
             "pending": {rid: attempt for rid, (attempt, _) in pending.items()},
+            "marks": self.marks,
         }
         try:
             await self._gather(live, "close", deadline_ts, checkpoint_id=checkpoint_id)
@@ -398,12 +432,14 @@ class Checkpointer:
         self.workers.set_tables(placement.aliases, placement.sessions)
         self.pending = pending
         self.restored_once = True
+        continued = {EpisodeId(rid, a).key for rid, (a, _) in pending.items()}
+        continued.update(key for r in sessions if (key := files.record_key(r)))
         reply = {
             "phase": "restored",
             "source_checkpoint_id": manifest["checkpoint_id"],
-            "restored": sorted(EpisodeId(rid, a).key for rid, (a, _) in pending.items()),
+            "restored": sorted(continued),
         }
-        return self.machine.succeed("restore", "restored", reply)
+        return self.machine.succeed("restore", "restored", reply, arguments)
 
     async def _rollback(self, live: list[LiveWorker]) -> None:
         """Undo an install on every worker and reopen it (each worker handles the three
@@ -428,6 +464,8 @@ class Checkpointer:
         return {"phase": self.machine.phase, "lease_expires_at": self.machine.lease_expires_at}
 
     async def resume(self, checkpoint_id: str, deadline_ts: float) -> dict[str, Any]:
+        if checkpoint_id in self.machine.resumed:  # never behind another call
+            return {"phase": "idle", "idempotent": True}
         if self.machine.checkpoint_id == checkpoint_id:
             await self._stop_work(checkpoint_id)
         async with self._lock:
@@ -468,18 +506,41 @@ class Checkpointer:
     async def retire(
         self, checkpoint_id: str, deadline_ts: float, episode_ids: list[EpisodeId]
     ) -> dict[str, Any]:
+        """Mark the attempts (and earlier ones) retired on every worker, stop their work and
+        free their state, live or restored; in `idle` or `restored`. The marks stay until
+        `forget`, whether or not this finishes."""
         async with self._lock:
+            self.machine.check("retire", checkpoint_id, deadline_ts, self.clock())
             if self.machine.is_open:
-                raise GymError("invalid_phase", "retire is refused while a checkpoint is open")
-            if deadline_ts <= self.clock():
-                raise GymError("deadline_exceeded", "deadline_ts is already in the past")
-            keys = sorted({e.key for e in episode_ids})
-            await self._gather(self.workers.live(), "retire", deadline_ts, episodes=keys)
+                self.machine.extend(deadline_ts)
             for episode in episode_ids:
-                held = self.pending.get(episode.rollout_id)
-                if held is not None and held[0] == episode.attempt:
-                    del self.pending[episode.rollout_id]
-            return {"retired": keys}
+                mark = self.marks.get(episode.rollout_id, -1)
+                self.marks[episode.rollout_id] = max(mark, episode.attempt)
+            for rollout_id, (attempt, _) in list(self.pending.items()):
+                if attempt <= self.marks.get(rollout_id, -1):
+                    del self.pending[rollout_id]  # the rollout starts over as a later attempt
+            await self._gather(
+                self.workers.live(),
+                "retire",
+                deadline_ts,
+                episode_ids=[e.as_json() for e in episode_ids],
+            )
+            return {"retired": [e.key for e in episode_ids]}
+
+    async def forget(
+        self, checkpoint_id: str, deadline_ts: float, rollout_ids: list[str]
+    ) -> dict[str, Any]:
+        """Stop refusing these rollouts' retired attempts, on every worker."""
+        async with self._lock:
+            self.machine.check("forget", checkpoint_id, deadline_ts, self.clock())
+            if self.machine.is_open:
+                self.machine.extend(deadline_ts)
+            await self._gather(
+                self.workers.live(), "forget", deadline_ts, rollout_ids=sorted(set(rollout_ids))
+            )
+            for rollout_id in rollout_ids:
+                self.marks.pop(rollout_id, None)
+            return {"forgotten": sorted(set(rollout_ids))}
 
     async def expire_lease(self) -> bool:
         """Resume by itself when the lease ran out; True if it did."""
@@ -530,7 +591,11 @@ class Checkpointer:
             "aliases": self.workers.aliases(),
             "sessions": self.workers.placed_sessions(),
             "pending": {rid: attempt for rid, (attempt, _) in self.pending.items()},
+            "marks": self.marks,
         }
+
+    def _pending_keys(self) -> list[str]:
+        return sorted(EpisodeId(rid, attempt).key for rid, (attempt, _) in self.pending.items())
 
     async def _gather(
         self,
@@ -579,16 +644,17 @@ def _retrieve(task: asyncio.Future[Any]) -> None:
 def _select(
     records: list[dict[str, Any]], scope: set[str]
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """Records a restore continues: unbound sessions, and what `scope` lists, at attempt+1."""
+    """Records a restore continues: sessions bound to no episode, and what `scope` lists;
+    bound sessions move to the next attempt (episodes move when claimed)."""
     sessions, episodes = [], []
     for record in records:
-        if record["type"] == "episode":
-            if EpisodeId(record["rollout_id"], record["attempt"]).key in scope:
+        key = files.record_key(record)
+        if not files.is_session(record):
+            if key in scope:
                 episodes.append(record)
-            continue
-        bound = record.get("episode")
-        if bound is None:
+        elif key is None:
             sessions.append(record)
-        elif bound in scope:
-            sessions.append({**record, "episode": parse_episode_key(bound).next_attempt().key})
+        elif key in scope:
+            continues = parse_episode_key(key).next_attempt().as_json()
+            sessions.append({**record, "episode_id": continues})
     return sessions, episodes

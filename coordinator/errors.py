@@ -42,6 +42,7 @@ STATUS: dict[str, int] = {
     "checkpoint_conflict": 409,
     "invalid_phase": 409,
     "deadline_exceeded": 409,
+    "restart_in_scope": 409,
     "invalid_checkpoint_state": 422,
     "internal_error": 500,
     "checkpoint_write_failed": 500,

@@ -3,10 +3,22 @@
     idle -> preparing -> prepared -> committed -> idle      (resume)
     idle -> restored -> idle                                 (resume)
 
-Resume doubles as abort from any open phase. A successful prepare, commit or restore is
-remembered per checkpoint ID and returned again on retry; a recently resumed ID is
-`stale_checkpoint`; another ID while one is open is `checkpoint_conflict`. The lease: a
-participant left open past its last `deadline_ts` plus the grace resumes itself.
+As NeMo Gym's Gen-2 control plane (`nemo_gym/_checkpoint/control.py`) fences calls:
+
+- a completed prepare, commit or restore is remembered per checkpoint ID with the
+  arguments it ran with, and returned again on retry before anything else is looked at
+  (the deadline included); a retry with another directory or scope is
+  `checkpoint_conflict`;
+- a recently resumed ID is `stale_checkpoint`; another ID while one is open is
+  `checkpoint_conflict`; a call the phase does not allow is `invalid_phase`;
+- resume of an ID already resumed answers `idempotent: true`, even while another
+  checkpoint is open; resume of an unknown ID while idle is remembered (so a prepare of it
+  delayed past the abort cannot close admission) and answers `idempotent: true`;
+- retire and forget are allowed in `idle` (under any ID) and in `restored` (under the open
+  ID); resume first otherwise.
+
+The lease: a participant left open past its last `deadline_ts` plus the grace resumes
+itself.
 """
 
 from __future__ import annotations
@@ -23,6 +35,21 @@ __all__ = ["PhaseMachine", "CHECKPOINT_ID", "OPEN_PHASES"]
 CHECKPOINT_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}\Z")
 OPEN_PHASES = frozenset({"preparing", "prepared", "committed", "restored"})
 _REMEMBERED_RESUMES = 256
+# The phases each operation may start in.
+_ALLOWED = {
+    "prepare": frozenset({"idle", "preparing"}),
+    "commit": frozenset({"prepared"}),
+    "restore": frozenset({"idle"}),
+    "renew": OPEN_PHASES,
+    "resume": OPEN_PHASES,
+    "retire": frozenset({"idle", "restored"}),
+    "forget": frozenset({"idle", "restored"}),
+}
+# Operations that act outside a checkpoint: any ID will do while idle (a straggler policy
+# retires with the ID it just resumed); while restored, only the open one.
+_OUTSIDE_CHECKPOINTS = frozenset({"retire", "forget"})
+# Operations refused once their deadline has passed (a cached reply is returned first).
+_DEADLINED = frozenset({"prepare", "commit", "restore", "retire", "forget"})
 
 
 @dataclass
@@ -33,42 +60,50 @@ class PhaseMachine:
     phase: str = "idle"
     checkpoint_id: str | None = None
     lease_expires_at: float | None = None
-    replies: dict[str, dict[str, Any]] = field(default_factory=dict)
+    replies: dict[str, tuple[Any, dict[str, Any]]] = field(default_factory=dict)
     resumed: OrderedDict[str, None] = field(default_factory=OrderedDict)
 
     @property
     def is_open(self) -> bool:
         return self.phase in OPEN_PHASES
 
-    def check(self, op: str, checkpoint_id: str, deadline_ts: float, now: float) -> dict | None:
+    def check(
+        self, op: str, checkpoint_id: str, deadline_ts: float, now: float, arguments: Any = None
+    ) -> dict[str, Any] | None:
         """Validate `op`; return a reply to send again (retry), None to go on, or raise."""
         if not CHECKPOINT_ID.match(checkpoint_id):
             raise GymError("invalid_request", "checkpoint_id is malformed")
-        if op != "resume" and deadline_ts <= now:
-            raise GymError("deadline_exceeded", "deadline_ts is already in the past")
         if checkpoint_id == self.checkpoint_id and op in self.replies:
-            return self.replies[op]
-        if not self.is_open:
-            if op == "resume":
-                return {"phase": "idle", "idempotent": True}
-            if checkpoint_id in self.resumed:
+            ran_with, reply = self.replies[op]
+            if ran_with != arguments:
                 raise GymError(
-                    "stale_checkpoint", f"checkpoint {checkpoint_id} was already resumed"
+                    "checkpoint_conflict",
+                    f"checkpoint {checkpoint_id} already completed {op} with another "
+                    "directory or scope",
                 )
-            if op in ("prepare", "restore"):
-                return None
-            raise GymError("invalid_phase", f"{op} needs an open checkpoint")
-        if checkpoint_id != self.checkpoint_id:
-            raise GymError("checkpoint_conflict", f"checkpoint {self.checkpoint_id} is open")
-        allowed = {
-            "prepare": ("preparing", "prepared"),
-            "commit": ("preparing", "prepared"),
-            "renew": tuple(OPEN_PHASES),
-            "resume": tuple(OPEN_PHASES),
-            "restore": (),
-        }[op]
-        if self.phase not in allowed:
-            raise GymError("invalid_phase", f"{op} is not allowed in phase {self.phase}")
+            return reply
+        if op == "resume":
+            if checkpoint_id in self.resumed:
+                return {"phase": "idle", "idempotent": True}
+            if not self.is_open:
+                # A prepare that never reached this participant: fence its ID anyway.
+                self.remember(checkpoint_id)
+                return {"phase": "idle", "idempotent": True}
+        outside = op in _OUTSIDE_CHECKPOINTS
+        if outside and self.phase not in _ALLOWED[op]:
+            detail = f"{op} is not valid in phase {self.phase}; resume first"
+            raise GymError("invalid_phase", detail)
+        if checkpoint_id in self.resumed and not outside:
+            raise GymError("stale_checkpoint", f"checkpoint {checkpoint_id} was already resumed")
+        if self.checkpoint_id is not None and checkpoint_id != self.checkpoint_id:
+            raise GymError(
+                "checkpoint_conflict",
+                f"checkpoint {self.checkpoint_id} is open in phase {self.phase}",
+            )
+        if self.phase not in _ALLOWED[op]:
+            raise GymError("invalid_phase", f"{op} is not valid in phase {self.phase}")
+        if op in _DEADLINED and deadline_ts <= now:
+            raise GymError("deadline_exceeded", "deadline_ts is already in the past")
         return None
 
     def open(self, checkpoint_id: str, phase: str, deadline_ts: float) -> None:
@@ -85,24 +120,27 @@ class PhaseMachine:
         if self.lease_expires_at is None or expires > self.lease_expires_at:
             self.lease_expires_at = expires
 
-    def succeed(self, op: str, phase: str, reply: dict[str, Any]) -> dict[str, Any]:
-        """`op` succeeded: enter `phase` and cache `reply` for retries of this ID."""
+    def succeed(
+        self, op: str, phase: str, reply: dict[str, Any], arguments: Any = None
+    ) -> dict[str, Any]:
+        """`op` succeeded: enter `phase` and remember `reply` (and its arguments) for retries."""
         self.phase = phase
-        self.replies[op] = reply
+        self.replies[op] = (arguments, reply)
         return reply
+
+    def remember(self, checkpoint_id: str) -> None:
+        """Refuse `checkpoint_id` from now on (the last few hundred are kept)."""
+        self.resumed[checkpoint_id] = None
+        self.resumed.move_to_end(checkpoint_id)
+        while len(self.resumed) > _REMEMBERED_RESUMES:
+            self.resumed.popitem(last=False)
 
     def close(self) -> str | None:
         """Back to idle (resume, abort or lease expiry); returns the ID that was open."""
         closed = self.checkpoint_id
         if closed is not None:
-            self.resumed[closed] = None
-            self.resumed.move_to_end(closed)
-            while len(self.resumed) > _REMEMBERED_RESUMES:
-                self.resumed.popitem(last=False)
-        self.phase = "idle"
-        self.checkpoint_id = None
-        self.lease_expires_at = None
-        self.replies = {}
+            self.remember(closed)
+        self.abandon()
         return closed
 
     def unprepare(self) -> None:

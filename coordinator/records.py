@@ -13,6 +13,18 @@
 Restore opens regular files only (never blocking on a FIFO or a device), and verifies
 schema, kind, instance, digest, record count and the type of every field of the
 manifest and of every record before anything is installed.
+
+Records are NeMo Gym's (`nemo_gym/_checkpoint/`), so a directory written by a NeMo Gym
+server restores onto gym-proxy workers and back:
+
+- a session: `{episode_id, session_id, state, owner}` (an agent's:
+  `{episode_id, session_key, session, owner}`); `owner` null for a session of a
+  single-process server; `episode_id` null for a session bound to no episode, which
+  NeMo Gym does not have (a gym-proxy extension: such sessions are always exported);
+- an episode at its boundary: `{episode_id, task_digest, boundary}`.
+
+`episode_id` is `{rollout_id, attempt}`. In memory every session record has the
+resources field names whatever the kind; `to_disk` and `from_disk` convert.
 """
 
 from __future__ import annotations
@@ -29,6 +41,7 @@ from typing import Any
 import orjson
 
 from coordinator import failpoints
+from coordinator.episode_ids import episode_key, parse_episode_key
 from coordinator.phases import CHECKPOINT_ID
 from proxy.session_tokens import is_valid_id
 
@@ -40,6 +53,10 @@ __all__ = [
     "write",
     "read",
     "validate_record",
+    "is_session",
+    "record_key",
+    "to_disk",
+    "from_disk",
 ]
 
 SCHEMA_VERSION = 1
@@ -83,6 +100,62 @@ def _unlink(path: Path) -> None:
         pass
 
 
+def is_session(record: dict[str, Any]) -> bool:
+    """A session record (else an episode record)."""
+    return "session_id" in record
+
+
+def record_key(record: dict[str, Any]) -> str | None:
+    """The capture key of the episode a record belongs to (None: bound to none)."""
+    episode = record.get("episode_id")
+    if episode is None:
+        return None
+    return episode_key(episode["rollout_id"], episode["attempt"])
+
+
+def to_disk(record: dict[str, Any], kind: str) -> dict[str, Any]:
+    """A record as NeMo Gym's participant of `kind` writes it."""
+    if kind == "agent" and is_session(record):
+        return {
+            "episode_id": record["episode_id"],
+            "session_key": record["session_id"],
+            "session": record["state"],
+            "owner": record["owner"],
+        }
+    return record
+
+
+def from_disk(record: dict[str, Any]) -> dict[str, Any]:
+    """The in-memory shape of a record read back (agents' and older gym-proxy records
+    converted); validate it afterwards."""
+    if "session_key" in record and "session_id" not in record:
+        converted = {k: v for k, v in record.items() if k not in ("session_key", "session")}
+        converted["session_id"] = record["session_key"]
+        converted["state"] = record.get("session")
+        converted.setdefault("owner", None)
+        return converted
+    legacy = record.get("type")
+    if legacy == "session":  # gym-proxy 0.1
+        episode = record.get("episode")
+        identity = parse_episode_key(episode) if isinstance(episode, str) and episode else None
+        return {
+            "episode_id": None if identity is None else identity.as_json(),
+            "session_id": record.get("session_id"),
+            "state": record.get("value"),
+            "owner": record.get("owner"),
+        }
+    if legacy == "episode":
+        identity = {"rollout_id": record.get("rollout_id"), "attempt": record.get("attempt")}
+        return {
+            "episode_id": identity,
+            "task_digest": "",
+            "boundary": record.get("state"),
+        }
+    if "session_id" in record:
+        record.setdefault("owner", None)
+    return record
+
+
 def write(
     base: Path,
     *,
@@ -99,7 +172,9 @@ def write(
     manifest with other content is there) or WriteAborted (`abort` was set first).
     """
     base.mkdir(parents=True, exist_ok=True)
-    data = b"".join(orjson.dumps(r, option=orjson.OPT_APPEND_NEWLINE) for r in records)
+    data = b"".join(
+        orjson.dumps(to_disk(r, kind), option=orjson.OPT_APPEND_NEWLINE) for r in records
+    )
     digest = hashlib.sha256(data).hexdigest()
     records_file = base / f"records-{digest}.jsonl"
     manifest = {
@@ -189,31 +264,41 @@ def _id_map(manifest: dict[str, Any], key: str, keys_are: str) -> dict[str, str]
     return value
 
 
+def _episode_problem(value: Any) -> str | None:
+    if not isinstance(value, dict) or set(value) != {"rollout_id", "attempt"}:
+        return "has no episode_id {rollout_id, attempt}"
+    rollout_id, attempt = value["rollout_id"], value["attempt"]
+    if not isinstance(rollout_id, str) or not rollout_id:
+        return "has an episode_id whose rollout_id is not a non-empty string"
+    if not isinstance(attempt, int) or isinstance(attempt, bool) or attempt < 0:
+        return "has an episode_id whose attempt is not a non-negative integer"
+    return None
+
+
 def validate_record(record: Any) -> str | None:
-    """What is wrong with one record (None when it can be installed as it is)."""
+    """What is wrong with one (in-memory) record, or None when it can be installed."""
     if not isinstance(record, dict):
         return "is not a JSON object"
-    kind = record.get("type")
-    if kind == "session":
-        session_id = record.get("session_id")
+    if is_session(record):
+        if record.get("episode_id") is not None:
+            problem = _episode_problem(record["episode_id"])
+            if problem is not None:
+                return problem
+        session_id = record["session_id"]
         if not isinstance(session_id, str) or not is_valid_id(session_id):
             return "has no valid session_id (1-64 of A-Z a-z 0-9 _ -)"
         owner = record.get("owner")
         if owner is not None and (not isinstance(owner, str) or not is_valid_id(owner)):
             return "has an owner that is neither null nor an owner ID"
-        episode = record.get("episode")
-        if episode is not None and (not isinstance(episode, str) or not episode):
-            return "has an episode that is neither null nor an episode key"
         return None
-    if kind == "episode":
-        rollout_id = record.get("rollout_id")
-        if not isinstance(rollout_id, str) or not rollout_id:
-            return "has no rollout_id (a non-empty string)"
-        attempt = record.get("attempt")
-        if not isinstance(attempt, int) or isinstance(attempt, bool) or attempt < 0:
-            return "has no attempt (a non-negative integer)"
+    if "task_digest" in record or "boundary" in record:
+        problem = _episode_problem(record.get("episode_id"))
+        if problem is not None:
+            return problem
+        if not isinstance(record.get("task_digest"), str):
+            return "has no task_digest (a string)"
         return None
-    return f"has unknown type {kind!r}"
+    return "is neither a session nor an episode record"
 
 
 def read(base: Path, *, kind: str, instance: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
@@ -247,6 +332,12 @@ def read(base: Path, *, kind: str, instance: str) -> tuple[dict[str, Any], list[
     count = manifest.get("record_count")
     if not isinstance(count, int) or isinstance(count, bool) or count < 0:
         raise InvalidCheckpoint("manifest record_count is not a non-negative integer")
+    if isinstance(manifest.get("session_owners"), list):
+        # NeMo Gym lists the owners a live cookie may name; each holds its own sessions.
+        owners = manifest["session_owners"]
+        if not all(isinstance(o, str) for o in owners):
+            raise InvalidCheckpoint("manifest field session_owners lists a non-string")
+        manifest["session_owners"] = {owner: owner for owner in owners}
     manifest["session_owners"] = _id_map(manifest, "session_owners", "owner")
     manifest["placed_sessions"] = _id_map(manifest, "placed_sessions", "session")
     data = _read_regular(base / name)
@@ -261,6 +352,8 @@ def read(base: Path, *, kind: str, instance: str) -> tuple[dict[str, Any], list[
             record = orjson.loads(line)
         except orjson.JSONDecodeError as exc:
             raise InvalidCheckpoint(f"{name} line {number} is not JSON") from exc
+        if isinstance(record, dict):
+            record = from_disk(record)
         problem = validate_record(record)
         if problem is not None:
             raise InvalidCheckpoint(f"{name} line {number} {problem}")

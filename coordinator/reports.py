@@ -50,7 +50,9 @@ class Readiness:
         report = self.reports.get(owner)
         return None if report is None else bool(report["ready"])
 
-    def report(self, live: Sequence[_Worker], expected: int) -> dict[str, Any]:
+    def report(
+        self, live: Sequence[_Worker], expected: int, kind: str = "resources"
+    ) -> dict[str, Any]:
         """`{ready, blockers[<=100], blocker_count, counts, restarts}` across every worker;
         `restarts` (episodes a restart-only app cannot continue) is never capped."""
         blockers: list[str] = []
@@ -65,14 +67,15 @@ class Readiness:
             blockers.extend(report["blockers"])
             restarts.update(report.get("restarts", ()))
             if not report["ready"] and not report["blockers"]:
-                blockers.append(f"worker-not-closed:{worker.slot}")
+                blockers.append(f"{kind}-worker-not-closed:{worker.slot}")
             for name, value in report.get("counts", {}).items():
                 counts[name] = counts.get(name, 0) + value
         head = []
+        # The multi-worker markers, named as NeMo Gym's coordinators name them.
         if unreported:
-            head.append(f"workers-unreported:{unreported}")
+            head.append(f"{kind}-workers-unreported:{unreported}")
         if self.lost:
-            head.append("worker-lost")
+            head.append(f"{kind}-worker-lost")
         blockers = head + blockers
         return {
             "ready": not blockers,

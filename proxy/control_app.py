@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+import re
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -32,10 +33,14 @@ _FIELDS: dict[str, tuple[set[str], set[str]]] = {
     "prepare": (_BASE, set()),
     "renew": (_BASE, set()),
     "resume": (_BASE, set()),
-    "commit": (_BASE | {"checkpoint_dir"}, {"episode_ids"}),
+    "commit": (_BASE | {"checkpoint_dir"}, {"episode_ids", "stop"}),
     "restore": (_BASE | {"checkpoint_dir", "episode_ids"}, set()),
     "retire": (_BASE | {"episode_ids"}, set()),
+    "forget": (_BASE | {"rollout_ids"}, set()),
 }
+# NeMo Gym's rollout IDs; a capture key must parse back, so none ends in -a<digits>.
+_ROLLOUT_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*\Z")
+_ATTEMPT_SUFFIX = re.compile(r"-a[0-9]+\Z")
 CHECKPOINTER = web.AppKey("gym_proxy_checkpointer", Checkpointer)
 # Controllers give deadlines of minutes; a day ahead is a bug, and would hold the lease
 # open (and admission closed) for as long.
@@ -57,21 +62,29 @@ def _json(payload: dict[str, Any]) -> web.Response:
     return web.Response(body=orjson.dumps(payload), content_type="application/json")
 
 
-def _episode_ids(value: Any) -> list[EpisodeId]:
-    if not isinstance(value, list):
-        raise GymError("invalid_request", "episode_ids must be a list")
+def _rollout_id(value: Any) -> str:
+    if not isinstance(value, str) or not _ROLLOUT_ID.match(value) or len(value) > 512:
+        raise GymError(
+            "invalid_request", "a rollout_id is 1-512 of A-Z a-z 0-9 . _ - (not starting . _ -)"
+        )
+    if _ATTEMPT_SUFFIX.search(value):
+        raise GymError("invalid_request", f"rollout_id {value!r} must not end in -a<digits>")
+    return value
+
+
+def _episode_ids(value: Any, at_least: int) -> list[EpisodeId]:
+    if not isinstance(value, list) or len(value) < at_least:
+        raise GymError("invalid_request", f"episode_ids must be a list of {at_least} or more")
     result = []
     for item in value:
         if not isinstance(item, dict) or set(item) != {"rollout_id", "attempt"}:
             raise GymError(
                 "invalid_request", "each episode ID is {rollout_id, attempt}, nothing else"
             )
-        rollout_id, attempt = item["rollout_id"], item["attempt"]
-        if not isinstance(rollout_id, str) or not rollout_id:
-            raise GymError("invalid_request", "rollout_id must be a non-empty string")
+        attempt = item["attempt"]
         if not isinstance(attempt, int) or isinstance(attempt, bool) or attempt < 0:
             raise GymError("invalid_request", "attempt must be a non-negative integer")
-        result.append(EpisodeId(rollout_id, attempt))
+        result.append(EpisodeId(_rollout_id(item["rollout_id"]), attempt))
     return result
 
 
@@ -105,7 +118,14 @@ async def _body(request: web.Request, op: str) -> dict[str, Any]:
     ):
         raise GymError("invalid_request", "checkpoint_dir must be a non-empty path string")
     if body.get("episode_ids") is not None or "episode_ids" in required:
-        body["episode_ids"] = _episode_ids(body.get("episode_ids"))
+        body["episode_ids"] = _episode_ids(body.get("episode_ids"), 1 if op == "retire" else 0)
+    if "rollout_ids" in body:
+        ids = body["rollout_ids"]
+        if not isinstance(ids, list) or not ids:
+            raise GymError("invalid_request", "rollout_ids must be a list of 1 or more")
+        body["rollout_ids"] = [_rollout_id(i) for i in ids]
+    if not isinstance(body.get("stop", False), bool):
+        raise GymError("invalid_request", "stop must be true or false")
     return body
 
 
@@ -122,12 +142,20 @@ def _operation(op: str) -> Callable[[web.Request], Awaitable[web.Response]]:
             return _json(await cp.resume(cid, deadline))
         if op == "commit":
             return _json(
-                await cp.commit(cid, deadline, body["checkpoint_dir"], body.get("episode_ids"))
+                await cp.commit(
+                    cid,
+                    deadline,
+                    body["checkpoint_dir"],
+                    body.get("episode_ids"),
+                    body.get("stop", False),
+                )
             )
         if op == "restore":
             return _json(
                 await cp.restore(cid, deadline, body["checkpoint_dir"], body["episode_ids"])
             )
+        if op == "forget":
+            return _json(await cp.forget(cid, deadline, body["rollout_ids"]))
         return _json(await cp.retire(cid, deadline, body["episode_ids"]))
 
     return handler

@@ -19,9 +19,9 @@ from worker.sessions import SessionStore
 NOW = 1000.0
 
 
-def code_of(machine, op, cid, deadline=NOW + 10):
+def code_of(machine, op, cid, deadline=NOW + 10, arguments=None):
     with pytest.raises(GymError) as err:
-        machine.check(op, cid, deadline, NOW)
+        machine.check(op, cid, deadline, NOW, arguments)
     return err.value.code
 
 
@@ -32,19 +32,41 @@ def test_phase_machine_walk():
     assert m.lease_expires_at == NOW + 15
     assert code_of(m, "prepare", "c2") == "checkpoint_conflict"
     assert code_of(m, "restore", "c1") == "invalid_phase"
+    assert code_of(m, "commit", "c1") == "invalid_phase"  # commit only once prepared
     m.succeed("prepare", "prepared", {"phase": "prepared"})
     assert m.check("prepare", "c1", NOW + 10, NOW) == {"phase": "prepared"}
-    assert m.check("commit", "c1", NOW + 10, NOW) is None
-    m.succeed("commit", "committed", {"phase": "committed"})
-    assert m.check("commit", "c1", NOW + 10, NOW) == {"phase": "committed"}
+    assert m.check("commit", "c1", NOW + 10, NOW, ("/d", None)) is None
+    m.succeed("commit", "committed", {"phase": "committed"}, ("/d", None))
+    # a cached reply comes back before the deadline is looked at ...
+    assert m.check("commit", "c1", NOW - 5, NOW, ("/d", None)) == {"phase": "committed"}
+    # ... unless the retry names another directory or scope
+    assert code_of(m, "commit", "c1", arguments=("/e", None)) == "checkpoint_conflict"
+    assert code_of(m, "retire", "c1") == "invalid_phase"  # resume first
     assert m.check("resume", "c1", NOW + 10, NOW) is None
     assert m.close() == "c1"
     assert m.check("resume", "c1", NOW, NOW) == {"phase": "idle", "idempotent": True}
     assert code_of(m, "prepare", "c1") == "stale_checkpoint"
+    assert m.check("retire", "c1", NOW + 10, NOW) is None  # a straggler policy may
     assert code_of(m, "commit", "c9") == "invalid_phase"
     assert code_of(m, "prepare", "c9", deadline=NOW - 1) == "deadline_exceeded"
     assert code_of(m, "prepare", "-bad") == "invalid_request"
     assert code_of(m, "prepare", "x" * 129) == "invalid_request"
+
+
+def test_resume_fencing():
+    m = PhaseMachine(lease_grace=5)
+    # a resume of an ID never seen, while idle: remembered, so a delayed prepare is refused
+    assert m.check("resume", "late", NOW, NOW) == {"phase": "idle", "idempotent": True}
+    assert code_of(m, "prepare", "late") == "stale_checkpoint"
+    m.open("c2", "preparing", NOW + 10)
+    # a resume of an ID already resumed answers idempotently while another is open
+    assert m.check("resume", "late", NOW, NOW) == {"phase": "idle", "idempotent": True}
+    assert code_of(m, "resume", "c3") == "checkpoint_conflict"
+    m.close()
+    m.open("r", "restored", NOW + 10)
+    assert m.check("retire", "r", NOW + 10, NOW) is None  # retire while restored
+    assert m.check("forget", "r", NOW + 10, NOW) is None
+    assert code_of(m, "retire", "other") == "checkpoint_conflict"
 
 
 def test_lease_extends_and_expires():
@@ -61,8 +83,8 @@ def test_lease_extends_and_expires():
     assert m.phase == "idle" and "c" not in m.resumed
 
 
-def session(sid, owner):
-    return {"type": "session", "session_id": sid, "owner": owner, "episode": None, "value": 1}
+def session(sid, owner, episode=None):
+    return {"episode_id": episode, "session_id": sid, "state": 1, "owner": owner}
 
 
 def test_placement_keeps_owners_together_largest_first():
@@ -103,7 +125,7 @@ class W:
 def test_readiness_fail_closed_and_sequencing():
     r = Readiness()
     live = [W(0, "a"), W(1, "b")]
-    assert r.report(live, 3)["blockers"] == ["workers-unreported:3"]
+    assert r.report(live, 3, "agent")["blockers"] == ["agent-workers-unreported:3"]
     r.update("a", {"seq": 2, "ready": True, "blockers": [], "counts": {"door": 1}})
     r.update("b", {"seq": 1, "ready": False, "blockers": ["x"], "counts": {}, "restarts": ["r"]})
     report = r.report(live, 2)
@@ -118,7 +140,10 @@ def test_readiness_fail_closed_and_sequencing():
     r.update("b", {"seq": 2, "ready": False, "blockers": ["late"], "counts": {}})  # stale
     assert r.report(live, 2)["ready"] is True
     r.forget("b", lost_while_open=True)
-    assert r.report([W(0, "a")], 2)["blockers"] == ["workers-unreported:1", "worker-lost"]
+    assert r.report([W(0, "a")], 2)["blockers"] == [
+        "resources-workers-unreported:1",
+        "resources-worker-lost",
+    ]
     r.reset()
     r.update("a", {"seq": 1, "ready": False, "blockers": [f"s{i}" for i in range(150)]})
     report = r.report([W(0, "a")], 1)
@@ -135,11 +160,18 @@ def test_session_store_scope_release_and_retire():
     exported = store.export("own", {"other"})
     assert {r["session_id"] for r in exported} == {"u", "t"}
     assert {r["session_id"] for r in store.export("own", None)} == {"u", "e", "t"}
-    store.install([{"session_id": "r", "value": 5, "episode": "ep-a1"}])
+    by_id = {r["session_id"]: r for r in store.export("own", None)}
+    assert by_id["e"] == {
+        "episode_id": {"rollout_id": "ep", "attempt": 0},
+        "session_id": "e",
+        "state": 2,
+        "owner": "own",
+    }
+    store.install([session("r", "o", {"rollout_id": "ep", "attempt": 1}) | {"state": 5}])
     assert store.release({"ep-a1"}) == [] and store.get("r") == 5
     assert store.release(set()) == ["r"] and "r" not in store
     assert store.release_episodes({"ep"}) == ["e"] and "e" not in store
-    store.install([{"session_id": "q", "value": None, "episode": None}])
+    store.install([session("q", None)])
     assert store.uninstall() == ["q"] and len(store) == 2
 
 
@@ -180,3 +212,24 @@ def test_records_round_trip_and_exclusive_manifest(tmp_path):
     assert not [p for p in base.iterdir() if p.name.startswith(".")]  # no temp files left
     with pytest.raises(records.InvalidCheckpoint, match="belongs to"):
         records.read(base, kind="agent", instance="inst")
+
+
+def test_records_in_nemo_gym_shapes(tmp_path):
+    """An agent writes session_key/session; older gym-proxy records still read back."""
+    bound = {"rollout_id": "r1", "attempt": 2}
+    recs = [
+        session("s1", "o", bound),
+        session("s2", None),
+        {"episode_id": bound, "task_digest": "d" * 64, "boundary": {"step": 3}},
+    ]
+    base = records.checkpoint_path(str(tmp_path), "agent", "inst")
+    records.write(base, kind="agent", instance="inst", checkpoint_id="c", records=recs, extras={})
+    [first, *_] = [orjson.loads(line) for line in next(base.glob("records-*")).read_bytes().split()]
+    assert first == {"episode_id": bound, "session_key": "s1", "session": 1, "owner": "o"}
+    manifest, back = records.read(base, kind="agent", instance="inst")
+    assert back == recs and manifest["session_owners"] == {}
+    assert [records.record_key(r) for r in back] == ["r1-a2", None, "r1-a2"]
+    legacy = records.from_disk(
+        {"type": "session", "session_id": "x", "owner": "o", "episode": "r-a1", "value": 4}
+    )
+    assert legacy == session("x", "o", {"rollout_id": "r", "attempt": 1}) | {"state": 4}

@@ -30,27 +30,45 @@ async def new_session(http, url, count=0):
 
 
 @BOTH_APP_KINDS
-async def test_session_call_waits_at_the_door_new_session_is_parked(participant, http):
+async def test_session_call_waits_at_the_door_new_episode_is_parked(participant, http):
     control = Control(http, participant.url)
     token = await new_session(http, participant.url, 5)
     await control.ok("prepare", checkpoint_id="door")
     waiting = asyncio.ensure_future(
         http.post(f"{participant.url}/increment_counter", json={"count": 1}, headers={TOKEN: token})
     )
+    # a resources server never refuses a seed (NeMo Gym's client does not retry a 409)
+    seeding = asyncio.ensure_future(
+        http.post(f"{participant.url}/seed_session", json={"initial_count": 1})
+    )
 
     async def at_door():
         status = await control.ok("status")
-        return status["report"]["counts"].get("door") == 1
+        return status["report"]["counts"].get("door") == 2
 
-    await wait_until(at_door, 10, "the call to wait at the door")
+    await wait_until(at_door, 10, "both calls to wait at the door")
     assert (await control.ok("status"))["report"]["ready"] is True  # a door wait is ready
-    async with http.post(f"{participant.url}/seed_session", json={}) as resp:
+    async with http.post(f"{participant.url}/run", json={"_ng_rollout_id": "new"}) as resp:
         assert resp.status == 409 and resp.headers["Retry-After"] == "1"
         assert (await resp.json())["error"]["code"] == "checkpoint_parked"
-    assert not waiting.done()
+    assert not waiting.done() and not seeding.done()
     await control.ok("resume", checkpoint_id="door")
     resp = await asyncio.wait_for(waiting, 10)
     assert (await resp.json())["count"] == 6
+    resp = await asyncio.wait_for(seeding, 10)
+    assert resp.status == 200
+
+
+@BOTH_APP_KINDS
+async def test_other_kinds_refuse_new_sessions(start_proxy, http):
+    proxy = start_proxy(workers=1, control_token=CONTROL_TOKEN, env={"GYM_TEST_KIND": "agent"})
+    control = Control(http, proxy.url)
+    assert (await control.ok("status"))["kind"] == "agent"
+    await control.ok("prepare", checkpoint_id="door")
+    async with http.post(f"{proxy.url}/seed_session", json={}) as resp:
+        assert resp.status == 409 and resp.headers["Retry-After"] == "1"
+        assert (await resp.json())["error"]["code"] == "checkpoint_parked"
+    await control.ok("resume", checkpoint_id="door")
 
 
 @BOTH_APP_KINDS
@@ -85,19 +103,22 @@ async def test_lost_worker_blocks_until_resume(start_proxy, http, tmp_path):
     os.kill(status["workers"][0]["pid"], signal.SIGKILL)
 
     await wait_until(
-        lambda: _has_blocker(control, "worker-lost"), 10, "worker-lost in the blockers"
+        lambda: _has_blocker(control, "resources-worker-lost"), 10, "worker-lost in the blockers"
     )
     # prepared no more: a retried prepare waits again and reports the loss
     reply = await control.ok("prepare", checkpoint_id="lost", deadline_ts=time.time() + 0.5)
     assert reply["phase"] == "preparing"
-    assert reply["report"]["blockers"] == ["workers-unreported:1", "worker-lost"]
+    assert reply["report"]["blockers"] == [
+        "resources-workers-unreported:1",
+        "resources-worker-lost",
+    ]
     code, body = await control.call("commit", checkpoint_id="lost", checkpoint_dir=str(tmp_path))
-    assert code == 409 and "worker-lost" in body["error"]["detail"]
+    assert (code, body["error"]["code"]) == (409, "invalid_phase")  # not prepared
     hold.unlink()
     await wait_until(lambda: _live_workers(control, 2), 20, "the slot to come back")
-    assert await _has_blocker(control, "worker-lost")  # still blocked until resume
+    assert await _has_blocker(control, "resources-worker-lost")  # still blocked until resume
     reply = await control.ok("prepare", checkpoint_id="lost", deadline_ts=time.time() + 0.5)
-    assert reply["phase"] == "preparing" and "worker-lost" in reply["report"]["blockers"]
+    assert reply["phase"] == "preparing" and "resources-worker-lost" in reply["report"]["blockers"]
     await control.ok("resume", checkpoint_id="lost")
     reply = await control.ok("prepare", checkpoint_id="after")
     assert reply["phase"] == "prepared"
@@ -134,7 +155,7 @@ async def test_missing_worker_blocks_prepare(start_proxy, http, tmp_path):
     await wait_until(lambda: _live_workers(control, 1), 10, "the worker to be gone")
     reply = await control.ok("prepare", checkpoint_id="short", deadline_ts=time.time() + 0.5)
     assert reply["phase"] == "preparing"
-    assert reply["report"]["blockers"] == ["workers-unreported:1"]
+    assert reply["report"]["blockers"] == ["resources-workers-unreported:1"]
     await control.ok("resume", checkpoint_id="short")
     hold.unlink()
 
@@ -258,7 +279,7 @@ async def test_bad_checkpoints_are_422_and_install_nothing(start_proxy, http, tm
     assert code == 422 and body["error"]["code"] == "invalid_checkpoint_state", body
     status = await control.ok("status")
     assert status["phase"] == "idle" and status["session_aliases"] == {}
-    assert status["restored_pending"] == 0
+    assert status["restored_pending"] == []
     async with http.post(f"{second.url}/get_counter_value", headers={TOKEN: token}) as resp:
         assert resp.status == 410  # nothing was installed: the old owner is unknown
 

@@ -95,7 +95,7 @@ async def test_parked_episode_continues_after_restore(start_proxy, http, tmp_pat
     reply = await control.checkpoint(
         "ep-1", str(tmp_path), episode_ids=[{"rollout_id": "r1", "attempt": 0}]
     )
-    assert reply["episode_ids"] == [{"rollout_id": "r1", "attempt": 0}]
+    assert reply["episode_ids"] == ["r1"]  # capture keys, as NeMo-RL reads them
     first.kill_all()
     with pytest.raises(aiohttp.ClientError):
         await task
@@ -114,10 +114,17 @@ async def test_parked_episode_continues_after_restore(start_proxy, http, tmp_pat
     async with http.post(f"{second.url}/run", json=stale) as resp:
         assert resp.status == 409
         assert (await resp.json())["error"]["code"] == "stale_attempt"
-    replacement = {"_ng_rollout_id": "r1", "_ng_attempt_index": 1, "steps": 3}
+    other_task = {"_ng_rollout_id": "r1", "_ng_attempt_index": 1, "steps": 4, "gate": "g"}
+    async with http.post(f"{second.url}/run", json=other_task) as resp:
+        assert resp.status == 400  # NeMo Gym's rule: a replacement continues the same task
+        assert "different task" in (await resp.json())["error"]["detail"]
+    for name in ("g-1", "g-2"):  # let the replacement's remaining steps run at once
+        async with http.post(f"{second.url}/release?name={name}") as r:
+            assert r.status == 200
+    replacement = {"_ng_rollout_id": "r1", "_ng_attempt_index": 1, "steps": 3, "gate": "g"}
     async with http.post(f"{second.url}/run", json=replacement) as resp:
         body = await resp.json()
     assert body["restored"] is True
     assert body["state"]["log"] == ["r1:0", "r1-a1:1", "r1-a1:2"]
     status = await control.ok("status")
-    assert status["restored_pending"] == 0
+    assert status["restored_pending"] == []

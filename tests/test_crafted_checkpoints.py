@@ -17,8 +17,12 @@ from tests.raw_http import close, open_raw, read_responses
 from tests.support import CONTROL_TOKEN, Control
 
 TOKEN = "X-NeMo-Gym-Session-Token"
-GOOD_SESSION = {"type": "session", "session_id": "s1", "owner": "o1", "episode": None, "value": 1}
-GOOD_EPISODE = {"type": "episode", "rollout_id": "r1", "attempt": 0, "state": {"step": 1}}
+GOOD_SESSION = {"episode_id": None, "session_id": "s1", "state": 1, "owner": "o1"}
+GOOD_EPISODE = {
+    "episode_id": {"rollout_id": "r1", "attempt": 0},
+    "task_digest": "",
+    "boundary": {"step": 1},
+}
 
 
 def craft(directory, lines: list[bytes], **manifest_fields) -> None:
@@ -54,7 +58,8 @@ def record(**changes) -> bytes:
 CRAFTED: dict[str, tuple[list[bytes], dict]] = {
     "session_owners-value-list": ([record()], {"session_owners": {"o1": ["o1"]}}),
     "session_owners-value-int": ([record()], {"session_owners": {"o1": 7}}),
-    "session_owners-a-list": ([record()], {"session_owners": ["o1"]}),
+    "session_owners-a-list-of-ints": ([record()], {"session_owners": [1]}),
+    "session_owners-a-string": ([record()], {"session_owners": "o1"}),
     "session_owners-bad-key": ([record()], {"session_owners": {"a/b": "o1"}}),
     "placed_sessions-value-int": ([record()], {"placed_sessions": {"s1": 3}}),
     "record_count-a-string": ([record()], {"record_count": "1"}),
@@ -64,14 +69,32 @@ CRAFTED: dict[str, tuple[list[bytes], dict]] = {
     "session_id-with-a-slash": ([record(session_id="../x")], {}),
     "owner-a-list": ([record(owner=["o1"])], {}),
     "owner-an-int": ([record(owner=1)], {}),
-    "episode-key-an-int": ([record(episode=3)], {}),
-    "episode-without-rollout_id": ([record(episode_record=True, rollout_id="<absent>")], {}),
-    "episode-rollout_id-a-list": ([record(episode_record=True, rollout_id=["r"])], {}),
-    "episode-attempt-a-string": ([record(episode_record=True, attempt="1")], {}),
-    "episode-attempt-negative": ([record(episode_record=True, attempt=-1)], {}),
-    "episode-attempt-a-bool": ([record(episode_record=True, attempt=True)], {}),
+    "session-episode_id-an-int": ([record(episode_id=3)], {}),
+    "session-episode_id-a-key-string": ([record(episode_id="r1-a1")], {}),
+    "episode-without-rollout_id": ([record(episode_record=True, episode_id={"attempt": 0})], {}),
+    "episode-rollout_id-a-list": (
+        [record(episode_record=True, episode_id={"rollout_id": ["r"], "attempt": 0})],
+        {},
+    ),
+    "episode-attempt-a-string": (
+        [record(episode_record=True, episode_id={"rollout_id": "r", "attempt": "1"})],
+        {},
+    ),
+    "episode-attempt-negative": (
+        [record(episode_record=True, episode_id={"rollout_id": "r", "attempt": -1})],
+        {},
+    ),
+    "episode-attempt-a-bool": (
+        [record(episode_record=True, episode_id={"rollout_id": "r", "attempt": True})],
+        {},
+    ),
+    "episode-task_digest-an-int": ([record(episode_record=True, task_digest=7)], {}),
     "record-a-list": ([b"[1, 2]"], {}),
-    "record-unknown-type": ([record(type="blob")], {}),
+    "record-of-no-known-shape": ([orjson.dumps({"kind": "blob"})], {}),
+    "legacy-session-without-id": (
+        [orjson.dumps({"type": "session", "owner": "o1", "episode": None, "value": 1})],
+        {},
+    ),
     "valid-then-invalid": ([record(), record(session_id="s2", owner={"x": 1})], {}),
 }
 
@@ -84,7 +107,7 @@ def restorer(start_proxy):
 
 async def assert_idle_and_open(control, http, url):
     status = await control.ok("status")
-    assert status["phase"] == "idle" and status["restored_pending"] == 0, status
+    assert status["phase"] == "idle" and status["restored_pending"] == [], status
     assert status["session_aliases"] == {}
     async with http.post(f"{url}/seed_session", json={}) as resp:
         assert resp.status == 200  # admission is open

@@ -7,6 +7,7 @@ import asyncio
 from coordinator import records
 from tests.conftest import BOTH_APP_KINDS
 from tests.support import CONTROL_TOKEN, Control
+from worker.runtime import task_digest
 
 TOKEN = "X-NeMo-Gym-Session-Token"
 OWNER = "x-ng-session-owner"
@@ -14,14 +15,14 @@ RACES = 1000
 
 
 def write_episode_checkpoint(directory, count):
-    """A checkpoint holding `count` parked episodes (attempt 0), as a commit writes it."""
+    """A checkpoint holding `count` parked episodes (attempt 0) in NeMo Gym's record shape,
+    their task the one the replacements send (`{"steps": 2}`)."""
     base = records.checkpoint_path(str(directory), "resources", "apps")
     episodes = [
         {
-            "type": "episode",
-            "rollout_id": f"race-{i}",
-            "attempt": 0,
-            "state": {"step": 1, "log": [f"race-{i}:0"]},
+            "episode_id": {"rollout_id": f"race-{i}", "attempt": 0},
+            "task_digest": task_digest({"steps": 2}),
+            "boundary": {"step": 1, "log": [f"race-{i}:0"]},
         }
         for i in range(count)
     ]
@@ -66,7 +67,7 @@ async def test_two_workers_race_to_claim_each_restored_episode(start_proxy, http
         assert losers[0]["error"]["code"] == "stale_attempt", losers
 
     await asyncio.gather(*(race(i) for i in range(RACES)))
-    assert (await control.ok("status"))["restored_pending"] == 0
+    assert (await control.ok("status"))["restored_pending"] == []
 
 
 @BOTH_APP_KINDS
@@ -118,9 +119,9 @@ async def test_unclaimed_records_are_exported_again_while_in_scope(start_proxy, 
     await control.ok("resume", checkpoint_id="r")
     keep = [{"rollout_id": "race-0", "attempt": 1}]
     reply = await control.checkpoint("again", str(tmp_path / "two"), episode_ids=keep)
-    assert reply["episode_ids"] == keep and reply["manifest"]["record_count"] == 1
+    assert reply["episode_ids"] == ["race-0-a1"] and reply["manifest"]["record_count"] == 1
     await control.ok("resume", checkpoint_id="again")
-    assert (await control.ok("status"))["restored_pending"] == 1  # race-1 was released
+    assert (await control.ok("status"))["restored_pending"] == ["race-0-a1"]  # race-1 was released
     proxy.kill_all()
 
     later = start_proxy(workers=2, control_token=CONTROL_TOKEN)

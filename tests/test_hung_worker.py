@@ -64,7 +64,7 @@ async def test_prepare_and_resume_with_a_stopped_worker(participant, http):
         reply = await control.ok("prepare", checkpoint_id="stop1", deadline_ts=time.time() + 3)
         assert time.monotonic() - started < 3 + SLACK
         assert reply["phase"] == "preparing"
-        assert "workers-unreported:1" in reply["report"]["blockers"]
+        assert "resources-workers-unreported:1" in reply["report"]["blockers"]
         # a call on the healthy worker waits at the door ...
         door = asyncio.ensure_future(
             http.post(

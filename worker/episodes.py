@@ -33,12 +33,14 @@ class Episode:
         identity: EpisodeId,
         restored: bool,
         restored_state: Any,
+        task_digest: str = "",
     ) -> None:
         self._runtime = runtime
         self._flight = flight
         self.identity = identity
         self.restored = restored
         self.restored_state = restored_state
+        self.task_digest = task_digest
         self.state: Any = restored_state
         self.parked_seconds = 0.0
 
@@ -62,4 +64,9 @@ class Episode:
         return result
 
     def export(self) -> dict[str, Any]:
-        return {"type": "episode", **self.identity.as_json(), "state": self.state}
+        """NeMo Gym's environment record: the episode at its latest boundary."""
+        return {
+            "episode_id": self.identity.as_json(),
+            "task_digest": self.task_digest,
+            "boundary": self.state,
+        }

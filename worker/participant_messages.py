@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from coordinator.episode_ids import EpisodeId
 from coordinator.errors import GymError
 from worker.runtime import ParticipantRuntime
 
@@ -35,9 +36,17 @@ async def handle_coordinator_message(
         runtime.aliases = dict(message["aliases"])
         runtime.sessions = dict(message["sessions"])
         runtime.pending = {str(k): int(v) for k, v in message["pending"].items()}
+        for rollout_id, attempt in message.get("marks", {}).items():
+            runtime.marks[rollout_id] = max(runtime.marks.get(rollout_id, -1), int(attempt))
         return {}
     if kind == "retire":
-        return {"retired": await runtime.retire(set(message["episodes"]))}
+        episodes = [EpisodeId(e["rollout_id"], int(e["attempt"])) for e in message["episode_ids"]]
+        return {"retired": await runtime.retire(episodes)}
+    if kind == "forget":
+        return {"forgotten": runtime.forget(list(message["rollout_ids"]))}
+    if kind == "stop":
+        await runtime.stop()
+        return {}
     raise GymError("invalid_request", f"unknown message type {kind!r}")
 
 

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
+import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -35,7 +37,7 @@ from coordinator.errors import GymError
 from worker.episodes import Episode
 from worker.identity import WorkerInfo
 from worker.participation import Participation
-from worker.sessions import SessionStore
+from worker.sessions import SessionStore, session_record
 
 __all__ = [
     "InFlight",
@@ -111,7 +113,10 @@ class ParticipantRuntime:
     channel: Channel | None = None
     checkpoint_id: str | None = None
     pending: dict[str, int] = field(default_factory=dict)  # restored rollout -> attempt
-    retiring: set[str] = field(default_factory=set)
+    # Retire marks (rollout -> highest retired attempt) and the sessions of retired
+    # attempts (session -> rollout): refused until the controller forgets the rollout.
+    marks: dict[str, int] = field(default_factory=dict)
+    retired_sessions: dict[str, str] = field(default_factory=dict)
     aliases: dict[str, str] = field(default_factory=dict)
     sessions: dict[str, str] = field(default_factory=dict)
     opened: asyncio.Event = field(default_factory=asyncio.Event)
@@ -136,20 +141,22 @@ class ParticipantRuntime:
         self, facts: RequestFacts, read_body: Callable[[], Awaitable[bytes]]
     ) -> InFlight:
         """Let a request in, park it at the door, or refuse it (GymError); track it."""
+        digest = ""
         if facts.episode_key:
             identity: EpisodeId | None = parse_episode_key(facts.episode_key)
         elif facts.path == "/run" and facts.method == "POST":
-            identity = _run_identity(await read_body())
+            identity, digest = _run_identity(await read_body())
         else:
             identity = None
-        starts = facts.new_session or (identity is not None and facts.path == "/run")
-        if identity is not None and identity.key in self.retiring:
-            raise GymError("stale_attempt", f"attempt {identity.key} is being retired")
+        self._refuse_retired(identity, facts)
+        new_episode = identity is not None and facts.path == "/run"
         flight = InFlight(
             asyncio.current_task(), facts.session_id, identity, facts.path, facts.new_session
         )
         if not self.is_open:
-            if starts:
+            # New work is refused while a checkpoint is open, but a resources server never
+            # refuses a seed: NeMo Gym's client does not retry a 409, so it waits instead.
+            if new_episode or (facts.new_session and self.kind != "resources"):
                 raise GymError("checkpoint_parked", "a checkpoint is in progress")
             self.flights.add(flight)
             await self.park(flight, "door")
@@ -158,16 +165,27 @@ class ParticipantRuntime:
         try:
             if identity is not None:
                 restored, state = False, None
-                if facts.path == "/run" and identity.rollout_id in self.pending:
-                    state = await self._claim(identity)
+                if new_episode and identity.rollout_id in self.pending:
+                    state = await self._claim(identity, digest)
                     restored = True
-                flight.episode = Episode(self, flight, identity, restored, state)
+                flight.episode = Episode(self, flight, identity, restored, state, digest)
         except BaseException:
             self.leave(flight)
             raise
         return flight
 
-    async def _claim(self, identity: EpisodeId) -> Any:
+    def _refuse_retired(self, identity: EpisodeId | None, facts: RequestFacts) -> None:
+        """A retired attempt (or an earlier one) is refused until its rollout is forgotten;
+        so is a session of one (MCP calls name only their session), except its close."""
+        if identity is not None:
+            mark = self.marks.get(identity.rollout_id)
+            if mark is not None and identity.attempt <= mark:
+                raise GymError("stale_attempt", f"attempt {identity.key} was retired")
+        if facts.session_id in self.retired_sessions and facts.path != "/close_session":
+            detail = f"session {facts.session_id} belongs to a retired attempt"
+            raise GymError("stale_attempt", detail)
+
+    async def _claim(self, identity: EpisodeId, digest: str) -> Any:
         expected = self.pending[identity.rollout_id]
         if identity.attempt != expected:
             raise GymError(
@@ -180,18 +198,20 @@ class ParticipantRuntime:
                 within=CLAIM_WAIT,
                 rollout_id=identity.rollout_id,
                 attempt=identity.attempt,
+                task_digest=digest,
             )
         except (ChannelClosed, ChannelTimeout) as exc:
             raise GymError(
                 "checkpoint_coordinator_unavailable", f"the claim got no answer: {exc}"
             ) from exc
         except RemoteError as exc:
-            if exc.code != "checkpoint_parked":
-                # The coordinator no longer holds it (claimed elsewhere, retired).
+            if exc.code == "stale_attempt":
+                # The coordinator no longer holds it (claimed elsewhere, retired); a parked
+                # claim or a replacement of another task leaves the record where it is.
                 self.pending.pop(identity.rollout_id, None)
             raise GymError(exc.code, exc.detail) from exc
         self.pending.pop(identity.rollout_id, None)
-        return reply.get("state")
+        return reply.get("boundary")
 
     def answered(self, flight: InFlight, status: int, app_session: str | None = None) -> None:
         """The app answered `status`: track the request's session.
@@ -315,13 +335,7 @@ class ParticipantRuntime:
             live = self.store.sessions_in(scope)
             states = await participation.hooks.export(sorted(live))
             records = [
-                {
-                    "type": "session",
-                    "session_id": sid,
-                    "owner": owner,
-                    "episode": live[sid].episode if sid in live else None,
-                    "value": value,
-                }
+                session_record(sid, live[sid].episode, value, owner)
                 for sid, value in states.items()
                 if sid in live
             ]
@@ -337,8 +351,8 @@ class ParticipantRuntime:
         """Install restored sessions (all or nothing: the hook raises to refuse)."""
         hooks = self.participation.hooks
         if hooks is not None and hooks.restore is not None:
-            await hooks.restore({r["session_id"]: r.get("value") for r in records})
-            records = [{**r, "value": None} for r in records]
+            await hooks.restore({r["session_id"]: r.get("state") for r in records})
+            records = [{**r, "state": None} for r in records]
         return self.store.install(records)
 
     async def forget_sessions(self, session_ids: list[str]) -> int:
@@ -348,22 +362,50 @@ class ParticipantRuntime:
             await hooks.retire(session_ids)
         return len(session_ids)
 
-    async def retire(self, keys: set[str]) -> int:
-        """Cancel the attempts' requests, wait for them to stop, free their sessions."""
-        self.retiring |= keys
-        try:
-            doomed = [f for f in self.flights if f.identity is not None and f.identity.key in keys]
-            for flight in doomed:
-                flight.retired = True
-                if flight.task is not None:
-                    flight.task.cancel()
-            tasks = [f.task for f in doomed if f.task is not None]
-            if tasks:
-                await asyncio.wait(tasks)
-            freed = await self.forget_sessions(self.store.release_episodes(keys))
-            return freed + len(doomed)
-        finally:
-            self.retiring -= keys
+    async def retire(self, episode_ids: list[EpisodeId]) -> int:
+        """Mark the attempts (and earlier ones of their rollouts) retired, cancel their
+        requests, wait for them to stop, then free their sessions; return what was freed.
+        The marks stay, whether or not this finishes, until `forget`."""
+        for episode in episode_ids:
+            mark = self.marks.get(episode.rollout_id, -1)
+            self.marks[episode.rollout_id] = max(mark, episode.attempt)
+        covered = self._covered
+        doomed = [f for f in self.flights if f.identity is not None and covered(f.identity)]
+        for flight in doomed:
+            flight.retired = True
+            if flight.task is not None:
+                flight.task.cancel()
+        tasks = [f.task for f in doomed if f.task is not None]
+        if tasks:
+            await asyncio.wait(tasks)
+        keys = {key for key in self.store.episodes() if covered(parse_episode_key(key))}
+        for session_id, key in self.store.bound_to(keys).items():
+            self.retired_sessions[session_id] = parse_episode_key(key).rollout_id
+        freed = self.store.release_episodes(keys)
+        for rollout_id, attempt in list(self.pending.items()):
+            if covered(EpisodeId(rollout_id, attempt)):
+                del self.pending[rollout_id]
+        return await self.forget_sessions(freed) + len(doomed)
+
+    def _covered(self, identity: EpisodeId) -> bool:
+        mark = self.marks.get(identity.rollout_id)
+        return mark is not None and identity.attempt <= mark
+
+    def forget(self, rollout_ids: list[str]) -> list[str]:
+        """Stop refusing these rollouts' retired attempts and sessions."""
+        gone = set(rollout_ids)
+        for rollout_id in gone:
+            self.marks.pop(rollout_id, None)
+        for session_id, rollout_id in list(self.retired_sessions.items()):
+            if rollout_id in gone:
+                del self.retired_sessions[session_id]
+        return sorted(gone)
+
+    async def stop(self) -> None:
+        """A commit with `stop: true` was written: free what the app can free."""
+        hooks = self.participation.hooks
+        if hooks is not None and hooks.stop is not None:
+            await hooks.stop()
 
 
 def own_cancellation(flight: InFlight) -> bool:
@@ -376,15 +418,23 @@ def own_cancellation(flight: InFlight) -> bool:
     return False
 
 
-def _run_identity(raw: bytes) -> EpisodeId | None:
-    """Rollout identity from a `/run` body's `_ng_rollout_id` and `_ng_attempt_index`."""
+def _run_identity(raw: bytes) -> tuple[EpisodeId | None, str]:
+    """Rollout identity from a `/run` body's `_ng_rollout_id` and `_ng_attempt_index`, and
+    the digest of its task (the body without `_ng_*` fields)."""
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError:
-        return None
+        return None, ""
     if not isinstance(body, dict) or not isinstance(body.get("_ng_rollout_id"), str):
-        return None
+        return None, ""
     attempt = body.get("_ng_attempt_index", 0)
     if not isinstance(attempt, int) or isinstance(attempt, bool) or attempt < 0:
         raise GymError("invalid_request", "_ng_attempt_index must be a non-negative integer")
-    return EpisodeId(body["_ng_rollout_id"], attempt)
+    task = {k: v for k, v in body.items() if not k.startswith("_ng_")}
+    return EpisodeId(body["_ng_rollout_id"], attempt), task_digest(task)
+
+
+def task_digest(task: Any) -> str:
+    """NeMo Gym's task digest: SHA-256 of the task as canonical JSON (sorted, compact)."""
+    canonical = json.dumps(task, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()

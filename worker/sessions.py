@@ -11,7 +11,21 @@ from collections.abc import Container
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["SessionEntry", "SessionStore"]
+from coordinator.episode_ids import episode_key, parse_episode_key
+
+__all__ = ["SessionEntry", "SessionStore", "session_record"]
+
+
+def session_record(
+    session_id: str, episode: str | None, state: Any, owner: str
+) -> dict[str, Any]:
+    """NeMo Gym's resources session record (`episode_id` null: bound to no episode)."""
+    return {
+        "episode_id": None if episode is None else parse_episode_key(episode).as_json(),
+        "session_id": session_id,
+        "state": state,
+        "owner": owner,
+    }
 
 
 @dataclass(slots=True)
@@ -80,6 +94,14 @@ class SessionStore:
         if entry is not None and entry.episode is None:
             entry.episode = episode
 
+    def bound_to(self, keys: set[str]) -> dict[str, str]:
+        """The sessions bound to one of `keys`, with the key each is bound to."""
+        return {
+            sid: entry.episode
+            for sid, entry in self._entries.items()
+            if entry.episode is not None and entry.episode in keys
+        }
+
     def episodes(self) -> set[str]:
         """The episode keys live sessions are bound to."""
         return {e.episode for e in self._entries.values() if e.episode is not None}
@@ -95,22 +117,16 @@ class SessionStore:
     def export(self, owner: str, scope: set[str] | None) -> list[dict[str, Any]]:
         """Records of every session unbound or bound to an episode in `scope` (None: all)."""
         return [
-            {
-                "type": "session",
-                "session_id": session_id,
-                "owner": owner,
-                "episode": entry.episode,
-                "value": entry.value,
-            }
+            session_record(session_id, entry.episode, entry.value, owner)
             for session_id, entry in self.sessions_in(scope).items()
         ]
 
     def install(self, records: list[dict[str, Any]]) -> int:
-        """Add restored sessions (their episode keys already name the new attempt)."""
+        """Add restored sessions (their episode IDs already name the new attempt)."""
         for record in records:
-            self._entries[record["session_id"]] = SessionEntry(
-                record.get("value"), record.get("episode"), True
-            )
+            bound = record["episode_id"]
+            key = None if bound is None else episode_key(bound["rollout_id"], bound["attempt"])
+            self._entries[record["session_id"]] = SessionEntry(record.get("state"), key, True)
         return len(records)
 
     def uninstall(self) -> list[str]:
