@@ -1,9 +1,18 @@
-"""A small checkpoint controller: drives one or more participants over their control plane.
+"""A checkpoint controller: drives participants over their control plane, in NeMo Gym's
+order (`nemo_gym/_checkpoint/coordination.py`), so gym-proxy servers and NeMo Gym
+servers can be driven together.
 
-Across servers the order matters (DESIGN.md): prepare environment, then model, then
-agent, then resources (callers park before their callees close), resume in reverse,
-commit and restore go to all at once, retire goes to callers before callees. A prepare
-that does not get every participant ready by the deadline resumes the ones it closed.
+- `prepare` runs in stages: environment, model, agent, resources; each stage fans out at
+  once, and it stops at the first stage that is not prepared (`PrepareResult`).
+- `commit` and `restore` fan out to every participant at once. A restore that fails
+  anywhere retires the attempts it would continue (N+1) everywhere, resumes everywhere,
+  then raises: nothing continues from a partial restore.
+- `resume` runs the stages in reverse and keeps going past failures.
+- `retire` and `forget` run callers before callees: environment, agent, then model and
+  resources together.
+- `checkpoint` is prepare, commit, resume; with `stragglers="retire"`, a prepare that
+  misses its deadline resumes, retires its blocking episodes (bare capture keys), and
+  prepares again once.
 """
 
 from __future__ import annotations
@@ -15,19 +24,39 @@ from typing import Any
 
 import aiohttp
 
-__all__ = ["KIND_ORDER", "ControlFailed", "Participant", "Controller", "in_call_order"]
+from coordinator.episode_ids import EpisodeId, parse_episode_key
+
+__all__ = [
+    "KIND_ORDER",
+    "RETIRE_ORDER",
+    "ControlFailed",
+    "Participant",
+    "PrepareResult",
+    "Controller",
+    "in_call_order",
+]
 
 KIND_ORDER = ("environment", "model", "agent", "resources")
+RETIRE_ORDER = (("environment",), ("agent",), ("model", "resources"))
+RESTORE_CLEANUP_SECONDS = 30.0
+REPLY_SLACK = 5.0  # a participant bounds its work by deadline_ts; this covers the reply
 
 
 class ControlFailed(Exception):
-    """A participant refused a control call (or could not be reached)."""
+    """Participants refused a control call (or could not be reached)."""
 
-    def __init__(self, url: str, status: int, code: str, detail: str) -> None:
-        super().__init__(f"{url}: {status} {code}: {detail}")
-        self.url = url
-        self.status = status
-        self.code = code
+    def __init__(self, operation: str, failures: dict[str, tuple[int, str, str]]) -> None:
+        detail = "; ".join(
+            f"{url}: {status} {code}: {text}"
+            for url, (status, code, text) in sorted(failures.items())
+        )
+        super().__init__(f"{operation} failed on {len(failures)} participant(s): {detail}")
+        self.operation = operation
+        self.failures = failures
+
+    @property
+    def codes(self) -> set[str]:
+        return {code for _, code, _ in self.failures.values()}
 
 
 @dataclass
@@ -39,22 +68,29 @@ class Participant:
     http: aiohttp.ClientSession
     kind: str = "resources"
 
-    async def call(self, op: str, **body: Any) -> dict[str, Any]:
+    async def call(self, op: str, deadline_ts: float | None = None, **body: Any) -> dict[str, Any]:
+        """One control call; ControlFailed on anything but 200."""
         headers = {"Authorization": f"Bearer {self.token}"}
         base = f"{self.url.rstrip('/')}/ng-control/v1/checkpoint"
+        within = None if deadline_ts is None else max(0.0, deadline_ts - time.time()) + REPLY_SLACK
         try:
-            if op == "status":
-                request = self.http.get(f"{base}/status", headers=headers)
-            else:
-                request = self.http.post(f"{base}/{op}", json=body, headers=headers)
-            async with request as resp:
-                reply = await resp.json(content_type=None)
-                status = resp.status
-        except (aiohttp.ClientError, ValueError) as exc:
-            raise ControlFailed(self.url, 0, "unreachable", str(exc)) from exc
+            async with asyncio.timeout(within):
+                if op == "status":
+                    request = self.http.get(f"{base}/status", headers=headers)
+                else:
+                    payload = {"deadline_ts": deadline_ts, **body}
+                    request = self.http.post(f"{base}/{op}", json=payload, headers=headers)
+                async with request as resp:
+                    reply = await resp.json(content_type=None)
+                    status = resp.status
+        except (aiohttp.ClientError, ValueError, TimeoutError) as exc:
+            raise ControlFailed(
+                op, {self.url: (0, "unreachable", str(exc) or "timed out")}
+            ) from exc
         if status != 200:
             error = reply.get("error", {}) if isinstance(reply, dict) else {}
-            raise ControlFailed(self.url, status, error.get("code", "?"), error.get("detail", ""))
+            failure = (status, error.get("code", "?"), error.get("detail", ""))
+            raise ControlFailed(op, {self.url: failure})
         return reply
 
     async def learn_kind(self) -> str:
@@ -68,8 +104,43 @@ def in_call_order(participants: list[Participant]) -> list[Participant]:
     return sorted(participants, key=lambda p: rank.get(p.kind, len(KIND_ORDER)))
 
 
+@dataclass(frozen=True)
+class PrepareResult:
+    """Whether every participant is prepared; if not, what the unprepared ones wait for."""
+
+    prepared: bool
+    replies: dict[str, dict[str, Any]]
+
+    def blockers(self) -> dict[str, list[str]]:
+        return {
+            url: reply["report"]["blockers"]
+            for url, reply in self.replies.items()
+            if reply.get("phase") != "prepared"
+        }
+
+    def blocking_episodes(self) -> list[EpisodeId]:
+        """The blockers that name episodes (bare capture keys), for a straggler retire;
+        markers such as `resources-worker-lost` and `session:<id>` are not episodes."""
+        keys = {
+            key
+            for blockers in self.blockers().values()
+            for key in blockers
+            if ":" not in key and not key.endswith("-worker-lost")
+        }
+        return [parse_episode_key(key) for key in sorted(keys)]
+
+    def restarts(self) -> set[str]:
+        """Episodes some participant cannot capture: a rollout restarts if any part does."""
+        return {key for r in self.replies.values() for key in r["report"].get("restarts", [])}
+
+    def continued(self, episode_ids: list[EpisodeId]) -> list[EpisodeId]:
+        """The commit scope: `episode_ids` without the restarts."""
+        restarts = self.restarts()
+        return [e for e in episode_ids if e.key not in restarts]
+
+
 class Controller:
-    """Checkpoint, restore, resume and retire across several participants."""
+    """Checkpoint, restore, resume, retire and forget across several participants."""
 
     def __init__(self, participants: list[Participant], timeout: float = 300.0) -> None:
         self.participants = participants
@@ -81,81 +152,157 @@ class Controller:
     async def learn_kinds(self) -> None:
         await asyncio.gather(*(p.learn_kind() for p in self.participants))
 
-    async def prepare(self, checkpoint_id: str) -> None:
-        """Prepare each participant in call order; on failure resume those closed."""
-        deadline = self._deadline()
-        closed: list[Participant] = []
-        try:
-            for participant in in_call_order(self.participants):
-                closed.append(participant)
-                reply = await participant.call(
-                    "prepare", checkpoint_id=checkpoint_id, deadline_ts=deadline
-                )
-                if reply["phase"] != "prepared":
-                    blockers = ", ".join(reply["report"]["blockers"][:5])
-                    raise ControlFailed(participant.url, 409, "not_ready", blockers)
-        except ControlFailed:
-            await self._resume(closed, checkpoint_id)
-            raise
+    def _of_kind(self, kinds: tuple[str, ...]) -> list[Participant]:
+        return [p for p in self.participants if p.kind in kinds]
+
+    def _stages(self) -> list[list[Participant]]:
+        stages = [self._of_kind((kind,)) for kind in KIND_ORDER]
+        stages.append([p for p in self.participants if p.kind not in KIND_ORDER])
+        return [stage for stage in stages if stage]
+
+    async def _fan_out(
+        self, members: list[Participant], op: str, deadline_ts: float, **body: Any
+    ) -> dict[str, dict[str, Any]]:
+        """The same call to every member at once; ControlFailed names every failure."""
+        results = await asyncio.gather(
+            *(m.call(op, deadline_ts, **body) for m in members), return_exceptions=True
+        )
+        failures: dict[str, tuple[int, str, str]] = {}
+        replies = {}
+        for member, result in zip(members, results, strict=True):
+            if isinstance(result, ControlFailed):
+                failures.update(result.failures)
+            elif isinstance(result, BaseException):
+                raise result
+            else:
+                replies[member.url] = result
+        if failures:
+            raise ControlFailed(op, failures)
+        return replies
+
+    async def prepare(self, checkpoint_id: str, deadline_ts: float | None = None) -> PrepareResult:
+        """Prepare stage by stage; stop at the first stage that is not prepared."""
+        deadline_ts = deadline_ts or self._deadline()
+        replies: dict[str, dict[str, Any]] = {}
+        for stage in self._stages():
+            got = await self._fan_out(stage, "prepare", deadline_ts, checkpoint_id=checkpoint_id)
+            replies.update(got)
+            if any(reply["phase"] != "prepared" for reply in got.values()):
+                return PrepareResult(False, replies)
+        return PrepareResult(True, replies)
 
     async def commit(
-        self, checkpoint_id: str, checkpoint_dir: str, episode_ids: list[dict] | None = None
-    ) -> list[dict[str, Any]]:
+        self,
+        checkpoint_id: str,
+        checkpoint_dir: str,
+        episode_ids: list[EpisodeId] | None = None,
+        stop: bool = False,
+    ) -> dict[str, dict[str, Any]]:
         """Commit every participant at once into one checkpoint directory."""
-        body: dict[str, Any] = {"checkpoint_dir": checkpoint_dir}
+        body: dict[str, Any] = {"checkpoint_id": checkpoint_id, "checkpoint_dir": checkpoint_dir}
         if episode_ids is not None:
-            body["episode_ids"] = episode_ids
-        return await self._all("commit", checkpoint_id, **body)
+            body["episode_ids"] = [e.as_json() for e in episode_ids]
+        if stop:
+            body["stop"] = True
+        return await self._fan_out(self.participants, "commit", self._deadline(), **body)
 
     async def checkpoint(
-        self, checkpoint_id: str, checkpoint_dir: str, episode_ids: list[dict] | None = None
-    ) -> list[dict[str, Any]]:
-        """prepare, commit, then resume (or resume after a failure and raise)."""
-        await self.prepare(checkpoint_id)
+        self,
+        checkpoint_id: str,
+        checkpoint_dir: str,
+        episode_ids: list[EpisodeId] | None = None,
+        *,
+        stop: bool = False,
+        stragglers: str = "fail",
+    ) -> dict[str, dict[str, Any]]:
+        """prepare, commit, then resume (resume after a failure too, and raise).
+
+        `stragglers="retire"`: a prepare that is not ready resumes, retires the blocking
+        episodes (they start over), and prepares once more."""
+        result = await self.prepare(checkpoint_id)
+        if not result.prepared and stragglers == "retire" and result.blocking_episodes():
+            await self.resume(checkpoint_id)
+            await self.retire(checkpoint_id, result.blocking_episodes())
+            checkpoint_id = f"{checkpoint_id}.r"
+            result = await self.prepare(checkpoint_id)
         try:
-            return await self.commit(checkpoint_id, checkpoint_dir, episode_ids)
+            if not result.prepared:
+                blockers = {url: b[:5] for url, b in result.blockers().items()}
+                raise ControlFailed("prepare", {"not ready": (409, "not_ready", str(blockers))})
+            scope = None if episode_ids is None else result.continued(episode_ids)
+            return await self.commit(checkpoint_id, checkpoint_dir, scope, stop)
         finally:
             await self.resume(checkpoint_id)
 
     async def restore(
-        self, checkpoint_id: str, checkpoint_dir: str, episode_ids: list[dict]
-    ) -> list[dict[str, Any]]:
-        """Restore every participant at once (they stay closed until resume)."""
-        return await self._all(
-            "restore", checkpoint_id, checkpoint_dir=checkpoint_dir, episode_ids=episode_ids
+        self, checkpoint_id: str, checkpoint_dir: str, episode_ids: list[EpisodeId]
+    ) -> dict[str, dict[str, Any]]:
+        """Restore every participant at once, or none: on any failure the attempts it would
+        continue are retired everywhere, everything is resumed, and the error raised."""
+        body = {
+            "checkpoint_id": checkpoint_id,
+            "checkpoint_dir": checkpoint_dir,
+            "episode_ids": [e.as_json() for e in episode_ids],
+        }
+        try:
+            return await self._fan_out(self.participants, "restore", self._deadline(), **body)
+        except ControlFailed:
+            cleanup = max(self._deadline(), time.time() + RESTORE_CLEANUP_SECONDS)
+            try:
+                if episode_ids:
+                    await self.retire(
+                        checkpoint_id, [e.next_attempt() for e in episode_ids], deadline_ts=cleanup
+                    )
+            finally:
+                await self.resume(checkpoint_id, deadline_ts=cleanup, quiet=True)
+            raise
+
+    async def resume(
+        self, checkpoint_id: str, deadline_ts: float | None = None, quiet: bool = False
+    ) -> None:
+        """Resume every participant, stages in reverse, past failures (an unreachable one
+        resumes by itself when its lease expires)."""
+        deadline_ts = deadline_ts or self._deadline()
+        failures: dict[str, tuple[int, str, str]] = {}
+        for stage in reversed(self._stages()):
+            try:
+                await self._fan_out(stage, "resume", deadline_ts, checkpoint_id=checkpoint_id)
+            except ControlFailed as exc:
+                failures.update(exc.failures)
+        if failures and not quiet:
+            raise ControlFailed("resume", failures)
+
+    async def retire(
+        self,
+        checkpoint_id: str,
+        episode_ids: list[EpisodeId],
+        deadline_ts: float | None = None,
+    ) -> None:
+        """Retire attempts on callers before callees."""
+        if not episode_ids:
+            return
+        ids = [e.as_json() for e in episode_ids]
+        await self._in_retire_order(
+            "retire", deadline_ts or self._deadline(), checkpoint_id=checkpoint_id, episode_ids=ids
         )
 
-    async def resume(self, checkpoint_id: str) -> None:
-        await self._resume(self.participants, checkpoint_id)
+    async def forget(self, checkpoint_id: str, rollout_ids: list[str]) -> None:
+        """Stop refusing the retired attempts of these rollouts, callers before callees."""
+        if rollout_ids:
+            await self._in_retire_order(
+                "forget",
+                self._deadline(),
+                checkpoint_id=checkpoint_id,
+                rollout_ids=sorted(set(rollout_ids)),
+            )
 
-    async def retire(self, checkpoint_id: str, episode_ids: list[dict]) -> None:
-        """Retire attempts on callers before callees."""
-        for participant in in_call_order(self.participants):
-            await participant.call(
-                "retire", checkpoint_id=checkpoint_id, deadline_ts=self._deadline(),
-                episode_ids=episode_ids,
-            )  # fmt: skip
+    async def _in_retire_order(self, op: str, deadline_ts: float, **body: Any) -> None:
+        ranked = {kind for kinds in RETIRE_ORDER for kind in kinds}
+        groups = [self._of_kind(kinds) for kinds in RETIRE_ORDER]
+        groups.append([p for p in self.participants if p.kind not in ranked])
+        for group in groups:
+            if group:
+                await self._fan_out(group, op, deadline_ts, **body)
 
     async def status(self) -> list[dict[str, Any]]:
         return list(await asyncio.gather(*(p.call("status") for p in self.participants)))
-
-    async def _resume(self, participants: list[Participant], checkpoint_id: str) -> None:
-        failures = []
-        for participant in reversed(in_call_order(participants)):
-            try:
-                await participant.call(
-                    "resume", checkpoint_id=checkpoint_id, deadline_ts=self._deadline()
-                )
-            except ControlFailed as exc:  # resume the rest regardless
-                failures.append(exc)
-        if failures:
-            raise failures[0]
-
-    async def _all(self, op: str, checkpoint_id: str, **body: Any) -> list[dict[str, Any]]:
-        deadline = self._deadline()
-        return list(
-            await asyncio.gather(*(
-                p.call(op, checkpoint_id=checkpoint_id, deadline_ts=deadline, **body)
-                for p in self.participants
-            ))
-        )  # fmt: skip

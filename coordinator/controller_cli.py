@@ -1,8 +1,10 @@
 """`gym-proxy-ctl`: checkpoint, restore, resume and retire one or more participants.
 
     gym-proxy-ctl --server http://127.0.0.1:8000 status
-    gym-proxy-ctl --server URL1 --server URL2 checkpoint ck1 /ckpt/step-10
+    gym-proxy-ctl --server URL1 --server URL2 checkpoint ck1 /ckpt/step-10 [--stop]
     gym-proxy-ctl --server URL restore r1 /ckpt/step-10 --episode r7:0 --resume
+    gym-proxy-ctl --server URL retire x1 --episode r7:1
+    gym-proxy-ctl --server URL forget x2 --rollout r7
 
 The token comes from `--token` or GYM_PROXY_CONTROL_TOKEN. Replies are printed as JSON;
 a refused call prints one line on stderr and exits 1.
@@ -21,15 +23,16 @@ import aiohttp
 import orjson
 
 from coordinator.controller import ControlFailed, Controller, Participant
+from coordinator.episode_ids import EpisodeId
 
 __all__ = ["main"]
 
 
-def _episode(text: str) -> dict[str, Any]:
+def _episode(text: str) -> EpisodeId:
     rollout_id, _, attempt = text.rpartition(":")
     if not rollout_id or not attempt.isdigit():
         raise argparse.ArgumentTypeError(f"episode must be ROLLOUT_ID:ATTEMPT, got {text!r}")
-    return {"rollout_id": rollout_id, "attempt": int(attempt)}
+    return EpisodeId(rollout_id, int(attempt))
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -44,8 +47,17 @@ def _parser() -> argparse.ArgumentParser:
         command.add_argument("checkpoint_id")
         command.add_argument("checkpoint_dir")
         command.add_argument("--episode", type=_episode, action="append", default=None)
-    commands.choices["checkpoint"].add_argument(
-        "--keep-open", action="store_true", help="do not resume after commit"
+    checkpoint = commands.choices["checkpoint"]
+    checkpoint.add_argument("--keep-open", action="store_true", help="do not resume after commit")
+    checkpoint.add_argument(
+        "--stop", action="store_true", help="commit with stop: servers free what they can"
+    )
+    checkpoint.add_argument(
+        "--stragglers",
+        choices=("fail", "retire"),
+        default="fail",
+        help="a prepare not ready by --timeout: fail, or retire its blocking episodes and "
+        "prepare again (as CHECKPOINT_ID.r)",
     )
     commands.choices["restore"].add_argument(
         "--resume", action="store_true", help="resume right after the restore"
@@ -54,6 +66,9 @@ def _parser() -> argparse.ArgumentParser:
     retire = commands.add_parser("retire")
     retire.add_argument("checkpoint_id")
     retire.add_argument("--episode", type=_episode, action="append", required=True)
+    forget = commands.add_parser("forget")
+    forget.add_argument("checkpoint_id")
+    forget.add_argument("--rollout", action="append", required=True)
     return parser
 
 
@@ -70,12 +85,19 @@ async def _run(args: argparse.Namespace) -> Any:
         await controller.learn_kinds()
         if args.command == "checkpoint":
             if args.keep_open:
-                await controller.prepare(args.checkpoint_id)
+                result = await controller.prepare(args.checkpoint_id)
+                if not result.prepared:
+                    await controller.resume(args.checkpoint_id)
+                    raise ControlFailed("prepare", {"not ready": (409, "not_ready", "")})
                 return await controller.commit(
-                    args.checkpoint_id, args.checkpoint_dir, args.episode
+                    args.checkpoint_id, args.checkpoint_dir, args.episode, args.stop
                 )
             return await controller.checkpoint(
-                args.checkpoint_id, args.checkpoint_dir, args.episode
+                args.checkpoint_id,
+                args.checkpoint_dir,
+                args.episode,
+                stop=args.stop,
+                stragglers=args.stragglers,
             )
         if args.command == "restore":
             replies = await controller.restore(
@@ -84,8 +106,11 @@ async def _run(args: argparse.Namespace) -> Any:
             if args.resume:
                 await controller.resume(args.checkpoint_id)
             return replies
+        if args.command == "forget":
+            await controller.forget(args.checkpoint_id, args.rollout)
+            return {"forgotten": sorted(set(args.rollout))}
         await controller.retire(args.checkpoint_id, args.episode)
-        return {"retired": args.episode}
+        return {"retired": [e.key for e in args.episode]}
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -18,6 +18,7 @@ from proxy.app_tokens import app_token_session
 from proxy.request_head import RequestHead, rewrite_request_head
 from proxy.routing import WorkerRoute
 from proxy.session_tokens import TokenError, is_valid_id
+from worker.app_sessions import session_in_headers
 
 if TYPE_CHECKING:
     from proxy.client_connection import ClientConnection
@@ -159,8 +160,14 @@ class Exchange:
                 token = head.token
                 if token is None and head.cookie is not None:
                     token = wire.cookie_token(head.cookie)
+                    if token is None and router.sessions:
+                        # Only the app's own session cookie (a client of a restored NeMo
+                        # Gym checkpoint): its session decides, if a worker holds it.
+                        cookie_session = session_in_headers([(b"cookie", head.cookie)], False)
+                        if cookie_session is not None:
+                            route = router.route_app_session(cookie_session)
                 identity = state.codec.verify(token.decode("ascii")) if token else None
-                route = router.route(identity, owner)
+                route = route or router.route(identity, owner)
         except (TokenError, UnicodeDecodeError) as exc:
             self.fail("invalid_session_token", str(exc))
             return None
@@ -185,7 +192,8 @@ class Exchange:
             self.new_token = token
             parts.append(b"x-ng-session-new: 1\r\n")
         parts += (b"x-ng-session-id: ", route.session_id.encode(), b"\r\n")
-        parts += (b"x-ng-session-token: ", token, b"\r\n")  # type: ignore[list-item]
+        if token is not None:  # None: routed by the app's own session cookie
+            parts += (b"x-ng-session-token: ", token, b"\r\n")
         return worker
 
     def request_body(self, body: bytes) -> None:

@@ -78,6 +78,7 @@ class CounterResourcesServer:
     def __init__(self, name: str = "counter") -> None:
         self.name = name
         self.counters: dict[str, int] = {}
+        self.stopped = 0  # commits with stop: true seen
 
     def get_session_middleware_key(self) -> str:
         return f"{type(self).__name__}___{self.name}"
@@ -101,6 +102,7 @@ class CounterResourcesServer:
         app.post("/get_counter_value")(self.get_counter_value)
         app.post("/verify")(self.verify)
         app.get("/whoami")(self.whoami)
+        app.get("/stopped")(self.stopped_count)
         self._mount_mcp(app)
         return app
 
@@ -124,6 +126,9 @@ class CounterResourcesServer:
     async def verify(self, request: Request, body: VerifyBody) -> dict[str, Any]:
         actual = self.counters.get(request.session[SESSION_ID_KEY], 0)
         return {"reward": 1.0 if actual == body.expected_count else 0.0, "count": actual}
+
+    async def stopped_count(self) -> dict[str, Any]:
+        return {"stopped": self.stopped, "pid": os.getpid()}
 
     async def whoami(self, request: Request) -> dict[str, Any]:
         return {"pid": os.getpid(), "session_id": request.session.get(SESSION_ID_KEY)}
@@ -193,6 +198,9 @@ class CounterResourcesServer:
         for sid in session_ids:
             self.counters.pop(sid, None)
 
+    async def stop(self) -> None:
+        self.stopped += 1  # a real server would stop its sandboxes here
+
 
 def create_app() -> FastAPI:
     """What a gym-proxy user writes: the unmodified server's app, plus hooks."""
@@ -202,6 +210,7 @@ def create_app() -> FastAPI:
         export=server.export_sessions,
         restore=server.restore_sessions,
         retire=server.retire_sessions,
+        stop=server.stop,
     )
     return declare(app, Participation(kind="resources", hooks=hooks))
 

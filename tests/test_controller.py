@@ -45,7 +45,7 @@ async def test_checkpoint_and_restore_two_participants(start_proxy, http, tmp_pa
     )
     assert result.returncode == 0, result.stderr
     replies = orjson.loads(result.stdout)
-    assert {r["manifest"]["kind"] for r in replies} == {"environment", "resources"}
+    assert {r["manifest"]["kind"] for r in replies.values()} == {"environment", "resources"}
     assert (tmp_path / "gym/environment/apps/manifest.json").exists()
     assert (tmp_path / "gym/resources/apps/manifest.json").exists()
     for proxy in (env, res):
