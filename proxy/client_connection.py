@@ -11,6 +11,29 @@ header it has not finished whole, so besides the exact count from the callbacks,
 read that lies entirely inside an unfinished head counts too: a header that never ends
 is cut off one read past the limit. A head not complete within `header_timeout` of its
 first byte (or of the connection's start) is 408, or closed silently if nothing came.
+
+Connection phases (`ClientConnection.phase`; each exchange has its own, `proxy.exchange`):
+
+    READING     parsing requests; the head of the pipeline talks to a worker
+    DISCARDING  the answer went out before the request body ended: the rest of the body
+                is read and dropped, then the connection closes
+    UPGRADING   an upgrade request (WebSocket) was parsed; later input is held, reading
+                paused, until the worker answers
+    TUNNEL      the worker answered 101: bytes pass both ways untouched until either
+                side closes or the tunnel idle timeout
+    REFUSED     the input is not parsed any more (not HTTP we accept, over the
+                connection cap, a refused upgrade); the answer goes out, then LINGERING
+    LINGERING   answered and half-closed; input is dropped until EOF (or LINGER seconds)
+    CLOSED      the transport is closed or closing
+
+    READING    --answer before the body ended--> DISCARDING --body end--> REFUSED
+    READING    --upgrade request parsed--------> UPGRADING --101--> TUNNEL
+    UPGRADING  --any other answer--------------> REFUSED (answered, then closed)
+    READING    --bad input / head limits-------> REFUSED --answered--> LINGERING
+    any        --close-------------------------> CLOSED (or LINGERING when REFUSED)
+
+Every write goes through the connection's `Outbox`; a read is handled between
+`outbox.hold()` and `outbox.release()`, so what one read causes goes out as one write.
 """
 
 from __future__ import annotations
@@ -23,14 +46,32 @@ from dataclasses import dataclass, field
 import httptools
 
 from coordinator.errors import GymError
-from proxy.exchange import Exchange
+from proxy import outbox
+from proxy.exchange import ANSWERING, RESPONDING, Exchange
+from proxy.exchange import TUNNEL as EXCHANGE_TUNNEL
+from proxy.outbox import Outbox
 from proxy.routing import Router, WorkerRoute
 from proxy.session_tokens import TokenCodec
 
-__all__ = ["ProxyState", "ClientConnection"]
+__all__ = [
+    "ProxyState",
+    "ClientConnection",
+    "READING",
+    "DISCARDING",
+    "UPGRADING",
+    "TUNNEL",
+    "REFUSED",
+    "LINGERING",
+    "CLOSED",
+]
+
+# Ordered: a phase >= REFUSED parses nothing more, >= LINGERING writes nothing more.
+READING, DISCARDING, UPGRADING, TUNNEL, REFUSED, LINGERING, CLOSED = range(7)
+PHASE_NAMES = ("reading", "discarding", "upgrading", "tunnel", "refused", "lingering", "closed")
 
 _PAUSE_PIPELINE = 1
 _PAUSE_UPSTREAM = 2
+_PAUSE_UPGRADE = 4
 _HEAD_DETAIL = "the request header block is too large"
 
 
@@ -51,6 +92,7 @@ class ProxyState:
     limit_request_line: int = 8190
     limit_request_head: int = 65536
     max_connections: int = 10000
+    tunnel_idle_timeout: float = 600.0
     clients: set[ClientConnection] = field(default_factory=set)
     now: float = 0.0  # coarse clock, advanced by the proxy's sweeper
     draining: bool = False
@@ -59,66 +101,68 @@ class ProxyState:
 
 
 class ClientConnection(asyncio.Protocol):
-    """One client connection; see the module docstring for the flow rules."""
+    """One client connection; see the module docstring for the phases and flow rules."""
 
     __slots__ = (
         "state",
         "transport",
+        "outbox",
         "parser",
+        "phase",
         "parsing",
         "pipeline",
         "read_pause",
         "write_paused",
-        "closed",
-        "broken",
         "last_active",
         "peer",
         "in_head",
         "head_since",
         "head_bytes",
         "head_marks",
-        "discard_rest",
-        "lingering",
+        "held",
     )
 
     def __init__(self, state: ProxyState) -> None:
         self.state = state
         self.transport: asyncio.Transport = None  # type: ignore[assignment]
+        self.outbox: Outbox = None  # type: ignore[assignment]
         self.parser = httptools.HttpRequestParser(self)
+        self.phase = READING
         self.parsing: Exchange | None = None
         self.pipeline: deque[Exchange] = deque()
         self.read_pause = 0
         self.write_paused = False
-        self.closed = False
-        self.broken = False
         self.last_active = state.now
         self.peer = "-"
         self.in_head = True  # between messages or inside a head (not inside a body)
         self.head_since: float | None = state.now  # when the head being waited for began
         self.head_bytes = 0  # bytes of the current head seen so far (a lower bound)
         self.head_marks = 0  # message boundaries seen, to tell reads inside one head
-        # The worker answered before the request body was all here: read the rest and
-        # drop it, then close (closing with unread input would reset the connection and
-        # could destroy the answer in the client's receive buffer).
-        self.discard_rest = False
-        self.lingering = False  # answered and half-closed; dropping input until EOF
+        self.held = b""  # input after an upgrade request, for the tunnel
+
+    @property
+    def closed(self) -> bool:
+        """Nothing more is written (the transport is closed, or lingering)."""
+        return self.phase >= LINGERING
 
     # ---- asyncio.Protocol ---------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        self.outbox = Outbox(transport)  # type: ignore[arg-type]
         state = self.state
         if len(state.clients) >= state.max_connections:
             # Over the cap: answer the first request 503 and close, so descriptors
             # are given back at once instead of running out for everyone.
-            self.broken = True
-            self._refuse_connection()
+            self.phase = REFUSED
+            self._answer_and_close("too_many_connections", "the proxy is at --max-connections")
         state.clients.add(self)
         if state.access_log is not None:
             peer = transport.get_extra_info("peername")
             self.peer = str(peer[0]) if isinstance(peer, tuple) else str(peer or "-")
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self.closed = True
+        self.phase = CLOSED
+        self.outbox.closed = True
         state = self.state
         state.clients.discard(self)
         if state.drained is not None and not state.clients:
@@ -132,13 +176,28 @@ class ClientConnection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self.last_active = self.state.now
-        if self.broken:
+        phase = self.phase
+        if phase >= REFUSED:
             return
+        outbox.hold()
+        try:
+            if phase == TUNNEL:
+                self.pipeline[0].request_body(data)
+            elif phase == UPGRADING:
+                self.held += data  # paused: at most one read arrives here
+            else:
+                self._parse(data)
+        finally:
+            outbox.release()
+
+    def _parse(self, data: bytes) -> None:
+        if self.head_since is None and self.in_head:
+            self.head_since = self.state.now  # a head begins: the header timeout runs
         marks = self.head_marks
         try:
             self.parser.feed_data(data)
-        except httptools.HttpParserUpgrade:
-            self._refuse("upgrade_not_supported", "protocol upgrades are not proxied")
+        except httptools.HttpParserUpgrade as exc:
+            self._upgrading(data[exc.args[0] :] if exc.args else b"")
             return
         except httptools.HttpParserCallbackError as exc:
             refused = exc.__context__
@@ -154,7 +213,7 @@ class ClientConnection(asyncio.Protocol):
         if self.in_head and marks == self.head_marks and self.parsing is not None:
             # This whole read lay inside one unfinished head (httptools buffers it).
             self.head_bytes += len(data)
-            if self.head_bytes > self.state.limit_request_head and not self.broken:
+            if self.head_bytes > self.state.limit_request_head and self.phase < REFUSED:
                 self._refuse("headers_too_large", _HEAD_DETAIL)
 
     def eof_received(self) -> bool:
@@ -173,17 +232,17 @@ class ClientConnection(asyncio.Protocol):
             self.pipeline[0].upstream.resume_reading()
 
     # ---- httptools callbacks ------------------------------------------------------
-    def on_message_begin(self) -> None:
-        self.parsing = Exchange(self)
-        self.head_marks += 1
-        self.head_bytes = 0
-        if self.head_since is None:
-            self.head_since = self.state.now
-
+    # No on_message_begin: a request's first callback is on_url (one call fewer each).
     def on_url(self, url: bytes) -> None:
         exchange = self.parsing
-        exchange.url += url  # type: ignore[union-attr]
-        if len(exchange.url) > self.state.limit_request_line:  # type: ignore[union-attr]
+        if exchange is None:
+            exchange = self.parsing = Exchange(self)
+            self.head_marks += 1
+            self.head_bytes = 0
+            exchange.url = url
+        else:
+            exchange.url += url
+        if len(exchange.url) > self.state.limit_request_line:
             raise GymError("uri_too_long", "the request line is too long")
 
     def on_header(self, name: bytes, value: bytes) -> None:
@@ -196,17 +255,22 @@ class ClientConnection(asyncio.Protocol):
         self.in_head = False
         self.head_since = None
         self.head_marks += 1
-        exchange = self.parsing
+        exchange: Exchange = self.parsing  # type: ignore[assignment]
         parser = self.parser
-        exchange.method = parser.get_method()  # type: ignore[union-attr]
-        exchange.version = parser.get_http_version()  # type: ignore[union-attr]
-        exchange.keep_alive = parser.should_keep_alive()  # type: ignore[union-attr]
+        exchange.method = parser.get_method()
+        exchange.version = parser.get_http_version()
+        exchange.keep_alive = parser.should_keep_alive()
         if parser.should_upgrade():
-            exchange.error = ("upgrade_not_supported", "protocol upgrades are not proxied")  # type: ignore[union-attr]
-            exchange.keep_alive = False  # type: ignore[union-attr]
-        self.pipeline.append(exchange)  # type: ignore[arg-type]
+            # llhttp stops parsing after this message either way (HttpParserUpgrade).
+            exchange.keep_alive = False
+            if exchange.method == b"CONNECT":
+                exchange.error = ("upgrade_not_supported", "CONNECT is not proxied")
+                self.phase = REFUSED  # what follows is not HTTP: answer, then linger
+            else:
+                exchange.upgrade = True
+        self.pipeline.append(exchange)
         if len(self.pipeline) == 1:
-            exchange.start()  # type: ignore[union-attr]
+            exchange.start()
         else:
             self._pause(_PAUSE_PIPELINE)
 
@@ -220,8 +284,8 @@ class ClientConnection(asyncio.Protocol):
         self.head_bytes = 0
         self.head_marks += 1
         exchange.request_end()  # type: ignore[union-attr]
-        if self.discard_rest:
-            self.broken = True
+        if self.phase == DISCARDING:
+            self.phase = REFUSED
             self.close()
             raise _Discarded  # stop parsing: nothing after this request is served
 
@@ -231,10 +295,17 @@ class ClientConnection(asyncio.Protocol):
         pipeline = self.pipeline
         if pipeline and pipeline[0] is exchange:
             pipeline.popleft()
-        if self.closed:
+        phase = self.phase
+        if phase >= LINGERING:
+            return
+        if exchange.upgrade and (phase == UPGRADING or phase == TUNNEL):
+            if phase == UPGRADING:
+                self.phase = REFUSED  # no switch: held input is dropped, then lingering
+            self.close()
             return
         if not exchange.request_done:
-            self.discard_rest = True
+            if phase == READING:
+                self.phase = DISCARDING
             self._resume(_PAUSE_UPSTREAM | _PAUSE_PIPELINE)
             return
         if exchange.close_after:
@@ -242,11 +313,20 @@ class ClientConnection(asyncio.Protocol):
             return
         # Whatever the exchange paused reading for (a worker connection that never came,
         # a full upstream buffer) no longer applies.
-        self._resume(_PAUSE_UPSTREAM)
+        if self.read_pause:
+            self._resume(_PAUSE_UPSTREAM)
         if pipeline:
             pipeline[0].start()
-        if not self.closed and len(pipeline) <= 1:
+        if self.read_pause and self.phase < LINGERING and len(pipeline) <= 1:
             self._resume(_PAUSE_PIPELINE)
+
+    def start_tunnel(self, exchange: Exchange) -> None:
+        """The worker switched protocols: from now on bytes pass through untouched."""
+        self.phase = TUNNEL
+        held, self.held = self.held, b""
+        if held:
+            exchange.request_body(held)
+        self._resume(_PAUSE_UPGRADE)
 
     def pause_reading_for_upstream(self) -> None:
         self._pause(_PAUSE_UPSTREAM)
@@ -263,54 +343,64 @@ class ClientConnection(asyncio.Protocol):
         after the answer and reads and drops input until the client closes (the sweep
         cuts it after LINGER seconds).
         """
-        if self.closed:
+        if self.phase >= LINGERING:
             return
-        self.closed = True
-        if self.broken and self.transport.can_write_eof():
-            self.lingering = True
+        if self.phase == REFUSED and self.transport.can_write_eof():
+            self.phase = LINGERING
             self.read_pause = 0
             self.transport.resume_reading()
-            self.transport.write_eof()
+            self.outbox.write_eof()
         else:
-            self.transport.close()
+            self.phase = CLOSED
+            self.outbox.close()
 
     def abort(self) -> None:
         """Cut the connection now (a response could not be completed)."""
-        if not self.closed:
-            self.closed = True
-            self.transport.abort()
+        if self.phase != CLOSED:
+            self.phase = CLOSED
+            self.outbox.abort()
 
     def head_timed_out(self) -> None:
         """The head did not arrive within the header timeout (the sweep calls this)."""
         self.head_since = None
         if self.parsing is None and not self.pipeline:
             self.close()  # not one byte of a request: nothing to answer
-        elif not self.broken:
+        elif self.phase < REFUSED:
             self._refuse("request_timeout", "the request head did not arrive in time")
 
+    def tunnel_timed_out(self) -> None:
+        """Nothing crossed the tunnel for the tunnel idle timeout (the sweep calls this)."""
+        if self.phase == TUNNEL and self.pipeline:
+            self.pipeline[0].finish(reuse=False)  # closes both sides
+
     # ---- internals ----------------------------------------------------------------
-    def _refuse_connection(self) -> None:
-        exchange = Exchange(self)
-        exchange.request_done = True
-        exchange.keep_alive = False
-        exchange.error = ("too_many_connections", "the proxy is at --max-connections")
-        self.pipeline.append(exchange)
-        exchange.start()
+    def _upgrading(self, rest: bytes) -> None:
+        """llhttp stopped after an upgrade request: hold the input that follows it."""
+        if self.phase != READING:
+            return  # the request was refused and answered already
+        exchange = self.pipeline[-1] if self.pipeline else None
+        if exchange is None or not exchange.upgrade:
+            self.phase = REFUSED  # CONNECT: answered with its error, then closed
+            self._pause(_PAUSE_PIPELINE)
+            return
+        self.phase = UPGRADING
+        self.held = rest
+        self._pause(_PAUSE_UPGRADE)
 
     def _pause(self, reason: int) -> None:
-        if not self.read_pause and not self.closed:
+        if not self.read_pause and self.phase < LINGERING:
             self.transport.pause_reading()
         self.read_pause |= reason
 
     def _resume(self, reason: int) -> None:
         if self.read_pause & reason:
             self.read_pause &= ~reason
-            if not self.read_pause and not self.closed:
+            if not self.read_pause and self.phase < LINGERING:
                 self.transport.resume_reading()
 
     def _refuse(self, code: str, detail: str) -> None:
         """The byte stream is not HTTP we accept: answer once it is our turn, then close."""
-        self.broken = True
+        self.phase = REFUSED
         self._pause(_PAUSE_PIPELINE)
         current = self.parsing
         if current is not None and current in self.pipeline:
@@ -318,11 +408,18 @@ class ClientConnection(asyncio.Protocol):
             current.request_done = True
             if current is not self.pipeline[0]:
                 current.error = (code, detail)
-            elif current.response_started:
+            elif current.state == RESPONDING or current.state == EXCHANGE_TUNNEL:
                 self.abort()  # the broken request is the one being answered
+            elif current.state == ANSWERING:
+                current.error = (code, detail)  # broken bytes outrank a refused head
+                current.request_end()
             else:
                 current.fail(code, detail)
             return
+        self._answer_and_close(code, detail)
+
+    def _answer_and_close(self, code: str, detail: str) -> None:
+        """Queue the proxy's own answer behind the pipeline; the connection then closes."""
         exchange = Exchange(self)
         exchange.request_done = True
         exchange.keep_alive = False

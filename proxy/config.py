@@ -102,6 +102,12 @@ class Config:
         "seconds a client gets to send a complete request head (408 after; 0: never)",
         type=float,
     )
+    tunnel_idle_timeout: float = option(
+        600.0,
+        "seconds a WebSocket (or other upgraded) tunnel may pass no byte either way before "
+        "both sides are closed",
+        type=float,
+    )
     limit_request_line: int = option(
         8190, "longest request line (method, target, version) in bytes; 414 above", type=int
     )
@@ -176,8 +182,9 @@ class Config:
             value = getattr(self, name)
             if not 0 <= value < float("inf"):
                 raise ConfigError(f"--{name.replace('_', '-')} must be a non-negative number")
-        if not 0 < self.worker_timeout < float("inf"):
-            raise ConfigError("--worker-timeout must be a positive number")
+        for name in ("worker_timeout", "tunnel_idle_timeout"):
+            if not 0 < getattr(self, name) < float("inf"):
+                raise ConfigError(f"--{name.replace('_', '-')} must be a positive number")
         for name, least in (
             ("limit_request_line", 64),
             ("limit_request_headers", 256),

@@ -1,9 +1,35 @@
-"""One request/response pair crossing the proxy.
+"""One request/response pair crossing the proxy: an explicit state machine.
 
-The client connection feeds request events in, the upstream connection feeds response
-events in, and the exchange writes both out with the framing each side needs. Every
-failure ends here in one method, `fail`, which maps it to a status code (or cuts the
-client connection when a response has already begun).
+The client connection feeds request events in, the worker connection feeds response
+events in, and the exchange writes through two sinks it is given, the client's outbox
+and the worker connection's outbox (`proxy.outbox`), so tests can drive it in process.
+Heads are rewritten by pure functions (`proxy.request_head`, `proxy.response_head`).
+
+States (one at a time; the request side's progress is `request_done`, orthogonal):
+
+    QUEUED      head parsed, behind another request of the pipeline     writes nothing
+    CONNECTING  routed; waiting for a worker connection (body buffered) may write 100-continue
+    SENDING     head sent to the worker; request body streams to it     body -> worker
+    RESPONDING  response head sent; response body streams to the client body -> client
+                (the request body may still stream to the worker: full duplex)
+    TUNNEL      after a 101: bytes pass both ways untouched             bytes -> both
+    ANSWERING   the proxy's own answer is decided; the rest of the      nothing, then the
+                request body is read and dropped first                  answer -> client
+    DONE        answered (or cut); nothing more is written
+
+Transitions:
+
+    QUEUED     --start: routed--------------------> CONNECTING
+    QUEUED     --start: refused-------------------> ANSWERING | DONE (answer written)
+    CONNECTING --attach(worker connection)--------> SENDING
+    SENDING    --response head (1xx but 101: dropped; 101: TUNNEL)--> RESPONDING | TUNNEL
+    RESPONDING --response end---------------------> DONE
+    TUNNEL     --either side closes---------------> DONE
+    any        --fail before a response byte------> ANSWERING (body still coming) | DONE
+    any        --fail after a response byte-------> DONE, client connection cut
+    ANSWERING  --request end----------------------> DONE (answer written)
+
+Every failure becomes a response in one method, `fail`.
 """
 
 from __future__ import annotations
@@ -16,6 +42,7 @@ from coordinator.errors import GymError, status_of
 from proxy import http_wire as wire
 from proxy.app_tokens import app_token_session
 from proxy.request_head import RequestHead, rewrite_request_head
+from proxy.response_head import rewrite_response_head
 from proxy.routing import WorkerRoute
 from proxy.session_tokens import TokenError, is_valid_id
 from worker.app_sessions import session_in_headers
@@ -24,38 +51,45 @@ if TYPE_CHECKING:
     from proxy.client_connection import ClientConnection
     from proxy.upstream import UpstreamConnection
 
-__all__ = ["Exchange"]
+__all__ = [
+    "Exchange",
+    "QUEUED",
+    "CONNECTING",
+    "SENDING",
+    "RESPONDING",
+    "TUNNEL",
+    "ANSWERING",
+    "DONE",
+]
 
+QUEUED, CONNECTING, SENDING, RESPONDING, TUNNEL, ANSWERING, DONE = (
+    "queued",
+    "connecting",
+    "sending",
+    "responding",
+    "tunnel",
+    "answering",
+    "done",
+)
 _CONTROL_PREFIX = b"/ng-control/"
 _ROLLOUT_PREFIX = b"/ng-rollout/"
-_NO_BODY_STATUS = frozenset({204, 304})
-# Response headers the proxy acts on; hop-by-hop and worker-only ones never reach clients.
-_R_LENGTH, _R_CHUNKED, _R_CONNECTION, _R_DROP, _R_APP_SESSION, _R_APP_END = range(6)
-_RESPONSE_KINDS = {
-    **dict.fromkeys(wire.HOP_BY_HOP, _R_DROP),
-    b"content-length": _R_LENGTH,
-    b"transfer-encoding": _R_CHUNKED,
-    b"connection": _R_CONNECTION,
-    wire.APP_SESSION_HEADER: _R_APP_SESSION,
-    wire.APP_SESSION_END_HEADER: _R_APP_END,
-}
 
 
 class Exchange:
-    """State of one request from its headers to the end of its response."""
+    """One request from its head to the end of its response (see the module docstring)."""
 
     __slots__ = (
         "client",
+        "state",
         "method",
         "url",
         "headers",
         "version",
         "keep_alive",
-        "is_head",
+        "upgrade",
         "request_done",
-        "finished",
-        "expect_continue",
         "chunked_request",
+        "expect_continue",
         "body_buffer",
         "worker",
         "upstream",
@@ -63,12 +97,9 @@ class Exchange:
         "new_token",
         "cookie_token",
         "error",
-        "pending_error",
-        "response_started",
         "chunked_response",
         "until_eof",
         "upstream_keep_alive",
-        "informational",
         "close_after",
         "status",
         "started",
@@ -77,35 +108,36 @@ class Exchange:
 
     def __init__(self, client: ClientConnection) -> None:
         self.client = client
+        self.state = QUEUED
         self.url = b""
         self.headers: list[tuple[bytes, bytes]] = []
         self.method = b"GET"
         self.version = "1.1"
         self.keep_alive = True
-        self.is_head = False
+        self.upgrade = False  # the client asked to switch protocols (WebSocket)
         self.request_done = False
-        self.finished = False
-        self.expect_continue = False
         self.chunked_request = False
+        self.expect_continue = False
         self.body_buffer: list[bytes] | None = None
         self.worker: WorkerRoute | None = None
         self.upstream: UpstreamConnection | None = None
         self.head = b""
         self.new_token: bytes | None = None
         self.cookie_token: bytes | None = None  # routed by this ng_session cookie
-        self.error: tuple[str, str] | None = None  # (code, detail) decided before start
-        self.pending_error: tuple[str, str] | None = None
-        self.response_started = False
+        self.error: tuple[str, str] | None = None  # the answer, decided before start
         self.chunked_response = False
         self.until_eof = False
         self.upstream_keep_alive = False
-        self.informational = False
         self.close_after = False
         self.status = 0
         self.started = 0.0
-        self.routed_at = 0.0  # coarse time the request was sent to a worker
+        self.routed_at = 0.0  # coarse time the request was sent toward a worker
 
-    # ---- request side -------------------------------------------------------------
+    @property
+    def finished(self) -> bool:
+        return self.state == DONE
+
+    # ---- QUEUED -> CONNECTING ----------------------------------------------------
     def start(self) -> None:
         """Route the request and send it on; called when it heads the pipeline."""
         if self.client.state.access_log is not None:
@@ -113,9 +145,10 @@ class Exchange:
         if self.error is not None:
             self.fail(*self.error)
             return
-        self.is_head = self.method == b"HEAD"
         try:
-            head = rewrite_request_head(self.method, self.url, self.version, self.headers)
+            head = rewrite_request_head(
+                self.method, self.url, self.version, self.headers, self.upgrade
+            )
         except GymError as exc:
             self.keep_alive = False
             self.fail(exc.code, exc.detail)
@@ -129,13 +162,19 @@ class Exchange:
             worker = self._route_session(parts, head)
             if worker is None:
                 return  # answered with an error
-        parts += (head.framing(), b"\r\n")
+        if head.chunked:
+            parts.append(b"transfer-encoding: chunked\r\n\r\n")
+        elif head.content_length is not None:
+            parts.append(b"content-length: %d\r\n\r\n" % head.content_length)
+        else:
+            parts.append(b"\r\n")
         self.head = b"".join(parts)
         worker.in_flight += 1
         self.worker = worker
         self.routed_at = self.client.state.now
+        self.state = CONNECTING
         if self.expect_continue and not self.request_done:
-            self.client.transport.write(wire.CONTINUE_100)
+            self.client.outbox.write(wire.CONTINUE_100)
         worker.pool.acquire(self)
 
     def _route_session(self, parts: list[bytes], head: RequestHead) -> WorkerRoute | None:
@@ -196,157 +235,160 @@ class Exchange:
             parts += (b"x-ng-session-token: ", token, b"\r\n")
         return worker
 
+    # ---- request body ------------------------------------------------------------
     def request_body(self, body: bytes) -> None:
-        if self.finished or self.pending_error is not None or self.error is not None:
-            return  # the answer is already decided; the body is read and dropped
-        conn = self.upstream
-        if conn is None:
+        state = self.state
+        if state == SENDING or state == RESPONDING or state == TUNNEL:
+            conn = self.upstream
+            if conn is None:
+                return
+            conn.last_active = self.client.state.now
+            if state == TUNNEL:
+                conn.outbox.write(body)
+            elif self.chunked_request:
+                conn.outbox.writelines(wire.chunk(body))
+            else:
+                conn.outbox.write(body)
+        elif state == CONNECTING or state == QUEUED:
             if self.body_buffer is None:
                 self.body_buffer = []
             self.body_buffer.append(body)
-            self.client.pause_reading_for_upstream()
-            return
-        conn.last_active = self.client.state.now
-        if self.chunked_request:
-            conn.transport.writelines(wire.chunk(body))
-        else:
-            conn.transport.write(body)
+            if state == CONNECTING:
+                self.client.pause_reading_for_upstream()
+        # ANSWERING, DONE: the answer is decided; the body is read and dropped
 
     def request_end(self) -> None:
         self.request_done = True
-        if self.finished:
-            return
-        if self.pending_error is not None:
-            self._write_error(*self.pending_error)
-            return
-        if self.upstream is not None and self.chunked_request:
-            self.upstream.transport.write(wire.LAST_CHUNK)
+        state = self.state
+        if state == ANSWERING:
+            self._write_error(*self.error)  # type: ignore[misc]
+        elif (state == SENDING or state == RESPONDING) and self.chunked_request:
+            self.upstream.outbox.write(wire.LAST_CHUNK)  # type: ignore[union-attr]
 
-    # ---- upstream side ------------------------------------------------------------
+    # ---- CONNECTING -> SENDING ---------------------------------------------------
     def attach(self, conn: UpstreamConnection) -> None:
         """Send the request on `conn`, with whatever body arrived while connecting."""
         self.upstream = conn
+        self.state = SENDING
         conn.exchange = self
         conn.last_active = self.client.state.now
-        transport = conn.transport
-        transport.write(self.head)
+        outbox = conn.outbox
+        outbox.write(self.head)
         if self.body_buffer:
             for body in self.body_buffer:
                 if self.chunked_request:
-                    transport.writelines(wire.chunk(body))
+                    outbox.writelines(wire.chunk(body))
                 else:
-                    transport.write(body)
+                    outbox.write(body)
             self.body_buffer = None
         if self.request_done and self.chunked_request:
-            transport.write(wire.LAST_CHUNK)
-        if self.client.write_paused:
+            outbox.write(wire.LAST_CHUNK)
+        client = self.client
+        if client.write_paused:
             conn.pause_reading()
-        if not conn.write_paused:
-            self.client.resume_reading_for_upstream()
+        if client.read_pause and not conn.write_paused:
+            client.resume_reading_for_upstream()
 
+    # ---- SENDING -> RESPONDING | TUNNEL ------------------------------------------
     def response_head(
-        self, status: int, reason: bytes, headers: list[tuple[bytes, bytes]], keep_alive: bool
+        self, status: int, headers: list[tuple[bytes, bytes]], keep_alive: bool
     ) -> None:
-        if status < 200:
-            self.informational = True  # 1xx: we answered Expect ourselves; drop it
+        if self.state == DONE:
             return
+        if status < 200 and status != 101:
+            return  # 1xx: the proxy answered Expect itself; an interim answer is dropped
         self.upstream_keep_alive = keep_alive
         self.status = status
         client = self.client
-        # A response that starts before the request body ended may end first; the rest of
-        # the body is then dropped, and the connection cannot be reused.
-        close = not self.keep_alive or not self.request_done or client.state.draining
-        parts = [b"HTTP/1.1 %d %s\r\n" % (status, reason or wire.reason_phrase(status))]
-        length_known = upstream_chunked = False
-        listed = None
-        kinds = _RESPONSE_KINDS
-        for name, value in headers:
-            kind = kinds.get(name.lower())
-            if kind is None:
-                parts += (name, b": ", value, b"\r\n")
-            elif kind == _R_LENGTH:
-                length_known = True
-                parts += (name, b": ", value, b"\r\n")
-            elif kind == _R_CHUNKED:
-                upstream_chunked = True
-            elif kind == _R_CONNECTION:
-                listed = wire.connection_listed(value)
-            elif kind == _R_APP_SESSION:
-                self._learn_app_session(value)
-            elif kind == _R_APP_END:
-                self._forget_app_session(value)
-        if listed:
-            parts = wire.without_headers(parts, 1, listed)
         if self.new_token is not None:
-            parts.append(wire.set_cookie_headers(self.new_token))
+            extra = wire.set_cookie_headers(self.new_token)
         elif self.cookie_token is not None:
             # Re-set on every answer, as Starlette does its session cookie: NeMo Gym's
             # clients send on only the cookies of the last response they got.
-            parts.append(wire.refresh_cookie_header(self.cookie_token))
-        no_body = self.is_head or status in _NO_BODY_STATUS
-        if not no_body and not length_known:
-            self.until_eof = not upstream_chunked
-            if self.version != "1.0":
-                parts.append(b"transfer-encoding: chunked\r\n")
-                self.chunked_response = True
-            else:
-                close = True  # an HTTP/1.0 client reads to end of stream
-        if close:
-            parts.append(b"connection: close\r\n")
-        elif self.version == "1.0":
-            parts.append(b"connection: keep-alive\r\n")
-        parts.append(b"\r\n")
-        self.close_after = close
-        self.response_started = True
-        client.transport.write(b"".join(parts))
-        if self.is_head:
-            # llhttp would wait for the body a HEAD response announces but never sends,
-            # so the message ends here and the connection is not reused.
-            self.finish(reuse=False)
+            extra = wire.refresh_cookie_header(self.cookie_token)
+        else:
+            extra = b""
+        # A response that starts before the request body ended may end first; the rest of
+        # the body is then dropped, and the connection cannot be reused.
+        head = rewrite_response_head(
+            status,
+            headers,
+            http10=self.version == "1.0",
+            head_request=self.method == b"HEAD",
+            close=not self.keep_alive or not self.request_done or client.state.draining,
+            extra=extra,
+        )
+        if head.app_session is not None or head.app_session_end is not None:
+            self._app_sessions(head.app_session, head.app_session_end)
+        if head.tunnel and not self.upgrade:  # a 101 nobody asked for cannot be relayed
+            self.upstream_failed(ValueError("a 101 to a request without Upgrade"), True)
+            return
+        self.chunked_response = head.chunked
+        self.until_eof = head.until_eof
+        self.close_after = head.close
+        client.outbox.write(head.data)
+        if head.tunnel:
+            self.state = TUNNEL
+            self.close_after = True
+            client.start_tunnel(self)
+            return
+        self.state = RESPONDING
 
-    def _learn_app_session(self, value: bytes) -> None:
-        """The worker announced an app session it holds (its MCP token names it)."""
+    def _app_sessions(self, started: bytes | None, ended: bytes | None) -> None:
+        """The worker announced an app session it holds (its MCP token names it), or its
+        end; the session table follows."""
         worker = self.worker
-        session_id = value.decode("latin-1")
-        if worker is not None and is_valid_id(session_id):
-            self.client.state.router.sessions[session_id] = worker.owner
-
-    def _forget_app_session(self, value: bytes) -> None:
-        worker = self.worker
+        if worker is None:
+            return
         sessions = self.client.state.router.sessions
-        session_id = value.decode("latin-1")
-        if worker is not None and sessions.get(session_id) == worker.owner:
-            del sessions[session_id]
+        if started is not None:
+            session_id = started.decode("latin-1")
+            if is_valid_id(session_id):
+                sessions[session_id] = worker.owner
+        if ended is not None:
+            session_id = ended.decode("latin-1")
+            if sessions.get(session_id) == worker.owner:
+                del sessions[session_id]
 
     def response_body(self, body: bytes) -> None:
-        if self.chunked_response:
-            self.client.transport.writelines(wire.chunk(body))
-        else:
-            self.client.transport.write(body)
+        if self.state == RESPONDING:
+            if self.chunked_response:
+                self.client.outbox.writelines(wire.chunk(body))
+            else:
+                self.client.outbox.write(body)
+        elif self.state == TUNNEL:
+            client = self.client
+            client.last_active = client.state.now  # the tunnel idle timeout counts both ways
+            client.outbox.write(body)
 
-    def response_end(self) -> None:
-        if self.informational:
-            self.informational = False
-            return
-        if self.finished:
+    def response_end(self, reusable: bool = True) -> None:
+        """The worker's response ended. `reusable`: False when the worker connection
+        cannot carry another request whatever the response said (see `upstream`)."""
+        if self.state != RESPONDING:
             return
         if self.chunked_response:
-            self.client.transport.write(wire.LAST_CHUNK)
-        self.finish(reuse=self.upstream_keep_alive and self.request_done)
+            self.client.outbox.write(wire.LAST_CHUNK)
+        self.finish(reuse=reusable and self.upstream_keep_alive and self.request_done)
 
+    # ---- failures ------------------------------------------------------------------
     def upstream_lost(self, exc: Exception | None) -> None:
         """The worker connection closed under this exchange."""
         self.upstream = None
-        if self.finished:
+        state = self.state
+        if state == DONE:
             return
-        if self.response_started and self.until_eof:
-            self.response_end()  # the body was delimited by end of stream
+        if state == TUNNEL:
+            self.finish(reuse=False)
+            self.client.close()  # the worker ended the tunnel: so does the client side
+            return
+        if state == RESPONDING and self.until_eof:
+            self.response_end()  # the body was delimited by the end of the stream
             return
         self.upstream_failed(exc or ConnectionResetError("worker closed the connection"))
 
     def upstream_failed(self, exc: BaseException, protocol_error: bool = False) -> None:
         """Connecting, writing or parsing failed: map it to the client's answer."""
-        if self.finished:
+        if self.state == DONE:
             return
         worker = self.worker
         state = self.client.state
@@ -363,9 +405,10 @@ class Exchange:
 
     def upstream_idle_since(self) -> float | None:
         """Coarse time of the last sign of life from the worker side; None when the
-        upstream timeout does not apply (not routed yet, or a control call: those are
-        bounded by their own deadline_ts, and a prepare may rightly wait minutes)."""
-        if self.worker is self.client.state.control:
+        upstream timeout does not apply (not routed yet, a tunnel: it has its own idle
+        timeout, or a control call: bounded by its own deadline_ts, and a prepare may
+        rightly wait minutes)."""
+        if self.worker is self.client.state.control or self.state == TUNNEL:
             return None
         if self.upstream is not None:
             return self.upstream.last_active
@@ -375,12 +418,12 @@ class Exchange:
         """No byte from the worker for the upstream timeout."""
         self.fail("upstream_timeout", "the worker did not answer in time")
 
-    # ---- endings ------------------------------------------------------------------
     def fail(self, code: str, detail: str) -> None:
         """The one place failures become responses."""
-        if self.finished:
+        state = self.state
+        if state == DONE or state == ANSWERING:
             return
-        if self.response_started:
+        if state == RESPONDING or state == TUNNEL:
             self.finish(reuse=False)
             self.client.abort()  # a truncated response must look truncated
             return
@@ -389,7 +432,8 @@ class Exchange:
         else:
             # Answer once the request body has been read (and dropped), so the
             # connection stays usable; drop the worker connection now.
-            self.pending_error = (code, detail)
+            self.error = (code, detail)
+            self.state = ANSWERING
             self._detach(reuse=False)
             self.client.resume_reading_for_upstream()
 
@@ -397,13 +441,13 @@ class Exchange:
         client = self.client
         close = not self.keep_alive or not self.request_done or client.state.draining
         self.close_after = close
-        self.response_started = True
         self.status = status_of(code)
-        client.transport.write(
-            wire.error_response(code, detail, close=close, head_only=self.is_head)
+        client.outbox.write(
+            wire.error_response(code, detail, close=close, head_only=self.method == b"HEAD")
         )
         self.finish(reuse=False)
 
+    # ---- -> DONE -------------------------------------------------------------------
     def _detach(self, reuse: bool) -> None:
         worker = self.worker
         if worker is not None:
@@ -419,10 +463,10 @@ class Exchange:
                 conn.close()
 
     def finish(self, reuse: bool) -> None:
-        """The response is fully written: free the worker side, let the next one go."""
-        if self.finished:
+        """The response is written (or cut): free the worker side, let the next one go."""
+        if self.state == DONE:
             return
-        self.finished = True
+        self.state = DONE
         self._detach(reuse)
         if self.client.state.access_log is not None:
             self._log_access(self.client.state.access_log)
@@ -430,8 +474,8 @@ class Exchange:
 
     def abort(self) -> None:
         """The client went away: drop the worker connection (the app sees it go)."""
-        if not self.finished:
-            self.finished = True
+        if self.state != DONE:
+            self.state = DONE
             self._detach(reuse=False)
             if self.client.state.access_log is not None:
                 self.status = self.status or 499  # nginx's "client closed request"

@@ -26,7 +26,7 @@ __all__ = ["RequestHead", "rewrite_request_head", "PROTECTED"]
 # Headers a Connection list may name without effect: framing and Host are the proxy's.
 PROTECTED = frozenset({b"content-length", b"transfer-encoding", b"host"})
 
-_PASS, _COOKIE, _TOKEN, _OWNER, _DROP, _TE, _CL, _EXPECT, _CONNECTION, _HOST = range(10)
+_PASS, _COOKIE, _TOKEN, _OWNER, _DROP, _TE, _CL, _EXPECT, _CONNECTION, _HOST, _UPGRADE = range(11)
 _KINDS = {
     b"cookie": _COOKIE,
     wire.TOKEN_HEADER: _TOKEN,
@@ -36,10 +36,11 @@ _KINDS = {
     b"expect": _EXPECT,
     b"connection": _CONNECTION,
     b"host": _HOST,
+    b"upgrade": _UPGRADE,
     **{
         name: _DROP
         for name in wire.HOP_BY_HOP | wire.IDENTITY_HEADERS
-        if name not in (b"transfer-encoding", b"connection")
+        if name not in (b"transfer-encoding", b"connection", b"upgrade")
     },
 }
 
@@ -58,19 +59,17 @@ class RequestHead:
     chunked: bool = False
     expect_continue: bool = False
 
-    def framing(self) -> bytes:
-        """The framing header line the worker gets (the proxy's own)."""
-        if self.chunked:
-            return b"transfer-encoding: chunked\r\n"
-        if self.content_length is not None:
-            return b"content-length: %d\r\n" % self.content_length
-        return b""
-
 
 def rewrite_request_head(
-    method: bytes, url: bytes, version: str, headers: list[tuple[bytes, bytes]]
+    method: bytes,
+    url: bytes,
+    version: str,
+    headers: list[tuple[bytes, bytes]],
+    upgrade: bool = False,
 ) -> RequestHead:
     """The head to forward for a request llhttp accepted; raise GymError otherwise.
+    `upgrade`: llhttp saw a protocol switch asked for (WebSocket); `Upgrade` then
+    passes, with `Connection: upgrade`, and is dropped otherwise (hop-by-hop).
 
     llhttp already refuses what makes framing ambiguous (Content-Length with
     Transfer-Encoding, two Content-Lengths, a non-final `chunked`, bare LF, obs-fold);
@@ -109,6 +108,9 @@ def rewrite_request_head(
         elif kind == _CONNECTION:
             names = wire.connection_listed(value)
             listed = names if listed is None else listed | names
+        elif kind == _UPGRADE:
+            if upgrade:
+                parts += (name, b": ", value, b"\r\n")
         elif kind == _HOST:
             if host_seen:
                 raise GymError("bad_request", "more than one Host header")
@@ -126,8 +128,12 @@ def rewrite_request_head(
         head.content_length = None
     if listed:
         listed -= PROTECTED
+        if upgrade:
+            listed.discard(b"upgrade")
         if listed:
             head.parts = parts = wire.without_headers(parts, 4, listed)
     if not host_seen:  # HTTP/1.0 clients may omit it; HTTP/1.1 to the worker needs it
         parts += (b"host", b": ", b"gym-proxy", b"\r\n")
+    if upgrade:
+        parts.append(b"connection: upgrade\r\n")
     return head

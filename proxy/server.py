@@ -22,7 +22,7 @@ from aiohttp import web
 from coordinator.channel import Channel
 from coordinator.checkpoint import Checkpointer
 from coordinator.hub import Coordinator
-from proxy.client_connection import ClientConnection, ProxyState
+from proxy.client_connection import DISCARDING, LINGERING, TUNNEL, ClientConnection, ProxyState
 from proxy.config import Config
 from proxy.control_app import create_control_app
 from proxy.routing import Router, WorkerRoute
@@ -72,6 +72,7 @@ async def run(config: Config, listen_sock: socket.socket, secret: bytes) -> int:
         upstream_timeout=config.upstream_timeout,
         keepalive_timeout=config.keepalive_timeout,
         header_timeout=config.header_timeout,
+        tunnel_idle_timeout=config.tunnel_idle_timeout,
         limit_request_line=config.limit_request_line,
         limit_request_head=config.limit_request_headers,
         max_connections=max_connections,
@@ -215,10 +216,16 @@ async def _sweep(state: ProxyState, supervisor: Supervisor) -> None:
         discard_before = now - (state.header_timeout or state.keepalive_timeout)
         stall_before = now - state.upstream_timeout if state.upstream_timeout else None
         linger_before = now - LINGER
+        tunnel_before = now - state.tunnel_idle_timeout
         for client in list(state.clients):
-            if client.lingering:
+            phase = client.phase
+            if phase == LINGERING:
                 if client.last_active < linger_before:
-                    client.transport.abort()
+                    client.abort()
+                continue
+            if phase == TUNNEL:
+                if client.last_active < tunnel_before:
+                    client.tunnel_timed_out()
                 continue
             since = client.head_since
             if (
@@ -234,7 +241,7 @@ async def _sweep(state: ProxyState, supervisor: Supervisor) -> None:
                 if client.parsing is None:
                     if client.last_active < idle_before:
                         client.close()
-                elif client.discard_rest and client.last_active < discard_before:
+                elif phase == DISCARDING and client.last_active < discard_before:
                     client.abort()  # a client that stopped sending the body we drop
                 continue
             heard = pipeline[0].upstream_idle_since()

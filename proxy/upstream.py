@@ -10,6 +10,12 @@ and close. Our next body write then fails (EPIPE) and the transport drops the so
 unread, with the worker's answer still in its receive queue. So each connection keeps a
 duplicate of its descriptor; when the connection is lost under an unanswered exchange,
 whatever the worker sent is read from the duplicate and relayed, instead of a 502.
+
+A response to HEAD announces a body it does not send, and httptools cannot be told the
+request was a HEAD; so after its head the parser is replaced by a fresh one, and the
+connection is reused only when nothing followed the head (a worker that sent more is
+not trusted with another request). After a 101 the parser is left behind and bytes go
+to the exchange untouched (a tunnel).
 """
 
 from __future__ import annotations
@@ -18,14 +24,21 @@ import asyncio
 import contextlib
 import os
 import time
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
 import httptools
 
+from proxy import outbox
+from proxy.outbox import Outbox
+
 if TYPE_CHECKING:
     from proxy.exchange import Exchange
 
-__all__ = ["UpstreamConnection", "UpstreamPool"]
+__all__ = ["UpstreamConnection", "UpstreamPool", "Connector"]
+
+# Opens a connection to a worker socket for a protocol (tests pass their own).
+Connector = Callable[[Callable[[], "UpstreamConnection"], str], Awaitable["UpstreamConnection"]]
 
 
 class UpstreamConnection(asyncio.Protocol):
@@ -34,6 +47,7 @@ class UpstreamConnection(asyncio.Protocol):
     __slots__ = (
         "pool",
         "transport",
+        "outbox",
         "parser",
         "exchange",
         "closed",
@@ -41,26 +55,34 @@ class UpstreamConnection(asyncio.Protocol):
         "read_paused",
         "last_active",
         "headers",
-        "reason",
         "spare_fd",
+        "bodiless",
+        "spoiled",
+        "tunnel",
     )
 
     def __init__(self, pool: UpstreamPool) -> None:
         self.pool = pool
         self.transport: asyncio.Transport | None = None
+        self.outbox: Outbox = None  # type: ignore[assignment]
         self.parser = httptools.HttpResponseParser(self)
         self.exchange: Exchange | None = None
         self.closed = False
         self.write_paused = False
         self.read_paused = False
         self.last_active = 0.0
+        # No on_message_begin/on_status callbacks: fewer calls per response (the reason
+        # phrase is the standard one for the status; RFC 9112 gives it no meaning).
         self.headers: list[tuple[bytes, bytes]] = []
-        self.reason = b""
         self.spare_fd = -1
+        self.bodiless = False  # the head of a HEAD response ended in this read
+        self.spoiled = False  # ... and bytes followed it
+        self.tunnel = False  # after a 101: no more HTTP on this connection
 
     # asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        self.outbox = Outbox(transport)  # type: ignore[arg-type]
         sock = transport.get_extra_info("socket")
         if sock is not None:
             with contextlib.suppress(OSError):  # best effort: out of descriptors, no spare
@@ -73,12 +95,40 @@ class UpstreamConnection(asyncio.Protocol):
             self.close()
             return
         self.last_active = exchange.client.state.now
+        outbox.hold()
+        try:
+            if self.tunnel:
+                exchange.response_body(data)
+            else:
+                self._parse(data)
+        finally:
+            outbox.release()
+
+    def _parse(self, data: bytes) -> None:
         try:
             self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade as exc:
+            self.tunnel = True
+            rest = data[exc.args[0] :] if exc.args else b""
+            if rest and self.exchange is not None:
+                self.exchange.response_body(rest)
+            return
         except httptools.HttpParserError as exc:
             if self.exchange is not None:
                 self.exchange.upstream_failed(exc, protocol_error=True)
             self.close()
+            return
+        if self.bodiless:
+            self._after_head_response()
+
+    def _after_head_response(self) -> None:
+        """A HEAD response's head ended: the parser waits for a body that never comes."""
+        self.bodiless = False
+        exchange = self.exchange
+        if exchange is None:
+            return  # llhttp ended the message itself (no body announced)
+        self.parser = httptools.HttpResponseParser(self)
+        exchange.response_end(reusable=not self.spoiled)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
@@ -113,32 +163,31 @@ class UpstreamConnection(asyncio.Protocol):
             self.exchange.client.resume_reading_for_upstream()
 
     # httptools callbacks
-    def on_message_begin(self) -> None:
-        self.headers = []
-        self.reason = b""
-
-    def on_status(self, status: bytes) -> None:
-        self.reason += status
-
     def on_header(self, name: bytes, value: bytes) -> None:
         self.headers.append((name, value))
 
     def on_headers_complete(self) -> None:
         exchange = self.exchange
         if exchange is not None:
-            exchange.response_head(
-                self.parser.get_status_code(),
-                self.reason,
-                self.headers,
-                self.parser.should_keep_alive(),
-            )
+            status = self.parser.get_status_code()
+            if exchange.method == b"HEAD" and status >= 200:
+                self.bodiless = True
+                self.spoiled = False
+            exchange.response_head(status, self.headers, self.parser.should_keep_alive())
+        self.headers = []
 
     def on_body(self, body: bytes) -> None:
+        if self.bodiless:
+            self.spoiled = True  # bytes after a HEAD response's head: not a body
+            return
         exchange = self.exchange
         if exchange is not None:
             exchange.response_body(body)
 
     def on_message_complete(self) -> None:
+        if self.bodiless and self.spoiled:
+            return  # a "body" to a HEAD: _after_head_response refuses to reuse
+        self.bodiless = False
         exchange = self.exchange
         if exchange is not None:
             exchange.response_end()
@@ -159,16 +208,19 @@ class UpstreamConnection(asyncio.Protocol):
         if not self.closed:
             self.closed = True
             self.pool.forget(self)
-            if self.transport is not None:
-                self.transport.abort()
+            if self.outbox is not None:
+                self.outbox.abort()
 
 
 class UpstreamPool:
     """Idle keep-alive connections to one worker socket, plus connection setup."""
 
-    def __init__(self, socket_path: str, max_idle: int = 512) -> None:
+    def __init__(
+        self, socket_path: str, max_idle: int = 512, connect: Connector | None = None
+    ) -> None:
         self.socket_path = socket_path
         self.max_idle = max_idle
+        self.connect: Connector = connect or _connect_unix
         self.idle: list[UpstreamConnection] = []
         self.idle_since: dict[UpstreamConnection, float] = {}
         self.connecting: dict[asyncio.Task[None], Exchange] = {}
@@ -191,18 +243,19 @@ class UpstreamPool:
         task.add_done_callback(self._connected)
 
     async def _connect(self, exchange: Exchange) -> None:
-        loop = asyncio.get_running_loop()
         try:
-            _, conn = await loop.create_unix_connection(
-                lambda: UpstreamConnection(self), self.socket_path
-            )
+            conn = await self.connect(lambda: UpstreamConnection(self), self.socket_path)
         except OSError as exc:
             exchange.upstream_failed(exc)
             return
         if exchange.finished:
             self.release(conn)
-        else:
+            return
+        outbox.hold()  # the head and any body that arrived meanwhile: one write
+        try:
             exchange.attach(conn)
+        finally:
+            outbox.release()
 
     def _connected(self, task: asyncio.Task[None]) -> None:
         self.connecting.pop(task, None)
@@ -215,7 +268,8 @@ class UpstreamPool:
         if self.closed or len(self.idle) >= self.max_idle:
             conn.close()
             return
-        conn.resume_reading()
+        if conn.read_paused:
+            conn.resume_reading()
         self.idle.append(conn)
         self.idle_since[conn] = time.monotonic()
 
@@ -244,3 +298,8 @@ class UpstreamPool:
         self.connecting.clear()
         for conn in list(self.idle):
             conn.close()
+
+
+async def _connect_unix(factory: Callable[[], UpstreamConnection], path: str) -> UpstreamConnection:
+    _, conn = await asyncio.get_running_loop().create_unix_connection(factory, path)
+    return conn

@@ -11,7 +11,7 @@ from aiohttp import web
 
 from worker.counter import create_app as create_counter_app
 from worker.identity import WORKER_INFO, session_id, session_token
-from worker.participant import PARTICIPANT_KIND, RUNTIME, episode
+from worker.participant import RUNTIME, Participation, declare, episode
 
 SEEN = web.AppKey("seen", list)
 GATES = web.AppKey("gates", dict)
@@ -158,6 +158,18 @@ async def record(request: web.Request, handler):  # type: ignore[no-untyped-def]
     return await handler(request)
 
 
+async def ws_echo(request: web.Request) -> web.WebSocketResponse:
+    """Echoes text frames with the worker and session that answered (a tunnel)."""
+    ws = web.WebSocketResponse()
+    await ws.prepare(request)
+    async for message in ws:
+        if message.type == web.WSMsgType.TEXT:
+            await ws.send_json(
+                {**_info(request), "session_id": session_id(request), "echo": message.data}
+            )
+    return ws
+
+
 def hold_while_file() -> None:
     """Lets a test keep a restarted worker from booting until it removes the file named
     by GYM_TEST_HOLD_FILE (a blocking wait, at boot, before the app exists)."""
@@ -172,7 +184,8 @@ def create_app() -> web.Application:
     """The counter app plus test routes."""
     hold_while_file()
     app = create_counter_app()
-    app[PARTICIPANT_KIND] = os.environ.get("GYM_TEST_KIND", "resources")
+    kind = os.environ.get("GYM_TEST_KIND", "resources")
+    declare(app, Participation(kind=kind, tunnels=os.environ.get("GYM_TEST_TUNNELS", "close")))
     app.middlewares.append(record)
     app[SEEN] = []
     app[GATES] = {}
@@ -191,6 +204,7 @@ def create_app() -> web.Application:
     app.router.add_get("/progress", progress)
     app.router.add_get("/sessions", sessions)
     app.router.add_post("/close_session", close_session)
+    app.router.add_get("/ws", ws_echo)
     return app
 
 

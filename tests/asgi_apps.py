@@ -17,7 +17,8 @@ import orjson
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
-from starlette.routing import Route
+from starlette.routing import Route, WebSocketRoute
+from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from tests.apps import hold_while_file
 from worker.participant import Participation, context, current_session, declare, episode
@@ -195,6 +196,20 @@ class RolloutPrefix:
         await self.app(scope, receive, send)
 
 
+async def ws_echo(websocket: WebSocket) -> None:
+    """Echoes text frames with the worker and session that answered (a tunnel)."""
+    await websocket.accept()
+    ctx = context(websocket)
+    info = {"owner": ctx.worker.owner, "slot": ctx.worker.slot, "pid": ctx.worker.pid}
+    session = dict(websocket.scope["headers"]).get(b"x-ng-session-id", b"").decode()
+    with contextlib.suppress(WebSocketDisconnect):
+        while True:
+            text = await websocket.receive_text()
+            await websocket.send_text(
+                orjson.dumps({**info, "session_id": session, "echo": text}).decode()
+            )
+
+
 def create_app() -> Any:
     """The Starlette twin of tests.apps:create_app, a session-store participant."""
     hold_while_file()
@@ -217,11 +232,13 @@ def create_app() -> Any:
             Route("/progress", progress),
             Route("/sessions", sessions),
             Route("/close_session", close_session, methods=["POST"]),
+            WebSocketRoute("/ws", ws_echo),
         ]
     )
     wrapped = RolloutPrefix(app)
     kind = os.environ.get("GYM_TEST_KIND", "resources")
-    return declare(wrapped, Participation(kind=kind))
+    tunnels = os.environ.get("GYM_TEST_TUNNELS", "close")
+    return declare(wrapped, Participation(kind=kind, tunnels=tunnels))
 
 
 def broken_lifespan() -> Any:

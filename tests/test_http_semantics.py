@@ -105,14 +105,24 @@ async def test_malformed_request_is_400_and_closed(start_proxy):
     await close(writer)
 
 
-async def test_upgrade_is_refused(start_proxy):
+async def test_connect_is_refused(start_proxy):
     proxy = start_proxy(workers=1)
     reader, writer = await open_raw(proxy)
-    writer.write(
-        b"GET /whoami HTTP/1.1\r\nHost: t\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\r\n"
-    )
+    writer.write(b"CONNECT example.com:443 HTTP/1.1\r\nHost: example.com:443\r\n\r\n")
     [(status, _, body)] = await read_responses(reader, 1)
     assert status == 501 and orjson.loads(body)["error"]["code"] == "upgrade_not_supported"
+    assert await asyncio.wait_for(reader.read(), 5) == b""
+    await close(writer)
+
+
+async def test_upgrade_the_worker_declines_is_answered_and_closed(start_proxy):
+    proxy = start_proxy(workers=1)
+    reader, writer = await open_raw(proxy)
+    writer.write(b"GET /whoami HTTP/1.1\r\nHost: t\r\nConnection: Upgrade\r\nUpgrade: h2c\r\n\r\n")
+    [(status, headers, body)] = await read_responses(reader, 1)
+    assert status == 200 and "owner" in orjson.loads(body)
+    assert headers.get(b"connection") == b"close"
+    assert await asyncio.wait_for(reader.read(), 5) == b""
     await close(writer)
 
 

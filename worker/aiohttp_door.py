@@ -1,7 +1,8 @@
 """The participant runtime's front door for aiohttp apps: one middleware, outermost.
 
 aiohttp routes a request before any middleware runs, so for these workers the proxy
-strips `/ng-rollout/<key>/` and passes the key as `x-ng-episode-key`.
+strips `/ng-rollout/<key>/` and passes the key as `x-ng-episode-key`. A handler that
+prepares a `WebSocketResponse` turns its request into a tunnel (`on_response_prepare`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ __all__ = [
     "RUNTIME",
     "FLIGHT",
     "error_response",
+    "install_door",
     "participant_middleware",
     "participation_of",
 ]
@@ -47,6 +49,24 @@ def error_response(error: GymError) -> web.Response:
         content_type="application/json",
         headers={"Retry-After": "1"} if error.code in RETRY_AFTER else None,
     )
+
+
+def install_door(app: web.Application) -> None:
+    """Put the runtime's door in front of `app` (before the app is frozen)."""
+    # Outermost, so admission decides before any app middleware runs.
+    app.middlewares.insert(0, participant_middleware)
+    app.on_response_prepare.append(_note_tunnel)
+
+
+async def _note_tunnel(request: web.Request, response: web.StreamResponse) -> None:
+    flight = request.get(FLIGHT)
+    if flight is not None and isinstance(response, web.WebSocketResponse):
+
+        def close() -> None:
+            # 1012 "service restart": the client reconnects (and waits at the door).
+            asyncio.ensure_future(response.close(code=1012, message=b"checkpoint"))
+
+        request.app[RUNTIME].tunnel_opened(flight, close)
 
 
 @web.middleware

@@ -52,7 +52,11 @@ class AsgiDoor:
         self.runtime = runtime
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
+        kind = scope["type"]
+        if kind == "websocket":
+            await self._tunnel(scope, receive, send)
+            return
+        if kind != "http":
             await self.app(scope, receive, send)  # lifespan (and anything else) passes
             return
         runtime = self.runtime
@@ -126,6 +130,64 @@ class AsgiDoor:
             runtime.answered(flight, status, app_session)
         finally:
             runtime.leave(flight)
+
+    async def _tunnel(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """A WebSocket: admitted like a request, a tunnel once the app accepts it."""
+        runtime = self.runtime
+        session_id = None
+        for name, value in scope["headers"]:
+            if name == b"x-ng-session-id":
+                session_id = value.decode("latin-1")
+        try:
+            key, path = split_rollout_path(scope["path"])
+            facts = RequestFacts("GET", path, session_id, False, key)
+            flight = await runtime.admit(facts, _no_body)
+        except GymError as exc:
+            await _refuse_websocket(scope, send, exc)
+            return
+        scope[SCOPE_KEY] = RequestContext(runtime, flight)
+
+        async def watch(message: Message) -> None:
+            if message["type"] == "websocket.accept":
+                await send(message)
+
+                def close() -> None:
+                    # 1012 "service restart": the client reconnects and waits at the door;
+                    # the app's next receive() sees the disconnect.
+                    message = {"type": "websocket.close", "code": 1012, "reason": "checkpoint"}
+                    asyncio.ensure_future(send(message))
+
+                runtime.tunnel_opened(flight, close)
+                return
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watch)
+        except asyncio.CancelledError:
+            if not own_cancellation(flight):
+                raise
+        finally:
+            runtime.leave(flight)
+
+
+async def _no_body() -> bytes:
+    return b""
+
+
+async def _refuse_websocket(scope: Scope, send: Send, error: GymError) -> None:
+    """Refuse a WebSocket handshake with the JSON error when the server can send an HTTP
+    answer to it (the ASGI `websocket.http.response` extension), else close (403)."""
+    if "websocket.http.response" in scope.get("extensions", {}):
+        body = error.body()
+        headers = [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),
+        ]
+        start = {"type": "websocket.http.response.start", "status": error.status}
+        await send({**start, "headers": headers})
+        await send({"type": "websocket.http.response.body", "body": body})
+    else:
+        await send({"type": "websocket.close", "code": 1013})
 
 
 def _announcement(

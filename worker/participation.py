@@ -10,6 +10,12 @@ Three ways, as in NeMo Gym:
   a checkpoint, exports nothing, and reports the episodes of its live sessions under
   `report.restarts`, so the controller starts those rollouts over.
 
+A WebSocket (any upgraded connection) is a *tunnel*: it cannot park at a boundary, so
+`tunnels` says what a checkpoint does with one: `"close"` (the default) closes it when
+the checkpoint closes admission (WebSocket close code 1012, "service restart"; the
+client reconnects and waits at the door until resume), `"block"` names it as a blocker
+(`tunnel:<session>`) until the client closes it.
+
 An app declares itself with `declare(app, Participation(...))`: on an aiohttp
 Application it is stored under an `AppKey`, on any ASGI app as the attribute
 `gym_proxy_participation`. `gym-proxy --kind` overrides the kind.
@@ -21,9 +27,10 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-__all__ = ["KINDS", "ParticipantHooks", "Participation", "declare", "declared"]
+__all__ = ["KINDS", "TUNNEL_POLICIES", "ParticipantHooks", "Participation", "declare", "declared"]
 
 KINDS = ("resources", "agent", "environment", "model")
+TUNNEL_POLICIES = ("close", "block")
 _ATTRIBUTE = "gym_proxy_participation"
 
 SessionStates = dict[str, Any]
@@ -55,10 +62,13 @@ class Participation:
     kind: str = "resources"
     hooks: ParticipantHooks | None = None
     restart_only: bool = False
+    tunnels: str = "close"  # or "block": what a checkpoint does with an open WebSocket
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"kind must be one of {', '.join(KINDS)}, not {self.kind!r}")
+        if self.tunnels not in TUNNEL_POLICIES:
+            raise ValueError(f"tunnels must be 'close' or 'block', not {self.tunnels!r}")
         if self.restart_only and self.hooks is not None:
             raise ValueError("a restart-only participant has no hooks")
 

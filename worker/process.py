@@ -24,7 +24,7 @@ import uvloop
 from aiohttp import web
 
 from coordinator.channel import Channel, ChannelClosed, ChannelTimeout, RemoteError
-from worker.aiohttp_door import RUNTIME, participant_middleware, participation_of
+from worker.aiohttp_door import RUNTIME, install_door, participation_of
 from worker.app_loading import build_app
 from worker.asgi_door import AsgiDoor
 from worker.asgi_server import AsgiWorkerServer
@@ -94,8 +94,7 @@ def _host(
         runtime = ParticipantRuntime(info, participation_of(app).with_kind(args.kind))
         app[WORKER_INFO] = info
         app[RUNTIME] = runtime
-        # Outermost, so admission decides before any app middleware runs.
-        app.middlewares.insert(0, participant_middleware)
+        install_door(app)
         return runtime, AiohttpWorkerServer(app, args.socket, args.graceful_timeout)
     participation = declared(app) or Participation(restart_only=True)
     runtime = ParticipantRuntime(info, participation.with_kind(args.kind))

@@ -7,6 +7,9 @@
   is parked at a boundary, inside a replay step, or waiting at the door. Reports carry a
   sequence number and the blockers (episode keys, sessions); they are sent on every change
   and re-sent on a short poll while the checkpoint is open.
+- **Tunnels.** A request that became a WebSocket is a tunnel: it has no boundary to park
+  at, so at close the runtime closes it or reports it as a blocker, as the app's
+  `Participation.tunnels` says.
 - **State.** The session store (`worker.sessions`) holds what the app keeps through the
   runtime; an app that keeps its state elsewhere registers hooks (`Participation`), and an
   app with neither is restart-only: it never blocks, exports nothing, and reports the
@@ -90,13 +93,16 @@ class InFlight:
     identity: EpisodeId | None
     path: str
     new_session: bool = False
-    position: str = "running"  # running | door | parked | replay
+    position: str = "running"  # running | door | parked | replay | tunnel
     episode: Episode | None = None
     retired: bool = False
+    close_tunnel: Callable[[], None] | None = None  # set once it became a tunnel
 
     def blocker(self) -> str:
         if self.identity is not None:
             return self.identity.key
+        if self.position == "tunnel":
+            return f"tunnel:{self.session_id or self.path}"
         if self.session_id is not None:
             return f"session:{self.session_id}"
         return f"request:{self.path}"
@@ -261,6 +267,18 @@ class ParticipantRuntime:
         flight.position = position
         self.changed()
 
+    def tunnel_opened(self, flight: InFlight, close: Callable[[], None]) -> None:
+        """The request became a WebSocket; `close` ends it from the server side."""
+        flight.close_tunnel = close
+        self.set_position(flight, "tunnel")
+        if not self.is_open:
+            self._close_tunnel(flight)
+
+    def _close_tunnel(self, flight: InFlight) -> None:
+        if self.participation.tunnels == "close" and flight.close_tunnel is not None:
+            close, flight.close_tunnel = flight.close_tunnel, None
+            close()
+
     async def expire_sessions(self, ttl: float) -> None:
         """End sessions idle for `ttl` seconds, now and then (never while closed: the
         state a checkpoint exports stays as it was at close)."""
@@ -273,13 +291,15 @@ class ParticipantRuntime:
     # ---- readiness --------------------------------------------------------------
     def report(self) -> dict[str, Any]:
         """This worker's readiness for the open checkpoint."""
-        counts = {"in_flight": 0, "running": 0, "door": 0, "parked": 0, "replay": 0}
+        counts = {"in_flight": 0, "running": 0, "door": 0, "parked": 0, "replay": 0, "tunnel": 0}
         blockers = []
         restart_only = self.participation.restart_only
         for flight in self.flights:
             counts["in_flight"] += 1
             counts[flight.position] += 1
-            if flight.position == "running" and not restart_only:
+            # A tunnel blocks until it is gone (closing one takes a moment; "block" waits
+            # for the client), except on a restart-only participant, which never blocks.
+            if flight.position in ("running", "tunnel") and not restart_only:
                 blockers.append(flight.blocker())
         counts["sessions"] = len(self.store)
         return {
@@ -315,6 +335,9 @@ class ParticipantRuntime:
         if self.is_open:
             self.opened.clear()
             self._poller = asyncio.ensure_future(self._poll_reports())
+            for flight in list(self.flights):
+                if flight.position == "tunnel":
+                    self._close_tunnel(flight)
         self.changed()  # a worker that joins an open checkpoint reports at once
 
     def open_gate(self) -> None:

@@ -1,0 +1,110 @@
+"""The response head a client sees, computed from what llhttp parsed (pure; no I/O).
+
+Hop-by-hop headers of the worker's response are dropped (and the ones its `Connection`
+names); the framing toward the client is the proxy's own: the worker's `Content-Length`
+when it gave one, else chunked for an HTTP/1.1 client (or the end of the connection
+for an HTTP/1.0 one). A 101 keeps `Upgrade` and says `Connection: upgrade`: the
+connection becomes a tunnel. Headers only a worker may send to the proxy
+(`x-ng-app-session`, `x-ng-app-session-end`) are taken out and returned.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from proxy import http_wire as wire
+
+__all__ = ["ResponseHead", "rewrite_response_head", "NO_BODY_STATUS"]
+
+NO_BODY_STATUS = frozenset({204, 304})
+_STATUS_LINES = {
+    status: b"HTTP/1.1 %d %s\r\n" % (status, wire.reason_phrase(status))
+    for status in range(100, 600)
+}
+_PASS, _LENGTH, _CHUNKED, _CONNECTION, _DROP, _UPGRADE, _APP_SESSION, _APP_END = range(8)
+_KINDS = {
+    **dict.fromkeys(wire.HOP_BY_HOP, _DROP),
+    b"content-length": _LENGTH,
+    b"transfer-encoding": _CHUNKED,
+    b"connection": _CONNECTION,
+    b"upgrade": _UPGRADE,
+    wire.APP_SESSION_HEADER: _APP_SESSION,
+    wire.APP_SESSION_END_HEADER: _APP_END,
+}
+
+
+@dataclass(slots=True)
+class ResponseHead:
+    """The head to write, and the framing the body then follows."""
+
+    data: bytes
+    chunked: bool = False  # the proxy frames the body as chunks toward the client
+    until_eof: bool = False  # the worker's body ends where its connection ends
+    close: bool = False  # the client connection closes after this response
+    tunnel: bool = False  # a 101: after the head, bytes pass through both ways
+    app_session: bytes | None = None  # a worker announced a session it holds
+    app_session_end: bytes | None = None  # ... or that one ended
+
+
+def rewrite_response_head(
+    status: int,
+    headers: list[tuple[bytes, bytes]],
+    *,
+    http10: bool,
+    head_request: bool,
+    close: bool,
+    extra: bytes = b"",
+) -> ResponseHead:
+    """The client's head for a worker's response. `close`: the proxy closes after it
+    whatever the worker says; `extra`: header lines the proxy adds (its cookie)."""
+    parts = [
+        _STATUS_LINES.get(status) or b"HTTP/1.1 %d %s\r\n" % (status, wire.reason_phrase(status))
+    ]
+    head = ResponseHead(b"")
+    length_known = upstream_chunked = False
+    listed: set[bytes] | None = None
+    upgrade: bytes | None = None
+    kinds = _KINDS
+    for name, value in headers:
+        kind = kinds.get(name.lower(), _PASS)
+        if kind == _PASS:
+            parts += (name, b": ", value, b"\r\n")
+        elif kind == _LENGTH:
+            length_known = True
+            parts += (name, b": ", value, b"\r\n")
+        elif kind == _CHUNKED:
+            upstream_chunked = True
+        elif kind == _CONNECTION:
+            listed = wire.connection_listed(value)
+        elif kind == _UPGRADE:
+            upgrade = value
+        elif kind == _APP_SESSION:
+            head.app_session = value
+        elif kind == _APP_END:
+            head.app_session_end = value
+    if listed:
+        parts = wire.without_headers(parts, 1, listed)
+    if extra:
+        parts.append(extra)
+    if status == 101:
+        head.tunnel = True
+        if upgrade is not None:
+            parts += (b"upgrade: ", upgrade, b"\r\n")
+        parts.append(b"connection: upgrade\r\n\r\n")
+        head.data = b"".join(parts)
+        return head
+    if not (head_request or status in NO_BODY_STATUS) and not length_known:
+        head.until_eof = not upstream_chunked
+        if http10:
+            close = True  # an HTTP/1.0 client reads to the end of the stream
+        else:
+            parts.append(b"transfer-encoding: chunked\r\n")
+            head.chunked = True
+    if close:
+        parts.append(b"connection: close\r\n")
+    elif http10:
+        parts.append(b"connection: keep-alive\r\n")
+    parts.append(b"\r\n")
+    head.close = close
+    head.data = b"".join(parts)
+    return head
