@@ -276,6 +276,37 @@ async def test_worker_answering_before_the_body_ended_discards_the_rest_then_clo
     assert len(rig.upstreams) == 1 and len(client.responses()) == 1
 
 
+async def test_worker_hanging_up_while_the_body_streams_is_502_after_the_body():
+    rig = Rig()
+    client = rig.client()
+    client.send(b"POST /x HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n4\r\nabcd\r\n")
+    upstream = await rig.upstream()
+    upstream.hang_up(BrokenPipeError("worker went away"))
+    assert client.responses() == []  # answered once the body is read, so the
+    client.send(b"0\r\n\r\n")  # connection stays in step
+    [(status, _, body)] = client.responses()
+    assert status == 502 and error_code(body) == "upstream_connection_lost"
+    assert client.protocol.phase == READING
+
+
+async def test_a_client_that_half_closes_is_gone():
+    rig = Rig()
+    client = rig.client()
+    client.send(GET)
+    await rig.upstream()
+    assert client.protocol.eof_received() is False  # asyncio then closes the transport
+
+
+async def test_a_late_response_after_the_client_left_goes_nowhere():
+    rig = Rig()
+    client = rig.client()
+    client.send(GET)
+    upstream = await rig.upstream()
+    client.hang_up()
+    upstream.send(OK)  # the aborted worker connection may still deliver a read
+    assert bytes(client.transport.data) == b""
+
+
 # ---- back-pressure ---------------------------------------------------------------
 async def test_a_slow_client_pauses_the_worker_and_a_slow_worker_pauses_the_client():
     rig = Rig()
