@@ -145,6 +145,8 @@ class Controller:
     def __init__(self, participants: list[Participant], timeout: float = 300.0) -> None:
         self.participants = participants
         self.timeout = timeout
+        # op -> participant URL -> seconds its last such call took (for benches and logs)
+        self.timings: dict[str, dict[str, float]] = {}
 
     def _deadline(self) -> float:
         return time.time() + self.timeout
@@ -165,7 +167,7 @@ class Controller:
     ) -> dict[str, dict[str, Any]]:
         """The same call to every member at once; ControlFailed names every failure."""
         results = await asyncio.gather(
-            *(m.call(op, deadline_ts, **body) for m in members), return_exceptions=True
+            *(self._timed(m, op, deadline_ts, body) for m in members), return_exceptions=True
         )
         failures: dict[str, tuple[int, str, str]] = {}
         replies = {}
@@ -179,6 +181,15 @@ class Controller:
         if failures:
             raise ControlFailed(op, failures)
         return replies
+
+    async def _timed(
+        self, member: Participant, op: str, deadline_ts: float, body: dict[str, Any]
+    ) -> dict[str, Any]:
+        started = time.perf_counter()
+        try:
+            return await member.call(op, deadline_ts, **body)
+        finally:
+            self.timings.setdefault(op, {})[member.url] = time.perf_counter() - started
 
     async def prepare(self, checkpoint_id: str, deadline_ts: float | None = None) -> PrepareResult:
         """Prepare stage by stage; stop at the first stage that is not prepared."""

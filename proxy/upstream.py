@@ -16,6 +16,11 @@ request was a HEAD; so after its head the parser is replaced by a fresh one, and
 connection is reused only when nothing followed the head (a worker that sent more is
 not trusted with another request). After a 101 the parser is left behind and bytes go
 to the exchange untouched (a tunnel).
+
+A burst of new connections can fill a worker's accept queue; a Unix socket then refuses
+with EAGAIN at once. Such a connect is retried with a short backoff for up to
+`CONNECT_RETRY_SECONDS` instead of failing the request (workers listen with a deep
+backlog too).
 """
 
 from __future__ import annotations
@@ -36,6 +41,9 @@ if TYPE_CHECKING:
     from proxy.exchange import Exchange
 
 __all__ = ["UpstreamConnection", "UpstreamPool", "Connector"]
+
+CONNECT_RETRY_FIRST = 0.002  # seconds; doubling up to 0.1
+CONNECT_RETRY_SECONDS = 5.0  # how long a full accept queue is waited out
 
 # Opens a connection to a worker socket for a protocol (tests pass their own).
 Connector = Callable[[Callable[[], "UpstreamConnection"], str], Awaitable["UpstreamConnection"]]
@@ -243,11 +251,24 @@ class UpstreamPool:
         task.add_done_callback(self._connected)
 
     async def _connect(self, exchange: Exchange) -> None:
-        try:
-            conn = await self.connect(lambda: UpstreamConnection(self), self.socket_path)
-        except OSError as exc:
-            exchange.upstream_failed(exc)
-            return
+        delay = CONNECT_RETRY_FIRST
+        give_up = time.monotonic() + CONNECT_RETRY_SECONDS
+        while True:
+            try:
+                conn = await self.connect(lambda: UpstreamConnection(self), self.socket_path)
+                break
+            except BlockingIOError as exc:
+                # A full accept queue (a burst of new connections): a Unix socket
+                # refuses with EAGAIN instead of queueing the SYN as TCP would. Wait
+                # for the worker to accept, briefly, rather than fail the request.
+                if exchange.finished or time.monotonic() + delay > give_up:
+                    exchange.upstream_failed(exc)
+                    return
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 0.1)
+            except OSError as exc:
+                exchange.upstream_failed(exc)
+                return
         if exchange.finished:
             self.release(conn)
             return

@@ -89,6 +89,7 @@ async def participant_middleware(request: web.Request, handler: Any) -> web.Stre
     try:
         response = await handler(request)
         runtime.answered(flight, response.status)
+        await runtime.hold_answer(flight)
         return response
     except asyncio.CancelledError:
         if own_cancellation(flight):

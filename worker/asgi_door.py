@@ -105,6 +105,7 @@ class AsgiDoor:
         async def watch(message: Message) -> None:
             nonlocal status, app_session
             if message["type"] == "http.response.start":
+                await runtime.hold_answer(flight)
                 status = message["status"]
                 if proxy_token or session_id is None:  # else routed by the app's own token
                     app_session = session_in_headers(

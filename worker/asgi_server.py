@@ -15,6 +15,8 @@ from typing import Any
 
 import uvicorn
 
+from worker.identity import WORKER_BACKLOG
+
 __all__ = ["AsgiWorkerServer", "AppStartupFailed"]
 
 # Longer than the proxy's pool idle time, so the worker never closes a pooled connection
@@ -33,6 +35,7 @@ class AsgiWorkerServer:
         self.config = uvicorn.Config(
             app,
             uds=socket_path,
+            backlog=WORKER_BACKLOG,
             interface="asgi3",
             http="httptools",
             lifespan="auto",

@@ -6,6 +6,11 @@ attempt 0 and `rollout_id-a<N>` otherwise. Inside a long request the app calls
 there (its state is what commit exports). `await ep.replay(awaitable)` runs a step that
 is safe to repeat: meanwhile the episode counts as parked at the boundary before it, and
 if the checkpoint is still open when the step ends, the result waits until resume.
+
+Only a `/run` episode is exported as an episode record (only a `/run` of attempt N+1
+claims one after a restore). Any other request under rollout identity (a call sent as
+`/ng-rollout/<key>/...`, such as an agent's turn) parks and replays the same way, but
+keeps its progress in its session, which is exported bound to the episode.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ class Episode:
         restored: bool,
         restored_state: Any,
         task_digest: str = "",
+        exported: bool = True,
     ) -> None:
         self._runtime = runtime
         self._flight = flight
@@ -41,6 +47,7 @@ class Episode:
         self.restored = restored
         self.restored_state = restored_state
         self.task_digest = task_digest
+        self.exported = exported  # a /run episode: its record is exported at commit
         self.state: Any = restored_state
         self.parked_seconds = 0.0
 

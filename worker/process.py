@@ -28,7 +28,7 @@ from worker.aiohttp_door import RUNTIME, install_door, participation_of
 from worker.app_loading import build_app
 from worker.asgi_door import AsgiDoor
 from worker.asgi_server import AsgiWorkerServer
-from worker.identity import WORKER_INFO, WorkerInfo
+from worker.identity import WORKER_BACKLOG, WORKER_INFO, WorkerInfo
 from worker.participant_messages import handle_coordinator_message
 from worker.participation import Participation, declared
 from worker.runtime import ParticipantRuntime
@@ -80,7 +80,7 @@ class AiohttpWorkerServer:
 
     async def start(self) -> None:
         await self.runner.setup()
-        await web.UnixSite(self.runner, self.socket_path).start()
+        await web.UnixSite(self.runner, self.socket_path, backlog=WORKER_BACKLOG).start()
 
     async def stop(self) -> None:
         await self.runner.cleanup()

@@ -162,7 +162,9 @@ class ParticipantRuntime:
         if not self.is_open:
             # New work is refused while a checkpoint is open, but a resources server never
             # refuses a seed: NeMo Gym's client does not retry a 409, so it waits instead.
-            if new_episode or (facts.new_session and self.kind != "resources"):
+            # Every call to a model is new work (NeMo Gym's model participant).
+            kind = self.kind
+            if new_episode or kind == "model" or (facts.new_session and kind != "resources"):
                 raise GymError("checkpoint_parked", "a checkpoint is in progress")
             self.flights.add(flight)
             await self.park(flight, "door")
@@ -174,7 +176,9 @@ class ParticipantRuntime:
                 if new_episode and identity.rollout_id in self.pending:
                     state = await self._claim(identity, digest)
                     restored = True
-                flight.episode = Episode(self, flight, identity, restored, state, digest)
+                flight.episode = Episode(
+                    self, flight, identity, restored, state, digest, exported=new_episode
+                )
         except BaseException:
             self.leave(flight)
             raise
@@ -267,6 +271,11 @@ class ParticipantRuntime:
         flight.position = position
         self.changed()
 
+    async def hold_answer(self, flight: InFlight) -> None:
+        """A model's answer waits while a checkpoint is open (delivered after resume)."""
+        if self.kind == "model" and not self.is_open:
+            await self.park(flight, "parked")
+
     def tunnel_opened(self, flight: InFlight, close: Callable[[], None]) -> None:
         """The request became a WebSocket; `close` ends it from the server side."""
         flight.close_tunnel = close
@@ -293,13 +302,16 @@ class ParticipantRuntime:
         """This worker's readiness for the open checkpoint."""
         counts = {"in_flight": 0, "running": 0, "door": 0, "parked": 0, "replay": 0, "tunnel": 0}
         blockers = []
+        # A model's calls never block: admitted ones finish and their answers are held
+        # until resume (`hold_answer`), and the caller repeats an undelivered one.
         restart_only = self.participation.restart_only
+        never_blocks = restart_only or self.kind == "model"
         for flight in self.flights:
             counts["in_flight"] += 1
             counts[flight.position] += 1
             # A tunnel blocks until it is gone (closing one takes a moment; "block" waits
             # for the client), except on a restart-only participant, which never blocks.
-            if flight.position in ("running", "tunnel") and not restart_only:
+            if flight.position in ("running", "tunnel") and not never_blocks:
                 blockers.append(flight.blocker())
         counts["sessions"] = len(self.store)
         return {
@@ -366,7 +378,7 @@ class ParticipantRuntime:
             records = self.store.export(owner, scope)
         for flight in self.flights:
             ep = flight.episode
-            if ep is not None and (scope is None or ep.key in scope):
+            if ep is not None and ep.exported and (scope is None or ep.key in scope):
                 records.append(ep.export())
         return records
 

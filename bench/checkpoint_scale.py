@@ -1,0 +1,184 @@
+"""The scale run: native single_turn weather rollouts across a crash.
+
+    python bench/checkpoint_scale.py                    # 16,000 rollouts
+    python bench/checkpoint_scale.py --rollouts 1000    # quick
+    python bench/checkpoint_scale.py --rollouts 100000  # long
+    python bench/checkpoint_scale.py --json             # + one JSON object on the last line
+
+Every server of the reference stack (`worker.apps.stack`) runs with 2 workers behind its
+own gym-proxy. The fake model holds the second call of every rollout asking about half
+of the cities, so about half the rollouts are in flight (parked mid-turn) while the
+others finish. Then: checkpoint (prepare in NeMo Gym's stage order, commit), kill every
+process group, start again, restore, resume, and run every replacement (attempt N+1)
+to the end. Prints rollouts, in flight at the checkpoint, exported, each phase's time
+per server (the slowest is the phase's time), records MB per server, replacement
+failures and rewards that are not 1.0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import resource
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import orjson
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from coordinator.controller import Controller, Participant  # noqa: E402
+from coordinator.rollouts import RolloutDriver, exported_rollouts  # noqa: E402
+from coordinator.rollouts_cli import CITIES, weather_rollouts  # noqa: E402
+from worker.apps.stack import Stack  # noqa: E402
+
+HELD_CITIES = CITIES[::2]
+
+
+async def _held(http: aiohttp.ClientSession, stack: Stack, controller: Controller) -> int:
+    model = stack.urls["model"]
+    status = next(p for p in controller.participants if p.url == model)
+    total = 0
+    for worker in (await status.call("status"))["workers"]:
+        async with http.get(f"{model}/held", headers={"x-ng-session-owner": worker["owner"]}) as r:
+            total += (await r.json())["held"]
+    return total
+
+
+def _records_mb(directory: Path) -> dict[str, float]:
+    """Records file size per server (`gym/<kind>/<name>/records-*.jsonl`)."""
+    sizes: dict[str, float] = {}
+    for path in directory.glob("gym/*/*/records-*.jsonl"):
+        sizes[path.parent.name] = sizes.get(path.parent.name, 0.0) + path.stat().st_size / 1e6
+    return sizes
+
+
+def _by_server(stack: Stack, timings: dict[str, float]) -> dict[str, float]:
+    names = {url: name for name, url in stack.urls.items()}
+    return {names[url]: round(seconds, 3) for url, seconds in timings.items()}
+
+
+async def cycle(opts: argparse.Namespace, work: Path) -> dict[str, Any]:
+    hold = work / "hold"
+    hold.write_text("hold")
+    env = {
+        "GYM_FAKE_MODEL_HOLD_FILE": str(hold),
+        "GYM_FAKE_MODEL_HOLD_CALLS": "2",
+        "GYM_FAKE_MODEL_HOLD_CITIES": ",".join(HELD_CITIES),
+    }
+    stack = Stack(opts.workers, str(work / "stack"), env=env).start()
+    rollouts = weather_rollouts(opts.rollouts)
+    held = sum(1 for r in rollouts if r.task["city"] in HELD_CITIES)
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=60)
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(
+        timeout=timeout, connector=connector, cookie_jar=aiohttp.DummyCookieJar()
+    ) as http:
+        participants = [Participant(url, stack.control_token, http) for url in stack.urls.values()]
+        controller = Controller(participants, timeout=600)
+        await controller.learn_kinds()
+        driver = RolloutDriver(stack.urls["env"], http, concurrency=held + opts.concurrency)
+        started = time.monotonic()
+        running = asyncio.ensure_future(driver.run(rollouts))
+        while True:  # until the free half is done and the held half waits at the model
+            await asyncio.sleep(0.5)
+            done = sum(1 for r in rollouts if r.history)
+            finished = sum(1 for r in rollouts if r.finished)
+            waiting = await _held(http, stack, controller)
+            print(f"\r  running: {finished} finished, {done - finished} failed, "
+                  f"{waiting} held at the model ", end="", file=sys.stderr, flush=True)  # fmt: skip
+            if done >= len(rollouts) - held and waiting >= held:
+                break
+            if running.done():
+                raise SystemExit(f"the rollouts ended early: {running.exception()}")
+        print(file=sys.stderr)
+        first_run = time.monotonic() - started
+        first_failures = done - finished
+        ck = work / "ck"
+        prepared = await controller.prepare("scale")
+        if not prepared.prepared:
+            raise SystemExit(f"prepare not ready: {prepared.blockers()}")
+        replies = await controller.commit("scale", str(ck))
+        exported = exported_rollouts(replies)
+        prepare_s = _by_server(stack, controller.timings["prepare"])
+        commit_s = _by_server(stack, controller.timings["commit"])
+        stack.kill()
+        await asyncio.wait_for(running, 120)
+        hold.unlink()
+        stack.start()
+        await controller.learn_kinds()
+        await controller.restore("scale", str(ck), sorted(exported.values(), key=lambda e: e.key))
+        restore_s = _by_server(stack, controller.timings["restore"])
+        await controller.resume("scale")
+        RolloutDriver.continue_after_restore(rollouts, set(exported))
+        started = time.monotonic()
+        await driver.run(rollouts)
+        second_run = time.monotonic() - started
+    stack.stop()
+    failures = [r for r in rollouts if not r.finished]
+    return {
+        "rollouts": len(rollouts),
+        "in_flight": held,
+        "exported": len(exported),
+        "prepare_s": max(prepare_s.values()),
+        "commit_s": max(commit_s.values()),
+        "restore_s": max(restore_s.values()),
+        "prepare_by_server_s": prepare_s,
+        "commit_by_server_s": commit_s,
+        "restore_by_server_s": restore_s,
+        "records_mb": {k: round(v, 2) for k, v in _records_mb(ck).items()},
+        "replacement_failures": len(failures),
+        "rewards_not_one": sum(1 for r in rollouts if r.finished and r.reply.get("reward") != 1.0),
+        "first_run_failures": first_failures,
+        "first_run_s": round(first_run, 1),
+        "replacements_s": round(second_run, 1),
+        "workers": opts.workers,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rollouts", type=int, default=16000)
+    parser.add_argument("--workers", type=int, default=2, help="workers per server")
+    parser.add_argument(
+        "--concurrency", type=int, default=256, help="rollouts running besides the held ones"
+    )
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--keep", action="store_true", help="keep the work directory")
+    opts = parser.parse_args()
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))  # one socket per held rollout
+    work = Path(tempfile.mkdtemp(prefix="gpscale-", dir="/tmp"))
+    try:
+        result = asyncio.run(cycle(opts, work))
+    finally:
+        if not opts.keep:
+            shutil.rmtree(work, ignore_errors=True)
+    mb = result["records_mb"]
+    print("| rollouts | in flight (exported) | prepare s | commit s | restore s "
+          "| records MB | replacement failures | rewards == 1.0 |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|")
+    print(
+        f"| {result['rollouts']:,} | {result['in_flight']:,} ({result['exported']:,}) "
+        f"| {result['prepare_s']:.2f} | {result['commit_s']:.2f} | {result['restore_s']:.2f} "
+        f"| {', '.join(f'{k} {v:.1f}' for k, v in sorted(mb.items()))} "
+        f"| {result['replacement_failures']} "
+        f"| {result['rollouts'] - result['rewards_not_one'] - result['replacement_failures']:,} |"
+    )
+    for phase in ("prepare", "commit", "restore"):
+        per = result[f"{phase}_by_server_s"]
+        print(f"{phase} by server: " + ", ".join(f"{k} {v:.3f} s" for k, v in sorted(per.items())))
+    print(f"first run {result['first_run_s']} s, replacements {result['replacements_s']} s, "
+          f"{os.cpu_count()} cores")  # fmt: skip
+    if opts.json:
+        print(orjson.dumps(result).decode())
+
+
+if __name__ == "__main__":
+    main()

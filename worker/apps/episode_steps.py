@@ -1,0 +1,56 @@
+"""The weather episode both `/run`s play (single_turn's, and simple_agent's legacy one).
+
+Steps, with a boundary after each (its state is the episode's record at a checkpoint):
+seed a weather session; open an agent session (with the weather token, so the agent's
+tool calls carry it); one agent turn, a `replay` step (sent again after a restore, the
+agent continues the turn from its session); then verify and close, which end the
+episode. A restored attempt N+1 starts from its record and skips the steps done.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from worker.apps.calls import call, server_url
+from worker.episodes import Episode
+
+__all__ = ["weather_episode"]
+
+
+async def weather_episode(
+    ep: Episode, city: str, agent: str, owner: str | None = None
+) -> dict[str, Any]:
+    """Run (or continue) the episode; `agent` names the agent server, `owner` pins its
+    session to one worker (an agent calling itself)."""
+    state = dict(ep.restored_state or {})
+    prefix = f"/ng-rollout/{ep.key}"
+    weather, agent_url = server_url("weather"), server_url(agent)
+    if "weather_token" not in state:
+        state["weather_token"] = (await call(f"{weather}{prefix}/seed_session")).token
+        await ep.boundary(state)
+    if "agent_token" not in state:
+        seeded = await call(
+            f"{agent_url}{prefix}/seed_session", {"weather_token": state["weather_token"]},
+            owner=owner,
+        )  # fmt: skip
+        state["agent_token"] = seeded.token
+        await ep.boundary(state)
+    if "answer" not in state:
+        turn = call(
+            f"{agent_url}{prefix}/v1/responses",
+            {"input": f"What is the weather in {city}?", "turn_id": "t1"},
+            token=state["agent_token"],
+        )
+        state["answer"] = (await ep.replay(turn)).body
+        await ep.boundary(state)
+    answer = state["answer"]
+    verdict = await call(
+        f"{weather}{prefix}/verify",
+        {"city": city, "answer": answer["output_text"]},
+        token=state["weather_token"],
+    )
+    await call(f"{agent_url}{prefix}/close_session", token=state["agent_token"])
+    return {"reward": verdict.body["reward"], "answer": answer["output_text"],
+            "model_calls": answer["usage"]["model_calls"],
+            "tool_calls": answer["usage"]["tool_calls"],
+            "weather_tool_calls": verdict.body["tool_calls"]}  # fmt: skip
