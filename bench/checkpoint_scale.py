@@ -7,8 +7,9 @@
 
 Every server of the reference stack (`worker.apps.stack`) runs with 2 workers behind its
 own gym-proxy. The fake model holds the second call of every rollout asking about half
-of the cities, so about half the rollouts are in flight (parked mid-turn) while the
-others finish. Then: checkpoint (prepare in NeMo Gym's stage order, commit), kill every
+of the cities; half the rollouts ask about those (`--in-flight`, capped by the
+descriptor limit), so they are in flight (parked mid-turn) while the others finish.
+Then: checkpoint (prepare in NeMo Gym's stage order, commit), kill every
 process group, start again, restore, resume, and run every replacement (attempt N+1)
 to the end. Prints rollouts, in flight at the checkpoint, exported, each phase's time
 per server (the slowest is the phase's time), records MB per server, replacement
@@ -34,11 +35,33 @@ import orjson
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from coordinator.controller import Controller, Participant  # noqa: E402
-from coordinator.rollouts import RolloutDriver, exported_rollouts  # noqa: E402
+from coordinator.rollouts import Rollout, RolloutDriver, exported_rollouts  # noqa: E402
 from coordinator.rollouts_cli import CITIES, weather_rollouts  # noqa: E402
 from worker.apps.stack import Stack  # noqa: E402
 
 HELD_CITIES = CITIES[::2]
+FREE_CITIES = CITIES[1::2]
+# Each rollout in flight holds a client and a worker connection at every proxy it passes;
+# a proxy keeps this many descriptors for its pools, channels and files.
+FD_MARGIN = 3000
+
+
+def in_flight_cap(concurrency: int) -> int:
+    """Rollouts that can be in flight at once within this process's descriptor limit
+    (every proxy and worker inherits it)."""
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY:
+        return 1 << 30
+    return max(0, (hard - FD_MARGIN) // 2 - concurrency) // 1000 * 1000
+
+
+def scale_rollouts(count: int, in_flight: int, prompt_bytes: int) -> list[Rollout]:
+    """`count` rollouts, the first `in_flight` asking about a city the model holds."""
+    rollouts = weather_rollouts(count, prompt_bytes=prompt_bytes)
+    for i, rollout in enumerate(rollouts):
+        cities = HELD_CITIES if i < in_flight else FREE_CITIES
+        rollout.task["city"] = cities[i % len(cities)]
+    return rollouts
 
 
 async def _held(http: aiohttp.ClientSession, stack: Stack, controller: Controller) -> int:
@@ -59,6 +82,19 @@ def _records_mb(directory: Path) -> dict[str, float]:
     return sizes
 
 
+def _failure_kinds(rollouts: list[Any]) -> dict[str, int]:
+    """How the failed dispatches ended: `<status> <error code>` or the client error."""
+    kinds: dict[str, int] = {}
+    for rollout in rollouts:
+        if rollout.history and not rollout.finished:
+            reply = rollout.reply if isinstance(rollout.reply, dict) else {}
+            code = (reply.get("error") or {}).get("code") if reply else None
+            detail = str((reply.get("error") or {}).get("detail", reply))[:120] if reply else ""
+            kind = rollout.error or f"{rollout.status} {code}: {detail}"
+            kinds[kind] = kinds.get(kind, 0) + 1
+    return kinds
+
+
 def _by_server(stack: Stack, timings: dict[str, float]) -> dict[str, float]:
     names = {url: name for name, url in stack.urls.items()}
     return {names[url]: round(seconds, 3) for url, seconds in timings.items()}
@@ -73,8 +109,8 @@ async def cycle(opts: argparse.Namespace, work: Path) -> dict[str, Any]:
         "GYM_FAKE_MODEL_HOLD_CITIES": ",".join(HELD_CITIES),
     }
     stack = Stack(opts.workers, str(work / "stack"), env=env).start()
-    rollouts = weather_rollouts(opts.rollouts)
-    held = sum(1 for r in rollouts if r.task["city"] in HELD_CITIES)
+    held = opts.in_flight
+    rollouts = scale_rollouts(opts.rollouts, held, opts.prompt_bytes)
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=60)
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(
@@ -93,13 +129,15 @@ async def cycle(opts: argparse.Namespace, work: Path) -> dict[str, Any]:
             waiting = await _held(http, stack, controller)
             print(f"\r  running: {finished} finished, {done - finished} failed, "
                   f"{waiting} held at the model ", end="", file=sys.stderr, flush=True)  # fmt: skip
-            if done >= len(rollouts) - held and waiting >= held:
+            if done + waiting >= len(rollouts):  # every rollout ended or held
                 break
             if running.done():
                 raise SystemExit(f"the rollouts ended early: {running.exception()}")
         print(file=sys.stderr)
         first_run = time.monotonic() - started
-        first_failures = done - finished
+        first_failures = _failure_kinds(rollouts)
+        if first_failures:
+            print(f"  first run failures: {first_failures}", file=sys.stderr)
         ck = work / "ck"
         prepared = await controller.prepare("scale")
         if not prepared.prepared:
@@ -135,10 +173,12 @@ async def cycle(opts: argparse.Namespace, work: Path) -> dict[str, Any]:
         "records_mb": {k: round(v, 2) for k, v in _records_mb(ck).items()},
         "replacement_failures": len(failures),
         "rewards_not_one": sum(1 for r in rollouts if r.finished and r.reply.get("reward") != 1.0),
+        "replacement_failure_kinds": _failure_kinds(rollouts),
         "first_run_failures": first_failures,
         "first_run_s": round(first_run, 1),
         "replacements_s": round(second_run, 1),
         "workers": opts.workers,
+        "prompt_bytes": opts.prompt_bytes,
     }
 
 
@@ -149,11 +189,32 @@ def main() -> None:
     parser.add_argument(
         "--concurrency", type=int, default=256, help="rollouts running besides the held ones"
     )
+    parser.add_argument(
+        "--prompt-bytes",
+        type=int,
+        default=1400,
+        help="system prompt per task, kept in the agent's conversation (NeMo Gym's scale "
+        "run wrote about 2 KB of agent record per rollout)",
+    )
+    parser.add_argument(
+        "--in-flight",
+        type=int,
+        help="rollouts held at the model at the checkpoint (default: half, within what the "
+        "descriptor limit allows)",
+    )
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--keep", action="store_true", help="keep the work directory")
     opts = parser.parse_args()
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))  # one socket per held rollout
+    cap = in_flight_cap(opts.concurrency)
+    if opts.in_flight is None:
+        opts.in_flight = min(opts.rollouts // 2, cap)
+        if opts.in_flight < opts.rollouts // 2:
+            note = f"{hard:,} descriptors per process; each in flight holds 2 at every proxy"
+            print(f"in flight: {opts.in_flight:,} ({note})", file=sys.stderr)
+    elif opts.in_flight > cap:
+        raise SystemExit(f"--in-flight {opts.in_flight} needs more than {hard} descriptors")
     work = Path(tempfile.mkdtemp(prefix="gpscale-", dir="/tmp"))
     try:
         result = asyncio.run(cycle(opts, work))

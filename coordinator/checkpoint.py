@@ -73,7 +73,7 @@ class _Write:
     target: tuple[str, tuple[str, ...] | None]  # (checkpoint_dir, scope) it was asked for
     task: asyncio.Future[dict[str, Any]]
     abort: threading.Event
-    records: list[dict[str, Any]]
+    keys: frozenset[str]  # capture keys of the episodes the records belong to
 
 
 @dataclass(eq=False)
@@ -294,7 +294,7 @@ class Checkpointer:
                     del self.pending[rollout_id]
         if stop:
             await self._stop_workers(live, deadline_ts)
-        exported = sorted({key for r in write.records if (key := files.record_key(r))})
+        exported = sorted(write.keys)
         return self.machine.succeed(
             "commit",
             "committed",
@@ -326,8 +326,13 @@ class Checkpointer:
             deadline_ts,
             checkpoint_id=checkpoint_id,
             scope=None if scope is None else list(scope),
+            kind=self._kind(),
         )
-        records = [r for reply in replies for r in reply["records"]]
+        encoded = [
+            files.EncodedRecords(reply["blob"], reply["count"], frozenset(reply["keys"]))
+            for reply in replies
+        ]
+        records = []
         keep = None if scope is None else set(scope)
         for rollout_id, (attempt, record) in list(self.pending.items()):
             if keep is None or EpisodeId(rollout_id, attempt).key in keep:
@@ -351,10 +356,13 @@ class Checkpointer:
                 records=records,
                 extras={"session_owners": session_owners, "placed_sessions": placed},
                 abort=abort,
+                encoded=encoded,
             )
         )
         task.add_done_callback(_retrieve)
-        self._write = _Write(checkpoint_id, (checkpoint_dir, scope), task, abort, records)
+        keys = frozenset().union(*(part.keys for part in encoded))
+        keys |= {key for r in records if (key := files.record_key(r))}
+        self._write = _Write(checkpoint_id, (checkpoint_dir, scope), task, abort, keys)
         return self._write
 
     async def restore(

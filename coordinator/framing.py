@@ -14,6 +14,13 @@ inside a frame is a `TruncatedFrame`.
 
 Every message is an object with a string `type`. Requests carry an integer `id`; the
 reply carries the same `id` and has `type` "ok" or "error" (with `message`).
+
+A message may carry bytes that are not JSON (a worker's checkpoint records, already
+encoded as JSON lines, which the coordinator writes to disk untouched): its `blob` key
+holds them in memory. On the wire the object says `"blob": <length>` and one more
+frame follows, of exactly that length, holding the raw bytes. Encoding megabytes of
+records once, in the worker, instead of as nested JSON that the coordinator parses and
+encodes again, is most of a commit's time saved.
 """
 
 from __future__ import annotations
@@ -56,11 +63,19 @@ class MalformedFrame(FramingError):
 
 
 def encode_frame(message: dict[str, Any]) -> bytes:
-    """Serialise one message into a frame (length prefix included)."""
+    """Serialise one message into a frame (length prefix included), and its blob frame."""
+    blob = message.get("blob")
+    if isinstance(blob, bytes | bytearray | memoryview):
+        message = {**message, "blob": len(blob)}
+    else:
+        blob = None
     payload = orjson.dumps(message)
-    if len(payload) > MAX_FRAME:
-        raise FrameTooLarge(f"frame of {len(payload)} bytes exceeds {MAX_FRAME}")
-    return _HEADER.pack(len(payload)) + payload
+    for part in (payload, blob or b""):
+        if len(part) > MAX_FRAME:
+            raise FrameTooLarge(f"frame of {len(part)} bytes exceeds {MAX_FRAME}")
+    if blob is None:
+        return _HEADER.pack(len(payload)) + payload
+    return b"".join((_HEADER.pack(len(payload)), payload, _HEADER.pack(len(blob)), blob))
 
 
 def decode_payload(payload: bytes) -> dict[str, Any]:
@@ -82,13 +97,29 @@ async def read_frame(reader: asyncio.StreamReader, limit: int = MAX_FRAME) -> di
         if not exc.partial:
             return None
         raise TruncatedFrame("stream ended inside a frame header") from exc
+    message = decode_payload(await _read_payload(reader, header, limit))
+    announced = message.get("blob")
+    if announced is None:
+        return message
+    if type(announced) is not int or announced < 0:
+        raise MalformedFrame("'blob' must announce a length")
+    try:
+        header = await reader.readexactly(_HEADER.size)
+    except asyncio.IncompleteReadError as exc:
+        raise TruncatedFrame("stream ended before an announced blob") from exc
+    if _HEADER.unpack(header)[0] != announced:
+        raise MalformedFrame(f"the blob frame is not the announced {announced} bytes")
+    message["blob"] = await _read_payload(reader, header, limit)
+    return message
+
+
+async def _read_payload(reader: asyncio.StreamReader, header: bytes, limit: int) -> bytes:
     (length,) = _HEADER.unpack(header)
     if length > limit:
         raise FrameTooLarge(f"frame announces {length} bytes, limit is {limit}")
     try:
-        payload = await reader.readexactly(length)
+        return await reader.readexactly(length)
     except asyncio.IncompleteReadError as exc:
         raise TruncatedFrame(
             f"stream ended after {len(exc.partial)} of {length} payload bytes"
         ) from exc
-    return decode_payload(payload)

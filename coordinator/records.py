@@ -35,6 +35,7 @@ import re
 import secrets
 import stat
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -47,8 +48,10 @@ from proxy.session_tokens import is_valid_id
 
 __all__ = [
     "SCHEMA_VERSION",
+    "EncodedRecords",
     "InvalidCheckpoint",
     "WriteAborted",
+    "encode",
     "checkpoint_path",
     "write",
     "read",
@@ -113,6 +116,27 @@ def record_key(record: dict[str, Any]) -> str | None:
     return episode_key(episode["rollout_id"], episode["attempt"])
 
 
+@dataclass(frozen=True)
+class EncodedRecords:
+    """Records encoded as the records file holds them (one JSON line each), with how
+    many there are and the capture keys of the episodes they belong to."""
+
+    data: bytes
+    count: int
+    keys: frozenset[str]
+
+
+def encode(records: list[dict[str, Any]], kind: str) -> EncodedRecords:
+    """Encode records of a participant of `kind` for the records file (workers do this
+    for their own records, so the coordinator only joins bytes)."""
+    dumps, newline = orjson.dumps, orjson.OPT_APPEND_NEWLINE
+    return EncodedRecords(
+        b"".join(dumps(to_disk(r, kind), option=newline) for r in records),
+        len(records),
+        frozenset(key for r in records if (key := record_key(r))),
+    )
+
+
 def to_disk(record: dict[str, Any], kind: str) -> dict[str, Any]:
     """A record as NeMo Gym's participant of `kind` writes it."""
     if kind == "agent" and is_session(record):
@@ -165,16 +189,17 @@ def write(
     records: list[dict[str, Any]],
     extras: dict[str, Any],
     abort: threading.Event | None = None,
+    encoded: list[EncodedRecords] | None = None,
 ) -> dict[str, Any]:
-    """Write the records file then the manifest; return the manifest that is in place.
+    """Write the records file (`encoded` parts, as the workers encoded them, then
+    `records`) then the manifest; return the manifest that is in place.
 
     Raises OSError (nothing of this write is left behind), InvalidCheckpoint (another
     manifest with other content is there) or WriteAborted (`abort` was set first).
     """
     base.mkdir(parents=True, exist_ok=True)
-    data = b"".join(
-        orjson.dumps(to_disk(r, kind), option=orjson.OPT_APPEND_NEWLINE) for r in records
-    )
+    parts = [*(encoded or ()), encode(records, kind)]
+    data = b"".join(part.data for part in parts)
     digest = hashlib.sha256(data).hexdigest()
     records_file = base / f"records-{digest}.jsonl"
     manifest = {
@@ -184,7 +209,7 @@ def write(
         "checkpoint_id": checkpoint_id,
         "records_file": records_file.name,
         "records_sha256": digest,
-        "record_count": len(records),
+        "record_count": sum(part.count for part in parts),
         **extras,
     }
     created = not records_file.exists()

@@ -39,6 +39,7 @@ Every write goes through the connection's `Outbox`; a read is handled between
 from __future__ import annotations
 
 import asyncio
+import heapq
 import logging
 from collections import deque
 from dataclasses import dataclass, field
@@ -56,6 +57,7 @@ from proxy.session_tokens import TokenCodec
 __all__ = [
     "ProxyState",
     "ClientConnection",
+    "close_idle_clients",
     "READING",
     "DISCARDING",
     "UPGRADING",
@@ -73,6 +75,24 @@ _PAUSE_PIPELINE = 1
 _PAUSE_UPSTREAM = 2
 _PAUSE_UPGRADE = 4
 _HEAD_DETAIL = "the request header block is too large"
+IDLE_CLOSE_BATCH = 32  # at most this many idle connections closed per scan at the cap
+
+
+def close_idle_clients(state: ProxyState) -> int:
+    """At the connection cap: close a few keep-alive connections waiting between
+    requests, longest idle first, and say how many (nginx reuses its idle keep-alive
+    connections the same way when it runs out). Pooled clients open more connections
+    than they use at once after a burst; a new client should not be refused for them.
+    One scan makes room for up to 1/256 of the cap (at most 32)."""
+    count = max(1, min(IDLE_CLOSE_BATCH, state.max_connections // 256))
+    idle = [client for client in state.clients if client.between_requests]
+    for client in heapq.nsmallest(count, idle, key=_last_active):
+        client.close()
+    return min(count, len(idle))
+
+
+def _last_active(client: ClientConnection) -> float:
+    return client.last_active
 
 
 class _Discarded(Exception):
@@ -141,6 +161,16 @@ class ClientConnection(asyncio.Protocol):
         self.held = b""  # input after an upgrade request, for the tunnel
 
     @property
+    def between_requests(self) -> bool:
+        """A keep-alive connection waiting, with no byte of a next request yet."""
+        return (
+            self.phase == READING
+            and self.parsing is None
+            and self.head_since is None
+            and not self.pipeline
+        )
+
+    @property
     def closed(self) -> bool:
         """Nothing more is written (the transport is closed, or lingering)."""
         return self.phase >= LINGERING
@@ -150,9 +180,9 @@ class ClientConnection(asyncio.Protocol):
         self.transport = transport  # type: ignore[assignment]
         self.outbox = Outbox(transport)  # type: ignore[arg-type]
         state = self.state
-        if len(state.clients) >= state.max_connections:
-            # Over the cap: answer the first request 503 and close, so descriptors
-            # are given back at once instead of running out for everyone.
+        if len(state.clients) >= state.max_connections and not close_idle_clients(state):
+            # Over the cap and nothing idle to close: answer the first request 503 and
+            # close, so descriptors are given back at once instead of running out.
             self.phase = REFUSED
             self._answer_and_close("too_many_connections", "the proxy is at --max-connections")
         state.clients.add(self)

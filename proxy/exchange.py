@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING
 from coordinator.errors import GymError, status_of
 from proxy import http_wire as wire
 from proxy.app_tokens import app_token_session
+from proxy.outbox import batch as write_batch
 from proxy.request_head import RequestHead, rewrite_request_head
 from proxy.response_head import rewrite_response_head
 from proxy.routing import WorkerRoute
@@ -73,6 +74,8 @@ QUEUED, CONNECTING, SENDING, RESPONDING, TUNNEL, ANSWERING, DONE = (
 )
 _CONTROL_PREFIX = b"/ng-control/"
 _ROLLOUT_PREFIX = b"/ng-rollout/"
+# A request this large may not leave in one write; its connection keeps a spare descriptor.
+SPARE_AFTER_BYTES = 65536
 
 
 class Exchange:
@@ -104,6 +107,8 @@ class Exchange:
         "status",
         "started",
         "routed_at",
+        "sent_batch",
+        "sent_bytes",
     )
 
     def __init__(self, client: ClientConnection) -> None:
@@ -132,6 +137,8 @@ class Exchange:
         self.status = 0
         self.started = 0.0
         self.routed_at = 0.0  # coarse time the request was sent toward a worker
+        self.sent_batch = 0  # the outbox batch of the first write to the worker
+        self.sent_bytes = 0
 
     @property
     def finished(self) -> bool:
@@ -245,7 +252,11 @@ class Exchange:
             conn.last_active = self.client.state.now
             if state == TUNNEL:
                 conn.outbox.write(body)
-            elif self.chunked_request:
+                return
+            self.sent_bytes += len(body)
+            if self.sent_batch != write_batch() or self.sent_bytes > SPARE_AFTER_BYTES:
+                conn.keep_spare()  # a write after the first: it may meet a closed worker
+            if self.chunked_request:
                 conn.outbox.writelines(wire.chunk(body))
             else:
                 conn.outbox.write(body)
@@ -274,8 +285,11 @@ class Exchange:
         conn.last_active = self.client.state.now
         outbox = conn.outbox
         outbox.write(self.head)
+        sent = len(self.head)
+        self.sent_batch = write_batch()
         if self.body_buffer:
             for body in self.body_buffer:
+                sent += len(body)
                 if self.chunked_request:
                     outbox.writelines(wire.chunk(body))
                 else:
@@ -283,6 +297,9 @@ class Exchange:
             self.body_buffer = None
         if self.request_done and self.chunked_request:
             outbox.write(wire.LAST_CHUNK)
+        self.sent_bytes = sent
+        if sent > SPARE_AFTER_BYTES:
+            conn.keep_spare()  # a write this large may not go out at once
         client = self.client
         if client.write_paused:
             conn.pause_reading()

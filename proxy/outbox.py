@@ -13,16 +13,24 @@ from __future__ import annotations
 
 import asyncio
 
-__all__ = ["Outbox", "hold", "release"]
+__all__ = ["Outbox", "batch", "hold", "release"]
 
 _depth = 0
+_batch = 0  # which read is being handled (or was last): writes in one batch go together
 _dirty: list[Outbox] = []
 
 
 def hold() -> None:
     """A read is being handled: queue writes until the matching `release`."""
-    global _depth
+    global _depth, _batch
+    if not _depth:
+        _batch += 1
     _depth += 1
+
+
+def batch() -> int:
+    """The current batch: a write made in a later batch is a separate write."""
+    return _batch
 
 
 def release() -> None:

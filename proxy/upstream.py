@@ -7,9 +7,12 @@ timeout is longer), so a reused connection is never one the worker is closing.
 
 A worker may answer before it read the whole request body (a 400 for a bad head, a 413)
 and close. Our next body write then fails (EPIPE) and the transport drops the socket
-unread, with the worker's answer still in its receive queue. So each connection keeps a
-duplicate of its descriptor; when the connection is lost under an unanswered exchange,
-whatever the worker sent is read from the duplicate and relayed, instead of a 502.
+unread, with the worker's answer still in its receive queue. So while an exchange may
+still write after its first write (a body that streams in, or one too large to go out
+at once) its connection keeps a duplicate of its descriptor (`keep_spare`); when the
+connection is lost under an unanswered exchange, whatever the worker sent is read from
+the duplicate and relayed, instead of a 502. Only such exchanges pay the descriptor: a
+request sent whole in one write cannot meet a closed worker on a later write.
 
 A response to HEAD announces a body it does not send, and httptools cannot be told the
 request was a HEAD; so after its head the parser is replaced by a fresh one, and the
@@ -91,10 +94,20 @@ class UpstreamConnection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
         self.outbox = Outbox(transport)  # type: ignore[arg-type]
-        sock = transport.get_extra_info("socket")
-        if sock is not None:
-            with contextlib.suppress(OSError):  # best effort: out of descriptors, no spare
-                self.spare_fd = os.dup(sock.fileno())
+
+    def keep_spare(self) -> None:
+        """The exchange will write again after its first write: keep a duplicate of the
+        descriptor to read an early answer from should such a write fail."""
+        if self.spare_fd < 0 and not self.closed:
+            sock = self.transport.get_extra_info("socket")  # type: ignore[union-attr]
+            if sock is not None:
+                with contextlib.suppress(OSError):  # best effort: out of descriptors
+                    self.spare_fd = os.dup(sock.fileno())
+
+    def drop_spare(self) -> None:
+        if self.spare_fd >= 0:
+            os.close(self.spare_fd)
+            self.spare_fd = -1
 
     def data_received(self, data: bytes) -> None:
         exchange = self.exchange
@@ -144,8 +157,7 @@ class UpstreamConnection(asyncio.Protocol):
         if self.spare_fd >= 0:
             if exc is not None and self.exchange is not None:
                 self._read_what_is_left()
-            os.close(self.spare_fd)
-            self.spare_fd = -1
+            self.drop_spare()
         exchange = self.exchange
         if exchange is not None:
             self.exchange = None
@@ -284,6 +296,7 @@ class UpstreamPool:
     def release(self, conn: UpstreamConnection) -> None:
         """Return a connection whose exchange completed cleanly."""
         conn.exchange = None
+        conn.drop_spare()
         if conn.closed:
             return
         if self.closed or len(self.idle) >= self.max_idle:

@@ -50,8 +50,8 @@ class StackRun:
         await controller.learn_kinds()
         return controller
 
-    def rollouts(self, count: int, prefix: str = "r") -> list[Rollout]:
-        return weather_rollouts(count, prefix)
+    def rollouts(self, count: int, prefix: str = "r", prompt_bytes: int = 0) -> list[Rollout]:
+        return weather_rollouts(count, prefix, prompt_bytes)
 
     async def held(self, server: str) -> int:
         """Calls waiting at a hold switch, summed over the server's workers."""

@@ -132,12 +132,37 @@ async def test_connection_cap(start_proxy):
         [(status, _, _)] = await read_responses(reader, 1)
         assert status == 200
         held.append((reader, writer))
+    # at the cap, a keep-alive connection idle between requests makes room (the longest
+    # idle by the proxy's one-second clock: here any of the three)
     reader, writer = await open_raw(proxy)
     writer.write(b"GET /whoami HTTP/1.1\r\nHost: t\r\n\r\n")
-    [(status, headers, body)] = await read_responses(reader, 1)
-    assert status == 503 and headers[b"retry-after"] == b"1"
-    assert orjson.loads(body)["error"]["code"] == "too_many_connections"
-    await close(writer)
+    [(status, _, _)] = await read_responses(reader, 1)
+    assert status == 200
+    ends = [asyncio.ensure_future(r.read()) for r, _ in held]
+    done, _ = await asyncio.wait(ends, timeout=10, return_when=asyncio.FIRST_COMPLETED)
+    assert [end.result() for end in done] == [b""], "exactly one idle connection closed"
+    closed = ends.index(done.pop())
+    for end in ends:
+        end.cancel()
+    await close(held.pop(closed)[1])
+    held.append((reader, writer))
+    # none idle (each is inside a request head): the next one is refused
+    for _, busy in held:
+        busy.write(b"GET /whoami HTTP/1.1\r\nHost: t\r\n")
+        await busy.drain()
+
+    async def refused() -> bool:
+        reader, writer = await open_raw(proxy)
+        writer.write(b"GET /whoami HTTP/1.1\r\nHost: t\r\n\r\n")
+        [(status, headers, body)] = await read_responses(reader, 1)
+        await close(writer)
+        if status != 503:
+            return False  # the partial heads had not all arrived yet: that one was idle
+        assert headers[b"retry-after"] == b"1"
+        assert orjson.loads(body)["error"]["code"] == "too_many_connections"
+        return True
+
+    await wait_until(refused, 10, "a refusal with no idle connection to close")
     await close(held.pop()[1])
 
     async def admitted():

@@ -49,6 +49,35 @@ async def test_truncated_header_and_payload():
         await read_frame(reader_with(frame[:-10]))
 
 
+async def test_blob_travels_as_its_own_frame():
+    blob = b'{"a":1}\n' * 1000
+    frame = encode_frame({"type": "ok", "id": 3, "blob": blob})
+    assert orjson.loads(frame[4 : 4 + struct.unpack(">I", frame[:4])[0]])["blob"] == len(blob)
+    reader = reader_with(frame + encode_frame({"type": "next"}))
+    assert await read_frame(reader) == {"type": "ok", "id": 3, "blob": blob}
+    assert await read_frame(reader) == {"type": "next"}
+
+
+@pytest.mark.parametrize(
+    "tail, error",
+    [
+        (struct.pack(">I", 4) + b"abcd", MalformedFrame),  # not the announced length
+        (struct.pack(">I", 5) + b"ab", TruncatedFrame),
+        (b"", TruncatedFrame),
+    ],
+)
+async def test_blob_frame_must_match_its_announcement(tail, error):
+    payload = b'{"type": "ok", "blob": 5}'
+    with pytest.raises(error):
+        await read_frame(reader_with(struct.pack(">I", len(payload)) + payload + tail))
+
+
+@pytest.mark.parametrize("payload", [b'{"type": "ok", "blob": -1}', b'{"type": "ok", "blob": "x"}'])
+async def test_blob_announcement_must_be_a_length(payload):
+    with pytest.raises(MalformedFrame):
+        await read_frame(reader_with(struct.pack(">I", len(payload)) + payload))
+
+
 @pytest.mark.parametrize("payload", [b"not json", b"[1, 2]", b'{"id": 1}', b'{"type": 5}'])
 async def test_garbage_payload(payload):
     with pytest.raises(MalformedFrame):

@@ -82,7 +82,7 @@ async def crash_mid_rollout(run: StackRun, rollouts, directory: str, checkpoint_
 async def test_native_rollouts_crash_and_continue(stacks, http, tmp_path, before, after):
     hold = hold_file(tmp_path)
     run = StackRun(stacks(before, env=HOLD_SECOND_CALL(hold)), http)
-    rollouts = run.rollouts(ROLLOUTS)
+    rollouts = run.rollouts(ROLLOUTS, prompt_bytes=2000)  # a system prompt, as the scale run
     exported = await crash_mid_rollout(run, rollouts, str(tmp_path / "ck"), "ck1")
     assert set(exported) == {r.rollout_id for r in rollouts}  # every one was in flight
     os.unlink(hold)
@@ -96,7 +96,7 @@ async def test_native_rollouts_crash_and_continue(stacks, http, tmp_path, before
 async def test_legacy_agent_run_crash_and_continue(stacks, http, tmp_path, workers):
     hold = hold_file(tmp_path)
     run = StackRun(stacks(workers, env=HOLD_SECOND_CALL(hold)), http, entry="agent")
-    rollouts = run.rollouts(ROLLOUTS // 2)
+    rollouts = run.rollouts(ROLLOUTS // 2, prompt_bytes=2000)
     exported = await crash_mid_rollout(run, rollouts, str(tmp_path / "ck"), "legacy")
     assert set(exported) == {r.rollout_id for r in rollouts}
     os.unlink(hold)

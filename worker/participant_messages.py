@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from coordinator import records as files
 from coordinator.episode_ids import EpisodeId
 from coordinator.errors import GymError
 from worker.runtime import ParticipantRuntime
@@ -23,7 +24,9 @@ async def handle_coordinator_message(
         runtime.open_gate()
         return {}
     if kind == "export":
-        return {"records": await _export(runtime, message)}
+        # Encoded here, as the records file holds them: the coordinator only joins bytes.
+        encoded = files.encode(await _export(runtime, message), message["kind"])
+        return {"blob": encoded.data, "count": encoded.count, "keys": sorted(encoded.keys)}
     if kind == "release":
         dropped = runtime.store.release(set(message["keep"]))
         return {"released": await runtime.forget_sessions(dropped)}

@@ -14,14 +14,25 @@ from typing import Any
 from worker.apps.calls import call, server_url
 from worker.episodes import Episode
 
-__all__ = ["weather_episode"]
+__all__ = ["turn_input", "weather_episode"]
+
+
+def turn_input(task: dict[str, Any]) -> str | list[dict[str, Any]]:
+    """The agent turn's input for a task `{city, instructions?}`: the question, after
+    the task's system prompt when it has one (the scale run gives tasks realistic ones)."""
+    question = f"What is the weather in {task.get('city', '')}?"
+    instructions = task.get("instructions")
+    if not isinstance(instructions, str) or not instructions:
+        return question
+    return [{"role": "system", "content": instructions}, {"role": "user", "content": question}]
 
 
 async def weather_episode(
-    ep: Episode, city: str, agent: str, owner: str | None = None
+    ep: Episode, task: dict[str, Any], agent: str, owner: str | None = None
 ) -> dict[str, Any]:
-    """Run (or continue) the episode; `agent` names the agent server, `owner` pins its
-    session to one worker (an agent calling itself)."""
+    """Run (or continue) the episode of `task` (`{city, instructions?}`); `agent` names the
+    agent server, `owner` pins its session to one worker (an agent calling itself)."""
+    city = str(task.get("city", ""))
     state = dict(ep.restored_state or {})
     prefix = f"/ng-rollout/{ep.key}"
     weather, agent_url = server_url("weather"), server_url(agent)
@@ -38,7 +49,7 @@ async def weather_episode(
     if "answer" not in state:
         turn = call(
             f"{agent_url}{prefix}/v1/responses",
-            {"input": f"What is the weather in {city}?", "turn_id": "t1"},
+            {"input": turn_input(task), "turn_id": "t1"},
             token=state["agent_token"],
         )
         state["answer"] = (await ep.replay(turn)).body

@@ -10,8 +10,8 @@ with the same `turn_id` after a restore continues where the session stands (or r
 the finished answer). Boundaries: before each model call and after each tool round; the
 model call is a `replay` step (while it is out, the turn counts as parked).
 
-Legacy `POST /run {city, _ng_rollout_id, _ng_attempt_index}`: one episode that seeds a
-weather session, opens a native session on this same worker (by calling its own server
+Legacy `POST /run {city, instructions?, _ng_rollout_id, _ng_attempt_index}`: one episode
+that seeds a weather session, opens a native session on this same worker (by calling its own server
 with `x-ng-session-owner`), runs one turn there, verifies and closes, with boundaries
 between the steps.
 
@@ -130,7 +130,7 @@ async def run(request: web.Request) -> web.Response:
     """The legacy episode; its turn runs on this worker (`x-ng-session-owner`)."""
     body = await _body(request)
     owner = context(request).worker.owner
-    reply = await weather_episode(episode(request), str(body.get("city", "")), "agent", owner)
+    reply = await weather_episode(episode(request), body, "agent", owner)
     return _json(reply)
 
 

@@ -2,8 +2,8 @@
 
     gym-proxy worker.apps.single_turn:create_app --workers 2
 
-`POST /run {city, _ng_rollout_id, _ng_attempt_index}`: seed a weather session, run one
-agent turn through a native agent session, verify; boundaries between the steps
+`POST /run {city, instructions?, _ng_rollout_id, _ng_attempt_index}`: seed a weather
+session, run one agent turn through a native agent session, verify; boundaries between the steps
 (`worker.apps.episode_steps`). Answers `{reward, answer, model_calls, tool_calls,
 weather_tool_calls}`. Other servers: `GYM_REF_WEATHER_URL`, `GYM_REF_AGENT_URL`.
 """
@@ -27,6 +27,6 @@ def create_app() -> Any:
     @app.post("/run")
     async def run(request: Request) -> dict[str, Any]:
         body = await request.json()
-        return await weather_episode(episode(request), str(body.get("city", "")), "agent")
+        return await weather_episode(episode(request), body, "agent")
 
     return declare(RolloutPrefix(app), Participation(kind="environment"))
