@@ -63,6 +63,8 @@ class WorkerView(Protocol):
 
     def set_tables(self, aliases: dict[str, str], sessions: dict[str, str]) -> None: ...
 
+    def sessions_ended(self, owner: str, session_ids: list[str]) -> None: ...
+
 
 @dataclass(eq=False)
 class _Write:
@@ -118,6 +120,9 @@ class Checkpointer:
             return None
         if kind == "claim":
             return self._claim(message)
+        if kind == "sessions_ended":
+            self.workers.sessions_ended(owner, [str(s) for s in message["session_ids"]])
+            return None
         raise GymError("invalid_request", f"unknown message type {kind!r}")
 
     def _claim(self, message: dict[str, Any]) -> dict[str, Any]:
@@ -161,6 +166,7 @@ class Checkpointer:
             ],
             "expected_workers": self.workers.expected,
             "session_aliases": self.workers.aliases(),
+            "routed_sessions": len(self.workers.placed_sessions()),
             "restored_pending": self._pending_keys(),
             "retired_rollouts": len(self.marks),
         }

@@ -82,6 +82,14 @@ class Router:
         self.aliases = dict(aliases)
         self.sessions = dict(sessions)
 
+    def forget_sessions(self, owner: str, session_ids: list[str]) -> None:
+        """`owner`'s worker ended these sessions: drop those the table sends to it."""
+        sessions, aliases = self.sessions, self.aliases
+        for session_id in session_ids:
+            holder = sessions.get(session_id)
+            if holder is not None and (holder == owner or aliases.get(holder) == owner):
+                del sessions[session_id]
+
     def resolve_owner(self, owner: str) -> WorkerRoute | None:
         """The live worker that holds `owner`'s sessions, directly or through an alias."""
         worker = self.workers.get(owner)

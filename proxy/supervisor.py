@@ -307,6 +307,9 @@ class Supervisor:
     def set_tables(self, aliases: dict[str, str], sessions: dict[str, str]) -> None:
         self.router.set_tables(aliases, sessions)
 
+    def sessions_ended(self, owner: str, session_ids: list[str]) -> None:
+        self.router.forget_sessions(owner, session_ids)
+
     # ---- stopping -----------------------------------------------------------------
     def workers(self) -> list[WorkerProcess]:
         """Current worker records, by slot."""

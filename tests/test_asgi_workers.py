@@ -19,7 +19,7 @@ from mcp import ClientSession
 from mcp.client.streamable_http import streamable_http_client
 from mcp.shared._httpx_utils import create_mcp_http_client
 
-from tests.support import CONTROL_TOKEN, Control, ProxyProcess
+from tests.support import CONTROL_TOKEN, Control, ProxyProcess, wait_until
 
 NEMO_APP = "tests.nemo_style:create_app"
 MCP_TOKEN = "X-NeMo-Gym-Session-Token"
@@ -249,3 +249,26 @@ async def test_verify_ends_the_session_and_its_routing_entry(start_proxy):
                 result = await session.call_tool("increment_counter", {"count": 1})
                 holders.add(result.isError)
         assert True in holders  # some call reached a worker without the session
+
+
+async def test_ended_app_sessions_leave_the_proxys_routing_table(start_proxy):
+    """The proxy routes an app's tokens by a table of the sessions its workers announced;
+    sessions a worker ends by itself (here the idle TTL) are dropped from it too."""
+    proxy = start_proxy(
+        "--session-idle-ttl", "1", workers=2, app=NEMO_APP, control_token=CONTROL_TOKEN
+    )
+    async with nemo_http() as http:
+        control = Control(http, proxy.url)
+        clients = [NemoClient(http, proxy.url) for _ in range(4)]
+        for i, client in enumerate(clients):
+            await client.seed(i)
+        assert (await control.ok("status"))["routed_sessions"] == 4
+
+        async def table_empty() -> bool:
+            return (await control.ok("status"))["routed_sessions"] == 0
+
+        await wait_until(table_empty, 15, "the expired sessions to leave the table")
+        # a client coming back after its session ended starts a new one, routed again
+        await clients[0].seed(5)
+        assert (await control.ok("status"))["routed_sessions"] == 1
+        assert (await clients[0].post("/increment_counter", {"count": 1}))["count"] == 6

@@ -54,6 +54,7 @@ __all__ = [
 log = logging.getLogger("gym_proxy.participant")
 
 REPORT_POLL = 0.2
+ENDED_FLUSH = 0.2  # seconds ended sessions are collected before the proxy is told
 CLAIM_WAIT = 30.0
 ROLLOUT_PREFIX = "/ng-rollout/"
 RUN_BODY_LIMIT = 64 * 1024 * 1024
@@ -131,8 +132,11 @@ class ParticipantRuntime:
     _poller: asyncio.Task[None] | None = None
     _sends: set[asyncio.Task[None]] = field(default_factory=set)
 
+    _ended: list[str] = field(default_factory=list)
+
     def __post_init__(self) -> None:
         self.opened.set()
+        self.store.on_end = self._sessions_ended
 
     @property
     def kind(self) -> str:
@@ -321,6 +325,23 @@ class ParticipantRuntime:
             "counts": counts,
             "restarts": sorted(self.store.episodes()) if restart_only else [],
         }
+
+    def _sessions_ended(self, session_ids: list[str]) -> None:
+        """Sessions ended here: tell the proxy soon (batched), so its routing table of
+        app and placed sessions does not keep them forever (an MCP token or cookie of an
+        ended session is then routed as a new one)."""
+        if not self._ended:
+            with contextlib.suppress(RuntimeError):  # no loop: nobody to tell
+                asyncio.get_running_loop().call_later(ENDED_FLUSH, self._send_ended)
+        self._ended += session_ids
+
+    def _send_ended(self) -> None:
+        ended, self._ended = self._ended, []
+        store = self.store
+        ended = [sid for sid in ended if sid not in store]  # begun again meanwhile: keep
+        if ended and self.channel is not None and not self.channel.closed:
+            with contextlib.suppress(ChannelClosed):
+                self.channel.send_nowait({"type": "sessions_ended", "session_ids": ended})
 
     def changed(self) -> None:
         """Something readiness depends on changed: report soon (coalesced)."""

@@ -1,13 +1,15 @@
 """Per-session state a worker holds for its app, exported at commit, installed at restore.
 
 Entries are kept in order of last use (a use moves an entry to the end), so sessions
-idle longer than a TTL are found at the front and expired without a scan.
+idle longer than a TTL are found at the front and expired without a scan. Whatever ends
+sessions (a closer, the TTL, a retire, a release after commit) tells `on_end`, so the
+proxy can drop them from its routing table.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Container
+from collections.abc import Callable, Container
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,6 +45,7 @@ class SessionStore:
 
     def __init__(self) -> None:
         self._entries: dict[str, SessionEntry] = {}
+        self.on_end: Callable[[list[str]], None] | None = None  # sessions that ended
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -82,11 +85,19 @@ class SessionStore:
                 doomed.append(session_id)
         for session_id in doomed:
             del self._entries[session_id]
+        self._ended(doomed)
         return doomed
 
     def delete(self, session_id: str) -> bool:
         """End a session; True if it was live."""
-        return self._entries.pop(session_id, None) is not None
+        if self._entries.pop(session_id, None) is None:
+            return False
+        self._ended([session_id])
+        return True
+
+    def _ended(self, session_ids: list[str]) -> None:
+        if session_ids and self.on_end is not None:
+            self.on_end(session_ids)
 
     def bind(self, session_id: str, episode: str) -> None:
         """Bind a live session with no episode to `episode` (a seed sent under one)."""
@@ -145,4 +156,5 @@ class SessionStore:
         victims = [sid for sid, entry in self._entries.items() if doomed(entry)]
         for sid in victims:
             del self._entries[sid]
+        self._ended(victims)
         return victims
