@@ -18,9 +18,7 @@ from coordinator.episode_ids import episode_key, parse_episode_key
 __all__ = ["SessionEntry", "SessionStore", "session_record"]
 
 
-def session_record(
-    session_id: str, episode: str | None, state: Any, owner: str
-) -> dict[str, Any]:
+def session_record(session_id: str, episode: str | None, state: Any, owner: str) -> dict[str, Any]:
     """NeMo Gym's resources session record (`episode_id` null: bound to no episode)."""
     return {
         "episode_id": None if episode is None else parse_episode_key(episode).as_json(),
