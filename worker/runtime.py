@@ -60,6 +60,9 @@ ROLLOUT_PREFIX = "/ng-rollout/"
 RUN_BODY_LIMIT = 64 * 1024 * 1024
 # Routes that end a session when they answer 2xx (NeMo Gym's session lifecycle);
 # `/verify` ends it only on a resources server.
+# A model participant's generation routes (NeMo Gym's): only these are checkpointed work;
+# a model server's other routes (model lists, health, a judge) keep serving.
+GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/responses", "/v1/messages"})
 _CLOSE_PATHS = frozenset({"/close_session"})
 _RESOURCES_CLOSE_PATHS = frozenset({"/close_session", "/verify"})
 
@@ -163,17 +166,17 @@ class ParticipantRuntime:
         flight = InFlight(
             asyncio.current_task(), facts.session_id, identity, facts.path, facts.new_session
         )
-        if not self.is_open:
+        kind = self.kind
+        if self.is_open or (kind == "model" and facts.path not in GENERATION_PATHS):
+            self.flights.add(flight)
+        else:
             # New work is refused while a checkpoint is open, but a resources server never
             # refuses a seed: NeMo Gym's client does not retry a 409, so it waits instead.
-            # Every call to a model is new work (NeMo Gym's model participant).
-            kind = self.kind
+            # Every generation call to a model is new work (NeMo Gym's model participant).
             if new_episode or kind == "model" or (facts.new_session and kind != "resources"):
                 raise GymError("checkpoint_parked", "a checkpoint is in progress")
             self.flights.add(flight)
             await self.park(flight, "door")
-        else:
-            self.flights.add(flight)
         try:
             if identity is not None:
                 restored, state = False, None
@@ -276,8 +279,9 @@ class ParticipantRuntime:
         self.changed()
 
     async def hold_answer(self, flight: InFlight) -> None:
-        """A model's answer waits while a checkpoint is open (delivered after resume)."""
-        if self.kind == "model" and not self.is_open:
+        """A model's generation answer waits while a checkpoint is open (delivered after
+        resume)."""
+        if self.kind == "model" and not self.is_open and flight.path in GENERATION_PATHS:
             await self.park(flight, "parked")
 
     def tunnel_opened(self, flight: InFlight, close: Callable[[], None]) -> None:

@@ -1,0 +1,57 @@
+"""A model participant in NeMo Gym's sense (the reference `fake_model`, kind `model`):
+while a checkpoint is open a new generation call is refused `409 checkpoint_parked`, an
+admitted one finishes and its answer waits until resume, none of them blocks the
+checkpoint, and the server's other routes keep serving."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import orjson
+
+from tests.support import CONTROL_TOKEN, Control, wait_until
+
+FAKE_MODEL = "worker.apps.fake_model:create_app"
+ASK = {"input": "What is the weather in Oslo?"}
+
+
+async def test_model_calls_across_a_checkpoint(start_proxy, http, tmp_path):
+    hold = tmp_path / "hold"
+    hold.write_text("hold")
+    env = {"GYM_FAKE_MODEL_HOLD_FILE": str(hold), "GYM_FAKE_MODEL_HOLD_CALLS": "1"}
+    proxy = start_proxy(workers=1, app=FAKE_MODEL, env=env, control_token=CONTROL_TOKEN)
+    control = Control(http, proxy.url)
+
+    async def call(key: str) -> tuple[int, dict]:
+        url = f"{proxy.url}/ng-rollout/{key}/v1/responses"
+        async with http.post(url, data=orjson.dumps(ASK)) as resp:
+            return resp.status, await resp.json()
+
+    async def held() -> int:
+        async with http.get(f"{proxy.url}/held") as resp:
+            assert resp.status == 200  # not a generation route: served while closed too
+            return (await resp.json())["held"]
+
+    async def one_held() -> bool:
+        return await held() == 1
+
+    admitted = asyncio.ensure_future(call("r1"))
+    await wait_until(one_held, 10, "the call to be held at the model")
+    reply = await control.ok("prepare", checkpoint_id="m1")
+    assert reply["phase"] == "prepared"  # an admitted model call never blocks
+    status, body = await call("r2")
+    assert (status, body["error"]["code"]) == (409, "checkpoint_parked")
+    assert await held() == 1
+    os.unlink(hold)  # the admitted call finishes; its answer waits for resume
+
+    async def answer_parked() -> bool:
+        return (await control.ok("status"))["report"]["counts"].get("parked") == 1
+
+    await wait_until(answer_parked, 10, "the finished answer to be held")
+    assert not admitted.done()
+    await control.ok("resume", checkpoint_id="m1")
+    status, body = await asyncio.wait_for(admitted, 10)
+    assert status == 200 and body["output"][0]["name"] == "get_weather"
+    status, body = await call("r2")  # open again: the refused call is repeated
+    assert status == 200 and body["output"][0]["type"] == "function_call"
