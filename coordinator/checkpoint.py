@@ -39,6 +39,7 @@ log = logging.getLogger("gym_proxy.coordinator")
 # A resume or a rollback does not wait longer than this for a worker's acknowledgement:
 # a worker that does not answer gets the message when it wakes, or is restarted open.
 REOPEN_WAIT = 2.0
+CLOSE_WAIT = 2.0
 
 
 @dataclass(frozen=True)
@@ -212,8 +213,9 @@ class Checkpointer:
             )
 
     def _send_close(self, checkpoint_id: str, deadline_ts: float) -> None:
-        """Close every live worker; each reply lands in readiness when it comes."""
-        timeout = max(0.0, deadline_ts - self.clock())
+        """Close every live worker; each reply lands in readiness when it comes (a worker
+        gets at least CLOSE_WAIT to answer, even for a prepare whose deadline passed)."""
+        timeout = max(CLOSE_WAIT, deadline_ts - self.clock())
         for worker in self.workers.live():
             sent = asyncio.ensure_future(
                 worker.channel.request("close", within=timeout, checkpoint_id=checkpoint_id)

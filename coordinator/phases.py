@@ -49,7 +49,10 @@ _ALLOWED = {
 # retires with the ID it just resumed); while restored, only the open one.
 _OUTSIDE_CHECKPOINTS = frozenset({"retire", "forget"})
 # Operations refused once their deadline has passed (a cached reply is returned first).
-_DEADLINED = frozenset({"prepare", "commit", "restore", "retire", "forget"})
+# Refused when deadline_ts has passed. Not prepare: as in NeMo Gym's Gen-2, a prepare whose
+# deadline passed still closes admission and answers at once (`preparing` with its
+# blockers, or `prepared`); the controller then resumes or retries.
+_DEADLINED = frozenset({"commit", "restore", "retire", "forget"})
 
 
 @dataclass

@@ -178,8 +178,21 @@ async def test_retries_conflicts_and_stale_ids(participant, http, tmp_path):
         assert code == 409 and body["error"]["code"] == "stale_checkpoint", op
     code, body = await control.call("commit", checkpoint_id="zz", checkpoint_dir="/tmp")
     assert code == 409 and body["error"]["code"] == "invalid_phase"
-    code, body = await control.call("prepare", checkpoint_id="late", deadline_ts=time.time() - 1)
+    code, body = await control.call(
+        "retire",
+        checkpoint_id="late",
+        deadline_ts=time.time() - 1,
+        episode_ids=[{"rollout_id": "r", "attempt": 0}],
+    )
     assert code == 409 and body["error"]["code"] == "deadline_exceeded"
+    # a prepare whose deadline passed closes admission and answers at once (Gen-2): the
+    # controller resumes or retries
+    late = await control.ok("prepare", checkpoint_id="late", deadline_ts=time.time() - 1)
+    assert late["phase"] in ("preparing", "prepared")
+    assert (await control.ok("status"))["checkpoint_id"] == "late"
+    retried = await control.ok("prepare", checkpoint_id="late")
+    assert retried["phase"] == "prepared", retried
+    await control.ok("resume", checkpoint_id="late")
 
 
 @BOTH_APP_KINDS

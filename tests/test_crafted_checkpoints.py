@@ -217,7 +217,16 @@ async def test_bad_control_input_is_json_never_a_500(restorer, http):
             (400, "invalid_request"),
         ),
         (
-            post(f"{path}/prepare", orjson.dumps({"checkpoint_id": "x", "deadline_ts": -1e308})),
+            post(
+                f"{path}/retire",
+                orjson.dumps(
+                    {
+                        "checkpoint_id": "x",
+                        "deadline_ts": -1e308,
+                        "episode_ids": [{"rollout_id": "r", "attempt": 0}],
+                    }
+                ),
+            ),
             (409, "deadline_exceeded"),
         ),
         (post(f"{path}/nothing", body), (404, "not_found")),
