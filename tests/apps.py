@@ -70,6 +70,12 @@ async def release(request: web.Request) -> web.Response:
     return web.json_response({"released": request.query["name"]})
 
 
+async def generate(request: web.Request) -> web.Response:
+    """A model's generation route (run with GYM_TEST_KIND=model): waits for `generate`."""
+    await _gate(request, "generate").wait()
+    return web.json_response({**_info(request), "generated": True})
+
+
 async def upload(request: web.Request) -> web.Response:
     digest = hashlib.sha256()
     size = 0
@@ -196,6 +202,7 @@ def create_app() -> web.Application:
     app.router.add_get("/sse", sse)
     app.router.add_route("*", "/release", release)
     app.router.add_post("/upload", upload)
+    app.router.add_post("/v1/responses", generate)
     app.router.add_get("/download", download)
     app.router.add_post("/echo", echo)
     app.router.add_route("*", "/slow", slow)

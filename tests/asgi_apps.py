@@ -112,6 +112,12 @@ async def release(request: Request) -> Response:
     return _json({"released": request.query_params["name"]})
 
 
+async def generate(request: Request) -> Response:
+    """A model's generation route (run with GYM_TEST_KIND=model): waits for `generate`."""
+    await _gate("generate").wait()
+    return _json({**_info(request), "generated": True})
+
+
 async def upload(request: Request) -> Response:
     digest, size = hashlib.sha256(), 0
     async for chunk in request.stream():
@@ -224,6 +230,7 @@ def create_app() -> Any:
             Route("/sse", sse),
             Route("/release", release, methods=["GET", "POST"]),
             Route("/upload", upload, methods=["POST"]),
+            Route("/v1/responses", generate, methods=["POST"]),
             Route("/download", download),
             Route("/echo", echo, methods=["POST"]),
             Route("/slow", slow, methods=["GET", "POST"]),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import os
 import shutil
 import signal
@@ -15,6 +16,8 @@ import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
+
+import orjson
 
 TEST_SECRET = "test-secret-do-not-use"
 CONTROL_TOKEN = "test-control-token"
@@ -219,3 +222,22 @@ class Control:
         return await self.ok(
             "commit", checkpoint_id=checkpoint_id, checkpoint_dir=directory, **commit
         )
+
+
+def write_checkpoint(base: Path, lines: list[bytes], **manifest: Any) -> None:
+    """Write a participant's checkpoint files by hand, as another writer (NeMo Gym, or an
+    attacker) would: the records file named by its digest, then the manifest. A manifest
+    field given as "<absent>" is left out."""
+    base.mkdir(parents=True)
+    data = b"".join(line + b"\n" for line in lines)
+    digest = hashlib.sha256(data).hexdigest()
+    (base / f"records-{digest}.jsonl").write_bytes(data)
+    fields = {
+        "schema_version": 1,
+        "records_file": f"records-{digest}.jsonl",
+        "records_sha256": digest,
+        "record_count": len(lines),
+        **manifest,
+    }
+    document = {k: v for k, v in fields.items() if v != "<absent>"}
+    (base / "manifest.json").write_bytes(orjson.dumps(document))

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import errno
-import hashlib
 import os
 import time
 
@@ -14,7 +13,7 @@ import pytest
 
 from coordinator import records
 from tests.raw_http import close, open_raw, read_responses
-from tests.support import CONTROL_TOKEN, Control
+from tests.support import CONTROL_TOKEN, Control, write_checkpoint
 
 TOKEN = "X-NeMo-Gym-Session-Token"
 GOOD_SESSION = {"episode_id": None, "session_id": "s1", "state": 1, "owner": "o1"}
@@ -28,25 +27,15 @@ GOOD_EPISODE = {
 def craft(directory, lines: list[bytes], **manifest_fields) -> None:
     """A checkpoint whose digest and count match `lines`, with manifest fields overridden
     (a field given as "<absent>" is left out)."""
-    base = records.checkpoint_path(str(directory), "resources", "apps")
-    base.mkdir(parents=True)
-    data = b"".join(line + b"\n" for line in lines)
-    digest = hashlib.sha256(data).hexdigest()
-    (base / f"records-{digest}.jsonl").write_bytes(data)
-    manifest = {
-        "schema_version": 1,
+    fields = {
         "kind": "resources",
         "instance": "apps",
         "checkpoint_id": "crafted",
-        "records_file": f"records-{digest}.jsonl",
-        "records_sha256": digest,
-        "record_count": len(lines),
         "session_owners": {"o1": "o1"},
         "placed_sessions": {},
         **manifest_fields,
     }
-    manifest = {k: v for k, v in manifest.items() if v != "<absent>"}
-    (base / "manifest.json").write_bytes(orjson.dumps(manifest))
+    write_checkpoint(records.checkpoint_path(str(directory), "resources", "apps"), lines, **fields)
 
 
 def record(**changes) -> bytes:

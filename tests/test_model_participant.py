@@ -10,6 +10,7 @@ import os
 
 import orjson
 
+from tests.conftest import BOTH_APP_KINDS
 from tests.support import CONTROL_TOKEN, Control, wait_until
 
 FAKE_MODEL = "worker.apps.fake_model:create_app"
@@ -55,3 +56,38 @@ async def test_model_calls_across_a_checkpoint(start_proxy, http, tmp_path):
     assert status == 200 and body["output"][0]["name"] == "get_weather"
     status, body = await call("r2")  # open again: the refused call is repeated
     assert status == 200 and body["output"][0]["type"] == "function_call"
+
+
+@BOTH_APP_KINDS
+async def test_model_kind_gates_generation_routes_only(start_proxy, http):
+    """The same rules through either front door (aiohttp middleware, ASGI middleware)."""
+    proxy = start_proxy(workers=1, env={"GYM_TEST_KIND": "model"}, control_token=CONTROL_TOKEN)
+    control = Control(http, proxy.url)
+    generate = f"{proxy.url}/ng-rollout/r1/v1/responses"
+
+    async def call(url: str) -> tuple[int, dict]:
+        async with http.post(url, json={}) as resp:
+            return resp.status, await resp.json()
+
+    admitted = asyncio.ensure_future(call(generate))
+
+    async def running() -> bool:
+        return (await control.ok("status"))["workers"][0]["in_flight"] >= 1
+
+    await wait_until(running, 10, "the generation call to be admitted")
+    assert (await control.ok("prepare", checkpoint_id="g1"))["phase"] == "prepared"
+    status, body = await call(generate)
+    assert (status, body["error"]["code"]) == (409, "checkpoint_parked")
+    status, _ = await call(f"{proxy.url}/whoami")
+    assert status == 200  # not a generation route: served while closed
+    status, _ = await call(f"{proxy.url}/release?name=generate")
+    assert status == 200  # the admitted call finishes; its answer waits for resume
+
+    async def answer_parked() -> bool:
+        return (await control.ok("status"))["report"]["counts"].get("parked") == 1
+
+    await wait_until(answer_parked, 10, "the finished answer to be held")
+    assert not admitted.done()
+    await control.ok("resume", checkpoint_id="g1")
+    status, body = await asyncio.wait_for(admitted, 10)
+    assert status == 200 and body["generated"] is True

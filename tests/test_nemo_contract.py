@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import hashlib
 import os
 import signal
 import time
@@ -23,7 +22,7 @@ from coordinator.controller import ControlFailed, Controller, Participant
 from coordinator.episode_ids import EpisodeId
 from tests.conftest import BOTH_APP_KINDS
 from tests.nemo_style import TOKEN_SALT, CounterResourcesServer
-from tests.support import CONTROL_TOKEN, Control, wait_until
+from tests.support import CONTROL_TOKEN, Control, wait_until, write_checkpoint
 from tests.test_asgi_workers import mcp_increment
 
 TOKEN = "X-NeMo-Gym-Session-Token"
@@ -273,8 +272,6 @@ def test_identical_commit_returns_the_existing_manifest(tmp_path):
 def nemo_single_process_checkpoint(directory, sessions: dict[str, int]) -> None:
     """What a one-worker NeMo Gym resources server writes: records with owner null, bound
     to episodes, and a manifest without gym-proxy's extras."""
-    base = records.checkpoint_path(str(directory), "resources", "nemo_style")
-    base.mkdir(parents=True)
     lines = [
         orjson.dumps(
             {
@@ -286,19 +283,13 @@ def nemo_single_process_checkpoint(directory, sessions: dict[str, int]) -> None:
         )
         for i, (sid, count) in enumerate(sessions.items())
     ]
-    data = b"".join(line + b"\n" for line in lines)
-    digest = hashlib.sha256(data).hexdigest()
-    (base / f"records-{digest}.jsonl").write_bytes(data)
-    manifest = {
-        "schema_version": 1,
-        "kind": "resources",
-        "instance": "nemo_style",
-        "checkpoint_id": "nemo-ck",
-        "records_file": f"records-{digest}.jsonl",
-        "records_sha256": digest,
-        "record_count": len(lines),
-    }
-    (base / "manifest.json").write_bytes(orjson.dumps(manifest))
+    write_checkpoint(
+        records.checkpoint_path(str(directory), "resources", "nemo_style"),
+        lines,
+        kind="resources",
+        instance="nemo_style",
+        checkpoint_id="nemo-ck",
+    )
 
 
 async def test_restore_of_a_nemo_gym_single_process_checkpoint(start_proxy, http, tmp_path):
