@@ -114,6 +114,14 @@ def wrk_measure(front: FrontEnd, seconds: float, connections: int, directory: st
     return result
 
 
+def data_path_mode() -> str:
+    """What the proxy processes of this run import: the mypyc build or the source."""
+    probe = "import proxy.data_path as d; print(*d.mode(), sep=': ')"
+    return subprocess.run(
+        [sys.executable, "-c", probe], cwd=REPO, check=True, capture_output=True, text=True
+    ).stdout.strip()
+
+
 def run_workers(workers: int, opts: argparse.Namespace, notes: list[str]) -> dict[str, Any]:
     """Every front end at every connection count, for `workers` workers."""
     sessions = max(512, max(opts.connections))
@@ -320,6 +328,7 @@ def main() -> None:
         "cores": os.cpu_count(),
         "seconds": opts.seconds,
         "command": " ".join(["python", "bench/routing.py", *sys.argv[1:]]),
+        "data_path": data_path_mode(),
         "runs": {},
     }
     for workers in opts.workers:
@@ -334,6 +343,7 @@ def main() -> None:
     plotted = plot(results, stem.with_suffix(".png"))
     print(f"gym-proxy routing bench, {started:%Y-%m-%d}, {os.cpu_count()} cores, "
           f"{opts.seconds:g} s per cell: `{results['command']}`")  # fmt: skip
+    print(f"gym-proxy data path: {results['data_path']}")
     for workers, run in results["runs"].items():
         print("\n".join(table(int(workers), run, opts.connections)))
     print("\nTargets:")

@@ -164,11 +164,12 @@ class Exchange:
         self.expect_continue = head.expect_continue
         parts = head.parts
         if self.url.startswith(_CONTROL_PREFIX):
-            worker: WorkerRoute | None = self.client.state.control
+            worker = self.client.state.control
         else:
-            worker = self._route_session(parts, head)
-            if worker is None:
+            routed = self._route_session(parts, head)
+            if routed is None:
                 return  # answered with an error
+            worker = routed
         if head.chunked:
             parts.append(b"transfer-encoding: chunked\r\n\r\n")
         elif head.content_length is not None:
@@ -188,7 +189,8 @@ class Exchange:
         """Pick the worker and add the identity headers; None after answering an error."""
         state = self.client.state
         router = state.router
-        key = rest = None
+        key: bytes | None = None
+        rest = b""
         if self.url.startswith(_ROLLOUT_PREFIX):
             key, rest = wire.split_rollout_path(self.url, len(_ROLLOUT_PREFIX))
             if not key:
@@ -223,7 +225,7 @@ class Exchange:
         worker = route.worker
         if key is not None and not worker.keeps_rollout_prefix:
             # aiohttp routes before any middleware: the app sees /rest, the runtime the key.
-            parts[2] = rest  # type: ignore[call-overload]
+            parts[2] = rest
             parts += (b"x-ng-episode-key: ", key, b"\r\n")
         if head.app_token is not None:
             # The app's own token decides; the proxy mints nothing for such a call.

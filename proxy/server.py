@@ -22,6 +22,7 @@ from aiohttp import web
 from coordinator.channel import Channel
 from coordinator.checkpoint import Checkpointer
 from coordinator.hub import Coordinator
+from proxy import data_path
 from proxy.client_connection import DISCARDING, LINGERING, TUNNEL, ClientConnection, ProxyState
 from proxy.config import Config
 from proxy.control_app import create_control_app
@@ -123,6 +124,7 @@ async def run(config: Config, listen_sock: socket.socket, secret: bytes) -> int:
         )
         host, port = listen_sock.getsockname()[:2]
         log.info("ready on http://%s:%d with %d workers", host, port, config.workers)
+        log.info("data path: %s (%s)", *data_path.mode())
         # Separate tasks on purpose: the data path's timers never wait on the coordinator.
         timers = [
             asyncio.ensure_future(_sweep(state, supervisor)),

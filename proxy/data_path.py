@@ -1,0 +1,92 @@
+"""Which data path runs: the modules setup.py compiled with mypyc, or their Python source.
+
+An install puts each compiled module's extension beside its .py (an editable install
+builds them in place), and Python's import system prefers the extension. The source
+runs instead when GYM_PROXY_PURE_PYTHON=1 (to compare the two, or to debug with plain
+Python) and when a source file differs from the one that was compiled: an edited module
+must never run as its stale build. The choice is all or none, because mypyc calls
+between the modules of one build directly; a mix would run old and new code together.
+
+`choose()` runs once, from `proxy/__init__.py`, before any compiled module is imported;
+it must not import one itself.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import json
+import os
+import sys
+from pathlib import Path
+
+__all__ = ["MANIFEST", "choose", "mode", "source_digest"]
+
+PACKAGE_DIR = Path(__file__).resolve().parent
+# Written by setup.py at build time: {module name: sha256 of the source compiled}.
+MANIFEST = PACKAGE_DIR / "_compiled_sources.json"
+
+_mode = "python"
+_reason = "not built (no compiled modules installed)"
+
+
+def source_digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def mode() -> tuple[str, str]:
+    """("compiled" or "python", why): for the startup log and the control status."""
+    return _mode, _reason
+
+
+class _SourceFirst(importlib.abc.MetaPathFinder):
+    """Loads the named modules from their .py files, ahead of the extension files."""
+
+    def __init__(self, sources: dict[str, Path]) -> None:
+        self.sources = sources
+
+    def find_spec(self, fullname: str, path: object, target: object = None):  # noqa: ANN201
+        source = self.sources.get(fullname)
+        if source is None:
+            return None
+        return importlib.util.spec_from_file_location(fullname, source)
+
+
+def _built_modules() -> dict[str, str]:
+    """The compiled modules and the digest of each source compiled; {} when the build
+    is missing or partial (an optional extension that failed to compile)."""
+    try:
+        recorded = json.loads(MANIFEST.read_text())
+    except (OSError, ValueError):
+        return {}
+    suffixes = importlib.machinery.EXTENSION_SUFFIXES
+    for name in recorded:
+        stem = name.rpartition(".")[2]
+        if not any((PACKAGE_DIR / f"{stem}{suffix}").exists() for suffix in suffixes):
+            return {}
+    return recorded
+
+
+def choose() -> None:
+    global _mode, _reason
+    built = _built_modules()
+    if not built:
+        return
+    sources = {name: PACKAGE_DIR / f"{name.rpartition('.')[2]}.py" for name in built}
+    if os.environ.get("GYM_PROXY_PURE_PYTHON") == "1":
+        _reason = "GYM_PROXY_PURE_PYTHON=1"
+    else:
+        edited = sorted(
+            name
+            for name, digest in built.items()
+            if not sources[name].exists() or source_digest(sources[name]) != digest
+        )
+        if not edited:
+            _mode, _reason = "compiled", f"{len(built)} modules compiled with mypyc"
+            return
+        _reason = f"edited since the build: {', '.join(edited)} (pip install -e . rebuilds)"
+    if any(name in sys.modules for name in sources):
+        raise RuntimeError("proxy.data_path.choose() must run before the data path is imported")
+    sys.meta_path.insert(0, _SourceFirst(sources))

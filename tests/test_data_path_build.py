@@ -1,0 +1,79 @@
+"""The data path runs as its mypyc build or as its Python source (proxy/data_path.py).
+
+The rest of the suite runs what the install built (the compiled modules after
+`.ci/run`). Here: the install did build them, the Python source passes the in-process
+data path tests as well, and an edited source is never shadowed by its stale build.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from proxy import data_path
+from tests.support import REPO
+
+BUILD_SKIPPED = os.environ.get("GYM_PROXY_COMPILE") == "0"
+PURE_ASKED = os.environ.get("GYM_PROXY_PURE_PYTHON") == "1"
+PROBE = (
+    "import proxy.exchange as e, proxy.data_path as d;"
+    "print(*d.mode(), sep='\\n'); print(e.__file__)"
+)
+
+
+def probe(root: Path, pure: bool = False) -> tuple[str, str, str]:
+    """(mode, reason, file of proxy.exchange) as a fresh interpreter in `root` sees them."""
+    env = {**os.environ, "GYM_PROXY_PURE_PYTHON": "1" if pure else ""}
+    result = subprocess.run(
+        [sys.executable, "-c", PROBE], cwd=root, env=env, capture_output=True, text=True,
+        timeout=60,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    mode, reason, module_file = result.stdout.splitlines()
+    return mode, reason, module_file
+
+
+@pytest.mark.skipif(BUILD_SKIPPED or PURE_ASKED, reason="the compiled build is off on purpose")
+def test_the_install_runs_the_compiled_data_path():
+    mode, reason = data_path.mode()
+    assert mode == "compiled", f"the install did not build the data path: {reason}"
+    assert probe(REPO)[0] == "compiled"
+
+
+def test_the_python_source_passes_the_in_process_data_path_tests():
+    mode, reason, module_file = probe(REPO, pure=True)
+    assert mode == "python" and module_file.endswith("exchange.py"), (mode, reason)
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_data_path.py"],
+        cwd=REPO, env={**os.environ, "GYM_PROXY_PURE_PYTHON": "1"},
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert " passed" in result.stdout
+
+
+@pytest.mark.skipif(data_path.mode()[0] != "compiled", reason="no compiled build installed")
+def test_an_edited_source_runs_as_python_not_as_its_stale_build(tmp_path: Path):
+    ignore = shutil.ignore_patterns("__pycache__")
+    for package in ("proxy", "coordinator", "worker"):
+        shutil.copytree(REPO / package, tmp_path / package, ignore=ignore)
+    for shared in REPO.glob("gym_proxy_data_path__mypyc*"):
+        shutil.copy2(shared, tmp_path)
+    assert probe(tmp_path)[0] == "compiled"
+
+    with (tmp_path / "proxy" / "outbox.py").open("a") as source:
+        source.write("\n# an edit after the build\n")
+    mode, reason, module_file = probe(tmp_path)
+    assert mode == "python" and "proxy.outbox" in reason
+    assert module_file == str(tmp_path / "proxy" / "exchange.py")  # all or none
+
+    for built in (tmp_path / "proxy").glob("routing.*.so"):
+        built.unlink()  # a partial build runs as Python too
+    (tmp_path / "proxy" / "outbox.py").write_bytes((REPO / "proxy" / "outbox.py").read_bytes())
+    mode, reason, _ = probe(tmp_path)
+    assert mode == "python" and "not built" in reason
