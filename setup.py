@@ -41,11 +41,15 @@ def data_path_extensions() -> list[Extension]:
     except ImportError:  # built without the build requirements (--no-build-isolation)
         return []
     files = {name: Path(*name.split(".")).with_suffix(".py") for name in COMPILED_MODULES}
-    extensions = mypycify(
-        [str(path) for path in files.values()],
-        opt_level="3",
-        group_name="gym_proxy_data_path",
-    )
+    try:
+        extensions = mypycify(
+            [str(path) for path in files.values()],
+            opt_level="3",
+            group_name="gym_proxy_data_path",
+        )
+    except (Exception, SystemExit) as exc:  # mypyc exits on a type error it finds
+        print(f"gym-proxy: not compiling the data path ({exc!r}); it runs as Python")
+        return []
     for extension in extensions:
         extension.optional = True  # no compiler: the Python modules are installed instead
     digests = {name: hashlib.sha256(path.read_bytes()).hexdigest() for name, path in files.items()}
