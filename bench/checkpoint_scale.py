@@ -124,16 +124,18 @@ async def cycle(opts: argparse.Namespace, work: Path) -> dict[str, Any]:
         running = asyncio.ensure_future(driver.run(rollouts))
         while True:  # until the free half is done and the held half waits at the model
             await asyncio.sleep(0.5)
-            done = sum(1 for r in rollouts if r.history)
+            # Finished first: a rollout may end between the two counts, never un-end.
             finished = sum(1 for r in rollouts if r.finished)
+            done = sum(1 for r in rollouts if r.history)
             waiting = await _held(http, stack, controller)
-            print(f"\r  running: {finished} finished, {done - finished} failed, "
-                  f"{waiting} held at the model ", end="", file=sys.stderr, flush=True)  # fmt: skip
+            line = f"{finished} finished, {done - finished} failed, {waiting} held at the model"
+            if sys.stderr.isatty():
+                print(f"\r  running: {line} ", end="", file=sys.stderr, flush=True)
             if done + waiting >= len(rollouts):  # every rollout ended or held
                 break
             if running.done():
                 raise SystemExit(f"the rollouts ended early: {running.exception()}")
-        print(file=sys.stderr)
+        print(f"\r  first run: {line}", file=sys.stderr)
         first_run = time.monotonic() - started
         first_failures = _failure_kinds(rollouts)
         if first_failures:

@@ -42,7 +42,8 @@ class Rollout:
 
     @property
     def finished(self) -> bool:
-        return self.status == 200
+        """The last dispatch answered 200 and its whole reply arrived."""
+        return self.status == 200 and self.error is None
 
     @property
     def episode_id(self) -> EpisodeId:
@@ -118,8 +119,12 @@ class RolloutDriver:
         rollout.status = rollout.reply = rollout.error = None
         try:
             async with self.http.post(self.run_url, json=rollout.body()) as resp:
-                rollout.status = resp.status
-                rollout.reply = await resp.json(content_type=None)
+                try:
+                    rollout.reply = await resp.json(content_type=None)
+                finally:
+                    # Only once the body is in (or lost): a rollout whose reply is still
+                    # on its way, or was cut off, has not finished.
+                    rollout.status = resp.status
         except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
             rollout.error = f"{type(exc).__name__}: {exc}"
         rollout.history.append((rollout.attempt, rollout.status, rollout.error))
