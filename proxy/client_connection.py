@@ -43,6 +43,7 @@ import heapq
 import logging
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Final
 
 import httptools
 
@@ -68,12 +69,19 @@ __all__ = [
 ]
 
 # Ordered: a phase >= REFUSED parses nothing more, >= LINGERING writes nothing more.
-READING, DISCARDING, UPGRADING, TUNNEL, REFUSED, LINGERING, CLOSED = range(7)
+# Final: the compiled data path (setup.py) inlines them instead of looking them up.
+READING: Final = 0
+DISCARDING: Final = 1
+UPGRADING: Final = 2
+TUNNEL: Final = 3
+REFUSED: Final = 4
+LINGERING: Final = 5
+CLOSED: Final = 6
 PHASE_NAMES = ("reading", "discarding", "upgrading", "tunnel", "refused", "lingering", "closed")
 
-_PAUSE_PIPELINE = 1
-_PAUSE_UPSTREAM = 2
-_PAUSE_UPGRADE = 4
+_PAUSE_PIPELINE: Final = 1
+_PAUSE_UPSTREAM: Final = 2
+_PAUSE_UPGRADE: Final = 4
 _HEAD_DETAIL = "the request header block is too large"
 IDLE_CLOSE_BATCH = 32  # at most this many idle connections closed per scan at the cap
 

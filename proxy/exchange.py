@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Final
 
 from coordinator.errors import GymError, status_of
 from proxy import http_wire as wire
@@ -63,19 +63,18 @@ __all__ = [
     "DONE",
 ]
 
-QUEUED, CONNECTING, SENDING, RESPONDING, TUNNEL, ANSWERING, DONE = (
-    "queued",
-    "connecting",
-    "sending",
-    "responding",
-    "tunnel",
-    "answering",
-    "done",
-)
-_CONTROL_PREFIX = b"/ng-control/"
-_ROLLOUT_PREFIX = b"/ng-rollout/"
+# Final: the compiled data path (setup.py) inlines them instead of looking them up.
+QUEUED: Final = "queued"
+CONNECTING: Final = "connecting"
+SENDING: Final = "sending"
+RESPONDING: Final = "responding"
+TUNNEL: Final = "tunnel"
+ANSWERING: Final = "answering"
+DONE: Final = "done"
+_CONTROL_PREFIX: Final = b"/ng-control/"
+_ROLLOUT_PREFIX: Final = b"/ng-rollout/"
 # A request this large may not leave in one write; its connection keeps a spare descriptor.
-SPARE_AFTER_BYTES = 65536
+SPARE_AFTER_BYTES: Final = 65536
 
 
 class Exchange:
