@@ -17,8 +17,9 @@ so a session's calls arrive on any connection, as from NeMo Gym's clients.
 
 Per cell: requests/s, ratio to direct, p50/p99/p99.9 latency, errors, the front end's
 CPU per request (its own process: gym-proxy, haproxy) and the whole server's (front end
-plus workers). With wrk installed (`apt-get install wrk`), gym-proxy and HAProxy are
-also loaded with wrk (less client CPU than the Python generator) for the same ratios.
+plus workers). With wrk installed (`apt-get install wrk`), gym-proxy, HAProxy and
+port-sharing are also loaded with wrk (less client CPU than the Python generator; its
+script rotates the sessions over the connections too) for the same ratios.
 Then: the proxy's memory with 10,000 idle keep-alive connections, and SSE throughput
 through the proxy vs direct. Raw results go to bench/results/routing-<date>.json, and
 plots (matplotlib, the `bench` extra) of req/s and p99 vs connections next to it.
@@ -109,7 +110,8 @@ def wrk_measure(front: FrontEnd, seconds: float, connections: int, directory: st
     result = orjson.loads(out.stdout.strip().splitlines()[-1])
     requests = max(1, result["requests"])
     result["rps"] = result["requests"] / result["seconds"]
-    result["front_cpu_us"] = sum(used[p] for p in front.front_pids) * 1e6 / requests
+    front_cpu = sum(used[p] for p in front.front_pids) * 1e6 / requests
+    result["front_cpu_us"] = front_cpu if front.front_pids else None
     result["server_cpu_us"] = sum(used.values()) * 1e6 / requests
     return result
 
@@ -148,7 +150,7 @@ def run_workers(workers: int, opts: argparse.Namespace, notes: list[str]) -> dic
         wrk: dict[str, Any] = {}
         if shutil.which("wrk") and haproxy is not None:
             for connections in (c for c in opts.connections if c >= 64):
-                for front in (fronts[0], fronts[2]):
+                for front in (fronts[0], fronts[2], fronts[3]):
                     cell = wrk_measure(front, opts.seconds, connections, directory)
                     wrk.setdefault(front.name, {})[str(connections)] = cell
         elif workers == opts.workers[0]:
@@ -280,6 +282,13 @@ def summary(workers: int, run: dict[str, Any], connections: list[int]) -> list[s
             f"{hp['front_cpu_us']:.1f} us/req: {gp['rps'] / hp['rps']:.2f}x req/s, "
             f"{gp['front_cpu_us'] / hp['front_cpu_us']:.2f}x CPU/req"
         )
+        ps = run["wrk"].get("port-sharing", {}).get(c)
+        if ps is not None:
+            lines.append(
+                f"{workers}w {int(c):>4}c (wrk): vs port-sharing {gp['rps'] / ps['rps']:.2f}x "
+                f"req/s, p99 {gp['p99_ms']:.2f} vs {ps['p99_ms']:.2f} ms, server CPU/req "
+                f"{gp['server_cpu_us']:.1f} vs {ps['server_cpu_us']:.1f} us"
+            )
     return lines
 
 
