@@ -3,9 +3,11 @@
 An install puts each compiled module's extension beside its .py (an editable install
 builds them in place), and Python's import system prefers the extension. The source
 runs instead when GYM_PROXY_PURE_PYTHON=1 (to compare the two, or to debug with plain
-Python) and when a source file differs from the one that was compiled: an edited module
-must never run as its stale build. The choice is all or none, because mypyc calls
-between the modules of one build directly; a mix would run old and new code together.
+Python), when a source file differs from the one that was compiled (an edited module
+must never run as its stale build), and when the extension files are not the ones the
+build's manifest lists (a partial build, or one left behind by an install that did not
+compile). The choice is all or none, because mypyc calls between the modules of one
+build directly; a mix would run old and new code together.
 
 `choose()` runs once, from `proxy/__init__.py`, before any compiled module is imported;
 it must not import one itself.
@@ -54,37 +56,44 @@ class _SourceFirst(importlib.abc.MetaPathFinder):
         return importlib.util.spec_from_file_location(fullname, source)
 
 
-def _built_modules() -> dict[str, str]:
-    """The compiled modules and the digest of each source compiled; {} when the build
-    is missing or partial (an optional extension that failed to compile)."""
+def _extensions() -> dict[str, Path]:
+    """Module name -> source, for every module of this package with an extension file
+    beside its source: what the import system would load compiled."""
+    suffixes = tuple(importlib.machinery.EXTENSION_SUFFIXES)
+    found = {}
+    for path in PACKAGE_DIR.iterdir():
+        if path.name.endswith(suffixes):
+            source = PACKAGE_DIR / (path.name.split(".")[0] + ".py")
+            if source.exists():
+                found[f"proxy.{source.stem}"] = source
+    return found
+
+
+def _recorded() -> dict[str, str]:
     try:
-        recorded = json.loads(MANIFEST.read_text())
+        return json.loads(MANIFEST.read_text())
     except (OSError, ValueError):
         return {}
-    suffixes = importlib.machinery.EXTENSION_SUFFIXES
-    for name in recorded:
-        stem = name.rpartition(".")[2]
-        if not any((PACKAGE_DIR / f"{stem}{suffix}").exists() for suffix in suffixes):
-            return {}
-    return recorded
 
 
 def choose() -> None:
     global _mode, _reason
-    built = _built_modules()
-    if not built:
+    sources = _extensions()
+    if not sources:
         return
-    sources = {name: PACKAGE_DIR / f"{name.rpartition('.')[2]}.py" for name in built}
+    recorded = _recorded()
     if os.environ.get("GYM_PROXY_PURE_PYTHON") == "1":
         _reason = "GYM_PROXY_PURE_PYTHON=1"
+    elif set(recorded) != set(sources):
+        # Extensions the manifest does not list (a build since undone, or one that
+        # compiled only some modules): not a build we can vouch for.
+        _reason = "the compiled modules do not match the build's manifest (partial or old build)"
     else:
         edited = sorted(
-            name
-            for name, digest in built.items()
-            if not sources[name].exists() or source_digest(sources[name]) != digest
+            name for name, digest in recorded.items() if source_digest(sources[name]) != digest
         )
         if not edited:
-            _mode, _reason = "compiled", f"{len(built)} modules compiled with mypyc"
+            _mode, _reason = "compiled", f"{len(sources)} modules compiled with mypyc"
             return
         _reason = f"edited since the build: {', '.join(edited)} (pip install -e . rebuilds)"
     if any(name in sys.modules for name in sources):

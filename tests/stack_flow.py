@@ -69,11 +69,25 @@ class StackRun:
         async with self.http.get(url, headers=headers) as resp:
             return await resp.json()
 
-    async def wait_held(self, server: str, count: int, within: float = 60) -> None:
+    async def wait_held(
+        self, server: str, count: int, within: float = 60, running: asyncio.Future | None = None
+    ) -> None:
+        """Until `count` calls wait at `server`'s hold switch; `running` (a driver run)
+        ending first fails at once, with how its rollouts ended."""
+
         async def enough() -> bool:
+            if running is not None and running.done():
+                ended = [(r.rollout_id, r.status, r.error) for r in running.result()]
+                raise AssertionError(f"the rollouts ended before {count} were held: {ended}")
             return await self.held(server) >= count
 
-        await wait_until(enough, within, f"{count} calls held at {server}")
+        try:
+            await wait_until(enough, within, f"{count} calls held at {server}")
+        except AssertionError as exc:
+            logs = "".join(
+                f"\n--- {name}.log ---\n{self.stack.log(name)[-1500:]}" for name in self.stack.urls
+            )
+            raise AssertionError(f"{exc}{logs}") from None
 
     async def checkpoint(self, checkpoint_id: str, directory: str) -> dict[str, EpisodeId]:
         """prepare and commit (no resume: the caller crashes or resumes)."""
@@ -102,9 +116,9 @@ class StackRun:
         if running is not None:
             await asyncio.wait_for(running, 60)
 
-    async def continue_rollouts(self, rollouts: list[Rollout]) -> None:
+    async def continue_rollouts(self, rollouts: list[Rollout]) -> list[Rollout]:
         RolloutDriver.continue_after_restore(rollouts, set(self.exported))
-        await self.driver.run(rollouts)
+        return await self.driver.run(rollouts)
 
     async def nothing_left_behind(self, checkpoint_id: str = "final") -> None:
         """Every participant idle: no restored records pending, and a prepare finds no

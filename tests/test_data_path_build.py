@@ -75,5 +75,10 @@ def test_an_edited_source_runs_as_python_not_as_its_stale_build(tmp_path: Path):
     for built in (tmp_path / "proxy").glob("routing.*.so"):
         built.unlink()  # a partial build runs as Python too
     (tmp_path / "proxy" / "outbox.py").write_bytes((REPO / "proxy" / "outbox.py").read_bytes())
-    mode, reason, _ = probe(tmp_path)
-    assert mode == "python" and "not built" in reason
+    mode, reason, module_file = probe(tmp_path)
+    assert mode == "python" and "manifest" in reason
+    assert module_file == str(tmp_path / "proxy" / "exchange.py")
+
+    (tmp_path / "proxy" / "_compiled_sources.json").unlink()  # an install that did not compile
+    mode, reason, module_file = probe(tmp_path)
+    assert mode == "python" and module_file == str(tmp_path / "proxy" / "exchange.py")

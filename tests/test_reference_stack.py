@@ -68,7 +68,7 @@ async def crash_mid_rollout(run: StackRun, rollouts, directory: str, checkpoint_
     """Start the rollouts, wait until all of them are held at the model (mid-turn),
     checkpoint, crash. Returns what the commit exported."""
     running = asyncio.ensure_future(run.driver.run(rollouts))
-    await run.wait_held("model", len(rollouts))
+    await run.wait_held("model", len(rollouts), running=running)
     exported = await run.checkpoint(checkpoint_id, directory)
     await run.crash(running)
     return exported
@@ -130,7 +130,7 @@ async def test_restore_the_same_checkpoint_after_the_replacements_made_calls(
     # the replacements run until the model holds their call again, then all is lost
     await run.restore("again", str(tmp_path / "ck"))
     replacements = asyncio.ensure_future(run.continue_rollouts(rollouts))
-    await run.wait_held("model", len(rollouts))
+    await run.wait_held("model", len(rollouts), running=replacements)
     await run.crash(replacements)
     os.unlink(hold)
     await run.restore("again", str(tmp_path / "ck"), workers=2)
