@@ -39,7 +39,7 @@ def source_digest(path: Path) -> str:
 
 
 def mode() -> tuple[str, str]:
-    """("compiled" or "python", why): for the startup log and the control status."""
+    """("compiled" or "python", why): for the start-up log and the bench."""
     return _mode, _reason
 
 
@@ -49,7 +49,9 @@ class _SourceFirst(importlib.abc.MetaPathFinder):
     def __init__(self, sources: dict[str, Path]) -> None:
         self.sources = sources
 
-    def find_spec(self, fullname: str, path: object, target: object = None):  # noqa: ANN201
+    def find_spec(
+        self, fullname: str, path: object, target: object = None
+    ) -> importlib.machinery.ModuleSpec | None:
         source = self.sources.get(fullname)
         if source is None:
             return None
