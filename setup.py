@@ -6,6 +6,11 @@ the 22 us the proxy spends per request under load (README, "Bench"). The extensi
 optional: a machine that cannot compile them installs the same modules as Python, and
 GYM_PROXY_COMPILE=0 skips the compile on purpose. At run time `proxy.data_path` picks
 the build or the source (GYM_PROXY_PURE_PYTHON=1, or a source edited since the build).
+
+The build's bookkeeping is one manifest per interpreter ABI, named like the extension
+files it vouches for, and a build only ever writes its own: an install that does not
+compile (or one for another Python in the same checkout) cannot change which data path
+an earlier build's interpreter runs.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sysconfig
 from pathlib import Path
 
 from setuptools import Extension, setup
@@ -29,11 +35,12 @@ COMPILED_MODULES = [
     "proxy.routing",
     "proxy.session_tokens",
 ]
-MANIFEST = Path("proxy/_compiled_sources.json")  # read by proxy/data_path.py
+# Read by proxy/data_path.py; e.g. proxy/_compiled_sources.cpython-311-x86_64-linux-gnu.json
+EXT_SUFFIX = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
+MANIFEST = Path("proxy") / ("_compiled_sources" + EXT_SUFFIX.removesuffix(".so") + ".json")
 
 
 def data_path_extensions() -> list[Extension]:
-    MANIFEST.unlink(missing_ok=True)
     if os.environ.get("GYM_PROXY_COMPILE", "1") == "0":
         return []
     try:
@@ -41,6 +48,11 @@ def data_path_extensions() -> list[Extension]:
     except ImportError:  # built without the build requirements (--no-build-isolation)
         return []
     files = {name: Path(*name.split(".")).with_suffix(".py") for name in COMPILED_MODULES}
+    # This ABI's earlier build is replaced: should the C compiler fail this time, none of
+    # its old extensions may stay to pass for the new sources under the new manifest.
+    MANIFEST.unlink(missing_ok=True)
+    for old in [*Path("proxy").glob("*" + EXT_SUFFIX), *Path(".").glob("*__mypyc" + EXT_SUFFIX)]:
+        old.unlink()
     try:
         extensions = mypycify(
             [str(path) for path in files.values()],

@@ -52,7 +52,8 @@ async def wait_up(http: aiohttp.ClientSession, url: str) -> None:
                 f"{url}/ng-control/v1/checkpoint/status",
                 headers={"Authorization": f"Bearer {CONTROL}"},
             ) as resp:
-                if resp.status == 200:
+                status = await resp.json() if resp.status == 200 else None
+                if status and len(status["workers"]) == status["expected_workers"]:
                     return
         except aiohttp.ClientError:
             pass

@@ -18,6 +18,7 @@ STATUS: dict[str, int] = {
     "bad_request": 400,
     "invalid_session_token": 400,
     "not_found": 404,
+    "unknown_session": 404,
     "request_timeout": 408,
     "session_owner_gone": 410,
     "uri_too_long": 414,

@@ -124,6 +124,9 @@ class ProxyState:
     clients: set[ClientConnection] = field(default_factory=set)
     now: float = 0.0  # coarse clock, advanced by the proxy's sweeper
     draining: bool = False
+    # Until every worker has registered, requests other than control calls are answered
+    # 503 worker_unavailable (the port serves from the start; see proxy.server).
+    booting: bool = False
     drained: asyncio.Event | None = None  # set when draining and the last client closed
     access_log: logging.Logger | None = None  # None: no per-request logging at all
 

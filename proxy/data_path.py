@@ -5,9 +5,12 @@ builds them in place), and Python's import system prefers the extension. The sou
 runs instead when GYM_PROXY_PURE_PYTHON=1 (to compare the two, or to debug with plain
 Python), when a source file differs from the one that was compiled (an edited module
 must never run as its stale build), and when the extension files are not the ones the
-build's manifest lists (a partial build, or one left behind by an install that did not
-compile). The choice is all or none, because mypyc calls between the modules of one
-build directly; a mix would run old and new code together.
+build's manifest lists (a partial build). The choice is all or none, because mypyc calls
+between the modules of one build directly; a mix would run old and new code together.
+
+Only this interpreter's own build counts: its extension files (this ABI's suffix) and the
+manifest setup.py wrote beside them for that ABI. A checkout built for two Pythons keeps
+two builds, and an install that did not compile leaves an earlier build as it was.
 
 `choose()` runs once, from `proxy/__init__.py`, before any compiled module is imported;
 it must not import one itself.
@@ -27,8 +30,9 @@ from pathlib import Path
 __all__ = ["MANIFEST", "choose", "mode", "source_digest"]
 
 PACKAGE_DIR = Path(__file__).resolve().parent
+EXT_SUFFIX = importlib.machinery.EXTENSION_SUFFIXES[0]  # this ABI's, e.g. .cpython-311-...so
 # Written by setup.py at build time: {module name: sha256 of the source compiled}.
-MANIFEST = PACKAGE_DIR / "_compiled_sources.json"
+MANIFEST = PACKAGE_DIR / ("_compiled_sources" + EXT_SUFFIX.removesuffix(".so") + ".json")
 
 _mode = "python"
 _reason = "not built (no compiled modules installed)"
@@ -60,12 +64,11 @@ class _SourceFirst(importlib.abc.MetaPathFinder):
 
 def _extensions() -> dict[str, Path]:
     """Module name -> source, for every module of this package with an extension file
-    beside its source: what the import system would load compiled."""
-    suffixes = tuple(importlib.machinery.EXTENSION_SUFFIXES)
+    of this ABI beside its source: what the import system would load compiled."""
     found = {}
     for path in PACKAGE_DIR.iterdir():
-        if path.name.endswith(suffixes):
-            source = PACKAGE_DIR / (path.name.split(".")[0] + ".py")
+        if path.name.endswith(EXT_SUFFIX):
+            source = PACKAGE_DIR / (path.name.removesuffix(EXT_SUFFIX) + ".py")
             if source.exists():
                 found[f"proxy.{source.stem}"] = source
     return found

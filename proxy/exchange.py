@@ -187,6 +187,9 @@ class Exchange:
     def _route_session(self, parts: list[bytes], head: RequestHead) -> WorkerRoute | None:
         """Pick the worker and add the identity headers; None after answering an error."""
         state = self.client.state
+        if state.booting:
+            self.fail("worker_unavailable", "gym-proxy is starting: not every worker registered")
+            return None
         router = state.router
         key: bytes | None = None
         rest = b""
@@ -204,6 +207,7 @@ class Exchange:
                 app_session = app_token_session(head.app_token)
             route = router.route_app_session(app_session) if app_session else None
             if route is None:
+                app_session = None  # a session no worker announced: the app's to answer
                 token = head.token
                 if token is None and head.cookie is not None:
                     token = wire.cookie_token(head.cookie)
@@ -227,7 +231,8 @@ class Exchange:
             parts[2] = rest
             parts += (b"x-ng-episode-key: ", key, b"\r\n")
         if head.app_token is not None:
-            # The app's own token decides; the proxy mints nothing for such a call.
+            # The app's own token decides; the proxy mints nothing for such a call, and
+            # one naming no session it routes by reaches the app with no session at all.
             if app_session is not None:
                 parts += (b"x-ng-session-id: ", app_session.encode(), b"\r\n")
             return worker
@@ -380,13 +385,22 @@ class Exchange:
             client.outbox.write(body)
 
     def response_end(self, reusable: bool = True) -> None:
-        """The worker's response ended. `reusable`: False when the worker connection
-        cannot carry another request whatever the response said (see `upstream`)."""
+        """The worker's response ended. `reusable`: the response side ended exactly at a
+        message boundary (`proxy.upstream` judges that); the connection goes back to the
+        pool only if the request side did too and the worker keeps it alive."""
         if self.state != RESPONDING:
             return
         if self.chunked_response:
             self.client.outbox.write(wire.LAST_CHUNK)
-        self.finish(reuse=reusable and self.upstream_keep_alive and self.request_done)
+        self.finish(reuse=reusable and self.upstream_keep_alive and self.request_at_boundary)
+
+    @property
+    def request_at_boundary(self) -> bool:
+        """The worker has been sent exactly one whole request and nothing after it. Not
+        so for an upgrade request whatever the answer: a server may stop parsing HTTP
+        after such a head (aiohttp does), so what the proxy sends next on that connection
+        would not be read as a request."""
+        return self.request_done and not self.upgrade
 
     # ---- failures ------------------------------------------------------------------
     def upstream_lost(self, exc: Exception | None) -> None:

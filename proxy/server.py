@@ -1,7 +1,8 @@
 """The proxy process: runtime directory, control app, coordinator, workers, public port.
 
 Start order: private runtime directory (0700), control app on its socket, coordinator
-socket, workers (all registered), then the public port starts accepting. Stop order
+socket, the public port (new work answers 503 `worker_unavailable` until a worker has
+registered), then the workers; "ready on" is logged once every one has registered. Stop order
 (SIGTERM/SIGINT; a second signal skips the drain): stop accepting, let in-flight requests
 finish within the grace period, cut the rest, stop workers, remove the runtime directory.
 """
@@ -105,6 +106,20 @@ async def run(config: Config, listen_sock: socket.socket, secret: bytes) -> int:
         await control_runner.setup()
         await web.UnixSite(control_runner, control_socket).start()
         await coordinator.start(coordinator_socket)
+        # The port serves from the start: the kernel accepts connections into the backlog
+        # as soon as the socket listens, so a health check sent during boot must be
+        # answered, not left waiting. Until every worker has registered, requests are 503
+        # worker_unavailable with Retry-After (control calls are served), so the first
+        # worker up does not take every early session and "the app answers" means ready.
+        state.booting = True
+        server = await loop.create_server(
+            lambda: ClientConnection(state), sock=listen_sock, backlog=config.backlog
+        )
+        # Separate tasks on purpose: the data path's timers never wait on the coordinator.
+        timers = [
+            asyncio.ensure_future(_sweep(state, supervisor)),
+            asyncio.ensure_future(_expire_leases(checkpointer)),
+        ]
         boot = asyncio.ensure_future(supervisor.start())
         stopped = asyncio.ensure_future(stop.wait())
         await asyncio.wait({boot, stopped}, return_when=asyncio.FIRST_COMPLETED)
@@ -119,18 +134,11 @@ async def run(config: Config, listen_sock: socket.socket, secret: bytes) -> int:
             log.error("%s; stopping", exc)
             code = EXIT_BOOT_ERROR
             return code
-        server = await loop.create_server(
-            lambda: ClientConnection(state), sock=listen_sock, backlog=config.backlog
-        )
+        state.booting = False
         host, port = listen_sock.getsockname()[:2]
         log.info("ready on http://%s:%d with %d workers", host, port, config.workers)
         log.info("data path: %s (%s)", *data_path.mode())
-        # Separate tasks on purpose: the data path's timers never wait on the coordinator.
-        timers = [
-            asyncio.ensure_future(_sweep(state, supervisor)),
-            asyncio.ensure_future(_expire_leases(checkpointer)),
-            asyncio.ensure_future(supervisor.watch_liveness()),
-        ]
+        timers.append(asyncio.ensure_future(supervisor.watch_liveness()))
         stopped = asyncio.ensure_future(stop.wait())
         assert supervisor.fatal is not None
         await asyncio.wait({stopped, supervisor.fatal}, return_when=asyncio.FIRST_COMPLETED)

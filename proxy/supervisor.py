@@ -33,7 +33,7 @@ from proxy.session_tokens import new_owner_id
 from proxy.upstream import UpstreamPool
 from worker.process import BOOT_ERROR
 
-__all__ = ["WorkerProcess", "Supervisor", "WorkerBootError"]
+__all__ = ["WorkerProcess", "Supervisor", "WorkerBootError", "worker_argv"]
 
 log = logging.getLogger("gym_proxy.supervisor")
 
@@ -41,6 +41,19 @@ BACKOFF_FIRST = 0.1
 BACKOFF_MAX = 5.0
 STABLE_AFTER = 10.0  # a worker that lived this long resets its slot's backoff
 PING_INTERVAL = 1.0
+# Owner IDs handed out before random ones, in order (tests choose owners with it).
+TEST_OWNERS_ENV = "GYM_PROXY_TEST_OWNERS"
+
+
+def worker_argv(**options: object) -> list[str]:
+    """`python -m worker` options as `--name=value`, one argument each: a value that
+    starts with `-` (one random owner ID in 64 does) can never be read as a flag.
+    None leaves the option out."""
+    return [
+        f"--{name.replace('_', '-')}={value}"
+        for name, value in options.items()
+        if value is not None
+    ]
 
 
 class WorkerBootError(Exception):
@@ -86,6 +99,9 @@ class Supervisor:
     _tasks: set[asyncio.Task[Any]] = field(default_factory=set)
     _registered: asyncio.Event = field(default_factory=asyncio.Event)
     _timer: asyncio.TimerHandle | None = None
+    _owners: list[str] = field(
+        default_factory=lambda: list(filter(None, os.environ.get(TEST_OWNERS_ENV, "").split(",")))
+    )
 
     def __post_init__(self) -> None:
         self.slots = [_Slot() for _ in range(self.config.workers)]
@@ -131,7 +147,7 @@ class Supervisor:
 
     async def _spawn(self, slot_index: int) -> None:
         slot = self.slots[slot_index]
-        owner = new_owner_id()
+        owner = self._owners.pop(0) if self._owners else new_owner_id()
         socket_path = os.path.join(self.runtime_dir, f"w{slot_index}-{owner}.sock")
         # Reserve the slot before the first await so reconcile never spawns it twice.
         slot.worker = placeholder = WorkerProcess(slot_index, owner, socket_path, None, 0.0)  # type: ignore[arg-type]
@@ -141,25 +157,18 @@ class Supervisor:
                 sys.executable,
                 "-m",
                 "worker",
-                "--slot",
-                str(slot_index),
-                "--owner",
-                owner,
-                "--socket",
-                socket_path,
-                "--coordinator",
-                self.coordinator_socket,
-                "--app",
-                cfg.app,
-                "--app-dir",
-                cfg.app_dir,
-                "--graceful-timeout",
-                str(cfg.graceful_timeout),
-                "--session-idle-ttl",
-                str(cfg.session_idle_ttl),
-                *(["--kind", cfg.kind] if cfg.kind else []),
-                "--log-level",
-                cfg.log_level,
+                *worker_argv(
+                    slot=slot_index,
+                    owner=owner,
+                    socket=socket_path,
+                    coordinator=self.coordinator_socket,
+                    app=cfg.app,
+                    app_dir=cfg.app_dir,
+                    graceful_timeout=cfg.graceful_timeout,
+                    session_idle_ttl=cfg.session_idle_ttl,
+                    kind=cfg.kind,
+                    log_level=cfg.log_level,
+                ),
                 stdin=asyncio.subprocess.DEVNULL,
             )
         except OSError as exc:

@@ -14,11 +14,17 @@ connection is lost under an unanswered exchange, whatever the worker sent is rea
 the duplicate and relayed, instead of a 502. Only such exchanges pay the descriptor: a
 request sent whole in one write cannot meet a closed worker on a later write.
 
+A connection goes back to the pool only when both directions ended exactly at a message
+boundary. The request side is the exchange's to judge (`Exchange.request_at_boundary`);
+this side is: the final response's message ended, the worker allows keep-alive, and not
+one byte followed the message end in the same read (llhttp would go on parsing those
+bytes as the next response, which the next exchange would then inherit). So the end of a
+response is acted on after the whole read is parsed, never from inside the parser.
+
 A response to HEAD announces a body it does not send, and httptools cannot be told the
 request was a HEAD; so after its head the parser is replaced by a fresh one, and the
-connection is reused only when nothing followed the head (a worker that sent more is
-not trusted with another request). After a 101 the parser is left behind and bytes go
-to the exchange untouched (a tunnel).
+connection is reused only when nothing followed the head. After a 101 the parser is left
+behind and bytes go to the exchange untouched (a tunnel).
 
 A burst of new connections can fill a worker's accept queue; a Unix socket then refuses
 with EAGAIN at once. Such a connect is retried with a short backoff for up to
@@ -38,6 +44,7 @@ from typing import TYPE_CHECKING
 import httptools
 
 from proxy import outbox
+from proxy.exchange import RESPONDING
 from proxy.outbox import Outbox
 
 if TYPE_CHECKING:
@@ -68,6 +75,7 @@ class UpstreamConnection(asyncio.Protocol):
         "headers",
         "spare_fd",
         "bodiless",
+        "ended",
         "spoiled",
         "tunnel",
     )
@@ -87,7 +95,8 @@ class UpstreamConnection(asyncio.Protocol):
         self.headers: list[tuple[bytes, bytes]] = []
         self.spare_fd = -1
         self.bodiless = False  # the head of a HEAD response ended in this read
-        self.spoiled = False  # ... and bytes followed it
+        self.ended = False  # the final response's message ended in this read
+        self.spoiled = False  # ... and bytes followed its end
         self.tunnel = False  # after a 101: no more HTTP on this connection
 
     # asyncio.Protocol
@@ -140,16 +149,22 @@ class UpstreamConnection(asyncio.Protocol):
             self.close()
             return
         if self.bodiless:
-            self._after_head_response()
+            self.bodiless = False
+            self.parser = httptools.HttpResponseParser(self)  # it waits for a body
+            self.ended = True
+        if self.ended:
+            self._response_ended()
 
-    def _after_head_response(self) -> None:
-        """A HEAD response's head ended: the parser waits for a body that never comes."""
-        self.bodiless = False
+    def _response_ended(self) -> None:
+        """The final response ended in the read just parsed: finish its exchange, and
+        let the connection be reused only if nothing followed the end."""
+        self.ended = False
+        spoiled, self.spoiled = self.spoiled, False
         exchange = self.exchange
-        if exchange is None:
-            return  # llhttp ended the message itself (no body announced)
-        self.parser = httptools.HttpResponseParser(self)
-        exchange.response_end(reusable=not self.spoiled)
+        if exchange is not None:
+            exchange.response_end(reusable=not spoiled)
+        if spoiled:
+            self.close()  # never parse those bytes as the answer to the next request
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
@@ -171,6 +186,8 @@ class UpstreamConnection(asyncio.Protocol):
                 if not data:
                     return
                 self.parser.feed_data(data)
+        if self.ended:
+            self._response_ended()
 
     def pause_writing(self) -> None:
         self.write_paused = True
@@ -183,21 +200,24 @@ class UpstreamConnection(asyncio.Protocol):
             self.exchange.client.resume_reading_for_upstream()
 
     # httptools callbacks
+    def on_message_begin(self) -> None:
+        if self.ended or self.bodiless:
+            self.spoiled = True  # a message after the final one: the stream is out of step
+
     def on_header(self, name: bytes, value: bytes) -> None:
         self.headers.append((name, value))
 
     def on_headers_complete(self) -> None:
         exchange = self.exchange
-        if exchange is not None:
+        if exchange is not None and not self.spoiled:
             status = self.parser.get_status_code()
             if exchange.method == b"HEAD" and status >= 200:
                 self.bodiless = True
-                self.spoiled = False
             exchange.response_head(status, self.headers, self.parser.should_keep_alive())
         self.headers = []
 
     def on_body(self, body: bytes) -> None:
-        if self.bodiless:
+        if self.bodiless or self.ended:
             self.spoiled = True  # bytes after a HEAD response's head: not a body
             return
         exchange = self.exchange
@@ -205,12 +225,11 @@ class UpstreamConnection(asyncio.Protocol):
             exchange.response_body(body)
 
     def on_message_complete(self) -> None:
-        if self.bodiless and self.spoiled:
-            return  # a "body" to a HEAD: _after_head_response refuses to reuse
-        self.bodiless = False
+        if self.bodiless or self.ended:
+            return  # a "body" to a HEAD, or a second message: spoiled already
         exchange = self.exchange
-        if exchange is not None:
-            exchange.response_end()
+        if exchange is not None and exchange.state == RESPONDING:
+            self.ended = True  # acted on once the whole read is parsed (_parse)
 
     # flow control and lifecycle
     def pause_reading(self) -> None:

@@ -151,6 +151,15 @@ async def close_session(request: web.Request) -> web.Response:
     return web.json_response({"closed": session_id(request)})
 
 
+async def answer(request: web.Request) -> web.StreamResponse:
+    """Answers `?status=N` without reading the body, or (`?close=1`) closes the
+    connection without answering: a worker that closes early."""
+    if request.query.get("close") == "1":
+        assert request.transport is not None
+        request.transport.close()
+    return web.json_response({**_info(request)}, status=int(request.query.get("status", "200")))
+
+
 async def cancelled(request: web.Request) -> web.Response:
     return web.json_response({**_info(request), "cancelled": request.app[CANCELLED]})
 
@@ -207,6 +216,7 @@ def create_app() -> web.Application:
     app.router.add_post("/echo", echo)
     app.router.add_route("*", "/slow", slow)
     app.router.add_get("/cancelled", cancelled)
+    app.router.add_route("*", "/answer", answer)
     app.router.add_post("/run", run)
     app.router.add_get("/progress", progress)
     app.router.add_get("/sessions", sessions)

@@ -565,6 +565,51 @@ async def test_an_upgrade_the_worker_declines_is_answered_then_closed():
     assert not bytes(upstream.transport.data).endswith(b"ignored")
 
 
+async def test_a_declined_upgrade_never_returns_its_worker_connection_to_the_pool():
+    # The worker may have stopped parsing HTTP after the upgrade head (aiohttp does),
+    # even though it answered a keep-alive 200: the next request must not go there.
+    rig = Rig()
+    body = b"POST /smuggled HTTP/1.1\r\nHost: x\r\n\r\n"
+    upgrade_post = (
+        b"POST /x HTTP/1.1\r\nHost: t\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n"
+        b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+    )
+    client = rig.client()
+    client.send(upgrade_post)
+    upstream = await rig.upstream()
+    upstream.send(OK)
+    assert upstream.transport.closing
+    other = rig.client()
+    other.send(GET)
+    (await rig.upstream()).send(OK)
+    assert len(rig.upstreams) == 2 and [r[0] for r in other.responses()] == [200]
+
+
+async def test_bytes_after_a_response_in_the_same_read_spoil_the_connection():
+    rig = Rig()
+    client = rig.client()
+    client.send(GET)
+    upstream = await rig.upstream()
+    upstream.send(OK + b"HTTP/1.1 200 OK\r\ncontent-length: 6\r\n\r\nstale!")
+    assert upstream.transport.closing  # llhttp would have parsed them as the next answer
+    client.send(GET)
+    (await rig.upstream()).send(OK)
+    assert [(r[0], r[2]) for r in client.responses()] == [(200, b"ok"), (200, b"ok")]
+    assert len(rig.upstreams) == 2
+
+
+async def test_an_interim_response_before_the_final_one_keeps_the_connection():
+    rig = Rig()
+    client = rig.client()
+    client.send(GET)
+    upstream = await rig.upstream()
+    upstream.send(b"HTTP/1.1 100 Continue\r\n\r\n" + OK)
+    assert not upstream.transport.closing
+    client.send(GET)
+    upstream.send(OK)
+    assert len(rig.upstreams) == 1
+
+
 async def test_connect_is_refused_with_501():
     rig = Rig()
     client = rig.client()

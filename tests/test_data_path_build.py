@@ -79,6 +79,29 @@ def test_an_edited_source_runs_as_python_not_as_its_stale_build(tmp_path: Path):
     assert mode == "python" and "manifest" in reason
     assert module_file == str(tmp_path / "proxy" / "exchange.py")
 
-    (tmp_path / "proxy" / "_compiled_sources.json").unlink()  # an install that did not compile
+    (tmp_path / data_path.MANIFEST.relative_to(REPO)).unlink()  # a build with no manifest
     mode, reason, module_file = probe(tmp_path)
     assert mode == "python" and module_file == str(tmp_path / "proxy" / "exchange.py")
+
+
+@pytest.mark.skipif(data_path.mode()[0] != "compiled", reason="no compiled build installed")
+def test_an_install_that_does_not_compile_leaves_the_build_alone(tmp_path: Path):
+    """`GYM_PROXY_COMPILE=0 pip install -e .` in a built checkout (or a build for another
+    Python) runs setup.py, whose bookkeeping must not change what this build runs."""
+    ignore = shutil.ignore_patterns("__pycache__", ".venv*", "build", ".git")
+    shutil.copytree(REPO, tmp_path / "checkout", ignore=ignore)
+    checkout = tmp_path / "checkout"
+    manifest = checkout / data_path.MANIFEST.relative_to(REPO)
+    before = manifest.read_bytes()
+    result = subprocess.run(
+        [sys.executable, "setup.py", "--version"], cwd=checkout,
+        env={**os.environ, "GYM_PROXY_COMPILE": "0"}, capture_output=True, text=True,
+        timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert manifest.read_bytes() == before
+    assert probe(checkout)[0] == "compiled"
+    other_abi = checkout / "proxy" / "_compiled_sources.cpython-399-x86_64-linux-gnu.json"
+    other_abi.write_text("{}")  # another Python's build beside this one
+    (checkout / "proxy" / "exchange.cpython-399-x86_64-linux-gnu.so").write_bytes(b"")
+    assert probe(checkout)[0] == "compiled"

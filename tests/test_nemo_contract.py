@@ -181,6 +181,7 @@ async def test_blockers_and_markers_are_what_a_controller_acts_on(start_proxy, h
     slow = asyncio.ensure_future(
         http.get(f"{proxy.url}/ng-rollout/slowpoke-a1/slow?seconds=30", headers={OWNER: owner})
     )
+
     async def arrived():
         async with http.get(f"{proxy.url}/seen", headers={OWNER: owner}) as resp:
             return "/slow" in (await resp.json())["paths"]

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 
 import pytest
 
 from proxy.session_tokens import TokenCodec
+from tests.conftest import BOTH_APP_KINDS
 from tests.support import TEST_SECRET
 
 TOKEN = "X-NeMo-Gym-Session-Token"
@@ -130,3 +132,24 @@ async def test_ownerless_token_is_placed_once_and_keeps_its_token(start_proxy, h
         assert TOKEN not in resp.headers and "Set-Cookie" not in resp.headers
         resp.release()
     assert len(owners) == 1
+
+
+@BOTH_APP_KINDS
+async def test_an_app_token_naming_no_session_reaches_the_app_with_no_session(start_proxy, http):
+    """What an MCP client sends after its session ended: the app's own token (not `v1.`)
+    naming a session no worker announced. The proxy passes it on, mints nothing, and the
+    app decides; asked for its gym-proxy session, the runtime says what is true."""
+    proxy = start_proxy(workers=2)
+    dead = base64.urlsafe_b64encode(b'{"sid": "ended-session"}').rstrip(b"=").decode()
+    for token in (f"{dead}.signature", "v2.something-else"):
+        async with http.post(f"{proxy.url}/whoami", headers={TOKEN: token}) as resp:
+            assert resp.status == 200, token
+            assert TOKEN not in resp.headers and "Set-Cookie" not in resp.headers
+            seen = (await resp.json())["headers"]
+            assert seen[TOKEN.lower()] == token  # untouched
+            assert "x-ng-session-id" not in seen and "x-ng-session-token" not in seen
+        async with http.post(f"{proxy.url}/get_counter_value", headers={TOKEN: token}) as resp:
+            assert resp.status == 404, token
+            error = (await resp.json())["error"]
+            assert error["code"] == "unknown_session", token
+            assert "names no session a worker of this server holds" in error["detail"]

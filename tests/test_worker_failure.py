@@ -159,3 +159,55 @@ async def test_dead_worker_mid_request_answers_promptly(start_proxy, http):
     code = (await resp.json())["error"]["code"]
     assert code in ("session_owner_gone", "upstream_connection_lost")
     assert time.monotonic() - started < BOUND
+
+
+async def test_owners_that_look_like_flags_boot_and_route(start_proxy, http):
+    """Owner IDs are random base64url, so one in 64 starts with `-`: every worker option
+    must reach the worker as one argument that cannot be read as a flag."""
+    owners = ["-P1SBqWaCxk", "--help", "-h"]
+    proxy = start_proxy(workers=2, env={"GYM_PROXY_TEST_OWNERS": ",".join(owners)})
+    for owner in owners[:2]:
+        async with http.post(f"{proxy.url}/seed_session", headers={OWNER: owner}) as resp:
+            assert resp.status == 200, await resp.text()
+            token = resp.headers[TOKEN]
+        assert token.split(".")[2] == owner
+        async with http.post(f"{proxy.url}/whoami", headers={TOKEN: token}) as resp:
+            assert (await resp.json())["owner"] == owner
+    async with http.post(f"{proxy.url}/whoami", headers={OWNER: owners[1]}) as resp:
+        pid = (await resp.json())["pid"]
+    os.kill(pid, signal.SIGKILL)  # the restart takes the third owner
+
+    async def third_serves():
+        async with http.post(f"{proxy.url}/whoami", headers={OWNER: owners[2]}) as resp:
+            return resp.status == 200 and (await resp.json())["owner"] == owners[2]
+
+    await wait_until(third_serves, 20, "the restarted worker (owner -h) to serve")
+    assert "expected one argument" not in proxy.log()
+    assert proxy.log().count("exited with code") == 1  # the kill, no failed boot
+
+
+async def test_requests_during_boot_are_answered_at_once(start_proxy, http, tmp_path):
+    """While no worker has registered yet, the public port answers 503 worker_unavailable
+    with Retry-After at once (a health check never waits); then it serves."""
+    hold = tmp_path / "hold"
+    hold.write_text("keep every worker from booting")
+    proxy = start_proxy(workers=2, ready=False, env={"GYM_TEST_HOLD_FILE": str(hold)})
+
+    async def answered_503():
+        try:
+            async with http.get(
+                f"{proxy.url}/health", timeout=aiohttp.ClientTimeout(total=2)
+            ) as resp:
+                assert resp.status == 503, await resp.text()
+                assert resp.headers["Retry-After"] == "1"
+                assert (await resp.json())["error"]["code"] == "worker_unavailable"
+                return True
+        except aiohttp.ClientConnectionError:
+            return False  # the proxy has not bound its handlers yet
+
+    await wait_until(answered_503, 10, "a 503 while the workers boot")
+    assert "ready on" not in proxy.log()
+    hold.unlink()
+    await asyncio.to_thread(proxy.wait_ready)
+    async with http.post(f"{proxy.url}/whoami") as resp:
+        assert resp.status == 200

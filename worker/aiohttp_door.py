@@ -31,6 +31,7 @@ PARTICIPANT_KIND = web.AppKey("gym_proxy_participant_kind", str)
 PARTICIPATION = web.AppKey("gym_proxy_participation", Participation)
 RUNTIME = web.AppKey("gym_proxy_participant_runtime", ParticipantRuntime)
 FLIGHT = "gym_proxy.flight"
+APP_TOKEN_HEADER = "x-nemo-gym-session-token"  # only an app's own token gets this far
 
 
 def participation_of(app: web.Application) -> Participation:
@@ -80,6 +81,7 @@ async def participant_middleware(request: web.Request, handler: Any) -> web.Stre
         headers.get("x-ng-session-id"),
         headers.get("x-ng-session-new") == "1",
         headers.get("x-ng-episode-key"),
+        APP_TOKEN_HEADER in headers,
     )
     try:
         flight = await runtime.admit(facts, request.read)

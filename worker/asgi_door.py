@@ -32,7 +32,13 @@ from worker.runtime import (
     split_rollout_path,
 )
 
-__all__ = ["AsgiDoor", "SCOPE_KEY", "APP_SESSION_HEADER", "APP_SESSION_END_HEADER"]
+__all__ = [
+    "AsgiDoor",
+    "SCOPE_KEY",
+    "APP_SESSION_HEADER",
+    "APP_SESSION_END_HEADER",
+    "answer_runtime_errors",
+]
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -60,7 +66,7 @@ class AsgiDoor:
             await self.app(scope, receive, send)  # lifespan (and anything else) passes
             return
         runtime = self.runtime
-        session_id = new_session = proxy_token = None
+        session_id = new_session = proxy_token = app_token = None
         for name, value in scope["headers"]:
             if name == b"x-ng-session-id":
                 session_id = value.decode("latin-1")
@@ -68,6 +74,8 @@ class AsgiDoor:
                 new_session = value == b"1"
             elif name == b"x-ng-session-token":
                 proxy_token = True
+            elif name == b"x-nemo-gym-session-token":  # only an app's own gets this far
+                app_token = True
         buffered: list[bytes] = []
 
         async def read_body() -> bytes:
@@ -93,7 +101,9 @@ class AsgiDoor:
 
         try:
             key, path = split_rollout_path(scope["path"])
-            facts = RequestFacts(scope["method"], path, session_id, bool(new_session), key)
+            facts = RequestFacts(
+                scope["method"], path, session_id, bool(new_session), key, bool(app_token)
+            )
             flight = await runtime.admit(facts, read_body)
         except GymError as exc:
             await send_error(send, exc)
@@ -203,6 +213,29 @@ def _announcement(
     if runtime.ends_session(flight.path) and app_session in runtime.store:
         return APP_SESSION_END_HEADER, app_session.encode("latin-1")
     return None
+
+
+def answer_runtime_errors(app: Any) -> None:
+    """Let a Starlette (FastAPI) app answer the runtime's refusals raised in its handlers
+    (`current_session`, `episode`) with their own status and JSON body: Starlette turns
+    any other exception into a plain-text 500 before the door could see it. ASGI
+    middleware keeps the app it wraps as `.app`, so wrappers are looked through."""
+    add_exception_handler = None
+    for _ in range(16):
+        add_exception_handler = getattr(app, "add_exception_handler", None)
+        app = getattr(app, "app", None)
+        if add_exception_handler is not None or app is None:
+            break
+    if add_exception_handler is None:
+        return
+
+    async def handler(request: Any, error: GymError) -> Any:
+        from starlette.responses import Response
+
+        retry = {"retry-after": "1"} if error.code in RETRY_AFTER else None
+        return Response(error.body(), error.status, retry, "application/json")
+
+    add_exception_handler(GymError, handler)
 
 
 async def send_error(send: Send, error: GymError) -> None:

@@ -26,7 +26,7 @@ from aiohttp import web
 from coordinator.channel import Channel, ChannelClosed, ChannelTimeout, RemoteError
 from worker.aiohttp_door import RUNTIME, install_door, participation_of
 from worker.app_loading import build_app
-from worker.asgi_door import AsgiDoor
+from worker.asgi_door import AsgiDoor, answer_runtime_errors
 from worker.asgi_server import AsgiWorkerServer
 from worker.identity import WORKER_BACKLOG, WORKER_INFO, WorkerInfo
 from worker.participant_messages import handle_coordinator_message
@@ -98,6 +98,7 @@ def _host(
         return runtime, AiohttpWorkerServer(app, args.socket, args.graceful_timeout)
     participation = declared(app) or Participation(restart_only=True)
     runtime = ParticipantRuntime(info, participation.with_kind(args.kind))
+    answer_runtime_errors(app)
     server = AsgiWorkerServer(
         AsgiDoor(app, runtime), args.socket, args.graceful_timeout, args.log_level
     )

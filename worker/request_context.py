@@ -53,8 +53,19 @@ class RequestContext:
     def session(self) -> RequestSession:
         session_id = self.flight.session_id
         if session_id is None:
+            if self.flight.app_token:
+                # The proxy passes an app's own token on, and routes it by the session it
+                # names; one naming no session a worker holds gets no gym-proxy session.
+                raise GymError(
+                    "unknown_session",
+                    "the X-NeMo-Gym-Session-Token is not a gym-proxy token and names no "
+                    "session a worker of this server holds (it ended, or another server "
+                    "issued it), so this request has no session",
+                )
             raise GymError(
-                "invalid_request", "the request did not come through gym-proxy (no session)"
+                "invalid_request",
+                "the request has no gym-proxy session: it reached the worker without "
+                "passing gym-proxy's public port",
             )
         key = self.flight.identity.key if self.flight.identity is not None else None
         return RequestSession(self.runtime.store, session_id, key)

@@ -86,6 +86,8 @@ class RequestFacts:
     session_id: str | None  # x-ng-session-id from the proxy
     new_session: bool  # x-ng-session-new: the proxy minted the session for this request
     episode_key: str | None  # from the /ng-rollout/<key>/ prefix
+    # The request carries an app's own X-NeMo-Gym-Session-Token (the proxy passes those on)
+    app_token: bool = False
 
 
 @dataclass(slots=True, eq=False)
@@ -97,6 +99,7 @@ class InFlight:
     identity: EpisodeId | None
     path: str
     new_session: bool = False
+    app_token: bool = False  # routed by (or carrying) an app's own session token
     position: str = "running"  # running | door | parked | replay | tunnel
     episode: Episode | None = None
     retired: bool = False
@@ -164,7 +167,12 @@ class ParticipantRuntime:
         self._refuse_retired(identity, facts)
         new_episode = identity is not None and facts.path == "/run"
         flight = InFlight(
-            asyncio.current_task(), facts.session_id, identity, facts.path, facts.new_session
+            asyncio.current_task(),
+            facts.session_id,
+            identity,
+            facts.path,
+            facts.new_session,
+            facts.app_token,
         )
         kind = self.kind
         if self.is_open or (kind == "model" and facts.path not in GENERATION_PATHS):

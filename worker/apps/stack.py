@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import http.client
+import json
 import os
 import secrets
 import shutil
@@ -132,8 +133,11 @@ class Stack:
                         "/ng-control/v1/checkpoint/status",
                         headers={"Authorization": f"Bearer {self.control_token}"},
                     )
-                    if conn.getresponse().status == 200:
-                        return
+                    reply = conn.getresponse()
+                    if reply.status == 200:
+                        status = json.loads(reply.read())
+                        if len(status["workers"]) == status["expected_workers"]:
+                            return
                 finally:
                     conn.close()
             if time.monotonic() > deadline:
