@@ -47,6 +47,7 @@ STATUS: dict[str, int] = {
     "invalid_checkpoint_state": 422,
     "internal_error": 500,
     "checkpoint_write_failed": 500,
+    "unexportable_state": 500,
     "checkpoint_coordinator_unavailable": 503,
 }
 

@@ -43,6 +43,7 @@ import orjson
 
 from coordinator import failpoints
 from coordinator.episode_ids import episode_key, parse_episode_key
+from coordinator.errors import GymError
 from coordinator.phases import CHECKPOINT_ID
 from proxy.session_tokens import is_valid_id
 
@@ -128,12 +129,34 @@ class EncodedRecords:
 
 def encode(records: list[dict[str, Any]], kind: str) -> EncodedRecords:
     """Encode records of a participant of `kind` for the records file (workers do this
-    for their own records, so the coordinator only joins bytes)."""
+    for their own records, so the coordinator only joins bytes). A state that is not JSON
+    is `unexportable_state`, naming the session (or episode) and the type: the commit
+    fails before anything is written."""
     dumps, newline = orjson.dumps, orjson.OPT_APPEND_NEWLINE
+    lines = []
+    for record in records:
+        try:
+            lines.append(dumps(to_disk(record, kind), option=newline))
+        except TypeError as exc:  # orjson.JSONEncodeError
+            raise _unexportable(record, exc) from exc
     return EncodedRecords(
-        b"".join(dumps(to_disk(r, kind), option=newline) for r in records),
+        b"".join(lines),
         len(records),
         frozenset(key for r in records if (key := record_key(r))),
+    )
+
+
+def _unexportable(record: dict[str, Any], exc: Exception) -> GymError:
+    if is_session(record):
+        what = f"session {record['session_id']}"
+        state = record.get("state")
+    else:
+        what = f"episode {record_key(record)}"
+        state = record.get("boundary")
+    return GymError(
+        "unexportable_state",
+        f"the state of {what} (a {type(state).__name__}) cannot be written as JSON: {exc}; "
+        "nothing was written",
     )
 
 

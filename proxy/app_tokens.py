@@ -19,9 +19,8 @@ import orjson
 
 from proxy.session_tokens import is_valid_id
 
-__all__ = ["app_token_session", "PROXY_TOKEN_PREFIX"]
+__all__ = ["app_token_session"]
 
-PROXY_TOKEN_PREFIX = b"v1."
 _MAX_PAYLOAD = 64 * 1024  # a decompressed payload larger than this is not a session token
 
 

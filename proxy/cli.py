@@ -16,6 +16,8 @@ import stat
 import sys
 import tempfile
 from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any
 
 import uvloop
 
@@ -29,6 +31,12 @@ from proxy.config import (
 from proxy.runtime_dir import ensure_parent
 from proxy.server import run
 from worker.app_loading import AppLoadError, import_app_target
+from worker.nemo_gym_server import (
+    NemoGymConfigError,
+    is_server_class,
+    launcher_app,
+    resolve_instance,
+)
 
 __all__ = ["main", "bind_listener"]
 
@@ -36,7 +44,9 @@ EXIT_USAGE = 2
 
 
 def bind_listener(config: Config) -> socket.socket:
-    """The public listening socket: an inherited `--fd`, or `--host`/`--port` bound now."""
+    """The public socket: an inherited `--fd` (listening), or `--host`/`--port` bound now
+    (a port in use fails here, before any worker starts) and listened on once every
+    worker has registered (`proxy.server`)."""
     if config.fd is not None:
         sock = socket.socket(fileno=config.fd)
         if not stat.S_ISSOCK(os.fstat(config.fd).st_mode) or sock.type != socket.SOCK_STREAM:
@@ -53,12 +63,29 @@ def bind_listener(config: Config) -> socket.socket:
         try:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             sock.bind(address)
-            sock.listen(config.backlog)
         except OSError:
             sock.close()
             raise
     sock.setblocking(False)
     return sock
+
+
+def _from_nemo_gym_config(config: Config, cls: type) -> Config:
+    """A NeMo Gym server class: its instance in the global config gives the name, host,
+    port and worker count not given on the command line; the workers get the config."""
+    instance = resolve_instance(cls, config.nemo_gym_config, config.name)
+    given = config.given
+    values: dict[str, Any] = {"name": instance.name}
+    if instance.host is not None and "host" not in given and "fd" not in given:
+        values["host"] = instance.host
+    if instance.port is not None and "port" not in given and "fd" not in given:
+        values["port"] = instance.port
+    if instance.num_workers is not None and "workers" not in given:
+        values["workers"] = instance.num_workers
+    config = replace(config, **values)
+    config.validate()
+    os.environ.update(instance.environment(config.workers))
+    return config
 
 
 def _fail(message: str) -> None:
@@ -86,8 +113,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     for name in SECRET_ENV:
         os.environ.pop(name, None)
     try:
-        import_app_target(config.app, config.app_dir)
-    except AppLoadError as exc:
+        if "app" not in config.given:
+            launched = launcher_app()  # started by NeMo Gym's launcher in a server's place
+            if launched is not None:
+                config = replace(config, app=launched[0], app_dir=launched[1])
+        target = import_app_target(config.app, config.app_dir)
+        if is_server_class(target):
+            config = _from_nemo_gym_config(config, target)
+        elif config.session_state is not None:
+            raise ConfigError("--session-state names an attribute of a NeMo Gym server class")
+    except (AppLoadError, ConfigError, NemoGymConfigError) as exc:
         _fail(str(exc))
     try:
         ensure_parent(config.runtime_dir or tempfile.gettempdir())

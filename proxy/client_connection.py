@@ -121,6 +121,7 @@ class ProxyState:
     limit_request_head: int = 65536
     max_connections: int = 10000
     tunnel_idle_timeout: float = 600.0
+    cookie_name: bytes = b"gym_proxy"  # this instance's session cookie
     clients: set[ClientConnection] = field(default_factory=set)
     now: float = 0.0  # coarse clock, advanced by the proxy's sweeper
     draining: bool = False
@@ -129,6 +130,10 @@ class ProxyState:
     booting: bool = False
     drained: asyncio.Event | None = None  # set when draining and the last client closed
     access_log: logging.Logger | None = None  # None: no per-request logging at all
+    token_prefix: bytes = field(init=False, default=b"")  # how the codec's tokens start
+
+    def __post_init__(self) -> None:
+        self.token_prefix = self.codec.prefix.encode()
 
 
 class ClientConnection(asyncio.Protocol):

@@ -23,6 +23,7 @@ __all__ = [
 DEFAULT_APP = "worker.counter:create_app"
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 CHECKPOINT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}\Z")
+COOKIE_NAME = re.compile(r"[A-Za-z0-9!#$%&'*+.^_`|~-]{1,128}\Z")  # an RFC 6265 token
 
 
 class ConfigError(ValueError):
@@ -60,8 +61,8 @@ class Config:
 
     app: str = option(
         DEFAULT_APP,
-        "the server's aiohttp app as module:attr (an Application or a factory returning "
-        "one; async factories are awaited)",
+        "the server as module:attr: an aiohttp Application, an ASGI app, a factory "
+        "returning either (async factories are awaited), or a NeMo Gym server class",
         positional=True,
         metavar="APP",
     )
@@ -143,7 +144,26 @@ class Config:
         None, "read the control token from this file (surrounding whitespace ignored)"
     )
     name: str | None = option(
-        None, "instance name in checkpoints (default: the APP module's last name)"
+        None,
+        "instance name: checkpoints are filed under it, and it names the session cookie and "
+        "tags the tokens, so two servers of one stack must not share it (default: the APP "
+        "module's last name)",
+    )
+    cookie_name: str | None = option(
+        None, "name of the session cookie (default: gym_proxy___<instance name>)"
+    )
+    nemo_gym_config: str | None = option(
+        None,
+        "a NeMo Gym server class's global config file (YAML, parsed by NeMo Gym); default: "
+        "the config NeMo Gym's launcher passes (NEMO_GYM_CONFIG_DICT). Its instance "
+        "(--name, else NEMO_GYM_CONFIG_PATH, else the only one of the class) gives host, "
+        "port and --workers unless a flag does",
+    )
+    session_state: str | None = option(
+        None,
+        "attribute of a NeMo Gym server holding per-session state in a dict keyed by NeMo "
+        "Gym's session ID (e.g. session_id_to_counter): each session's entry is exported, "
+        "restored, retired and released with it (otherwise the server is restart-only)",
     )
     kind: str | None = option(
         None,
@@ -163,6 +183,9 @@ class Config:
         type=bool,
         flag=True,
     )
+    # The fields the command line (or an environment variable) set: a NeMo Gym config
+    # fills the others (host, port, workers, name).
+    given: frozenset[str] = field(default=frozenset(), metadata={"internal": True})
 
     def validate(self) -> None:
         """Raise ConfigError for values that cannot work."""
@@ -206,11 +229,22 @@ class Config:
             )
         if self.name is not None and not CHECKPOINT_NAME.match(self.name):
             raise ConfigError("--name must be 1-128 characters of A-Z a-z 0-9 . _ -")
+        if self.cookie_name is not None and not COOKIE_NAME.match(self.cookie_name):
+            raise ConfigError(
+                "--cookie-name must be 1-128 cookie-name characters "
+                "(A-Z a-z 0-9 ! # $ % & ' * + - . ^ _ ` | ~)"
+            )
 
     @property
     def instance(self) -> str:
         """The instance name checkpoints are filed under."""
         return self.name or self.app.partition(":")[0].rsplit(".", 1)[-1]
+
+    @property
+    def session_cookie(self) -> str:
+        """This instance's cookie, named after it as NeMo Gym names its servers' cookies
+        (`<Class>___<instance>`): cookies travel between the servers of a stack."""
+        return self.cookie_name or f"gym_proxy___{self.instance}"
 
 
 def _version() -> str:
@@ -229,6 +263,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"gym-proxy {_version()}")
     for item in fields(Config):
         meta = item.metadata
+        if meta.get("internal"):
+            continue
         help_text = meta["help"]
         if meta["env"]:
             help_text += f" [env {meta['env']}]"
@@ -266,6 +302,8 @@ def config_from_args(argv: Sequence[str] | None = None) -> Config:
     namespace = build_parser().parse_args(argv)
     values: dict[str, Any] = {}
     for item in fields(Config):
+        if item.metadata.get("internal"):
+            continue
         value = getattr(namespace, item.name)
         env = item.metadata["env"]
         if value is None and env and os.environ.get(env):
@@ -282,7 +320,7 @@ def config_from_args(argv: Sequence[str] | None = None) -> Config:
             if getattr(namespace, name) is not None:
                 raise ConfigError(f"{flag} and {flag}-file exclude each other")
             values[name] = _read_secret_file(path, f"{flag}-file")
-    config = replace(Config(), **values)
+    config = replace(Config(), **values, given=frozenset(values))
     config.validate()
     return config
 

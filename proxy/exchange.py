@@ -98,6 +98,7 @@ class Exchange:
         "head",
         "new_token",
         "cookie_token",
+        "cookie_name",
         "error",
         "chunked_response",
         "until_eof",
@@ -108,6 +109,7 @@ class Exchange:
         "routed_at",
         "sent_batch",
         "sent_bytes",
+        "slot",
     )
 
     def __init__(self, client: ClientConnection) -> None:
@@ -127,7 +129,8 @@ class Exchange:
         self.upstream: UpstreamConnection | None = None
         self.head = b""
         self.new_token: bytes | None = None
-        self.cookie_token: bytes | None = None  # routed by this ng_session cookie
+        self.cookie_token: bytes | None = None  # routed by this cookie of ours ...
+        self.cookie_name = b""  # ... of this name
         self.error: tuple[str, str] | None = None  # the answer, decided before start
         self.chunked_response = False
         self.until_eof = False
@@ -138,6 +141,7 @@ class Exchange:
         self.routed_at = 0.0  # coarse time the request was sent toward a worker
         self.sent_batch = 0  # the outbox batch of the first write to the worker
         self.sent_bytes = 0
+        self.slot = -2  # the worker slot routed to (-1: the control app), for the access log
 
     @property
     def finished(self) -> bool:
@@ -152,8 +156,9 @@ class Exchange:
             self.fail(*self.error)
             return
         try:
+            state = self.client.state
             head = rewrite_request_head(
-                self.method, self.url, self.version, self.headers, self.upgrade
+                self.method, self.url, self.version, self.headers, self.upgrade, state.token_prefix
             )
         except GymError as exc:
             self.keep_alive = False
@@ -178,6 +183,7 @@ class Exchange:
         self.head = b"".join(parts)
         worker.in_flight += 1
         self.worker = worker
+        self.slot = worker.slot
         self.routed_at = self.client.state.now
         self.state = CONNECTING
         if self.expect_continue and not self.request_done:
@@ -199,6 +205,8 @@ class Exchange:
                 self.fail("bad_request", "/ng-rollout/ needs an episode key")
                 return None
         app_session = None
+        token: bytes | None = None  # this instance's token, as the request carried it
+        cookie_name: bytes | None = None  # ... in this cookie (re-set on the answer)
         try:
             owner = head.owner_hint.decode("ascii") if head.owner_hint else None
             if owner is not None and not is_valid_id(owner):
@@ -210,14 +218,20 @@ class Exchange:
                 app_session = None  # a session no worker announced: the app's to answer
                 token = head.token
                 if token is None and head.cookie is not None:
-                    token = wire.cookie_token(head.cookie)
-                    if token is None and router.sessions:
+                    token, cookie_name = wire.session_cookie(head.cookie, state.cookie_name)
+                identity = state.codec.read(token.decode("ascii")) if token else None
+                if identity is None:
+                    # Not this instance's (another server's cookie, the app's own):
+                    # passed on untouched, and this request has no session of ours.
+                    token = cookie_name = None
+                    if head.cookie is not None and router.sessions:
                         # Only the app's own session cookie (a client of a restored NeMo
                         # Gym checkpoint): its session decides, if a worker holds it.
-                        cookie_session = session_in_headers([(b"cookie", head.cookie)], False)
+                        cookie_session = session_in_headers(
+                            [(b"cookie", head.cookie)], False, router.app_cookie
+                        )
                         if cookie_session is not None:
                             route = router.route_app_session(cookie_session)
-                identity = state.codec.verify(token.decode("ascii")) if token else None
                 route = route or router.route(identity, owner)
         except (TokenError, UnicodeDecodeError) as exc:
             self.fail("invalid_session_token", str(exc))
@@ -230,19 +244,20 @@ class Exchange:
             # aiohttp routes before any middleware: the app sees /rest, the runtime the key.
             parts[2] = rest
             parts += (b"x-ng-episode-key: ", key, b"\r\n")
-        if head.app_token is not None:
-            # The app's own token decides; the proxy mints nothing for such a call, and
-            # one naming no session it routes by reaches the app with no session at all.
-            if app_session is not None:
-                parts += (b"x-ng-session-id: ", app_session.encode(), b"\r\n")
+        if app_session is not None:  # routed by the app's own token
+            parts += (b"x-ng-session-id: ", app_session.encode(), b"\r\n")
             return worker
-        token = head.token
-        if token is None and head.cookie is not None:
-            token = self.cookie_token = wire.cookie_token(head.cookie)
         if route.new:
+            if head.app_token is not None:
+                # The proxy mints nothing for a call that carries an app's own token: one
+                # naming no session it routes by reaches the app with no session at all.
+                return worker
             token = state.codec.sign(route.session_id, worker.owner).encode()
             self.new_token = token
             parts.append(b"x-ng-session-new: 1\r\n")
+        elif cookie_name is not None:
+            self.cookie_token = token
+            self.cookie_name = cookie_name
         parts += (b"x-ng-session-id: ", route.session_id.encode(), b"\r\n")
         if token is not None:  # None: routed by the app's own session cookie
             parts += (b"x-ng-session-token: ", token, b"\r\n")
@@ -324,11 +339,11 @@ class Exchange:
         self.status = status
         client = self.client
         if self.new_token is not None:
-            extra = wire.set_cookie_headers(self.new_token)
+            extra = wire.set_cookie_headers(client.state.cookie_name, self.new_token)
         elif self.cookie_token is not None:
             # Re-set on every answer, as Starlette does its session cookie: NeMo Gym's
             # clients send on only the cookies of the last response they got.
-            extra = wire.refresh_cookie_header(self.cookie_token)
+            extra = wire.refresh_cookie_header(self.cookie_name, self.cookie_token)
         else:
             extra = b""
         # A response that starts before the request body ended may end first; the rest of
@@ -515,12 +530,14 @@ class Exchange:
 
     def _log_access(self, logger: logging.Logger) -> None:
         elapsed = (time.perf_counter() - self.started) * 1000 if self.started else 0.0
+        slot = self.slot
         logger.info(
-            '%s "%s %s HTTP/%s" %d %.1fms',
+            '%s "%s %s HTTP/%s" %d %.1fms worker=%s',
             self.client.peer,
             self.method.decode("latin-1"),
             self.url.decode("latin-1"),
             self.version,
             self.status,
             elapsed,
+            slot if slot >= 0 else ("control" if slot == -1 else "-"),
         )

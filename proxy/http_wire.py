@@ -13,11 +13,12 @@ from coordinator.errors import RETRY_AFTER, error_body, status_of
 __all__ = [
     "HOP_BY_HOP",
     "IDENTITY_HEADERS",
-    "COOKIE_NAME",
+    "LEGACY_COOKIE_NAME",
     "TOKEN_HEADER",
     "CONTINUE_100",
     "error_response",
-    "cookie_token",
+    "cookie_value",
+    "session_cookie",
     "set_cookie_headers",
     "refresh_cookie_header",
     "reason_phrase",
@@ -45,7 +46,9 @@ HOP_BY_HOP = frozenset(
 IDENTITY_HEADERS = frozenset(
     {b"x-ng-session-id", b"x-ng-session-token", b"x-ng-session-new", b"x-ng-episode-key"}
 )
-COOKIE_NAME = b"ng_session"
+# The one cookie name of every instance before cookies were named per instance: a client
+# of an older checkpoint still holds it (proxy.session_tokens, "legacy").
+LEGACY_COOKIE_NAME = b"ng_session"
 TOKEN_HEADER = b"x-nemo-gym-session-token"
 OWNER_HEADER = b"x-ng-session-owner"
 # A worker's runtime announces an app session it holds (stripped before the client).
@@ -55,7 +58,6 @@ CONTINUE_100 = b"HTTP/1.1 100 Continue\r\n\r\n"
 LAST_CHUNK = b"0\r\n\r\n"
 
 _REASONS = {status.value: status.phrase.encode() for status in HTTPStatus}
-_COOKIE_NEEDLE = COOKIE_NAME + b"="
 
 
 def reason_phrase(status: int) -> bytes:
@@ -83,38 +85,49 @@ def error_response(code: str, detail: str, *, close: bool, head_only: bool = Fal
     return b"".join(lines)
 
 
-def cookie_token(cookie_header: bytes) -> bytes | None:
-    """The value of the `ng_session` cookie in a Cookie header, if present."""
+def cookie_value(cookie_header: bytes, name: bytes) -> bytes | None:
+    """The value of the cookie `name` in a Cookie header, if present."""
+    needle = name + b"="
     start = 0
     while True:
-        at = cookie_header.find(_COOKIE_NEEDLE, start)
+        at = cookie_header.find(needle, start)
         if at < 0:
             return None
         if at == 0 or cookie_header[at - 1] in b"; \t":
-            begin = at + len(_COOKIE_NEEDLE)
+            begin = at + len(needle)
             end = cookie_header.find(b";", begin)
             value = cookie_header[begin:] if end < 0 else cookie_header[begin:end]
             return value.strip().strip(b'"')
         start = at + 1
 
 
-def set_cookie_headers(token: bytes) -> bytes:
-    """Header lines that hand the client its (new or changed) session token.
+def session_cookie(cookie_header: bytes, name: bytes) -> tuple[bytes | None, bytes | None]:
+    """(value, name) of this instance's session cookie `name`, else of the legacy
+    `ng_session` cookie; (None, None) when neither is there."""
+    value = cookie_value(cookie_header, name)
+    if value is not None:
+        return value, name
+    value = cookie_value(cookie_header, LEGACY_COOKIE_NAME)
+    return (value, LEGACY_COOKIE_NAME) if value is not None else (None, None)
+
+
+def set_cookie_headers(name: bytes, token: bytes) -> bytes:
+    """Header lines that hand the client its new session token in cookie `name`.
 
     Like HAProxy's `cookie insert indirect nocache`: the response is marked so no shared
     cache stores the cookie. The token also travels as a header for MCP clients.
     """
     return (
-        b"set-cookie: ng_session=" + token + b"; Path=/; HttpOnly; SameSite=Lax\r\n"
+        b"set-cookie: " + name + b"=" + token + b"; Path=/; HttpOnly; SameSite=Lax\r\n"
         b'cache-control: no-cache="Set-Cookie"\r\n'
         b"x-nemo-gym-session-token: " + token + b"\r\n"
     )
 
 
-def refresh_cookie_header(token: bytes) -> bytes:
+def refresh_cookie_header(name: bytes, token: bytes) -> bytes:
     """The same session cookie again (its value never changes: tokens are for life)."""
     return (
-        b"set-cookie: ng_session=" + token + b"; Path=/; HttpOnly; SameSite=Lax\r\n"
+        b"set-cookie: " + name + b"=" + token + b"; Path=/; HttpOnly; SameSite=Lax\r\n"
         b'cache-control: no-cache="Set-Cookie"\r\n'
     )
 

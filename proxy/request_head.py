@@ -9,8 +9,9 @@ whatever the client's head says (no request smuggling through the pool).
 
 Headers the proxy reads for routing (cookie, session token, owner hint) are returned to
 the caller; identity headers a client sent are dropped, since only the proxy sets them.
-An `X-NeMo-Gym-Session-Token` is the proxy's own (`v1.` tokens, consumed here) or the
-app's (anything else: NeMo Gym's MCP tokens), which passes through unchanged.
+An `X-NeMo-Gym-Session-Token` is this instance's (it starts with the instance's token
+prefix, `proxy.session_tokens`; consumed here) or not (NeMo Gym's MCP tokens, another
+gym-proxy's token), which passes through unchanged.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ from dataclasses import dataclass
 
 from coordinator.errors import GymError
 from proxy import http_wire as wire
-from proxy.app_tokens import PROXY_TOKEN_PREFIX
 
 __all__ = ["RequestHead", "rewrite_request_head", "PROTECTED"]
 
@@ -51,8 +51,8 @@ class RequestHead:
     and what the router needs from the client's head."""
 
     parts: list[bytes]
-    token: bytes | None = None  # the proxy's v1 token from the header
-    app_token: bytes | None = None  # an app's own token from the same header
+    token: bytes | None = None  # this instance's token from the header
+    app_token: bytes | None = None  # any other token in the same header (the app's)
     cookie: bytes | None = None
     owner_hint: bytes | None = None
     content_length: int | None = None
@@ -66,10 +66,12 @@ def rewrite_request_head(
     version: str,
     headers: list[tuple[bytes, bytes]],
     upgrade: bool = False,
+    token_prefix: bytes = b"v2.",
 ) -> RequestHead:
     """The head to forward for a request llhttp accepted; raise GymError otherwise.
     `upgrade`: llhttp saw a protocol switch asked for (WebSocket); `Upgrade` then
     passes, with `Connection: upgrade`, and is dropped otherwise (hop-by-hop).
+    `token_prefix`: how this instance's tokens start.
 
     llhttp already refuses what makes framing ambiguous (Content-Length with
     Transfer-Encoding, two Content-Lengths, a non-final `chunked`, bare LF, obs-fold);
@@ -91,7 +93,7 @@ def rewrite_request_head(
             head.cookie = value if head.cookie is None else head.cookie + b"; " + value
             parts += (name, b": ", value, b"\r\n")
         elif kind == _TOKEN:
-            if value.startswith(PROXY_TOKEN_PREFIX):
+            if value.startswith(token_prefix):
                 head.token, head.app_token = value, None
             else:
                 head.app_token, head.token = value, None

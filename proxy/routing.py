@@ -1,6 +1,8 @@
 """Which worker answers a request: the owner, alias and session tables (no I/O).
 
-The order of decisions is the one in DESIGN.md:
+The data path (`proxy.exchange`) first looks for an app's own token naming a session a
+worker announced (`route_app_session`), then for this instance's token (header, then its
+cookie; `proxy.session_tokens`), and calls `route` with what it found:
 
 1. a token naming a live owner: that worker;
 2. a token naming an aliased owner (old owner -> the worker that now holds its sessions);
@@ -10,6 +12,11 @@ The order of decisions is the one in DESIGN.md:
 6. nothing: a new session on the live, responsive worker with the fewest requests in
    flight (ties broken round-robin); a worker not answering the supervisor's pings gets
    no new sessions.
+
+A legacy token (minted before tokens named their instance) is this instance's only when it
+names an owner this instance has had, or one its restored checkpoint aliased (or, without
+an owner, a session of the session table); any other is taken as absent: with a secret
+shared between instances, it may be another instance's.
 
 Only a new session gets a token. An existing session keeps its token for life, even
 when an alias or the session table routes it: a client that keeps an old cookie must
@@ -63,12 +70,16 @@ class Router:
     workers: dict[str, WorkerRoute] = field(default_factory=dict)
     aliases: dict[str, str] = field(default_factory=dict)
     sessions: dict[str, str] = field(default_factory=dict)
+    # Every owner this process has had a worker for (a few per slot and restart).
+    past_owners: set[str] = field(default_factory=set)
+    app_cookie: bytes | None = None  # the app's own session cookie (workers say it)
     _live: list[WorkerRoute] = field(default_factory=list)
     _next: int = 0
 
     def add_worker(self, worker: WorkerRoute) -> None:
         """Make `worker` routable."""
         self.workers[worker.owner] = worker
+        self.past_owners.add(worker.owner)
         self._live = sorted(self.workers.values(), key=lambda w: w.slot)
 
     def remove_worker(self, owner: str) -> WorkerRoute | None:
@@ -124,8 +135,17 @@ class Router:
             raise _gone(holder)
         return Route(worker, session_id, False)
 
+    def knows(self, identity: SessionIdentity) -> bool:
+        """Whether a legacy token names something of this instance (module docstring)."""
+        owner = identity.owner
+        if owner is None:
+            return identity.session_id in self.sessions
+        return owner in self.past_owners or owner in self.aliases
+
     def route(self, identity: SessionIdentity | None, owner_hint: str | None) -> Route:
         """Decide where one request goes; raise GymError when it may go nowhere."""
+        if identity is not None and identity.legacy and not self.knows(identity):
+            identity = None
         if identity is not None:
             owner = identity.owner
             if owner is not None:

@@ -1,8 +1,9 @@
 """The proxy process: runtime directory, control app, coordinator, workers, public port.
 
 Start order: private runtime directory (0700), control app on its socket, coordinator
-socket, the public port (new work answers 503 `worker_unavailable` until a worker has
-registered), then the workers; "ready on" is logged once every one has registered. Stop order
+socket, the workers (all registered), then the public port listens ("ready on"); an
+inherited, listening socket (--fd) serves from the start, answering 503
+`worker_unavailable` until then. Stop order
 (SIGTERM/SIGINT; a second signal skips the drain): stop accepting, let in-flight requests
 finish within the grace period, cut the rest, stop workers, remove the runtime directory.
 """
@@ -69,7 +70,8 @@ async def run(config: Config, listen_sock: socket.socket, secret: bytes) -> int:
     control = WorkerRoute("control", -1, control_socket, pool=UpstreamPool(control_socket))
     state = ProxyState(
         router=router,
-        codec=TokenCodec(secret),
+        codec=TokenCodec(secret, config.instance),
+        cookie_name=config.session_cookie.encode(),
         control=control,
         upstream_timeout=config.upstream_timeout,
         keepalive_timeout=config.keepalive_timeout,
@@ -79,7 +81,7 @@ async def run(config: Config, listen_sock: socket.socket, secret: bytes) -> int:
         limit_request_head=config.limit_request_headers,
         max_connections=max_connections,
         now=loop.time(),
-        access_log=logging.getLogger("gym_proxy.access") if config.access_log else None,
+        access_log=_access_logger("gym_proxy.access") if config.access_log else None,
     )
     supervisor = Supervisor(config, runtime.path, coordinator_socket, router)
     checkpointer = Checkpointer(supervisor, config.instance, config.lease_grace)
@@ -106,15 +108,19 @@ async def run(config: Config, listen_sock: socket.socket, secret: bytes) -> int:
         await control_runner.setup()
         await web.UnixSite(control_runner, control_socket).start()
         await coordinator.start(coordinator_socket)
-        # The port serves from the start: the kernel accepts connections into the backlog
-        # as soon as the socket listens, so a health check sent during boot must be
-        # answered, not left waiting. Until every worker has registered, requests are 503
-        # worker_unavailable with Retry-After (control calls are served), so the first
-        # worker up does not take every early session and "the app answers" means ready.
-        state.booting = True
-        server = await loop.create_server(
-            lambda: ClientConnection(state), sock=listen_sock, backlog=config.backlog
-        )
+        # A port gym-proxy bound itself listens only once every worker has registered:
+        # until then a connection is refused at once, which NeMo Gym's clients retry
+        # (they retry no status code). An inherited socket (--fd) listens already, so the
+        # kernel accepts connections into its backlog: those are served from the start,
+        # and until every worker has registered a request is answered 503
+        # worker_unavailable with Retry-After (control calls are served), never left to
+        # wait. Either way "the app answers" means ready.
+        server = None
+        if _listening(listen_sock):
+            state.booting = True
+            server = await loop.create_server(
+                lambda: ClientConnection(state), sock=listen_sock, backlog=config.backlog
+            )
         # Separate tasks on purpose: the data path's timers never wait on the coordinator.
         timers = [
             asyncio.ensure_future(_sweep(state, supervisor)),
@@ -135,6 +141,10 @@ async def run(config: Config, listen_sock: socket.socket, secret: bytes) -> int:
             code = EXIT_BOOT_ERROR
             return code
         state.booting = False
+        if server is None:
+            server = await loop.create_server(
+                lambda: ClientConnection(state), sock=listen_sock, backlog=config.backlog
+            )
         host, port = listen_sock.getsockname()[:2]
         log.info("ready on http://%s:%d with %d workers", host, port, config.workers)
         log.info("data path: %s (%s)", *data_path.mode())
@@ -167,6 +177,17 @@ async def run(config: Config, listen_sock: socket.socket, secret: bytes) -> int:
         runtime.remove()
         listen_sock.close()
         log.info("stopped")
+
+
+def _listening(sock: socket.socket) -> bool:
+    return bool(sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN))
+
+
+def _access_logger(name: str) -> logging.Logger:
+    """The access log logs whatever --log-level says (asking for it is asking for it)."""
+    logger = logging.getLogger(name)
+    logger.setLevel(logging.INFO)
+    return logger
 
 
 def _connection_cap(asked: int | None) -> int:

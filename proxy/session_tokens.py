@@ -1,9 +1,29 @@
-"""Signed session tokens: `v1.<session_id>.<owner or ->.<mac>`.
+"""Signed session tokens that name the instance which minted them.
 
-`mac` is HMAC-SHA256 over `v1.<session_id>.<owner or ->` with the server's secret,
-base64url without padding (43 characters). Session IDs and owners use the base64url
-alphabet, 1..64 characters, so a token never needs quoting in a cookie or a header.
-The codec is pure: no I/O, no clock.
+A token is `v2.<instance>.<session_id>.<owner or ->.<mac>`:
+
+- `instance` is this gym-proxy's tag: the first 66 bits of HMAC-SHA256(secret,
+  "gym-proxy instance\\0" + its name), base64url (11 characters). Two instances tell
+  their tokens apart even when they share one secret (their names differ), and an
+  instance with another secret never sees its tag;
+- `mac` is HMAC-SHA256 over everything before it, with the secret, base64url without
+  padding (43 characters), so neither the instance, the session nor the owner can be
+  changed.
+
+Cookies travel between the servers of a NeMo Gym stack (an agent calls the resources
+server with the cookies its seed returned, and answers with them), so a token is only
+this instance's business when its tag is this instance's: `TokenCodec.read` returns
+None for anything else, and the caller passes it on untouched. A token with this tag
+that does not verify is damaged or forged: `TokenError`.
+
+Tokens minted before instances were named, `v1.<session_id>.<owner or ->.<mac>`
+(the `ng_session` cookie of an older checkpoint), are read as *legacy*: one that verifies
+with the secret is returned marked legacy, and the router takes it as this instance's
+only when it names an owner (or an ownerless session) this instance knows; with a
+shared secret another instance's would verify too. One that does not verify is not ours.
+
+Session IDs and owners use the base64url alphabet, 1..64 characters, so a token never
+needs quoting in a cookie or a header. The codec is pure: no I/O, no clock.
 """
 
 from __future__ import annotations
@@ -15,23 +35,34 @@ import re
 import secrets
 from dataclasses import dataclass
 
-__all__ = ["TokenError", "SessionIdentity", "TokenCodec", "new_session_id", "new_owner_id"]
+__all__ = [
+    "TokenError",
+    "SessionIdentity",
+    "TokenCodec",
+    "instance_tag",
+    "new_session_id",
+    "new_owner_id",
+    "is_valid_id",
+]
 
 _ID = re.compile(r"[A-Za-z0-9_-]{1,64}\Z")
 _MAC_LEN = 43
+_TAG_LEN = 11
 NO_OWNER = "-"
 
 
 class TokenError(ValueError):
-    """The token is malformed or its MAC does not verify."""
+    """The token is this instance's but malformed, or its MAC does not verify."""
 
 
 @dataclass(frozen=True, slots=True)
 class SessionIdentity:
-    """What a verified token says: the session ID and the owner it names (or None)."""
+    """What a verified token says: the session ID and the owner it names (or None).
+    `legacy`: a `v1.` token, which names no instance (see the module docstring)."""
 
     session_id: str
     owner: str | None
+    legacy: bool = False
 
 
 def new_session_id() -> str:
@@ -49,49 +80,79 @@ def is_valid_id(value: str) -> bool:
     return _ID.match(value) is not None
 
 
+def _b64(digest: bytes) -> str:
+    return base64.urlsafe_b64encode(digest).rstrip(b"=").decode()
+
+
+def instance_tag(secret: bytes, instance: str) -> str:
+    """The tag tokens of instance `instance` carry under `secret`."""
+    digest = hmac.new(secret, b"gym-proxy instance\0" + instance.encode(), hashlib.sha256)
+    return _b64(digest.digest())[:_TAG_LEN]
+
+
 class TokenCodec:
-    """Signs and verifies session tokens with one secret.
+    """Signs and reads session tokens of one instance (name and secret).
 
     Verified tokens are remembered (bounded) so the hot path pays the HMAC once per
     token rather than once per request.
     """
 
-    def __init__(self, secret: bytes, cache_size: int = 65536) -> None:
+    def __init__(self, secret: bytes, instance: str = "", cache_size: int = 65536) -> None:
         if not secret:
             raise ValueError("the session secret must not be empty")
         self._secret = secret
+        self.tag = instance_tag(secret, instance)
+        self.prefix = f"v2.{self.tag}."  # every token of this instance starts so
         self._cache: dict[str, SessionIdentity] = {}
         self._cache_size = cache_size
 
     def _mac(self, body: str) -> str:
-        digest = hmac.new(self._secret, body.encode(), hashlib.sha256).digest()
-        return base64.urlsafe_b64encode(digest).rstrip(b"=").decode()
+        return _b64(hmac.new(self._secret, body.encode(), hashlib.sha256).digest())
 
     def sign(self, session_id: str, owner: str | None) -> str:
         """Return the token for `session_id` owned by `owner` (None: no owner)."""
         if not is_valid_id(session_id) or (owner is not None and not is_valid_id(owner)):
             raise TokenError("session ID and owner must be 1-64 base64url characters")
-        body = f"v1.{session_id}.{owner or NO_OWNER}"
+        body = f"{self.prefix}{session_id}.{owner or NO_OWNER}"
         return f"{body}.{self._mac(body)}"
 
-    def verify(self, token: str) -> SessionIdentity:
-        """Return the identity a token names; raise TokenError if it does not verify."""
+    def read(self, token: str) -> SessionIdentity | None:
+        """The identity this instance's token names; None for a token that is not this
+        instance's (another instance's or the app's: pass it on); TokenError for one that
+        is, but does not verify."""
         known = self._cache.get(token)
         if known is not None:
             return known
-        parts = token.split(".")
-        if len(parts) != 4 or parts[0] != "v1":
-            raise TokenError("session token is not of the form v1.<session>.<owner>.<mac>")
-        _, session_id, owner, mac = parts
-        if not is_valid_id(session_id) or not (owner == NO_OWNER or is_valid_id(owner)):
-            raise TokenError("session token has a malformed session ID or owner")
-        if len(mac) != _MAC_LEN:
-            raise TokenError("session token has a malformed signature")
-        expected = self._mac(f"v1.{session_id}.{owner}")
-        if not hmac.compare_digest(expected, mac):
-            raise TokenError("session token signature does not verify")
-        identity = SessionIdentity(session_id, None if owner == NO_OWNER else owner)
+        if token.startswith(self.prefix):
+            identity = self._verify(token, 5, "v2.<instance>.<session>.<owner>.<mac>")
+        elif token.startswith("v1."):
+            try:
+                identity = self._verify(token, 4, "v1.<session>.<owner>.<mac>", legacy=True)
+            except TokenError:
+                return None  # signed with another secret: someone else's
+        else:
+            return None
         if len(self._cache) >= self._cache_size:
             self._cache.clear()
         self._cache[token] = identity
         return identity
+
+    def verify(self, token: str) -> SessionIdentity:
+        """`read`, for a token that must be this instance's."""
+        identity = self.read(token)
+        if identity is None:
+            raise TokenError("the session token is not this gym-proxy instance's")
+        return identity
+
+    def _verify(self, token: str, fields: int, shape: str, legacy: bool = False) -> SessionIdentity:
+        parts = token.split(".")
+        if len(parts) != fields:
+            raise TokenError(f"session token is not of the form {shape}")
+        session_id, owner, mac = parts[-3:]
+        if not is_valid_id(session_id) or not (owner == NO_OWNER or is_valid_id(owner)):
+            raise TokenError("session token has a malformed session ID or owner")
+        if len(mac) != _MAC_LEN:
+            raise TokenError("session token has a malformed signature")
+        if not hmac.compare_digest(self._mac(token[: -_MAC_LEN - 1]), mac):
+            raise TokenError("session token signature does not verify")
+        return SessionIdentity(session_id, None if owner == NO_OWNER else owner, legacy)

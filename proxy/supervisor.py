@@ -48,9 +48,9 @@ TEST_OWNERS_ENV = "GYM_PROXY_TEST_OWNERS"
 def worker_argv(**options: object) -> list[str]:
     """`python -m worker` options as `--name=value`, one argument each: a value that
     starts with `-` (one random owner ID in 64 does) can never be read as a flag.
-    None leaves the option out."""
+    None leaves the option out; True is a bare flag."""
     return [
-        f"--{name.replace('_', '-')}={value}"
+        f"--{name.replace('_', '-')}" + ("" if value is True else f"={value}")
         for name, value in options.items()
         if value is not None
     ]
@@ -99,6 +99,7 @@ class Supervisor:
     _tasks: set[asyncio.Task[Any]] = field(default_factory=set)
     _registered: asyncio.Event = field(default_factory=asyncio.Event)
     _timer: asyncio.TimerHandle | None = None
+    _warned_restart_only: bool = False
     _owners: list[str] = field(
         default_factory=lambda: list(filter(None, os.environ.get(TEST_OWNERS_ENV, "").split(",")))
     )
@@ -164,10 +165,13 @@ class Supervisor:
                     coordinator=self.coordinator_socket,
                     app=cfg.app,
                     app_dir=cfg.app_dir,
+                    workers=cfg.workers,
+                    session_state=cfg.session_state,
                     graceful_timeout=cfg.graceful_timeout,
                     session_idle_ttl=cfg.session_idle_ttl,
                     kind=cfg.kind,
                     log_level=cfg.log_level,
+                    access_log=cfg.access_log or None,
                 ),
                 stdin=asyncio.subprocess.DEVNULL,
             )
@@ -232,6 +236,18 @@ class Supervisor:
             keeps_rollout_prefix=message.get("framework") == "asgi",
         )
         worker.route.pool = UpstreamPool(worker.socket_path)
+        app_cookie = message.get("app_cookie")
+        if isinstance(app_cookie, str):
+            self.router.app_cookie = app_cookie.encode("latin-1")
+        if message.get("restart_only") and not self._warned_restart_only:
+            self._warned_restart_only = True
+            log.warning(
+                "%s declares no session state, so it is a restart-only participant: a "
+                "checkpoint exports none of its sessions and names the rollouts using them "
+                "as restarts (declare a session dict, hooks or the session store to export "
+                "them: README, 'State without code')",
+                self.config.app,
+            )
         self.router.add_worker(worker.route)
         log.info("worker %d registered (owner %s)", slot_index, worker.owner)
         if all(s.worker is not None and s.worker.state == "live" for s in self.slots):

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import hashlib
+import hmac
 import os
 import shutil
 import signal
@@ -18,6 +20,9 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+
+from proxy.config import ConfigError, config_from_args
+from proxy.session_tokens import TokenCodec
 
 TEST_SECRET = "test-secret-do-not-use"
 CONTROL_TOKEN = "test-control-token"
@@ -106,6 +111,19 @@ class ProxyProcess:
         if control_token is not None:
             command += ["--control-token", control_token]
         command += list(args)
+        # The session cookie this instance sets (named after the instance, like its tokens;
+        # None for a command line gym-proxy refuses).
+        try:
+            config = config_from_args(command[3:])
+        except ConfigError:
+            config = None
+        self.cookie = config.session_cookie if config is not None else None
+        # A token of this instance's form that cannot verify (damaged): always a 400.
+        self.bad_token = (
+            TokenCodec(secret.encode(), config.instance).prefix + "bogus"
+            if config is not None and secret
+            else "v2.bogus"
+        )
         self._log = open(self.log_path, "wb")  # noqa: SIM115
         self.popen = subprocess.Popen(
             command,
@@ -222,6 +240,14 @@ class Control:
         return await self.ok(
             "commit", checkpoint_id=checkpoint_id, checkpoint_dir=directory, **commit
         )
+
+
+def legacy_token(secret: bytes, session_id: str, owner: str | None) -> str:
+    """A token as gym-proxy minted them before tokens named their instance (`v1.`): what
+    a client of an older checkpoint holds in its `ng_session` cookie."""
+    body = f"v1.{session_id}.{owner or '-'}"
+    mac = hmac.new(secret, body.encode(), hashlib.sha256).digest()
+    return f"{body}.{base64.urlsafe_b64encode(mac).rstrip(b'=').decode()}"
 
 
 def write_checkpoint(base: Path, lines: list[bytes], **manifest: Any) -> None:

@@ -112,9 +112,9 @@ async def test_app_token_passes_unchanged_and_mints_nothing(start_proxy):
     async with nemo_http() as http:
         client = NemoClient(http, proxy.url)
         await client.seed(7)
-        # an MCP-like call: the app's token, plus an unrelated ng_session cookie
+        # an MCP-like call: the app's token, plus an unrelated session cookie of the proxy
         async with http.post(f"{proxy.url}/seed_session", json={}) as resp:
-            unrelated = resp.cookies["ng_session"].value
+            unrelated = resp.cookies[proxy.cookie].value
         async with http.post(
             f"{proxy.url}/mcp/",
             headers={
@@ -122,7 +122,7 @@ async def test_app_token_passes_unchanged_and_mints_nothing(start_proxy):
                 "Accept": "application/json, text/event-stream",
                 "Content-Type": "application/json",
             },
-            cookies={"ng_session": unrelated},
+            cookies={proxy.cookie: unrelated},
             data=orjson.dumps(
                 {
                     "jsonrpc": "2.0",
@@ -133,7 +133,7 @@ async def test_app_token_passes_unchanged_and_mints_nothing(start_proxy):
             ),
         ) as resp:
             assert resp.status == 200, await resp.text()
-            assert "ng_session" not in resp.cookies  # the proxy minted no session
+            assert proxy.cookie not in resp.cookies  # the proxy minted no session
             reply = await resp.json()
         assert not reply["result"].get("isError"), reply
         assert orjson.loads(reply["result"]["content"][0]["text"])["count"] == 8
@@ -194,6 +194,9 @@ async def test_checkpoint_with_hooks_restores_onto_another_worker_count(
 
 
 async def test_restart_only_app_never_blocks_and_reports_restarts(start_proxy, tmp_path):
+    """A restart-only resources server exports nothing and names its episodes as restarts;
+    a live session bound to no episode is state nothing would save or restart, so it is a
+    blocker until it ends, never silently dropped."""
     proxy = start_proxy(
         workers=2, app="tests.nemo_style:create_restart_only_app", control_token=CONTROL_TOKEN
     )
@@ -202,14 +205,21 @@ async def test_restart_only_app_never_blocks_and_reports_restarts(start_proxy, t
         for key in ("r1", "r2-a1"):
             async with http.post(f"{proxy.url}/ng-rollout/{key}/seed_session", json={}) as resp:
                 assert resp.status == 200
-        async with http.post(f"{proxy.url}/seed_session", json={}) as resp:
-            assert resp.status == 200  # no episode: nothing to restart
-        reply = await control.ok("prepare", checkpoint_id="ro", deadline_ts=time.time() + 10)
+        unbound = NemoClient(http, proxy.url)
+        await unbound.seed(5)  # no episode
+        reply = await control.ok("prepare", checkpoint_id="ro", deadline_ts=time.time() + 1)
+        assert reply["phase"] == "preparing"
+        assert reply["report"]["blockers"] == ["resources-unbound-sessions:1"]
+        assert reply["report"]["counts"]["unbound_sessions"] == 1
+        assert sorted(reply["report"]["restarts"]) == ["r1", "r2-a1"]
+        await control.ok("resume", checkpoint_id="ro")
+        assert (await unbound.post("/verify", {"expected_count": 5}))["reward"] == 1.0
+        reply = await control.ok("prepare", checkpoint_id="ro2", deadline_ts=time.time() + 10)
         assert reply["phase"] == "prepared"
         assert sorted(reply["report"]["restarts"]) == ["r1", "r2-a1"]
-        committed = await control.ok("commit", checkpoint_id="ro", checkpoint_dir=str(tmp_path))
+        committed = await control.ok("commit", checkpoint_id="ro2", checkpoint_dir=str(tmp_path))
         assert committed["manifest"]["record_count"] == 0  # restart-only exports nothing
-        await control.ok("resume", checkpoint_id="ro")
+        await control.ok("resume", checkpoint_id="ro2")
 
 
 async def test_only_a_seed_starts_tracking_an_app_session(start_proxy):

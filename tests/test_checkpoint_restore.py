@@ -28,10 +28,10 @@ async def make_sessions(http, url, count):
     return sessions
 
 
-async def check_sessions(http, url, sessions):
+async def check_sessions(http, url, sessions, cookie):
     for n, (token, expected) in enumerate(sessions):
         # alternate carriers: the MCP header and the cookie must both still work
-        headers = {TOKEN: token} if n % 2 else {"Cookie": f"ng_session={token}"}
+        headers = {TOKEN: token} if n % 2 else {"Cookie": f"{cookie}={token}"}
         async with http.post(f"{url}/get_counter_value", headers=headers) as resp:
             assert resp.status == 200, (n, resp.status, await resp.text())
             assert (await resp.json())["count"] == expected, n
@@ -41,7 +41,7 @@ async def check_sessions(http, url, sessions):
             if n % 2:
                 assert "Set-Cookie" not in resp.headers
             else:
-                assert resp.headers["Set-Cookie"].startswith(f"ng_session={token};")
+                assert resp.headers["Set-Cookie"].startswith(f"{cookie}={token};")
         async with http.post(
             f"{url}/increment_counter", json={"count": 100}, headers={TOKEN: token}
         ) as resp:
@@ -68,9 +68,9 @@ async def test_sessions_survive_crash_and_resize(start_proxy, http, tmp_path, be
     status = await control.ok("status")
     assert status["phase"] == "restored" and len(status["session_aliases"]) == before
     assert (await control.ok("resume", checkpoint_id="restore-1"))["phase"] == "idle"
-    await check_sessions(http, second.url, sessions)
+    await check_sessions(http, second.url, sessions, second.cookie)
     fresh = await make_sessions(http, second.url, 8)
-    await check_sessions(http, second.url, fresh)
+    await check_sessions(http, second.url, fresh, second.cookie)
 
 
 @BOTH_APP_KINDS

@@ -17,7 +17,7 @@ async def _run_session(http: aiohttp.ClientSession, url: str, start: int) -> tup
     async with http.post(f"{url}/seed_session", json={"initial_count": start}) as resp:
         assert resp.status == 200
         token = resp.headers[TOKEN]
-        assert f"ng_session={token}" in resp.headers["Set-Cookie"]
+        assert f"gym_proxy___apps={token}" in resp.headers["Set-Cookie"]
     for _ in range(5):
         async with http.post(
             f"{url}/increment_counter", json={"count": 2}, headers={TOKEN: token}
@@ -28,7 +28,7 @@ async def _run_session(http: aiohttp.ClientSession, url: str, start: int) -> tup
         f"{url}/verify", json={"expected_count": start + 10}, headers={TOKEN: token}
     ) as resp:
         assert (await resp.json())["reward"] == 1.0
-    owner = token.split(".")[2]
+    owner = token.split(".")[-2]
     return owner, start
 
 

@@ -70,7 +70,7 @@ async def test_expect_100_with_bad_token_gets_final_answer_without_body(start_pr
     reader, writer = await open_raw(proxy)
     writer.write(
         b"POST /seed_session HTTP/1.1\r\nHost: t\r\nContent-Length: 1000000\r\n"
-        b"X-NeMo-Gym-Session-Token: v1.bogus\r\nExpect: 100-continue\r\n\r\n"
+        b"X-NeMo-Gym-Session-Token: %s\r\nExpect: 100-continue\r\n\r\n" % proxy.bad_token.encode()
     )
     [(status, headers, body)] = await read_responses(reader, 1)
     assert status == 400 and headers[b"connection"] == b"close"
@@ -88,7 +88,7 @@ async def test_chunked_request_and_error_keeps_connection(start_proxy):
     [(status, _, body)] = await read_responses(reader, 1)
     assert status == 200 and body == b"hello world"
     # an error with a body: the body is read and dropped, the connection stays usable
-    writer.write(post("/echo", b"x" * 5000, "X-NeMo-Gym-Session-Token: v1.bogus\r\n"))
+    writer.write(post("/echo", b"x" * 5000, f"X-NeMo-Gym-Session-Token: {proxy.bad_token}\r\n"))
     writer.write(post("/echo", b"after", "Content-Type: text/plain\r\n"))
     responses = await read_responses(reader, 2)
     assert [r[0] for r in responses] == [400, 200] and responses[1][2] == b"after"

@@ -174,7 +174,9 @@ async def test_access_log(start_proxy, http):
     proxy = start_proxy("--access-log", workers=1)
     async with http.post(f"{proxy.url}/seed_session", json={"initial_count": 1}) as resp:
         assert resp.status == 200
-    async with http.get(f"{proxy.url}/x", headers={"X-NeMo-Gym-Session-Token": "v1.bad"}) as resp:
+    async with http.get(
+        f"{proxy.url}/x", headers={"X-NeMo-Gym-Session-Token": proxy.bad_token}
+    ) as resp:
         assert resp.status == 400
 
     def logged() -> bool:

@@ -1,7 +1,8 @@
 """A model participant in NeMo Gym's sense (the reference `fake_model`, kind `model`):
-while a checkpoint is open a new generation call is refused `409 checkpoint_parked`, an
-admitted one finishes and its answer waits until resume, none of them blocks the
-checkpoint, and the server's other routes keep serving."""
+while a checkpoint is open a new generation call waits at the door (NeMo Gym 0.7.0's
+agents call `raise_for_status()` on it and never repeat a 409), an admitted one finishes
+and its answer waits until resume, none of them blocks the checkpoint, and the server's
+other routes keep serving."""
 
 from __future__ import annotations
 
@@ -41,8 +42,12 @@ async def test_model_calls_across_a_checkpoint(start_proxy, http, tmp_path):
     await wait_until(one_held, 10, "the call to be held at the model")
     reply = await control.ok("prepare", checkpoint_id="m1")
     assert reply["phase"] == "prepared"  # an admitted model call never blocks
-    status, body = await call("r2")
-    assert (status, body["error"]["code"]) == (409, "checkpoint_parked")
+    new_call = asyncio.ensure_future(call("r2"))
+
+    async def new_call_at_door() -> bool:
+        return (await control.ok("status"))["report"]["counts"].get("door") == 1
+
+    await wait_until(new_call_at_door, 10, "the new call to wait at the door")
     assert await held() == 1
     os.unlink(hold)  # the admitted call finishes; its answer waits for resume
 
@@ -50,11 +55,13 @@ async def test_model_calls_across_a_checkpoint(start_proxy, http, tmp_path):
         return (await control.ok("status"))["report"]["counts"].get("parked") == 1
 
     await wait_until(answer_parked, 10, "the finished answer to be held")
-    assert not admitted.done()
+    reply = await control.ok("prepare", checkpoint_id="m1")
+    assert reply["phase"] == "prepared"  # neither a door wait nor a held answer blocks
+    assert not admitted.done() and not new_call.done()
     await control.ok("resume", checkpoint_id="m1")
     status, body = await asyncio.wait_for(admitted, 10)
     assert status == 200 and body["output"][0]["name"] == "get_weather"
-    status, body = await call("r2")  # open again: the refused call is repeated
+    status, body = await asyncio.wait_for(new_call, 10)  # went on after resume
     assert status == 200 and body["output"][0]["type"] == "function_call"
 
 
@@ -76,8 +83,12 @@ async def test_model_kind_gates_generation_routes_only(start_proxy, http):
 
     await wait_until(running, 10, "the generation call to be admitted")
     assert (await control.ok("prepare", checkpoint_id="g1"))["phase"] == "prepared"
-    status, body = await call(generate)
-    assert (status, body["error"]["code"]) == (409, "checkpoint_parked")
+    waiting = asyncio.ensure_future(call(generate))
+
+    async def at_door() -> bool:
+        return (await control.ok("status"))["report"]["counts"].get("door") == 1
+
+    await wait_until(at_door, 10, "the new generation call to wait at the door")
     status, _ = await call(f"{proxy.url}/whoami")
     assert status == 200  # not a generation route: served while closed
     status, _ = await call(f"{proxy.url}/release?name=generate")
@@ -90,4 +101,6 @@ async def test_model_kind_gates_generation_routes_only(start_proxy, http):
     assert not admitted.done()
     await control.ok("resume", checkpoint_id="g1")
     status, body = await asyncio.wait_for(admitted, 10)
+    assert status == 200 and body["generated"] is True
+    status, body = await asyncio.wait_for(waiting, 10)  # the gate stays released
     assert status == 200 and body["generated"] is True

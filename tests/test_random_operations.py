@@ -132,7 +132,7 @@ class Walk:
         status, headers, body = await self.post("/seed_session", json={"initial_count": count})
         assert status == 200, body
         token = headers[TOKEN]
-        self.model.sessions[token.split(".")[1]] = (token, count)
+        self.model.sessions[token.split(".")[-3]] = (token, count)
 
     async def _seeds_after_resume(self) -> None:
         """The seeds that waited at the door go on once the participant is open."""
@@ -140,7 +140,7 @@ class Walk:
             status, headers, body = await asyncio.wait_for(seed, 10)
             assert status == 200, body
             token = headers[TOKEN]
-            self.model.sessions[token.split(".")[1]] = (token, count)
+            self.model.sessions[token.split(".")[-3]] = (token, count)
         self.model.door_seeds = []
 
     async def op_hold(self) -> None:
@@ -154,7 +154,7 @@ class Walk:
         task = asyncio.ensure_future(
             self.http.get(f"{self.proxy.url}/slow?seconds=120&tag={tag}", headers={TOKEN: token})
         )
-        owner = token.split(".")[2]
+        owner = token.split(".")[-2]
         await wait_until(lambda: self.seen(owner, "/slow"), 10, "the held request to arrive")
         self.model.held[sid] = task
         self.model.held_owner[sid] = owner
@@ -343,7 +343,7 @@ class Walk:
         if self.model.phase == "prepared":
             self.model.phase = "preparing"  # a lost worker undoes a successful prepare
         owner = victim["owner"]
-        for sid in [s for s, (t, _) in self.model.sessions.items() if t.split(".")[2] == owner]:
+        for sid in [s for s, (t, _) in self.model.sessions.items() if t.split(".")[-2] == owner]:
             del self.model.sessions[sid]
             self.model.held.pop(sid, None)
             self.model.held_owner.pop(sid, None)

@@ -1,19 +1,45 @@
-"""Unit tests of the session token codec."""
+"""Unit tests of the session token codec: instances, verification, legacy tokens."""
 
 from __future__ import annotations
 
 import pytest
 
-from proxy.session_tokens import SessionIdentity, TokenCodec, TokenError, new_session_id
+from proxy.session_tokens import (
+    SessionIdentity,
+    TokenCodec,
+    TokenError,
+    instance_tag,
+    new_session_id,
+)
+from tests.support import legacy_token
 
-codec = TokenCodec(b"secret-a")
+codec = TokenCodec(b"secret-a", "counter")
 
 
 def test_round_trip_with_and_without_owner():
     sid = new_session_id()
     assert codec.verify(codec.sign(sid, "owner1")) == SessionIdentity(sid, "owner1")
     assert codec.verify(codec.sign(sid, None)) == SessionIdentity(sid, None)
-    assert codec.sign(sid, None).split(".")[2] == "-"
+    version, tag, _, owner, _ = codec.sign(sid, None).split(".")
+    assert (version, tag, owner) == ("v2", instance_tag(b"secret-a", "counter"), "-")
+
+
+def test_instances_tell_their_tokens_apart_under_one_secret():
+    agent = TokenCodec(b"secret-a", "agent")
+    assert agent.tag != codec.tag and agent.prefix != codec.prefix
+    token = agent.sign("sess", "own")
+    assert codec.read(token) is None  # another instance's: not this one's business
+    assert agent.read(token) == SessionIdentity("sess", "own")
+    # the same name under another secret is another instance too
+    assert TokenCodec(b"secret-b", "counter").read(codec.sign("sess", "own")) is None
+
+
+@pytest.mark.parametrize(
+    "token",
+    ["", "abc", "v2.something-else", "eyJzaWQiOiAicyJ9.sig", "v3.a.b.c.d"],
+)
+def test_tokens_that_are_not_this_instances_read_as_none(token):
+    assert codec.read(token) is None
 
 
 @pytest.mark.parametrize(
@@ -21,44 +47,50 @@ def test_round_trip_with_and_without_owner():
     [
         lambda t: t[:-1],  # truncated MAC
         lambda t: t[: t.rindex(".")],  # MAC missing
-        lambda t: "v2" + t[2:],  # unknown version
-        lambda t: t.replace(".", "..", 1),  # empty session ID
+        lambda t: t.replace(".sess.", ".."),  # empty session ID
         lambda t: t + ".extra",
-        lambda t: "",
-        lambda t: "v1.a b.c." + "x" * 43,  # bad characters
+        lambda t: t.rsplit(".", 3)[0] + ".a b.c." + "x" * 43,  # bad characters
     ],
 )
-def test_malformed_tokens_refused(mutate):
+def test_malformed_tokens_of_this_instance_refused(mutate):
+    token = mutate(codec.sign("sess", "own"))
+    assert token.startswith(codec.prefix)
     with pytest.raises(TokenError):
-        codec.verify(mutate(codec.sign("sess", "own")))
+        codec.read(token)
 
 
 def test_forged_owner_refused():
     token = codec.sign("sess", "own")
-    _, sid, _, mac = token.split(".")
+    version, tag, sid, _, mac = token.split(".")
     with pytest.raises(TokenError):
-        codec.verify(f"v1.{sid}.other.{mac}")
-
-
-def test_token_signed_with_another_secret_refused():
-    with pytest.raises(TokenError):
-        codec.verify(TokenCodec(b"secret-b").sign("sess", "own"))
+        codec.read(f"{version}.{tag}.{sid}.other.{mac}")
 
 
 def test_flipped_mac_character_refused():
     token = codec.sign("sess", "own")
     flipped = token[:-1] + ("A" if token[-1] != "A" else "B")
     with pytest.raises(TokenError):
-        codec.verify(flipped)
+        codec.read(flipped)
+
+
+def test_legacy_tokens_verify_as_legacy_or_are_not_ours():
+    old = legacy_token(b"secret-a", "sess", "own")
+    assert codec.read(old) == SessionIdentity("sess", "own", legacy=True)
+    assert codec.read(legacy_token(b"secret-a", "sess", None)) == SessionIdentity(
+        "sess", None, legacy=True
+    )
+    # signed with another secret, or damaged: someone else's, never a refusal
+    assert codec.read(legacy_token(b"secret-b", "sess", "own")) is None
+    assert codec.read(old[:-2] + "zz") is None
 
 
 def test_cache_does_not_accept_what_it_did_not_verify():
-    small = TokenCodec(b"k", cache_size=2)
+    small = TokenCodec(b"k", "i", cache_size=2)
     tokens = [small.sign(f"s{i}", "o") for i in range(5)]
     for token in tokens:
-        assert small.verify(token).session_id.startswith("s")
+        assert small.read(token).session_id.startswith("s")
     with pytest.raises(TokenError):
-        small.verify(tokens[0][:-2] + "zz")
+        small.read(tokens[0][:-2] + "zz")
 
 
 def test_empty_secret_rejected():

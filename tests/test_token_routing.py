@@ -7,12 +7,14 @@ import base64
 
 import pytest
 
+from proxy.http_wire import LEGACY_COOKIE_NAME
 from proxy.session_tokens import TokenCodec
 from tests.conftest import BOTH_APP_KINDS
-from tests.support import TEST_SECRET
+from tests.support import TEST_SECRET, legacy_token
 
 TOKEN = "X-NeMo-Gym-Session-Token"
 OWNER = "x-ng-session-owner"
+LEGACY_COOKIE = LEGACY_COOKIE_NAME.decode()
 
 
 async def owners_and_seen(http, url, owners):
@@ -36,26 +38,41 @@ async def discover_owners(http, url, count):
 
 
 def forged_tokens(valid: str) -> dict[str, str]:
-    _, sid, owner, mac = valid.split(".")
-    other = TokenCodec(b"another-secret").sign(sid, owner)
+    """Tokens that carry this instance's tag but are damaged or forged."""
+    version, tag, sid, owner, mac = valid.split(".")
     return {
-        "forged-owner": f"v1.{sid}.someoneelse.{mac}",
+        "forged-owner": f"{version}.{tag}.{sid}.someoneelse.{mac}",
         "truncated": valid[:-5],
-        "re-signed": other,
-        "garbage": "v1.not-a-token",
-        "bad-chars": "v1.a%20b.c.d",
+        "garbage": f"{version}.{tag}.not-a-token",
+        "bad-chars": f"{version}.{tag}.a%20b.c.d",
+    }
+
+
+def foreign_tokens(valid: str, owner: str) -> dict[str, str]:
+    """Tokens that are not this instance's: another instance's (same secret, other name),
+    another secret's, and a legacy token of an owner this instance never had."""
+    _, _, sid, _, _ = valid.split(".")
+    return {
+        "another-instance": TokenCodec(TEST_SECRET.encode(), "agent").sign(sid, owner),
+        "another-secret": TokenCodec(b"another-secret", "apps").sign(sid, owner),
+        "legacy-unknown-owner": legacy_token(TEST_SECRET.encode(), sid, "stranger"),
+        "legacy-another-secret": legacy_token(b"another-secret", sid, owner),
     }
 
 
 @pytest.mark.parametrize("carrier", ["header", "cookie"])
-async def test_bad_tokens_are_400_and_reach_no_worker(start_proxy, http, carrier):
+async def test_damaged_tokens_of_this_instance_are_400_and_reach_no_worker(
+    start_proxy, http, carrier
+):
     proxy = start_proxy(workers=2)
     owners = await discover_owners(http, proxy.url, 2)
     async with http.post(f"{proxy.url}/seed_session", json={"initial_count": 1}) as resp:
         valid = resp.headers[TOKEN]
     before = await owners_and_seen(http, proxy.url, owners)
     for name, token in forged_tokens(valid).items():
-        headers = {TOKEN: token} if carrier == "header" else {"Cookie": f"a=b; ng_session={token}"}
+        headers = (
+            {TOKEN: token} if carrier == "header" else {"Cookie": f"a=b; {proxy.cookie}={token}"}
+        )
         async with http.post(
             f"{proxy.url}/increment_counter", json={"count": 1}, headers=headers
         ) as resp:
@@ -68,10 +85,49 @@ async def test_bad_tokens_are_400_and_reach_no_worker(start_proxy, http, carrier
         assert after[owner] == before[owner] + ["/seen"], (owner, after[owner])
 
 
+async def test_tokens_this_instance_did_not_mint_pass_through_untouched(start_proxy, http):
+    """Cookies travel between the servers of a NeMo Gym stack: another instance's token,
+    another secret's, a legacy token naming an owner this instance never had are none of
+    its business. They reach the app untouched, never 400 or 410; a cookie client gets a
+    new session of this instance's, a header (an app's token) gets none."""
+    proxy = start_proxy(workers=2)
+    async with http.post(f"{proxy.url}/seed_session", json={"initial_count": 1}) as resp:
+        valid = resp.headers[TOKEN]
+    owner = valid.split(".")[3]
+    for name, token in foreign_tokens(valid, owner).items():
+        cookie = f"gym_proxy___agent={token}; {LEGACY_COOKIE}={token}"
+        async with http.post(f"{proxy.url}/whoami", headers={"Cookie": cookie}) as resp:
+            assert resp.status == 200, (name, await resp.text())
+            seen = (await resp.json())["headers"]
+            assert seen["cookie"] == cookie, name
+            assert resp.headers[TOKEN] != token and proxy.cookie in resp.cookies, name
+        async with http.post(f"{proxy.url}/whoami", headers={TOKEN: token}) as resp:
+            assert resp.status == 200, (name, await resp.text())
+            seen = (await resp.json())["headers"]
+            assert seen[TOKEN.lower()] == token and "x-ng-session-id" not in seen, name
+            assert TOKEN not in resp.headers and "Set-Cookie" not in resp.headers, name
+
+
+async def test_legacy_cookie_of_a_known_owner_still_routes(start_proxy, http):
+    """A client of a checkpoint taken before tokens named their instance holds a `v1.`
+    token in the `ng_session` cookie; one naming an owner this instance has routes."""
+    proxy = start_proxy(workers=2)
+    owners = await discover_owners(http, proxy.url, 2)
+    token = legacy_token(TEST_SECRET.encode(), "old-session", owners[1])
+    for _ in range(3):
+        async with http.post(
+            f"{proxy.url}/whoami", headers={"Cookie": f"{LEGACY_COOKIE}={token}"}
+        ) as resp:
+            body = await resp.json()
+            assert (body["owner"], body["session_id"]) == (owners[1], "old-session")
+            assert resp.cookies[LEGACY_COOKIE].value == token  # re-set as it came
+            assert TOKEN not in resp.headers
+
+
 async def test_unknown_owner_is_410_and_owner_header_lands(start_proxy, http):
     proxy = start_proxy(workers=3)
     owners = await discover_owners(http, proxy.url, 3)
-    codec = TokenCodec(TEST_SECRET.encode())
+    codec = TokenCodec(TEST_SECRET.encode(), "apps")  # this instance (--name apps)
     ghost = codec.sign("sess-x", "ghostowner")
     async with http.post(f"{proxy.url}/get_counter_value", headers={TOKEN: ghost}) as resp:
         assert resp.status == 410
@@ -81,7 +137,7 @@ async def test_unknown_owner_is_410_and_owner_header_lands(start_proxy, http):
             async with http.post(f"{proxy.url}/whoami", headers={OWNER: owner}) as resp:
                 body = await resp.json()
                 assert body["owner"] == owner
-                assert resp.headers[TOKEN].split(".")[2] == owner
+                assert resp.headers[TOKEN].split(".")[-2] == owner
     async with http.post(f"{proxy.url}/whoami", headers={OWNER: "nobody"}) as resp:
         assert resp.status == 410
 
@@ -101,7 +157,7 @@ async def test_worker_sees_identity_headers_not_client_copies(start_proxy, http)
         body = await resp.json()
         token = resp.headers[TOKEN]
     seen = body["headers"]
-    assert seen["x-ng-session-id"] == token.split(".")[1]
+    assert seen["x-ng-session-id"] == token.split(".")[-3]
     assert seen["x-ng-session-token"] == token
     assert seen["x-custom"] == "kept"
     assert "keep-alive" not in seen
@@ -119,7 +175,7 @@ async def test_worker_sees_identity_headers_not_client_copies(start_proxy, http)
 
 async def test_ownerless_token_is_placed_once_and_keeps_its_token(start_proxy, http):
     proxy = start_proxy(workers=2)
-    codec = TokenCodec(TEST_SECRET.encode())
+    codec = TokenCodec(TEST_SECRET.encode(), "apps")  # this instance (--name apps)
     ownerless = codec.sign("restored-session", None)
     results = await asyncio.gather(
         *(http.post(f"{proxy.url}/whoami", headers={TOKEN: ownerless}) for _ in range(10))

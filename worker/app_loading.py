@@ -1,10 +1,13 @@
-"""Find the server's app from a `module:attr` string: aiohttp, ASGI, or a factory.
+"""Find the server's app from a `module:attr` string: aiohttp, ASGI, a factory, or a
+NeMo Gym server class.
 
 `APP` names one of:
 - an aiohttp `Application`;
 - an ASGI app: a callable taking `(scope, receive, send)` (a FastAPI or Starlette app,
   an `async def app(scope, receive, send)`);
-- a factory: a callable taking no arguments (sync or async) that returns either.
+- a factory: a callable taking no arguments (sync or async) that returns either;
+- a NeMo Gym server class (a subclass of `nemo_gym.server_utils.SimpleServer`), built by
+  its own `run_webserver()` (`worker.nemo_gym_server`).
 
 The two callables are told apart by their signature (three required positional
 parameters, or none), so no `--factory` flag is needed.
@@ -18,6 +21,13 @@ import sys
 from typing import Any
 
 from aiohttp import web
+
+from worker.nemo_gym_server import (
+    build_server_app,
+    is_server_class,
+    nemo_gym_participation,
+)
+from worker.participation import declare
 
 __all__ = ["AppLoadError", "import_app_target", "build_app", "is_asgi_app"]
 
@@ -64,7 +74,7 @@ def import_app_target(spec: str, app_dir: str = ".") -> Any:
             target = getattr(target, part)
         except AttributeError as exc:
             raise AppLoadError(f"module {module_name!r} has no attribute {attr!r}") from exc
-    if isinstance(target, web.Application) or is_asgi_app(target):
+    if isinstance(target, web.Application) or is_asgi_app(target) or is_server_class(target):
         return target
     if callable(target) and _required_positional(target) == 0:
         return target
@@ -74,10 +84,18 @@ def import_app_target(spec: str, app_dir: str = ".") -> Any:
     )
 
 
-async def build_app(spec: str, app_dir: str = ".") -> Any:
-    """Import APP and, for a factory, call (and await) it: an aiohttp Application or an
-    ASGI app."""
+async def build_app(
+    spec: str, app_dir: str = ".", workers: int = 1, session_state: str | None = None
+) -> Any:
+    """Import APP and, for a factory, call (and await) it, or build a NeMo Gym server
+    class: an aiohttp Application or an ASGI app."""
     target = import_app_target(spec, app_dir)
+    if is_server_class(target):
+        app = build_server_app(target, workers)
+        participation = nemo_gym_participation(target, app, session_state)
+        return declare(app, participation)
+    if session_state is not None:
+        raise AppLoadError("--session-state names an attribute of a NeMo Gym server class APP")
     if isinstance(target, web.Application) or is_asgi_app(target):
         return target
     app = target()

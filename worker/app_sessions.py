@@ -6,6 +6,11 @@ response. The front door cannot rely on seeing `scope["session"]`: NeMo Gym's ow
 RolloutContextMiddleware passes a copy of the scope down. So it reads the cookie the
 response sets (or, if none, the one the request carried). The signature is the app's to
 check; the worker only needs to know which session the app is talking about.
+
+Cookies travel between the servers of a NeMo Gym stack (an agent answers with the
+resources server's and the model's cookies too), so the app's own cookie is read by its
+name when the app's SessionMiddleware says it (`app_session_cookie`); NeMo Gym names it
+`<Class>___<instance>`. Without a name, the first Starlette session cookie is taken.
 """
 
 from __future__ import annotations
@@ -13,10 +18,11 @@ from __future__ import annotations
 import base64
 import binascii
 from collections.abc import Iterable
+from typing import Any
 
 import orjson
 
-__all__ = ["SESSION_KEY", "session_in_cookie_value", "session_in_headers"]
+__all__ = ["SESSION_KEY", "app_session_cookie", "session_in_cookie_value", "session_in_headers"]
 
 SESSION_KEY = "session_id"  # NeMo Gym's SESSION_ID_KEY
 
@@ -34,22 +40,43 @@ def session_in_cookie_value(value: bytes) -> str | None:
     return session_id if isinstance(session_id, str) and session_id else None
 
 
-def _cookie_values(header: bytes, set_cookie: bool) -> Iterable[bytes]:
+def _cookies(header: bytes, set_cookie: bool) -> Iterable[tuple[bytes, bytes]]:
     if set_cookie:  # "name=value; Path=/; ..."
-        yield header.split(b";", 1)[0].partition(b"=")[2].strip().strip(b'"')
+        name, _, value = header.split(b";", 1)[0].partition(b"=")
+        yield name.strip(), value.strip().strip(b'"')
         return
     for pair in header.split(b";"):  # "a=1; b=2"
-        yield pair.partition(b"=")[2].strip().strip(b'"')
+        name, _, value = pair.partition(b"=")
+        yield name.strip(), value.strip().strip(b'"')
 
 
-def session_in_headers(headers: Iterable[tuple[bytes, bytes]], set_cookie: bool) -> str | None:
+def session_in_headers(
+    headers: Iterable[tuple[bytes, bytes]], set_cookie: bool, cookie: bytes | None = None
+) -> str | None:
     """The app session named by a Starlette cookie among `Set-Cookie` (response) or
-    `Cookie` (request) headers."""
+    `Cookie` (request) headers: the cookie named `cookie`, or the first one that parses."""
     wanted = b"set-cookie" if set_cookie else b"cookie"
     for name, value in headers:
         if name.lower() == wanted:
-            for cookie in _cookie_values(value, set_cookie):
-                session_id = session_in_cookie_value(cookie)
+            for cookie_name, cookie_value in _cookies(value, set_cookie):
+                if cookie is not None and cookie_name != cookie:
+                    continue
+                session_id = session_in_cookie_value(cookie_value)
                 if session_id is not None:
                     return session_id
+    return None
+
+
+def app_session_cookie(app: Any) -> str | None:
+    """The cookie name of the Starlette SessionMiddleware of `app` (a FastAPI or Starlette
+    app, or ASGI middleware wrapping one as `.app`), if it has one."""
+    for _ in range(16):
+        for middleware in getattr(app, "user_middleware", None) or ():
+            cls = getattr(middleware, "cls", None)
+            if getattr(cls, "__name__", "") == "SessionMiddleware":
+                kwargs = getattr(middleware, "kwargs", None) or {}
+                return str(kwargs.get("session_cookie", "session"))
+        app = getattr(app, "app", None)
+        if app is None:
+            return None
     return None

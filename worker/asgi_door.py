@@ -1,9 +1,10 @@
 """The participant runtime's front door for ASGI apps: pure ASGI, outermost.
 
-Bodies stream through untouched, with one exception: a `POST /run` body is read ahead
-(and handed to the app unchanged) because the rollout identity is in it, as NeMo Gym's
-own middleware does. The path reaches the app as the client sent it, `/ng-rollout/<key>/`
-included (NeMo Gym apps strip it themselves); the runtime still learns the key.
+Bodies stream through untouched, with one exception: a `POST /run` or `/seed_session`
+body is read ahead (and handed to the app unchanged) because the rollout identity is in
+it, as NeMo Gym's own middleware does. The path reaches the app as the client sent it,
+`/ng-rollout/<key>/` included (NeMo Gym apps strip it themselves); the runtime still
+learns the key.
 
 An app with a Starlette session (NeMo Gym's SessionMiddleware keeps `session_id` in it)
 is tracked by its own session ID, read from the session cookie (`worker.app_sessions`):
@@ -21,7 +22,7 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 from coordinator.errors import RETRY_AFTER, GymError
-from worker.app_sessions import session_in_headers
+from worker.app_sessions import app_session_cookie, session_in_headers
 from worker.request_context import RequestContext
 from worker.runtime import (
     RUN_BODY_LIMIT,
@@ -56,6 +57,8 @@ class AsgiDoor:
     def __init__(self, app: Any, runtime: ParticipantRuntime) -> None:
         self.app = app
         self.runtime = runtime
+        cookie = app_session_cookie(app)
+        self.app_cookie = cookie.encode("latin-1") if cookie is not None else None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
@@ -87,7 +90,7 @@ class AsgiDoor:
                 buffered.append(message.get("body", b""))
                 size += len(buffered[-1])
                 if size > RUN_BODY_LIMIT:
-                    raise GymError("request_too_large", "a /run body over 64 MiB")
+                    raise GymError("request_too_large", "a /run or /seed_session body over 64 MiB")
                 if not message.get("more_body"):
                     break
             return b"".join(buffered)
@@ -118,9 +121,10 @@ class AsgiDoor:
                 await runtime.hold_answer(flight)
                 status = message["status"]
                 if proxy_token or session_id is None:  # else routed by the app's own token
+                    cookie = self.app_cookie
                     app_session = session_in_headers(
-                        message.get("headers", ()), set_cookie=True
-                    ) or session_in_headers(scope["headers"], set_cookie=False)
+                        message.get("headers", ()), True, cookie
+                    ) or session_in_headers(scope["headers"], False, cookie)
                 announce = _announcement(runtime, flight, app_session, status)
                 if announce is not None:
                     message["headers"] = [*message.get("headers", ()), announce]

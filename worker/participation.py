@@ -1,11 +1,13 @@
 """How an app takes part in checkpoints: its kind, and where its session state lives.
 
-Three ways, as in NeMo Gym:
+Four ways, as in NeMo Gym:
 
 - **the session store** (the default for aiohttp apps): the app keeps per-session state
   through `current_session(request).set(...)`; the runtime exports and installs it;
-- **hooks**: the app keeps its state itself (a dict keyed by its own session IDs, as
-  NeMo Gym servers do) and hands the runtime four async callables;
+- **a session dict**: the app keeps its state in a dict keyed by its own session IDs, as
+  NeMo Gym servers do, and declares it (`session_state=server.session_id_to_counter`;
+  `worker.session_dicts`): no code;
+- **hooks**: the app keeps its state itself and hands the runtime async callables;
 - **restart-only** (the default for an ASGI app that declares nothing): it never blocks
   a checkpoint, exports nothing, and reports the episodes of its live sessions under
   `report.restarts`, so the controller starts those rollouts over.
@@ -23,7 +25,7 @@ Application it is stored under an `AppKey`, on any ASGI app as the attribute
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -46,13 +48,16 @@ class ParticipantHooks:
     - `restore({session_id: state})`: install all of them, or raise and install none;
     - `retire(session_ids)`: drop these sessions' state (a retired attempt, restored state a
       commit left out, a failed restore); must tolerate repeats and unknown IDs;
-    - `stop()`: a commit with `stop: true` was written; free what can be freed.
+    - `stop()`: a commit with `stop: true` was written; free what can be freed;
+    - `release(session_ids)`: these sessions ended (a 2xx `/close_session`, a resources
+      `/verify`, the idle TTL): drop their state; called at once, so it is not async.
     """
 
     export: Callable[[list[str]], Awaitable[SessionStates]] | None = None
     restore: Callable[[SessionStates], Awaitable[None]] | None = None
     retire: Callable[[list[str]], Awaitable[None]] | None = None
     stop: Callable[[], Awaitable[None]] | None = None
+    release: Callable[[list[str]], None] | None = None
 
 
 @dataclass(frozen=True)
@@ -63,8 +68,20 @@ class Participation:
     hooks: ParticipantHooks | None = None
     restart_only: bool = False
     tunnels: str = "close"  # or "block": what a checkpoint does with an open WebSocket
+    # A dict of the app's holding each session's state (keyed by the app's session IDs);
+    # declaring it stands for hooks (`worker.session_dicts`).
+    session_state: MutableMapping[str, Any] | None = None
 
     def __post_init__(self) -> None:
+        if self.session_state is not None:
+            if self.hooks is not None or self.restart_only:
+                raise ValueError("session_state stands for hooks: declare one, not both")
+            if not isinstance(self.session_state, MutableMapping):
+                kind = type(self.session_state).__name__
+                raise ValueError(f"session_state must be a dict keyed by session ID, not {kind}")
+            from worker.session_dicts import session_dict_hooks
+
+            object.__setattr__(self, "hooks", session_dict_hooks(self.session_state))
         if self.kind not in KINDS:
             raise ValueError(f"kind must be one of {', '.join(KINDS)}, not {self.kind!r}")
         if self.tunnels not in TUNNEL_POLICIES:
@@ -73,7 +90,11 @@ class Participation:
             raise ValueError("a restart-only participant has no hooks")
 
     def with_kind(self, kind: str | None) -> Participation:
-        return self if kind is None else replace(self, kind=kind)
+        if kind is None:
+            return self
+        if self.session_state is not None:  # its hooks are derived again
+            return replace(self, kind=kind, hooks=None)
+        return replace(self, kind=kind)
 
 
 def declare(app: Any, participation: Participation) -> Any:

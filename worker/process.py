@@ -26,6 +26,7 @@ from aiohttp import web
 from coordinator.channel import Channel, ChannelClosed, ChannelTimeout, RemoteError
 from worker.aiohttp_door import RUNTIME, install_door, participation_of
 from worker.app_loading import build_app
+from worker.app_sessions import app_session_cookie
 from worker.asgi_door import AsgiDoor, answer_runtime_errors
 from worker.asgi_server import AsgiWorkerServer
 from worker.identity import WORKER_BACKLOG, WORKER_INFO, WorkerInfo
@@ -51,10 +52,13 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--coordinator", required=True)
     parser.add_argument("--app", required=True)
     parser.add_argument("--app-dir", default=".")
+    parser.add_argument("--workers", type=int, default=1)  # how many this server has
+    parser.add_argument("--session-state", default=None)
     parser.add_argument("--kind", default=None)
     parser.add_argument("--graceful-timeout", type=float, default=30.0)
     parser.add_argument("--session-idle-ttl", type=float, default=0.0)
     parser.add_argument("--log-level", default="info")
+    parser.add_argument("--access-log", action="store_true")
     return parser.parse_args(argv)
 
 
@@ -91,13 +95,16 @@ def _host(
 ) -> tuple[ParticipantRuntime, WorkerServer]:
     """The runtime and the server for `app`, aiohttp or ASGI."""
     if isinstance(app, web.Application):
-        runtime = ParticipantRuntime(info, participation_of(app).with_kind(args.kind))
+        participation = participation_of(app).with_kind(args.kind)
+        runtime = ParticipantRuntime(info, participation, access_log=args.access_log)
         app[WORKER_INFO] = info
         app[RUNTIME] = runtime
         install_door(app)
         return runtime, AiohttpWorkerServer(app, args.socket, args.graceful_timeout)
     participation = declared(app) or Participation(restart_only=True)
-    runtime = ParticipantRuntime(info, participation.with_kind(args.kind))
+    runtime = ParticipantRuntime(
+        info, participation.with_kind(args.kind), access_log=args.access_log
+    )
     answer_runtime_errors(app)
     server = AsgiWorkerServer(
         AsgiDoor(app, runtime), args.socket, args.graceful_timeout, args.log_level
@@ -109,7 +116,7 @@ async def serve(args: argparse.Namespace) -> int:
     """Run the app until SIGTERM or the coordinator goes away; return the exit code."""
     info = WorkerInfo(args.slot, args.owner, os.getpid(), args.socket)
     try:
-        app = await build_app(args.app, args.app_dir)
+        app = await build_app(args.app, args.app_dir, args.workers, args.session_state)
         runtime, server = _host(app, info, args)
         await server.start()
     except Exception:
@@ -139,6 +146,8 @@ async def serve(args: argparse.Namespace) -> int:
             socket=info.socket_path,
             kind=runtime.kind,
             framework="aiohttp" if isinstance(app, web.Application) else "asgi",
+            app_cookie=app_session_cookie(app),
+            restart_only=runtime.participation.restart_only,
         )
     except (OSError, ChannelClosed, ChannelTimeout, RemoteError) as exc:
         log.error("worker %d could not register with the coordinator: %s", info.slot, exc)
@@ -174,6 +183,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         level=args.log_level.upper(),
         format=f"%(asctime)s worker[{args.slot}:{os.getpid()}] %(levelname)s %(message)s",
     )
+    if args.access_log:  # asked for: logged whatever the level
+        logging.getLogger("gym_proxy.worker.access").setLevel(logging.INFO)
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         code = runner.run(serve(args))
     sys.exit(code)

@@ -1,8 +1,15 @@
 """The participant runtime of one worker: the part that knows no web framework.
 
-- **Admission.** While a checkpoint is open, requests that would start something (a new
-  session, a new episode `/run`, a claim) are refused with `checkpoint_parked`; calls on
-  existing sessions wait at the door until resume, so a tool call never shows a refusal.
+- **Admission.** While a checkpoint is open, every request waits at the door until resume:
+  calls on existing sessions (a tool call never shows a refusal) and new work alike (a new
+  session, a new episode `/run`, a model's generation call), because NeMo Gym's clients
+  (0.7.0's rollout collection and agents) do not repeat a refused call: a 409 would fail
+  the rollout. Nothing waiting at the door has started, so it never blocks a checkpoint.
+- **Rollout identity.** A request names its rollout by `/ng-rollout/<key>/`, or in a
+  `/run` or `/seed_session` body by `_ng_rollout_id`, else by NeMo Gym 0.7.0's
+  `_ng_task_index` and `_ng_rollout_index` (rollout `"<task>-<rollout>"`, as NeMo Gym's
+  `rollout_correlation` derives it), with `_ng_attempt_index`. A session seeded under one is
+  bound to that episode.
 - **Readiness.** The worker is ready when the gate is closed and every request in flight
   is parked at a boundary, inside a replay step, or waiting at the door. Reports carry a
   sequence number and the blockers (episode keys, sessions); they are sent on every change
@@ -12,8 +19,10 @@
   `Participation.tunnels` says.
 - **State.** The session store (`worker.sessions`) holds what the app keeps through the
   runtime; an app that keeps its state elsewhere registers hooks (`Participation`), and an
-  app with neither is restart-only: it never blocks, exports nothing, and reports the
-  episodes of its live sessions as restarts.
+  app with neither is restart-only: it never blocks, exports nothing, and reports as
+  restarts the episodes of its live sessions and of its requests in flight. A live session
+  of a restart-only resources server bound to no episode is state nothing would save or
+  restart: it is a blocker (`resources-unbound-sessions:<n>`) until it ends.
 
 The aiohttp and ASGI front doors (`worker.aiohttp_door`, `worker.asgi_door`) turn a
 request into `RequestFacts`, call `admit`, run the app, then `answered` and `leave`.
@@ -27,6 +36,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import re
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -52,6 +62,7 @@ __all__ = [
 ]
 
 log = logging.getLogger("gym_proxy.participant")
+access = logging.getLogger("gym_proxy.worker.access")
 
 REPORT_POLL = 0.2
 ENDED_FLUSH = 0.2  # seconds ended sessions are collected before the proxy is told
@@ -64,6 +75,9 @@ RUN_BODY_LIMIT = 64 * 1024 * 1024
 # a model server's other routes (model lists, health, a judge) keep serving.
 GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/responses", "/v1/messages"})
 _CLOSE_PATHS = frozenset({"/close_session"})
+_ROLLOUT_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*\Z")  # NeMo Gym's ROLLOUT_ID_PATTERN
+# Bodies that may name the request's rollout (read ahead by the front doors).
+_IDENTITY_PATHS = frozenset({"/run", "/seed_session"})
 _RESOURCES_CLOSE_PATHS = frozenset({"/close_session", "/verify"})
 
 
@@ -139,6 +153,9 @@ class ParticipantRuntime:
     _sends: set[asyncio.Task[None]] = field(default_factory=set)
 
     _ended: list[str] = field(default_factory=list)
+    # One line per answered request (logger gym_proxy.worker.access): which worker served
+    # which session, from the worker's side.
+    access_log: bool = False
 
     def __post_init__(self) -> None:
         self.opened.set()
@@ -160,8 +177,8 @@ class ParticipantRuntime:
         digest = ""
         if facts.episode_key:
             identity: EpisodeId | None = parse_episode_key(facts.episode_key)
-        elif facts.path == "/run" and facts.method == "POST":
-            identity, digest = _run_identity(await read_body())
+        elif facts.path in _IDENTITY_PATHS and facts.method == "POST":
+            identity, digest = _body_identity(await read_body())
         else:
             identity = None
         self._refuse_retired(identity, facts)
@@ -174,16 +191,10 @@ class ParticipantRuntime:
             facts.new_session,
             facts.app_token,
         )
-        kind = self.kind
-        if self.is_open or (kind == "model" and facts.path not in GENERATION_PATHS):
-            self.flights.add(flight)
-        else:
-            # New work is refused while a checkpoint is open, but a resources server never
-            # refuses a seed: NeMo Gym's client does not retry a 409, so it waits instead.
-            # Every generation call to a model is new work (NeMo Gym's model participant).
-            if new_episode or kind == "model" or (facts.new_session and kind != "resources"):
-                raise GymError("checkpoint_parked", "a checkpoint is in progress")
-            self.flights.add(flight)
+        self.flights.add(flight)
+        if not self.is_open and (self.kind != "model" or facts.path in GENERATION_PATHS):
+            # New work waits too (see the module docstring); a model server's other routes
+            # (model lists, health, a judge) are not checkpointed work and keep serving.
             await self.park(flight, "door")
         try:
             if identity is not None:
@@ -247,6 +258,8 @@ class ParticipantRuntime:
         first 2xx `/seed_session`. A 2xx `/close_session` (or a resources `/verify`) ends
         the session (NeMo Gym's lifecycle); a request sent under an episode binds it."""
         sid = app_session or flight.session_id
+        if self.access_log:
+            access.info("worker %d %s %d session=%s", self.info.slot, flight.path, status, sid)
         if sid is None or not 200 <= status < 300:
             return
         if self.ends_session(flight.path):
@@ -322,6 +335,7 @@ class ParticipantRuntime:
         # until resume (`hold_answer`), and the caller repeats an undelivered one.
         restart_only = self.participation.restart_only
         never_blocks = restart_only or self.kind == "model"
+        restarts = set(self.store.episodes()) if restart_only else set()
         for flight in self.flights:
             counts["in_flight"] += 1
             counts[flight.position] += 1
@@ -329,19 +343,30 @@ class ParticipantRuntime:
             # for the client), except on a restart-only participant, which never blocks.
             if flight.position in ("running", "tunnel") and not never_blocks:
                 blockers.append(flight.blocker())
+            if restart_only and flight.identity is not None and flight.position != "door":
+                restarts.add(flight.identity.key)
         counts["sessions"] = len(self.store)
+        if restart_only:
+            unbound = self.store.unbound()
+            counts["unbound_sessions"] = unbound
+            if unbound and self.kind == "resources":
+                blockers.append(f"resources-unbound-sessions:{unbound}")
         return {
             "checkpoint_id": self.checkpoint_id,
             "ready": not self.is_open and not blockers,
             "blockers": sorted(blockers),
             "counts": counts,
-            "restarts": sorted(self.store.episodes()) if restart_only else [],
+            "restarts": sorted(restarts),
         }
 
     def _sessions_ended(self, session_ids: list[str]) -> None:
-        """Sessions ended here: tell the proxy soon (batched), so its routing table of
-        app and placed sessions does not keep them forever (an MCP token or cookie of an
-        ended session is then routed as a new one)."""
+        """Sessions ended here: the app's `release` hook drops their state, and the proxy
+        is told soon (batched), so its routing table of app and placed sessions does not
+        keep them forever (an MCP token or cookie of an ended session is then routed as a
+        new one)."""
+        hooks = self.participation.hooks
+        if hooks is not None and hooks.release is not None:
+            hooks.release(session_ids)
         if not self._ended:
             with contextlib.suppress(RuntimeError):  # no loop: nobody to tell
                 asyncio.get_running_loop().call_later(ENDED_FLUSH, self._send_ended)
@@ -486,20 +511,33 @@ def own_cancellation(flight: InFlight) -> bool:
     return False
 
 
-def _run_identity(raw: bytes) -> tuple[EpisodeId | None, str]:
-    """Rollout identity from a `/run` body's `_ng_rollout_id` and `_ng_attempt_index`, and
-    the digest of its task (the body without `_ng_*` fields)."""
+def _body_identity(raw: bytes) -> tuple[EpisodeId | None, str]:
+    """Rollout identity from a `/run` or `/seed_session` body (module docstring), and the
+    digest of its task (the body without `_ng_*` fields)."""
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError:
         return None, ""
-    if not isinstance(body, dict) or not isinstance(body.get("_ng_rollout_id"), str):
+    if not isinstance(body, dict):
         return None, ""
+    rollout_id = body.get("_ng_rollout_id")
+    if rollout_id is None:
+        task, rollout = body.get("_ng_task_index"), body.get("_ng_rollout_index")
+        if not (_is_index(task) and _is_index(rollout)):
+            return None, ""
+        rollout_id = f"{task}-{rollout}"
+    elif not isinstance(rollout_id, str) or not _ROLLOUT_ID.match(rollout_id):
+        # As NeMo Gym does: a malformed explicit ID is refused, never rewritten.
+        raise GymError("invalid_request", f"_ng_rollout_id {rollout_id!r} is not a rollout ID")
     attempt = body.get("_ng_attempt_index", 0)
-    if not isinstance(attempt, int) or isinstance(attempt, bool) or attempt < 0:
+    if not _is_index(attempt):
         raise GymError("invalid_request", "_ng_attempt_index must be a non-negative integer")
-    task = {k: v for k, v in body.items() if not k.startswith("_ng_")}
-    return EpisodeId(body["_ng_rollout_id"], attempt), task_digest(task)
+    task_fields = {k: v for k, v in body.items() if not k.startswith("_ng_")}
+    return EpisodeId(rollout_id, attempt), task_digest(task_fields)
+
+
+def _is_index(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def task_digest(task: Any) -> str:

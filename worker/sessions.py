@@ -111,6 +111,10 @@ class SessionStore:
             if entry.episode is not None and entry.episode in keys
         }
 
+    def unbound(self) -> int:
+        """How many live sessions are bound to no episode."""
+        return sum(1 for e in self._entries.values() if e.episode is None)
+
     def episodes(self) -> set[str]:
         """The episode keys live sessions are bound to."""
         return {e.episode for e in self._entries.values() if e.episode is not None}

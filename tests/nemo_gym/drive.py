@@ -1,0 +1,42 @@
+"""Run rollouts with NeMo Gym's own rollout collection (`gym eval run --no-serve`'s entry,
+`RolloutCollectionHelper.run_from_config`), against servers already running, and print
+one JSON line: how many finished and their rewards. A process of its own: NeMo Gym's
+global aiohttp client belongs to one event loop per process.
+
+    python -m tests.nemo_gym.drive CONFIG.yaml ROWS.jsonl OUT.jsonl AGENT CONCURRENCY
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import time
+from pathlib import Path
+
+import orjson
+
+
+def main() -> None:
+    config, rows, out, agent, concurrency = sys.argv[1:6]
+    os.environ["NEMO_GYM_CONFIG_DICT"] = Path(config).read_text()
+    from nemo_gym.rollout_collection import RolloutCollectionConfig, RolloutCollectionHelper
+
+    collection = RolloutCollectionConfig(
+        input_jsonl_fpath=rows,
+        output_jsonl_fpath=out,
+        agent_name=agent,
+        num_samples_in_parallel=int(concurrency),
+        route_failures_to_sidecar=True,
+        upload_rollouts=False,
+    )
+    started = time.monotonic()
+    results = asyncio.run(RolloutCollectionHelper().run_from_config(collection))
+    elapsed = time.monotonic() - started
+    rewards = {str(r["_ng_task_index"]): r.get("reward") for r in results}
+    summary = {"finished": len(results), "seconds": elapsed, "rewards": rewards}
+    sys.stdout.write(orjson.dumps(summary).decode() + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,157 @@
+"""NeMo Gym server classes as APP (the NeMo Gym tier, tests/test_nemo_gym_stack.py): built
+by their own `run_webserver()`, configured from NeMo Gym's global config, their session
+dicts declared as state, and what goes wrong said in one line."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+pytest.importorskip("nemo_gym", reason="the NeMo Gym tier runs in tests/nemo_gym/install.sh's venv")
+
+from tests.nemo_gym_stack import CounterClient, free_port  # noqa: E402
+from tests.support import CONTROL_TOKEN, REPO, TEST_SECRET, Control, wait_until  # noqa: E402
+
+COUNTER = "resources_servers.example_session_state_mgmt.app:StatefulCounterResourcesServer"
+TAGGED = "tests.nemo_gym.servers:TaggedResourcesServer"
+
+
+def counter_config(port: int, workers: int | None = None, **extra: object) -> dict:
+    block = {"entrypoint": "app.py", "host": "127.0.0.1", "port": port, "domain": "agent"}
+    if workers is not None:
+        block["num_workers"] = workers
+    block.update(extra)
+    return {
+        "head_server": {"host": "127.0.0.1", "port": free_port()},
+        "dry_run": False,
+        "counter": {"resources_servers": {"example_session_state_mgmt": block}},
+    }
+
+
+def gym_proxy(tmp_path: Path, *args: str, env: dict | None = None) -> subprocess.Popen:
+    (tmp_path / "secret").write_text(TEST_SECRET)
+    (tmp_path / "control").write_text(CONTROL_TOKEN)
+    return subprocess.Popen(
+        [sys.executable, "-m", "proxy", *args, "--secret-file", str(tmp_path / "secret"),
+         "--control-token-file", str(tmp_path / "control"), "--runtime-dir", "/tmp"],
+        cwd=REPO, stdout=open(tmp_path / "proxy.log", "wb"), stderr=subprocess.STDOUT,
+        env={**(env or os.environ), "PYTHONPATH": str(REPO)},
+    )  # fmt: skip
+
+
+async def wait_healthy(
+    http: aiohttp.ClientSession, url: str, proc: subprocess.Popen, tmp_path: Path
+) -> None:
+    """Until the server's NeMo Gym liveness route answers 200."""
+
+    async def healthy() -> bool:
+        assert proc.poll() is None, (tmp_path / "proxy.log").read_text()
+        try:
+            async with http.get(f"{url}/health") as resp:
+                return resp.status == 200
+        except aiohttp.ClientConnectionError:
+            return False  # not listening before every worker registered
+
+    await wait_until(healthy, 60, f"{url} to serve")
+
+
+async def test_a_server_class_from_a_config_file_takes_its_instance(tmp_path):
+    """`gym-proxy <class> --nemo-gym-config FILE`: NeMo Gym's parser reads the file, the
+    class's only instance gives the name, host, port and worker count; the counter runs
+    as NeMo Gym builds it (its liveness routes, its session cookie), and gym-proxy warns
+    that it declares no state."""
+    port = free_port()
+    config = tmp_path / "config.yaml"
+    config.write_text(json.dumps(counter_config(port, workers=3)))
+    proc = gym_proxy(tmp_path, COUNTER, "--nemo-gym-config", str(config))
+    url = f"http://127.0.0.1:{port}"
+    try:
+        async with aiohttp.ClientSession(cookie_jar=aiohttp.DummyCookieJar()) as http:
+            await wait_healthy(http, url, proc, tmp_path)
+            status = await Control(http, url).ok("status")
+            assert (status["instance"], status["kind"]) == ("counter", "resources")
+            assert len(status["workers"]) == status["expected_workers"] == 3
+            client = CounterClient(http, url, task=7)
+            await client.seed(4)
+            assert "StatefulCounterResourcesServer___counter" in client.cookies
+            assert "gym_proxy___counter" in client.cookies  # named after the instance
+            await client.post("/increment_counter", {"count": 3})
+            assert await client.count() == 7
+        log = (tmp_path / "proxy.log").read_text()
+        assert "declares no session state, so it is a restart-only participant" in log
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+async def test_a_state_that_is_not_json_fails_the_commit_and_writes_nothing(tmp_path):
+    port = free_port()
+    config = counter_config(port)
+    config["tagged"] = {"resources_servers": {"tagged": {
+        "entrypoint": "app.py", "host": "127.0.0.1", "port": port, "domain": "agent",
+    }}}  # fmt: skip
+    del config["counter"]
+    env = {**os.environ, "NEMO_GYM_CONFIG_DICT": json.dumps(config),
+           "NEMO_GYM_CONFIG_PATH": "tagged"}  # fmt: skip
+    proc = gym_proxy(
+        tmp_path, TAGGED, "--workers", "2", "--session-state", "session_id_to_tags", env=env
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        async with aiohttp.ClientSession(cookie_jar=aiohttp.DummyCookieJar()) as http:
+            await wait_healthy(http, url, proc, tmp_path)
+            plain, odd = CounterClient(http, url, 1), CounterClient(http, url, 2)
+            await plain.post("/seed_session", {})
+            await odd.post("/seed_session", {})
+            await plain.post("/tag", {"tag": "a"})
+            odd_session = (await odd.post("/tag", {"tag": "b", "as_set": True}))["session_id"]
+            control = Control(http, url)
+            assert (await control.ok("prepare", checkpoint_id="bad"))["phase"] == "prepared"
+            status, reply = await control.call(
+                "commit", checkpoint_id="bad", checkpoint_dir=str(tmp_path / "ck")
+            )
+            assert status == 500 and reply["error"]["code"] == "unexportable_state", reply
+            detail = reply["error"]["detail"]
+            assert f"session {odd_session}" in detail and "set" in detail, detail
+            assert not (tmp_path / "ck").exists() or not any((tmp_path / "ck").rglob("*.json*"))
+            await control.ok("resume", checkpoint_id="bad")  # the app's calls wait till then
+            await odd.post("/tag", {"tag": "c"})  # a list again
+            committed = await control.checkpoint("good", str(tmp_path / "ck"))
+            assert committed["manifest"]["record_count"] == 2
+            await control.ok("resume", checkpoint_id="good")
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ([COUNTER], "give its global config with --nemo-gym-config FILE"),
+        (["worker.counter:create_app", "--session-state", "x"], "NeMo Gym server class"),
+    ],
+)
+def test_what_cannot_work_is_one_line_before_any_worker(tmp_path, args, message):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NEMO_GYM")}
+    proc = gym_proxy(tmp_path, *args, env=env)
+    assert proc.wait(60) == 2
+    log = (tmp_path / "proxy.log").read_text()
+    assert message in log and "worker 0 started" not in log, log
+
+
+def test_a_session_state_that_is_no_dict_stops_the_boot(tmp_path):
+    port = free_port()
+    config = tmp_path / "config.yaml"
+    config.write_text(json.dumps(counter_config(port)))
+    proc = gym_proxy(
+        tmp_path, COUNTER, "--nemo-gym-config", str(config), "--session-state", "config"
+    )
+    assert proc.wait(60) == 3  # a boot error: not respawned
+    log = (tmp_path / "proxy.log").read_text()
+    assert "--session-state config: StatefulCounterResourcesServer.config is a" in log, log
