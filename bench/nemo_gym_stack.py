@@ -27,7 +27,6 @@ import asyncio
 import os
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import aiohttp
@@ -39,34 +38,47 @@ from bench.servers import cpu_seconds  # noqa: E402
 from tests.nemo_gym_stack import SPECS, NemoStack, counter_rows  # noqa: E402
 
 
-def group_cpu(stack: NemoStack) -> float:
-    """CPU seconds of every live process of the stack's servers (their process groups)."""
-    groups = {stack.procs[spec.role].pid for spec in SPECS if spec.role in stack.procs}
-    total = 0.0
+def group_cpu(stack: NemoStack) -> tuple[dict[str, float], float]:
+    """CPU seconds of every live process of each server (its process group), and of the
+    group leaders alone (under gym-proxy: the proxies)."""
+    groups = {stack.procs[spec.role].pid: spec.role for spec in SPECS if spec.role in stack.procs}
+    by_role = dict.fromkeys(groups.values(), 0.0)
+    leaders = 0.0
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
-            if os.getpgid(int(entry.name)) in groups:
-                total += cpu_seconds(int(entry.name))
+            pid = int(entry.name)
+            role = groups.get(os.getpgid(pid))
+            if role is not None:
+                seconds = cpu_seconds(pid)
+                by_role[role] += seconds
+                leaders += seconds if pid in groups else 0.0
         except (OSError, ValueError, IndexError):
             continue
-    return total
+    return by_role, leaders
 
 
 async def measure(
-    name: str, stack: NemoStack, rollouts: int, concurrency: int
+    name: str, stack: NemoStack, rollouts: int, concurrency: int, increments: int
 ) -> dict[str, float | str]:
     async with aiohttp.ClientSession(cookie_jar=aiohttp.DummyCookieJar()) as http:
         try:
             stack.start()
             await stack.wait_serving(http, within=180)
-            stack.start_rollouts(counter_rows(concurrency, seed=1), concurrency).result()  # warm
-            cpu = group_cpu(stack)
-            started = time.monotonic()
-            run = stack.start_rollouts(counter_rows(rollouts, seed=2), concurrency).result(900)
-            elapsed = time.monotonic() - started
-            cpu = group_cpu(stack) - cpu
+            warm = counter_rows(concurrency, increments, seed=1)
+            stack.start_rollouts(warm, concurrency).result()
+            cpu, front = group_cpu(stack)
+            backend = cpu_seconds(stack.procs["backend"].pid)
+            rows = counter_rows(rollouts, increments, seed=2)
+            rollouts_run = stack.start_rollouts(rows, concurrency)
+            run = await asyncio.to_thread(rollouts_run.result, 900)
+            driver = run.cpu
+            elapsed = run.seconds  # inside the driver: its own start-up is not counted
+            cpu_after, front_after = group_cpu(stack)
+            roles = {role: cpu_after[role] - cpu.get(role, 0.0) for role in cpu_after}
+            front = front_after - front
+            backend = cpu_seconds(stack.procs["backend"].pid) - backend
         finally:
             stack.stop()
     return {
@@ -75,7 +87,11 @@ async def measure(
         "right": run.right / rollouts,
         "seconds": elapsed,
         "per_second": run.finished / elapsed,
-        "cpu_ms": 1000 * cpu / max(1, run.finished),
+        "cpu_ms": 1000 * sum(roles.values()) / max(1, run.finished),
+        "roles": " / ".join(f"{1000 * roles[r] / max(1, run.finished):.1f}" for r in sorted(roles)),
+        "front_ms": 1000 * front / max(1, run.finished),
+        "driver_ms": 1000 * driver / max(1, run.finished),
+        "backend_ms": 1000 * backend / max(1, run.finished),
     }
 
 
@@ -84,31 +100,56 @@ async def main() -> None:
     parser.add_argument("--rollouts", type=int, default=400)
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--workers", default="4,4,4,2", help="environment,agent,resources,model")
+    parser.add_argument(
+        "--stacks",
+        default="one,gym-proxy,uvicorn",
+        help="which, of one,gym-proxy,gym-proxy-1,uvicorn",
+    )
+    parser.add_argument("--access-log", action="store_true", help="gym-proxy's access logs on")
+    parser.add_argument("--increments", type=int, default=3, help="tool calls per rollout")
     opts = parser.parse_args()
     counts = [int(n) for n in opts.workers.split(",")]
     workers = dict(zip(("env", "agent", "resources", "model"), counts, strict=True))
     root = Path(tempfile.mkdtemp(prefix="bench-nemo-"))
     label = "/".join(str(n) for n in counts)
-    runs = [
-        ("one process per server", NemoStack(root / "one", workers=None)),
-        (f"gym-proxy {label}", NemoStack(root / "proxy", workers=workers)),
-        (
+    ones = dict.fromkeys(workers, 1)
+    log = opts.access_log
+    choices = {
+        "one": ("one process per server", NemoStack(root / "one", workers=None)),
+        "gym-proxy": (
+            f"gym-proxy {label}",
+            NemoStack(root / "proxy", workers=workers, access_log=log),
+        ),
+        "gym-proxy-1": (
+            "gym-proxy 1/1/1/1",
+            NemoStack(root / "proxy1", workers=ones, access_log=log),
+        ),
+        "uvicorn": (
             f"uvicorn --workers {label}",
             NemoStack(root / "uvicorn", workers=workers, uvicorn_workers=True),
         ),
-    ]
+    }
+    runs = [choices[name] for name in opts.stacks.split(",")]
     results = []
     for name, stack in runs:
-        results.append(await measure(name, stack, opts.rollouts, opts.concurrency))
+        results.append(await measure(name, stack, opts.rollouts, opts.concurrency, opts.increments))
         print(f"  {name}: done", file=sys.stderr)
     base = results[0]["per_second"]
-    print(f"\n{opts.rollouts} rollouts at concurrency {opts.concurrency}, {os.cpu_count()} cores\n")
-    print("| stack | rollouts/s | vs one process | reward 1.0 | finished | CPU ms/rollout |")
-    print("|---|---|---|---|---|---|")
+    print(
+        f"\n{opts.rollouts} rollouts at concurrency {opts.concurrency}, "
+        f"{opts.increments} increments each, {os.cpu_count()} cores\n"
+    )
+    print(
+        "| stack | rollouts/s | vs first | reward 1.0 | finished | server CPU ms/rollout "
+        "| of it, gym-proxy processes | agent / env / model / resources | driver | backend |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
+        front = f"{r['front_ms']:.1f}" if r["name"].startswith("gym-proxy") else "-"
         print(
             f"| {r['name']} | {r['per_second']:.1f} | {r['per_second'] / base:.2f}x "
-            f"| {100 * r['right']:.0f}% | {r['finished']} | {r['cpu_ms']:.0f} |"
+            f"| {100 * r['right']:.0f}% | {r['finished']} | {r['cpu_ms']:.1f} | {front} "
+            f"| {r['roles']} | {r['driver_ms']:.1f} | {r['backend_ms']:.1f} |"
         )
 
 

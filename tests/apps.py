@@ -11,12 +11,13 @@ from aiohttp import web
 
 from worker.counter import create_app as create_counter_app
 from worker.identity import WORKER_INFO, session_id, session_token
-from worker.participant import RUNTIME, Participation, declare, episode
+from worker.participant import RUNTIME, ParticipantHooks, Participation, declare, episode
 
 SEEN = web.AppKey("seen", list)
 GATES = web.AppKey("gates", dict)
 CANCELLED = web.AppKey("cancelled", list)
 PROGRESS = web.AppKey("progress", dict)
+STOPPED = web.AppKey("stopped", list)
 
 
 def _info(request: web.Request) -> dict[str, object]:
@@ -160,6 +161,11 @@ async def answer(request: web.Request) -> web.StreamResponse:
     return web.json_response({**_info(request)}, status=int(request.query.get("status", "200")))
 
 
+async def stopped(request: web.Request) -> web.Response:
+    """How often this worker's app heard a commit's `stop` (its `stop` hook)."""
+    return web.json_response({**_info(request), "stopped": len(request.app[STOPPED])})
+
+
 async def cancelled(request: web.Request) -> web.Response:
     return web.json_response({**_info(request), "cancelled": request.app[CANCELLED]})
 
@@ -200,7 +206,18 @@ def create_app() -> web.Application:
     hold_while_file()
     app = create_counter_app()
     kind = os.environ.get("GYM_TEST_KIND", "resources")
-    declare(app, Participation(kind=kind, tunnels=os.environ.get("GYM_TEST_TUNNELS", "close")))
+    app[STOPPED] = []
+
+    async def stop() -> None:
+        app[STOPPED].append(True)
+
+    # State in the session store; a `stop` hook only (no export hook: the store exports).
+    participation = Participation(
+        kind=kind,
+        tunnels=os.environ.get("GYM_TEST_TUNNELS", "close"),
+        hooks=ParticipantHooks(stop=stop),
+    )
+    declare(app, participation)
     app.middlewares.append(record)
     app[SEEN] = []
     app[GATES] = {}
@@ -216,6 +233,7 @@ def create_app() -> web.Application:
     app.router.add_post("/echo", echo)
     app.router.add_route("*", "/slow", slow)
     app.router.add_get("/cancelled", cancelled)
+    app.router.add_get("/stopped", stopped)
     app.router.add_route("*", "/answer", answer)
     app.router.add_post("/run", run)
     app.router.add_get("/progress", progress)

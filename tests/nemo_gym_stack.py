@@ -157,7 +157,8 @@ class Run:
     """What one rollout collection run reported."""
 
     finished: int
-    seconds: float
+    seconds: float  # the collection's own run, its process start-up not counted
+    cpu: float  # the collection's CPU seconds in that time
     rewards: dict[str, float | None]
     failures: list[dict[str, Any]]
 
@@ -176,6 +177,7 @@ class NemoStack:
     directory: Path
     workers: dict[str, int] | None = None
     uvicorn_workers: bool = False
+    access_log: bool = True  # gym-proxy's and its workers' (the tier reads the workers')
     gym_proxy_args: dict[str, list[str]] = field(default_factory=dict)  # role -> extra flags
     expose_mcp: bool = False
     ports: dict[str, int] = field(default_factory=dict)
@@ -255,7 +257,7 @@ class NemoStack:
             "--secret-file", str(self.directory / "secret"),
             "--control-token-file", str(self.directory / "control"),
             "--runtime-dir", self.runtime,
-            "--log-level", "warning", "--access-log",
+            "--log-level", "warning", *(["--access-log"] if self.access_log else []),
             *self.gym_proxy_args.get(spec.role, []),
         ]  # fmt: skip
 
@@ -368,7 +370,9 @@ class Rollouts:
             if failures_path.exists()
             else []
         )
-        return Run(summary["finished"], summary["seconds"], summary["rewards"], failures)
+        return Run(
+            summary["finished"], summary["seconds"], summary["cpu"], summary["rewards"], failures
+        )
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")[-5000:]

@@ -13,7 +13,7 @@ import pytest
 
 from coordinator import records
 from tests.raw_http import close, open_raw, read_responses
-from tests.support import CONTROL_TOKEN, Control, write_checkpoint
+from tests.support import CONTROL_TOKEN, TEST_SECRET, Control, legacy_token, write_checkpoint
 
 TOKEN = "X-NeMo-Gym-Session-Token"
 GOOD_SESSION = {"episode_id": None, "session_id": "s1", "state": 1, "owner": "o1"}
@@ -253,3 +253,27 @@ def test_disk_full_leaves_no_files_behind(tmp_path, monkeypatch):
         )
     assert err.value.errno == errno.ENOSPC
     assert list(base.iterdir()) == []
+
+
+async def test_cookies_of_a_checkpoint_from_before_instance_tokens_still_route(
+    start_proxy, http, tmp_path
+):
+    """A checkpoint taken before tokens named their instance: its clients hold `v1.`
+    tokens in the `ng_session` cookie, naming the owners of that time. Restored onto new
+    workers, those owners are aliased and the old cookies route to their sessions."""
+    lines = [
+        orjson.dumps({"episode_id": None, "session_id": f"s{i}", "state": 10 * i, "owner": owner})
+        for i, owner in enumerate(["old1", "old1", "old2"])
+    ]
+    craft(tmp_path, lines, session_owners={"old1": "old1", "old2": "old2"})
+    proxy = start_proxy(workers=2, control_token=CONTROL_TOKEN)
+    control = Control(http, proxy.url)
+    await control.ok("restore", checkpoint_id="old", checkpoint_dir=str(tmp_path), episode_ids=[])
+    await control.ok("resume", checkpoint_id="old")
+    for i, owner in enumerate(["old1", "old1", "old2"]):
+        token = legacy_token(TEST_SECRET.encode(), f"s{i}", owner)
+        async with http.post(
+            f"{proxy.url}/get_counter_value", headers={"Cookie": f"ng_session={token}"}
+        ) as resp:
+            assert (resp.status, await resp.json()) == (200, {"count": 10 * i}), i
+            assert resp.cookies["ng_session"].value == token  # re-set under its own name

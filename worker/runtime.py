@@ -343,7 +343,7 @@ class ParticipantRuntime:
             # for the client), except on a restart-only participant, which never blocks.
             if flight.position in ("running", "tunnel") and not never_blocks:
                 blockers.append(flight.blocker())
-            if restart_only and flight.identity is not None and flight.position != "door":
+            if restart_only and flight.identity is not None:
                 restarts.add(flight.identity.key)
         counts["sessions"] = len(self.store)
         if restart_only:

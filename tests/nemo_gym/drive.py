@@ -1,7 +1,7 @@
 """Run rollouts with NeMo Gym's own rollout collection (`gym eval run --no-serve`'s entry,
 `RolloutCollectionHelper.run_from_config`), against servers already running, and print
-one JSON line: how many finished and their rewards. A process of its own: NeMo Gym's
-global aiohttp client belongs to one event loop per process.
+one JSON line: how many finished, their rewards, the run's seconds and CPU seconds. A
+process of its own: NeMo Gym's global aiohttp client belongs to one event loop per process.
 
     python -m tests.nemo_gym.drive CONFIG.yaml ROWS.jsonl OUT.jsonl AGENT CONCURRENCY
 """
@@ -30,11 +30,11 @@ def main() -> None:
         route_failures_to_sidecar=True,
         upload_rollouts=False,
     )
-    started = time.monotonic()
+    started, cpu = time.monotonic(), time.process_time()
     results = asyncio.run(RolloutCollectionHelper().run_from_config(collection))
-    elapsed = time.monotonic() - started
+    elapsed, cpu = time.monotonic() - started, time.process_time() - cpu
     rewards = {str(r["_ng_task_index"]): r.get("reward") for r in results}
-    summary = {"finished": len(results), "seconds": elapsed, "rewards": rewards}
+    summary = {"finished": len(results), "seconds": elapsed, "cpu": cpu, "rewards": rewards}
     sys.stdout.write(orjson.dumps(summary).decode() + "\n")
 
 

@@ -1,0 +1,237 @@
+"""NeMo Gym's own counter (`resources_servers/example_session_state_mgmt`, unmodified)
+behind gym-proxy, driven the way NeMo Gym's agents call it: sessions, MCP tokens, the
+session lifecycle, checkpoints written by NeMo Gym's single-process servers (the NeMo Gym
+tier; see tests/test_nemo_gym_stack.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import time
+import uuid
+
+import aiohttp
+import orjson
+import pytest
+
+pytest.importorskip("nemo_gym", reason="the NeMo Gym tier runs in tests/nemo_gym/install.sh's venv")
+
+from itsdangerous import TimestampSigner, URLSafeSerializer  # noqa: E402
+from nemo_gym.base_resources_server import _MCP_TOKEN_SALT  # noqa: E402
+
+from coordinator import records  # noqa: E402
+from tests.nemo_gym_stack import CounterClient, free_port  # noqa: E402
+from tests.support import CONTROL_TOKEN, Control, wait_until, write_checkpoint  # noqa: E402
+from tests.test_nemo_gym_checkpoint import mcp_call  # noqa: E402
+
+COUNTER = "resources_servers.example_session_state_mgmt.app:StatefulCounterResourcesServer"
+INSTANCE = "counter"
+COOKIE = f"StatefulCounterResourcesServer___{INSTANCE}"  # NeMo Gym's own session cookie
+
+
+def counter_env(mcp: bool = False) -> dict[str, str]:
+    """The config NeMo Gym's launcher would pass the counter."""
+    block = {"entrypoint": "app.py", "host": "127.0.0.1", "port": 1, "domain": "agent"}
+    if mcp:
+        block["expose_tools_over_mcp"] = True
+    config = {
+        "head_server": {"host": "127.0.0.1", "port": free_port()},
+        "dry_run": False,
+        INSTANCE: {"resources_servers": {"example_session_state_mgmt": block}},
+    }
+    return {"NEMO_GYM_CONFIG_DICT": json.dumps(config), "NEMO_GYM_CONFIG_PATH": INSTANCE}
+
+
+def nemo_http(force_close: bool = False) -> aiohttp.ClientSession:
+    return aiohttp.ClientSession(
+        cookie_jar=aiohttp.DummyCookieJar(),  # as NeMo Gym's global client
+        connector=aiohttp.TCPConnector(limit=64, force_close=force_close),
+        timeout=aiohttp.ClientTimeout(total=60),
+    )
+
+
+def start_counter(start_proxy, *args: str, workers: int = 4, mcp: bool = False, **kwargs):  # type: ignore[no-untyped-def]
+    return start_proxy(
+        "--name", INSTANCE, *args, workers=workers, app=COUNTER, env=counter_env(mcp), **kwargs
+    )
+
+
+@pytest.mark.parametrize("new_connection_per_request", [False, True], ids=["pooled", "fresh"])
+async def test_every_session_exact_under_four_workers(start_proxy, new_connection_per_request):
+    proxy = start_counter(start_proxy)
+    async with nemo_http(force_close=new_connection_per_request) as http:
+        clients = [CounterClient(http, proxy.url, task) for task in range(200)]
+        gate = asyncio.Semaphore(40)
+
+        async def rollout(i: int, client: CounterClient) -> None:
+            async with gate:
+                await client.seed(i)
+                for step in range(5):
+                    await client.post("/increment_counter", {"count": 1})
+                    assert await client.count() == i + step + 1, (i, step)
+                assert await client.verify(i + 5) == 1.0
+
+        await asyncio.gather(*(rollout(i, c) for i, c in enumerate(clients)))
+
+
+async def test_restart_only_names_its_rollouts_and_an_unbound_session_blocks(start_proxy):
+    """Declaring nothing, the counter is restart-only: seeds under rollout identity (0.7.0's
+    indices, or the /ng-rollout/ prefix) are named as restarts; a live session bound to no
+    episode is state nothing would save or restart, so it blocks prepare until it ends."""
+    proxy = start_counter(start_proxy, workers=2, control_token=CONTROL_TOKEN)
+    async with nemo_http() as http:
+        control = Control(http, proxy.url)
+        await CounterClient(http, proxy.url, 3).seed(1)  # rollout 3-0
+        async with http.post(
+            f"{proxy.url}/ng-rollout/r9-a1/seed_session", json={"initial_count": 2}
+        ) as resp:
+            assert resp.status == 200
+        unbound = CounterClient(http, proxy.url, 0)
+        await unbound.post("/seed_session", {"initial_count": 5})  # no rollout identity
+        reply = await control.ok("prepare", checkpoint_id="ro", deadline_ts=time.time() + 1)
+        assert reply["phase"] == "preparing"
+        assert reply["report"]["blockers"] == ["resources-unbound-sessions:1"]
+        assert sorted(reply["report"]["restarts"]) == ["3-0", "r9-a1"]
+        await control.ok("resume", checkpoint_id="ro")
+        assert await unbound.verify(5) == 1.0  # the session ends
+        reply = await control.ok("prepare", checkpoint_id="ro2")
+        assert reply["phase"] == "prepared"
+        await control.ok("resume", checkpoint_id="ro2")
+
+
+async def test_only_a_seed_starts_tracking_a_session(start_proxy):
+    """NeMo Gym gives every request a fresh session, health checks too; only a 2xx seed is
+    tracked (and announced to the proxy), so nothing fills up with them."""
+    proxy = start_counter(start_proxy, workers=2, control_token=CONTROL_TOKEN)
+    async with nemo_http() as http:
+        for _ in range(5):
+            async with http.get(f"{proxy.url}/health") as resp:
+                assert resp.status == 200
+        await CounterClient(http, proxy.url, 1).seed(1)
+        control = Control(http, proxy.url)
+        reply = await control.ok("prepare", checkpoint_id="p")
+        assert reply["phase"] == "prepared" and reply["report"]["counts"]["sessions"] == 1
+        await control.ok("resume", checkpoint_id="p")
+        assert (await control.ok("status"))["routed_sessions"] == 1
+
+
+async def test_ended_sessions_leave_the_routing_table(start_proxy):
+    """The proxy routes MCP tokens by a table of the sessions its workers announced; a
+    session that ends (the counter's /verify, or the idle TTL) leaves it, and its token is
+    then routed like new work. With its dict declared, the counter's entry of an ended
+    session is released too: the client that comes back starts afresh."""
+    proxy = start_counter(
+        start_proxy,
+        "--session-idle-ttl",
+        "1",
+        "--session-state",
+        "session_id_to_counter",
+        workers=2,
+        mcp=True,
+        control_token=CONTROL_TOKEN,
+    )
+    async with nemo_http() as http:
+        control = Control(http, proxy.url)
+        clients = [CounterClient(http, proxy.url, task) for task in range(4)]
+        for i, client in enumerate(clients):
+            await client.seed(i)
+        assert (await control.ok("status"))["routed_sessions"] == 4
+        await mcp_call(proxy.url, clients[0].mcp_token, "increment_counter", {"count": 1})
+        assert await clients[0].verify(1) == 1.0
+
+        async def table_empty() -> bool:
+            return (await control.ok("status"))["routed_sessions"] == 0
+
+        await wait_until(table_empty, 15, "the ended and expired sessions to leave the table")
+        await clients[1].seed(5)  # a client coming back starts a new session, routed again
+        assert (await control.ok("status"))["routed_sessions"] == 1
+        await clients[1].post("/increment_counter", {"count": 1})
+        assert await clients[1].count() == 6
+
+
+async def test_commit_binds_seeds_to_episodes_and_takes_stop(start_proxy, tmp_path):
+    proxy = start_counter(
+        start_proxy,
+        "--session-state",
+        "session_id_to_counter",
+        workers=2,
+        control_token=CONTROL_TOKEN,
+    )
+    async with nemo_http() as http:
+        control = Control(http, proxy.url)
+        async with http.post(
+            f"{proxy.url}/ng-rollout/r1-a2/seed_session", json={"initial_count": 3}
+        ) as resp:
+            assert resp.status == 200
+        await CounterClient(http, proxy.url, 8).seed(4)  # rollout 8-0
+        assert (await control.ok("prepare", checkpoint_id="ck"))["phase"] == "prepared"
+        scope = [{"rollout_id": "r1", "attempt": 2}, {"rollout_id": "8-0", "attempt": 0}]
+        reply = await control.ok(
+            "commit",
+            checkpoint_id="ck",
+            checkpoint_dir=str(tmp_path),
+            episode_ids=scope,
+            stop=True,
+        )
+        assert sorted(reply["episode_ids"]) == ["8-0", "r1-a2"]  # capture keys
+        assert reply["manifest"]["record_count"] == 2
+        await control.ok("resume", checkpoint_id="ck")
+
+
+def single_process_checkpoint(directory, sessions: dict[str, int]) -> None:
+    """What NeMo Gym's one-process resources server writes (Gen-2's record shape): owner
+    null, bound to episodes, a manifest without gym-proxy's extras."""
+    lines = [
+        orjson.dumps(
+            {
+                "episode_id": {"rollout_id": f"roll-{i}", "attempt": 0},
+                "session_id": sid,
+                "state": count,
+                "owner": None,
+            }
+        )
+        for i, (sid, count) in enumerate(sessions.items())
+    ]
+    write_checkpoint(
+        records.checkpoint_path(str(directory), "resources", INSTANCE),
+        lines,
+        kind="resources",
+        instance=INSTANCE,
+        checkpoint_id="nemo-ck",
+    )
+
+
+async def test_restore_of_a_single_process_checkpoint_routes_nemo_gyms_own_clients(
+    start_proxy, tmp_path
+):
+    """Its clients hold only NeMo Gym's own session cookie and MCP token (signed with the
+    counter's own key); after the restore onto three workers they reach the worker that
+    got their session, with its state."""
+    sessions = {str(uuid.uuid4()): 10 * i for i in range(6)}
+    single_process_checkpoint(tmp_path, sessions)
+    proxy = start_counter(
+        start_proxy,
+        "--session-state",
+        "session_id_to_counter",
+        workers=3,
+        mcp=True,
+        control_token=CONTROL_TOKEN,
+    )
+    async with nemo_http() as http:
+        control = Control(http, proxy.url)
+        scope = [{"rollout_id": f"roll-{i}", "attempt": 0} for i in range(len(sessions))]
+        reply = await control.ok(
+            "restore", checkpoint_id="r", checkpoint_dir=str(tmp_path), episode_ids=scope
+        )
+        assert reply["restored"] == sorted(f"roll-{i}-a1" for i in range(len(sessions)))
+        await control.ok("resume", checkpoint_id="r")
+        for sid, count in sessions.items():
+            payload = base64.b64encode(orjson.dumps({"session_id": sid}))
+            client = CounterClient(http, proxy.url, 0)
+            client.cookies = {COOKIE: TimestampSigner(COOKIE).sign(payload).decode()}
+            assert await client.count() == count, sid
+            claims = {"sid": sid, "tools": None}
+            token = URLSafeSerializer(COOKIE, salt=_MCP_TOKEN_SALT).dumps(claims)
+            await mcp_call(proxy.url, token, "increment_counter", {"count": 2})
+            assert await client.count() == count + 2, sid
