@@ -37,12 +37,13 @@ def counter_config(port: int, workers: int | None = None, **extra: object) -> di
 def gym_proxy(tmp_path: Path, *args: str, env: dict | None = None) -> subprocess.Popen:
     (tmp_path / "secret").write_text(TEST_SECRET)
     (tmp_path / "control").write_text(CONTROL_TOKEN)
-    return subprocess.Popen(
-        [sys.executable, "-m", "proxy", *args, "--secret-file", str(tmp_path / "secret"),
-         "--control-token-file", str(tmp_path / "control"), "--runtime-dir", "/tmp"],
-        cwd=REPO, stdout=open(tmp_path / "proxy.log", "wb"), stderr=subprocess.STDOUT,
-        env={**(env or os.environ), "PYTHONPATH": str(REPO)},
-    )  # fmt: skip
+    with open(tmp_path / "proxy.log", "wb") as log:  # the child has its own copy
+        return subprocess.Popen(
+            [sys.executable, "-m", "proxy", *args, "--secret-file", str(tmp_path / "secret"),
+             "--control-token-file", str(tmp_path / "control"), "--runtime-dir", "/tmp"],
+            cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+            env={**(env or os.environ), "PYTHONPATH": str(REPO)},
+        )  # fmt: skip
 
 
 async def wait_healthy(
