@@ -126,7 +126,8 @@ class ProxyState:
     now: float = 0.0  # coarse clock, advanced by the proxy's sweeper
     draining: bool = False
     # Until every worker has registered, requests other than control calls are answered
-    # 503 worker_unavailable (the port serves from the start; see proxy.server).
+    # 503 worker_unavailable (only on an inherited socket, which serves from the start;
+    # a port the proxy bound itself listens once they have: proxy.server).
     booting: bool = False
     drained: asyncio.Event | None = None  # set when draining and the last client closed
     access_log: logging.Logger | None = None  # None: no per-request logging at all

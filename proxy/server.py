@@ -108,6 +108,7 @@ async def run(config: Config, listen_sock: socket.socket, secret: bytes) -> int:
         await control_runner.setup()
         await web.UnixSite(control_runner, control_socket).start()
         await coordinator.start(coordinator_socket)
+
         # A port gym-proxy bound itself listens only once every worker has registered:
         # until then a connection is refused at once, which NeMo Gym's clients retry
         # (they retry no status code). An inherited socket (--fd) listens already, so the
@@ -115,12 +116,14 @@ async def run(config: Config, listen_sock: socket.socket, secret: bytes) -> int:
         # and until every worker has registered a request is answered 503
         # worker_unavailable with Retry-After (control calls are served), never left to
         # wait. Either way "the app answers" means ready.
-        server = None
-        if _listening(listen_sock):
-            state.booting = True
-            server = await loop.create_server(
+        def serve() -> Any:
+            return loop.create_server(
                 lambda: ClientConnection(state), sock=listen_sock, backlog=config.backlog
             )
+
+        if _listening(listen_sock):
+            state.booting = True
+            server = await serve()
         # Separate tasks on purpose: the data path's timers never wait on the coordinator.
         timers = [
             asyncio.ensure_future(_sweep(state, supervisor)),
@@ -142,9 +145,7 @@ async def run(config: Config, listen_sock: socket.socket, secret: bytes) -> int:
             return code
         state.booting = False
         if server is None:
-            server = await loop.create_server(
-                lambda: ClientConnection(state), sock=listen_sock, backlog=config.backlog
-            )
+            server = await serve()
         host, port = listen_sock.getsockname()[:2]
         log.info("ready on http://%s:%d with %d workers", host, port, config.workers)
         log.info("data path: %s (%s)", *data_path.mode())

@@ -137,13 +137,6 @@ class TokenCodec:
         self._cache[token] = identity
         return identity
 
-    def verify(self, token: str) -> SessionIdentity:
-        """`read`, for a token that must be this instance's."""
-        identity = self.read(token)
-        if identity is None:
-            raise TokenError("the session token is not this gym-proxy instance's")
-        return identity
-
     def _verify(self, token: str, fields: int, shape: str, legacy: bool = False) -> SessionIdentity:
         parts = token.split(".")
         if len(parts) != fields:

@@ -37,6 +37,20 @@ def controller(stack: NemoStack, http: aiohttp.ClientSession) -> Controller:
     return Controller([Participant(stack.url(r), CONTROL_TOKEN, http) for r in roles], 60)
 
 
+async def crash_and_restore(  # type: ignore[no-untyped-def]
+    stack: NemoStack, http, control: Control, workers: int, checkpoint_id: str, directory, episodes
+) -> None:
+    """kill -9 the counter, start it on `workers` workers, restore `episodes`, resume."""
+    stack.kill(("resources",))
+    stack.start(workers={"resources": workers}, roles=("resources",))
+    await stack.wait_serving(http)
+    await control.ok(
+        "restore", checkpoint_id=checkpoint_id, checkpoint_dir=str(directory),
+        episode_ids=episodes,
+    )  # fmt: skip
+    await control.ok("resume", checkpoint_id=checkpoint_id)
+
+
 async def held(http: aiohttp.ClientSession, stack: NemoStack) -> int:
     async with http.get(f"{stack.url('backend')}/control/held") as resp:
         return int((await resp.json())["held"])
@@ -123,15 +137,7 @@ async def test_a_declared_session_dict_is_checkpointed_and_restored(tmp_path):
             )  # fmt: skip
             assert committed["manifest"]["record_count"] == 24
             assert sorted(committed["episode_ids"]) == sorted(f"{i}-0" for i in range(24))
-            stack.kill(("resources",))
-
-            stack.start(workers={"resources": 3}, roles=("resources",))
-            await stack.wait_serving(http)
-            await control.ok(
-                "restore", checkpoint_id="state", checkpoint_dir=str(tmp_path / "ck"),
-                episode_ids=episodes,
-            )  # fmt: skip
-            await control.ok("resume", checkpoint_id="state")
+            await crash_and_restore(stack, http, control, 3, "state", tmp_path / "ck", episodes)
             for i, client in enumerate(clients):
                 assert await client.count() == 11 * i, i
                 await client.post("/increment_counter", {"count": 1})
@@ -190,14 +196,7 @@ async def test_nemo_gyms_mcp_tools_reach_the_worker_that_holds_the_session(tmp_p
             control = Control(http, url)
             episodes = [{"rollout_id": f"{i}-0", "attempt": 0} for i in range(12)]
             await control.checkpoint("mcp", str(tmp_path / "ck"), episode_ids=episodes)
-            stack.kill(("resources",))
-            stack.start(workers={"resources": 2}, roles=("resources",))
-            await stack.wait_serving(http)
-            await control.ok(
-                "restore", checkpoint_id="mcp", checkpoint_dir=str(tmp_path / "ck"),
-                episode_ids=episodes,
-            )  # fmt: skip
-            await control.ok("resume", checkpoint_id="mcp")
+            await crash_and_restore(stack, http, control, 2, "mcp", tmp_path / "ck", episodes)
             for i, client in enumerate(clients):
                 await mcp_call(url, client.mcp_token, "increment_counter", {"count": 1})
                 assert await client.verify(100 * i + 3) == 1.0, i

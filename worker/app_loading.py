@@ -94,8 +94,6 @@ async def build_app(
         app = build_server_app(target, workers)
         participation = nemo_gym_participation(target, app, session_state)
         return declare(app, participation)
-    if session_state is not None:
-        raise AppLoadError("--session-state names an attribute of a NeMo Gym server class APP")
     if isinstance(target, web.Application) or is_asgi_app(target):
         return target
     app = target()

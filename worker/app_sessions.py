@@ -22,7 +22,13 @@ from typing import Any
 
 import orjson
 
-__all__ = ["SESSION_KEY", "app_session_cookie", "session_in_cookie_value", "session_in_headers"]
+__all__ = [
+    "SESSION_KEY",
+    "app_session_cookie",
+    "session_in_cookie_value",
+    "session_in_headers",
+    "starlette_app",
+]
 
 SESSION_KEY = "session_id"  # NeMo Gym's SESSION_ID_KEY
 
@@ -67,16 +73,23 @@ def session_in_headers(
     return None
 
 
-def app_session_cookie(app: Any) -> str | None:
-    """The cookie name of the Starlette SessionMiddleware of `app` (a FastAPI or Starlette
-    app, or ASGI middleware wrapping one as `.app`), if it has one."""
-    for _ in range(16):
-        for middleware in getattr(app, "user_middleware", None) or ():
-            cls = getattr(middleware, "cls", None)
-            if getattr(cls, "__name__", "") == "SessionMiddleware":
-                kwargs = getattr(middleware, "kwargs", None) or {}
-                return str(kwargs.get("session_cookie", "session"))
+def starlette_app(app: Any) -> Any | None:
+    """The Starlette (or FastAPI) app inside `app`: ASGI middleware keeps the app it wraps
+    as `.app` (NeMo Gym's RolloutContextMiddleware, for one). None if there is none."""
+    for _ in range(16):  # a bound, should `.app` ever point back
+        if hasattr(app, "user_middleware") and hasattr(app, "add_exception_handler"):
+            return app
         app = getattr(app, "app", None)
         if app is None:
             return None
+    return None
+
+
+def app_session_cookie(app: Any) -> str | None:
+    """The cookie name of the Starlette SessionMiddleware of `app` (a FastAPI or Starlette
+    app, or ASGI middleware wrapping one), if it has one."""
+    for middleware in getattr(starlette_app(app), "user_middleware", None) or ():
+        if getattr(getattr(middleware, "cls", None), "__name__", "") == "SessionMiddleware":
+            kwargs = getattr(middleware, "kwargs", None) or {}
+            return str(kwargs.get("session_cookie", "session"))
     return None

@@ -22,7 +22,7 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 from coordinator.errors import RETRY_AFTER, GymError
-from worker.app_sessions import app_session_cookie, session_in_headers
+from worker.app_sessions import app_session_cookie, session_in_headers, starlette_app
 from worker.request_context import RequestContext
 from worker.runtime import (
     RUN_BODY_LIMIT,
@@ -222,15 +222,9 @@ def _announcement(
 def answer_runtime_errors(app: Any) -> None:
     """Let a Starlette (FastAPI) app answer the runtime's refusals raised in its handlers
     (`current_session`, `episode`) with their own status and JSON body: Starlette turns
-    any other exception into a plain-text 500 before the door could see it. ASGI
-    middleware keeps the app it wraps as `.app`, so wrappers are looked through."""
-    add_exception_handler = None
-    for _ in range(16):
-        add_exception_handler = getattr(app, "add_exception_handler", None)
-        app = getattr(app, "app", None)
-        if add_exception_handler is not None or app is None:
-            break
-    if add_exception_handler is None:
+    any other exception into a plain-text 500 before the door could see it."""
+    starlette = starlette_app(app)
+    if starlette is None:
         return
 
     async def handler(request: Any, error: GymError) -> Any:
@@ -239,7 +233,7 @@ def answer_runtime_errors(app: Any) -> None:
         retry = {"retry-after": "1"} if error.code in RETRY_AFTER else None
         return Response(error.body(), error.status, retry, "application/json")
 
-    add_exception_handler(GymError, handler)
+    starlette.add_exception_handler(GymError, handler)
 
 
 async def send_error(send: Send, error: GymError) -> None:

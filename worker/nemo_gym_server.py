@@ -95,8 +95,7 @@ class NemoGymInstance:
         from omegaconf import OmegaConf
 
         config = self.config.copy()
-        server = next(iter(next(iter(config[self.name].values())).values()))
-        server["num_workers"] = workers
+        _server_block(config, self.name)[1]["num_workers"] = workers
         return {CONFIG_DICT_ENV: OmegaConf.to_yaml(config), CONFIG_PATH_ENV: self.name}
 
 
@@ -124,12 +123,8 @@ def resolve_instance(cls: type, config_file: str | None, name: str | None) -> Ne
     if not isinstance(config, DictConfig):
         raise NemoGymConfigError("the NeMo Gym config is not a mapping")
     name = name or os.environ.get(CONFIG_PATH_ENV) or _only_instance_of(cls, config)
-    block = config.get(name)
-    try:
-        server = next(iter(next(iter(block.values())).values()))
-        host, port, workers = server.get("host"), server.get("port"), server.get("num_workers")
-    except (AttributeError, StopIteration, TypeError) as exc:
-        raise NemoGymConfigError(f"the NeMo Gym config has no server instance {name!r}") from exc
+    _, server = _server_block(config, name)
+    host, port, workers = server.get("host"), server.get("port"), server.get("num_workers")
     return NemoGymInstance(
         name=name,
         host=None if host is None else str(host),
@@ -137,6 +132,19 @@ def resolve_instance(cls: type, config_file: str | None, name: str | None) -> Ne
         num_workers=None if workers is None else int(workers),
         config=config,
     )
+
+
+def _server_block(config: Any, instance: str) -> tuple[tuple[str, str], Any]:
+    """((server type, server name), the server's config) of `instance`: NeMo Gym nests it
+    as `<instance>: {<type>: {<name>: {...}}}`."""
+    try:
+        by_type = config[instance]
+        server_type = next(iter(by_type))
+        server_name = next(iter(by_type[server_type]))
+        return (str(server_type), str(server_name)), by_type[server_type][server_name]
+    except (KeyError, AttributeError, StopIteration, TypeError) as exc:
+        detail = f"the NeMo Gym config has no server instance {instance!r}"
+        raise NemoGymConfigError(detail) from exc
 
 
 def _only_instance_of(cls: type, config: Any) -> str:
@@ -207,12 +215,7 @@ def launcher_app() -> tuple[str, str] | None:
         return None
     from omegaconf import OmegaConf
 
-    block = OmegaConf.create(text).get(instance)
-    try:
-        server_type = next(iter(block))
-        server_name = next(iter(block[server_type]))
-    except (StopIteration, TypeError) as exc:
-        raise NemoGymConfigError(f"the NeMo Gym config has no instance {instance!r}") from exc
+    (server_type, server_name), _ = _server_block(OmegaConf.create(text), instance)
     module_name = f"{server_type}.{server_name}.app"
     cwd = os.getcwd()
     # In the server's directory `<root>/<type>/<name>`: the module lives under <root>.
