@@ -34,9 +34,9 @@ import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from coordinator.controller import Controller, Participant  # noqa: E402
-from coordinator.rollouts import Rollout, RolloutDriver, exported_rollouts  # noqa: E402
-from coordinator.rollouts_cli import CITIES, weather_rollouts  # noqa: E402
+from coordinator.clients.controller import Controller, Participant  # noqa: E402
+from coordinator.clients.rollouts import Rollout, RolloutDriver, exported_rollouts  # noqa: E402
+from coordinator.clients.rollouts_cli import CITIES, weather_rollouts  # noqa: E402
 from worker.apps.stack import Stack  # noqa: E402
 
 HELD_CITIES = CITIES[::2]

@@ -23,16 +23,15 @@ itself.
 
 from __future__ import annotations
 
-import re
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-from coordinator.errors import GymError
+from coordinator.contract.errors import GymError
+from coordinator.contract.ids import is_checkpoint_id
 
-__all__ = ["PhaseMachine", "CHECKPOINT_ID", "OPEN_PHASES"]
+__all__ = ["PhaseMachine", "OPEN_PHASES"]
 
-CHECKPOINT_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}\Z")
 OPEN_PHASES = frozenset({"preparing", "prepared", "committed", "restored"})
 _REMEMBERED_RESUMES = 256
 # The phases each operation may start in.
@@ -74,7 +73,7 @@ class PhaseMachine:
         self, op: str, checkpoint_id: str, deadline_ts: float, now: float, arguments: Any = None
     ) -> dict[str, Any] | None:
         """Validate `op`; return a reply to send again (retry), None to go on, or raise."""
-        if not CHECKPOINT_ID.match(checkpoint_id):
+        if not is_checkpoint_id(checkpoint_id):
             raise GymError("invalid_request", "checkpoint_id is malformed")
         if checkpoint_id == self.checkpoint_id and op in self.replies:
             ran_with, reply = self.replies[op]

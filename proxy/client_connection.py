@@ -47,7 +47,7 @@ from typing import Final
 
 import httptools
 
-from coordinator.errors import GymError
+from coordinator.contract.errors import GymError
 from proxy import outbox
 from proxy.exchange import ANSWERING, RESPONDING, Exchange
 from proxy.exchange import TUNNEL as EXCHANGE_TUNNEL

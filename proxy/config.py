@@ -10,6 +10,8 @@ from collections.abc import Sequence
 from dataclasses import MISSING, dataclass, field, fields, replace
 from typing import Any
 
+from coordinator.contract.ids import is_checkpoint_id
+
 __all__ = [
     "Config",
     "ConfigError",
@@ -22,7 +24,6 @@ __all__ = [
 
 DEFAULT_APP = "worker.counter:create_app"
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
-CHECKPOINT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}\Z")
 COOKIE_NAME = re.compile(r"[A-Za-z0-9!#$%&'*+.^_`|~-]{1,128}\Z")  # an RFC 6265 token
 
 
@@ -227,7 +228,7 @@ class Config:
                 "--control-token needs --secret (or GYM_PROXY_SECRET): restored sessions "
                 "must be verified with the same secret after a restart"
             )
-        if self.name is not None and not CHECKPOINT_NAME.match(self.name):
+        if self.name is not None and not is_checkpoint_id(self.name):
             raise ConfigError("--name must be 1-128 characters of A-Z a-z 0-9 . _ -")
         if self.cookie_name is not None and not COOKIE_NAME.match(self.cookie_name):
             raise ConfigError(

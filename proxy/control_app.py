@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import hmac
 import logging
-import re
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -20,9 +19,9 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from coordinator.checkpoint import Checkpointer
-from coordinator.episode_ids import EpisodeId
-from coordinator.errors import GymError, error_body, status_of
+from coordinator.checkpointer import Checkpointer
+from coordinator.contract.episodes import EpisodeId, check_rollout_id
+from coordinator.contract.errors import GymError, error_body, status_of
 
 __all__ = ["create_control_app", "PREFIX"]
 
@@ -38,9 +37,6 @@ _FIELDS: dict[str, tuple[set[str], set[str]]] = {
     "retire": (_BASE | {"episode_ids"}, set()),
     "forget": (_BASE | {"rollout_ids"}, set()),
 }
-# NeMo Gym's rollout IDs; a capture key must parse back, so none ends in -a<digits>.
-_ROLLOUT_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*\Z")
-_ATTEMPT_SUFFIX = re.compile(r"-a[0-9]+\Z")
 CHECKPOINTER = web.AppKey("gym_proxy_checkpointer", Checkpointer)
 # Controllers give deadlines of minutes; a day ahead is a bug, and would hold the lease
 # open (and admission closed) for as long.
@@ -62,16 +58,6 @@ def _json(payload: dict[str, Any]) -> web.Response:
     return web.Response(body=orjson.dumps(payload), content_type="application/json")
 
 
-def _rollout_id(value: Any) -> str:
-    if not isinstance(value, str) or not _ROLLOUT_ID.match(value) or len(value) > 512:
-        raise GymError(
-            "invalid_request", "a rollout_id is 1-512 of A-Z a-z 0-9 . _ - (not starting . _ -)"
-        )
-    if _ATTEMPT_SUFFIX.search(value):
-        raise GymError("invalid_request", f"rollout_id {value!r} must not end in -a<digits>")
-    return value
-
-
 def _episode_ids(value: Any, at_least: int) -> list[EpisodeId]:
     if not isinstance(value, list) or len(value) < at_least:
         raise GymError("invalid_request", f"episode_ids must be a list of {at_least} or more")
@@ -84,7 +70,7 @@ def _episode_ids(value: Any, at_least: int) -> list[EpisodeId]:
         attempt = item["attempt"]
         if not isinstance(attempt, int) or isinstance(attempt, bool) or attempt < 0:
             raise GymError("invalid_request", "attempt must be a non-negative integer")
-        result.append(EpisodeId(_rollout_id(item["rollout_id"]), attempt))
+        result.append(EpisodeId(check_rollout_id(item["rollout_id"]), attempt))
     return result
 
 
@@ -123,7 +109,7 @@ async def _body(request: web.Request, op: str) -> dict[str, Any]:
         ids = body["rollout_ids"]
         if not isinstance(ids, list) or not ids:
             raise GymError("invalid_request", "rollout_ids must be a list of 1 or more")
-        body["rollout_ids"] = [_rollout_id(i) for i in ids]
+        body["rollout_ids"] = [check_rollout_id(i) for i in ids]
     if not isinstance(body.get("stop", False), bool):
         raise GymError("invalid_request", "stop must be true or false")
     return body

@@ -38,15 +38,15 @@ import logging
 import time
 from typing import TYPE_CHECKING, Final
 
-from coordinator.errors import GymError, status_of
+from coordinator.contract.errors import GymError, status_of
+from coordinator.contract.headers import EMPTY_ROLLOUT_KEY, ROLLOUT_PREFIX, split_rollout_url
+from coordinator.contract.ids import is_valid_id
 from proxy import http_wire as wire
-from proxy.app_tokens import app_token_session
 from proxy.outbox import batch as write_batch
 from proxy.request_head import RequestHead, rewrite_request_head
 from proxy.response_head import rewrite_response_head
-from proxy.routing import WorkerRoute
-from proxy.session_tokens import TokenError, is_valid_id
-from worker.app_sessions import session_in_headers
+from proxy.routing import APP_TOKEN, WorkerRoute
+from proxy.session_tokens import TokenError
 
 if TYPE_CHECKING:
     from proxy.client_connection import ClientConnection
@@ -72,7 +72,6 @@ TUNNEL: Final = "tunnel"
 ANSWERING: Final = "answering"
 DONE: Final = "done"
 _CONTROL_PREFIX: Final = b"/ng-control/"
-_ROLLOUT_PREFIX: Final = b"/ng-rollout/"
 # A request this large may not leave in one write; its connection keeps a spare descriptor.
 SPARE_AFTER_BYTES: Final = 65536
 
@@ -196,43 +195,22 @@ class Exchange:
         if state.booting:
             self.fail("worker_unavailable", "gym-proxy is starting: not every worker registered")
             return None
-        router = state.router
         key: bytes | None = None
         rest = b""
-        if self.url.startswith(_ROLLOUT_PREFIX):
-            key, rest = wire.split_rollout_path(self.url, len(_ROLLOUT_PREFIX))
+        if self.url.startswith(ROLLOUT_PREFIX):
+            key, rest = split_rollout_url(self.url)
             if not key:
-                self.fail("bad_request", "/ng-rollout/ needs an episode key")
+                self.fail(*EMPTY_ROLLOUT_KEY)
                 return None
-        app_session = None
-        token: bytes | None = None  # this instance's token, as the request carried it
-        cookie_name: bytes | None = None  # ... in this cookie (re-set on the answer)
         try:
-            owner = head.owner_hint.decode("ascii") if head.owner_hint else None
-            if owner is not None and not is_valid_id(owner):
-                raise TokenError("x-ng-session-owner is not a valid owner ID")
-            if head.app_token is not None:
-                app_session = app_token_session(head.app_token)
-            route = router.route_app_session(app_session) if app_session else None
-            if route is None:
-                app_session = None  # a session no worker announced: the app's to answer
-                token = head.token
-                if token is None and head.cookie is not None:
-                    token, cookie_name = wire.session_cookie(head.cookie, state.cookie_name)
-                identity = state.codec.read(token.decode("ascii")) if token else None
-                if identity is None:
-                    # Not this instance's (another server's cookie, the app's own):
-                    # passed on untouched, and this request has no session of ours.
-                    token = cookie_name = None
-                    if head.cookie is not None and router.sessions:
-                        # Only the app's own session cookie (a client of a restored NeMo
-                        # Gym checkpoint): its session decides, if a worker holds it.
-                        cookie_session = session_in_headers(
-                            [(b"cookie", head.cookie)], False, router.app_cookie
-                        )
-                        if cookie_session is not None:
-                            route = router.route_app_session(cookie_session)
-                route = route or router.route(identity, owner)
+            route = state.router.route_request(
+                state.codec,
+                state.cookie_name,
+                head.token,
+                head.cookie,
+                head.owner_hint,
+                head.app_token,
+            )
         except (TokenError, UnicodeDecodeError) as exc:
             self.fail("invalid_session_token", str(exc))
             return None
@@ -243,10 +221,11 @@ class Exchange:
         if key is not None and not worker.keeps_rollout_prefix:
             # aiohttp routes before any middleware: the app sees /rest, the runtime the key.
             parts[2] = rest
-            parts += (b"x-ng-episode-key: ", key, b"\r\n")
-        if app_session is not None:  # routed by the app's own token
-            parts += (b"x-ng-session-id: ", app_session.encode(), b"\r\n")
+            parts += (wire.EPISODE_KEY_LINE, key, b"\r\n")
+        if route.rule == APP_TOKEN:
+            parts += (wire.SESSION_ID_LINE, route.session_id.encode(), b"\r\n")
             return worker
+        token = route.token
         if route.new:
             if head.app_token is not None:
                 # The proxy mints nothing for a call that carries an app's own token: one
@@ -254,13 +233,13 @@ class Exchange:
                 return worker
             token = state.codec.sign(route.session_id, worker.owner).encode()
             self.new_token = token
-            parts.append(b"x-ng-session-new: 1\r\n")
-        elif cookie_name is not None:
+            parts.append(wire.SESSION_NEW_LINE)
+        elif route.cookie is not None:
             self.cookie_token = token
-            self.cookie_name = cookie_name
-        parts += (b"x-ng-session-id: ", route.session_id.encode(), b"\r\n")
+            self.cookie_name = route.cookie
+        parts += (wire.SESSION_ID_LINE, route.session_id.encode(), b"\r\n")
         if token is not None:  # None: routed by the app's own session cookie
-            parts += (b"x-ng-session-token: ", token, b"\r\n")
+            parts += (wire.SESSION_TOKEN_LINE, token, b"\r\n")
         return worker
 
     # ---- request body ------------------------------------------------------------

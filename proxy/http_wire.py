@@ -1,20 +1,20 @@
 """HTTP/1.1 bytes the data path writes and the header rules it applies (no I/O).
 
 Every error the proxy itself answers is built by `error_response`, with its status and
-`Retry-After` from the one table in `coordinator.errors`.
+`Retry-After` from the one table in `coordinator.contract.errors`.
 """
 
 from __future__ import annotations
 
 from http import HTTPStatus
+from typing import Final
 
-from coordinator.errors import RETRY_AFTER, error_body, status_of
+from coordinator.contract import headers as names
+from coordinator.contract.errors import RETRY_AFTER, error_body, status_of
 
 __all__ = [
     "HOP_BY_HOP",
-    "IDENTITY_HEADERS",
     "LEGACY_COOKIE_NAME",
-    "TOKEN_HEADER",
     "CONTINUE_100",
     "error_response",
     "cookie_value",
@@ -25,11 +25,9 @@ __all__ = [
     "chunk",
     "connection_listed",
     "without_headers",
-    "split_rollout_path",
 ]
 
-# Headers that describe one connection, not the message (RFC 9110 7.6.1), plus the
-# identity headers only the proxy may set.
+# Headers that describe one connection, not the message (RFC 9110 7.6.1).
 HOP_BY_HOP = frozenset(
     {
         b"connection",
@@ -43,17 +41,14 @@ HOP_BY_HOP = frozenset(
         b"proxy-authorization",
     }
 )
-IDENTITY_HEADERS = frozenset(
-    {b"x-ng-session-id", b"x-ng-session-token", b"x-ng-session-new", b"x-ng-episode-key"}
-)
 # The one cookie name of every instance before cookies were named per instance: a client
 # of an older checkpoint still holds it (proxy.session_tokens, "legacy").
 LEGACY_COOKIE_NAME = b"ng_session"
-TOKEN_HEADER = b"x-nemo-gym-session-token"
-OWNER_HEADER = b"x-ng-session-owner"
-# A worker's runtime announces an app session it holds (stripped before the client).
-APP_SESSION_HEADER = b"x-ng-app-session"
-APP_SESSION_END_HEADER = b"x-ng-app-session-end"
+# Identity header lines the proxy adds to a routed request (`name: ` before the value).
+SESSION_ID_LINE: Final = names.SESSION_ID + b": "
+SESSION_TOKEN_LINE: Final = names.SESSION_TOKEN + b": "
+SESSION_NEW_LINE: Final = names.SESSION_NEW + b": 1\r\n"
+EPISODE_KEY_LINE: Final = names.EPISODE_KEY + b": "
 CONTINUE_100 = b"HTTP/1.1 100 Continue\r\n\r\n"
 LAST_CHUNK = b"0\r\n\r\n"
 
@@ -119,8 +114,7 @@ def set_cookie_headers(name: bytes, token: bytes) -> bytes:
     """
     return (
         b"set-cookie: " + name + b"=" + token + b"; Path=/; HttpOnly; SameSite=Lax\r\n"
-        b'cache-control: no-cache="Set-Cookie"\r\n'
-        b"x-nemo-gym-session-token: " + token + b"\r\n"
+        b'cache-control: no-cache="Set-Cookie"\r\n' + names.APP_TOKEN + b": " + token + b"\r\n"
     )
 
 
@@ -146,19 +140,6 @@ def without_headers(parts: list[bytes], start: int, names: set[bytes]) -> list[b
         if parts[i].lower() not in names:
             kept += parts[i : i + 4]
     return kept
-
-
-def split_rollout_path(url: bytes, start: int) -> tuple[bytes, bytes]:
-    """`/ng-rollout/<key>/rest?q` -> (key, `/rest?q`); the key ends at `/` or `?`."""
-    end = len(url)
-    for stop in (b"/", b"?"):
-        at = url.find(stop, start)
-        if 0 <= at < end:
-            end = at
-    rest = url[end:]
-    if not rest.startswith(b"/"):
-        rest = b"/" + rest
-    return url[start:end], rest
 
 
 def chunk(data: bytes) -> list[bytes]:

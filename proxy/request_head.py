@@ -18,7 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from coordinator.errors import GymError
+from coordinator.contract import headers as names
+from coordinator.contract.errors import GymError
 from proxy import http_wire as wire
 
 __all__ = ["RequestHead", "rewrite_request_head", "PROTECTED"]
@@ -29,8 +30,8 @@ PROTECTED = frozenset({b"content-length", b"transfer-encoding", b"host"})
 _PASS, _COOKIE, _TOKEN, _OWNER, _DROP, _TE, _CL, _EXPECT, _CONNECTION, _HOST, _UPGRADE = range(11)
 _KINDS = {
     b"cookie": _COOKIE,
-    wire.TOKEN_HEADER: _TOKEN,
-    wire.OWNER_HEADER: _OWNER,
+    names.APP_TOKEN: _TOKEN,
+    names.SESSION_OWNER: _OWNER,
     b"transfer-encoding": _TE,
     b"content-length": _CL,
     b"expect": _EXPECT,
@@ -39,7 +40,7 @@ _KINDS = {
     b"upgrade": _UPGRADE,
     **{
         name: _DROP
-        for name in wire.HOP_BY_HOP | wire.IDENTITY_HEADERS
+        for name in wire.HOP_BY_HOP | names.IDENTITY_HEADERS
         if name not in (b"transfer-encoding", b"connection", b"upgrade")
     },
 }

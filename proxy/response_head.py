@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from coordinator.contract import headers as names
 from proxy import http_wire as wire
 
 __all__ = ["ResponseHead", "rewrite_response_head", "NO_BODY_STATUS"]
@@ -28,8 +29,8 @@ _KINDS = {
     b"transfer-encoding": _CHUNKED,
     b"connection": _CONNECTION,
     b"upgrade": _UPGRADE,
-    wire.APP_SESSION_HEADER: _APP_SESSION,
-    wire.APP_SESSION_END_HEADER: _APP_END,
+    names.APP_SESSION: _APP_SESSION,
+    names.APP_SESSION_END: _APP_END,
 }
 
 

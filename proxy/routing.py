@@ -1,22 +1,30 @@
-"""Which worker answers a request: the owner, alias and session tables (no I/O).
+"""Which worker answers a request: the routing precedence and the owner, alias and session
+tables (no I/O).
 
-The data path (`proxy.exchange`) first looks for an app's own token naming a session a
-worker announced (`route_app_session`), then for this instance's token (header, then its
-cookie; `proxy.session_tokens`), and calls `route` with what it found:
+`Router.route_request` is the whole order, written once; the data path (`proxy.exchange`)
+hands it the request's identity headers and writes the headers its `Route` says:
 
-1. a token naming a live owner: that worker;
-2. a token naming an aliased owner (old owner -> the worker that now holds its sessions);
-3. a token naming any other owner: 410 `session_owner_gone`;
-4. a token naming no owner: the session table, else placed like new work;
-5. no token, `x-ng-session-owner`: that worker (or its alias), as a new session there;
-6. nothing: a new session on the live, responsive worker with the fewest requests in
-   flight (ties broken round-robin); a worker not answering the supervisor's pings gets
-   no new sessions.
+1. an app's own `X-NeMo-Gym-Session-Token` (NeMo Gym's MCP token) naming a session a
+   worker announced: that worker (rule `app_token`); naming none, it reaches the app
+   untouched and the request goes on down this list without it;
+2. this instance's token, from `X-NeMo-Gym-Session-Token`, else from this instance's
+   cookie (`--cookie-name`), else from the legacy `ng_session` cookie (rule `token`):
+   a. naming a live owner: that worker;
+   b. naming an aliased owner (old owner -> the worker that now holds its sessions);
+   c. naming any other owner: 410 `session_owner_gone`;
+   d. naming no owner: the session table, else placed like new work;
+3. no token of this instance's, the app's own session cookie (NeMo Gym's Starlette
+   session) naming a session a worker announced: that worker (rule `app_cookie`);
+4. `x-ng-session-owner`: that worker (or its alias), as a new session there (rule `owner`);
+5. nothing: a new session on the live, responsive worker with the fewest requests in
+   flight, ties broken round-robin (rule `new`); a worker not answering the supervisor's
+   pings gets no new sessions.
 
-A legacy token (minted before tokens named their instance) is this instance's only when it
-names an owner this instance has had, or one its restored checkpoint aliased (or, without
-an owner, a session of the session table); any other is taken as absent: with a secret
-shared between instances, it may be another instance's.
+A token that is not this instance's (another server's, or the app's own) is taken as
+absent. A legacy token (minted before tokens named their instance) is this instance's only
+when it names an owner this instance has had, or one its restored checkpoint aliased (or,
+without an owner, a session of the session table): with a secret shared between
+instances, it may be another instance's.
 
 Only a new session gets a token. An existing session keeps its token for life, even
 when an alias or the session table routes it: a client that keeps an old cookie must
@@ -27,12 +35,22 @@ only knows the owners of its own time.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Final
 
-from coordinator.errors import GymError
-from proxy.session_tokens import SessionIdentity, new_session_id
+from coordinator.contract.app_sessions import app_token_session, session_in_headers
+from coordinator.contract.errors import GymError
+from coordinator.contract.ids import is_valid_id
+from proxy.http_wire import session_cookie
+from proxy.session_tokens import SessionIdentity, TokenCodec, TokenError, new_session_id
 
-__all__ = ["WorkerRoute", "Route", "Router"]
+__all__ = ["WorkerRoute", "Route", "Router", "APP_TOKEN", "TOKEN", "APP_COOKIE", "OWNER", "NEW"]
+
+# The rule that decided a Route (module docstring).
+APP_TOKEN: Final = "app_token"
+TOKEN: Final = "token"
+APP_COOKIE: Final = "app_cookie"
+OWNER: Final = "owner"
+NEW: Final = "new"
 
 
 @dataclass(slots=True, eq=False)
@@ -50,12 +68,16 @@ class WorkerRoute:
 
 @dataclass(slots=True)
 class Route:
-    """The decision for one request. `new`: the session ID was minted for this request,
-    so the client gets a token; an existing session keeps the token it has."""
+    """The decision for one request, and the rule that made it. `new`: the session ID was
+    minted for this request, so the client gets a token; an existing session keeps the
+    token it has (`token`, as the request carried it; `cookie`: the cookie it came in)."""
 
     worker: WorkerRoute
     session_id: str
     new: bool
+    rule: str = NEW
+    token: bytes | None = None
+    cookie: bytes | None = None
 
 
 def _gone(owner: str) -> GymError:
@@ -124,16 +146,58 @@ class Router:
             raise GymError("worker_unavailable", "no worker is live and answering; retry shortly")
         return best
 
-    def route_app_session(self, session_id: str) -> Route | None:
-        """Where an app's own token goes: the worker that announced its session (None when
-        no worker did; such a token is never remembered)."""
+    def route_request(
+        self,
+        codec: TokenCodec,
+        cookie_name: bytes,
+        token: bytes | None,
+        cookie: bytes | None,
+        owner_hint: bytes | None,
+        app_token: bytes | None = None,
+    ) -> Route:
+        """Where one request goes, by the precedence in the module docstring: `token` is
+        `X-NeMo-Gym-Session-Token` when it is this instance's, `app_token` when it is not,
+        `cookie` the Cookie header, `owner_hint` `x-ng-session-owner`. Raises TokenError
+        (or UnicodeDecodeError) for a malformed token of this instance's or owner hint,
+        GymError when the request may go nowhere."""
+        owner = None
+        if owner_hint is not None:
+            owner = owner_hint.decode("ascii")
+            if not is_valid_id(owner):
+                raise TokenError("x-ng-session-owner is not a valid owner ID")
+        if app_token is not None:
+            app_session = app_token_session(app_token)
+            if app_session is not None:
+                route = self.route_app_session(app_session, APP_TOKEN)
+                if route is not None:
+                    return route
+        carried_in = None
+        if token is None and cookie is not None:
+            token, carried_in = session_cookie(cookie, cookie_name)
+        identity = codec.read(token.decode("ascii")) if token else None
+        if identity is not None:
+            route = self.route(identity, owner)
+            route.token = token
+            route.cookie = carried_in
+            return route
+        if cookie is not None and self.sessions:
+            cookie_session = session_in_headers([(b"cookie", cookie)], False, self.app_cookie)
+            if cookie_session is not None:
+                route = self.route_app_session(cookie_session, APP_COOKIE)
+                if route is not None:
+                    return route
+        return self.route(None, owner)
+
+    def route_app_session(self, session_id: str, rule: str = APP_TOKEN) -> Route | None:
+        """Where an app's own session goes: the worker that announced it (None when no
+        worker did; such a session is never remembered)."""
         holder = self.sessions.get(session_id)
         if holder is None:
             return None
         worker = self.resolve_owner(holder)
         if worker is None:
             raise _gone(holder)
-        return Route(worker, session_id, False)
+        return Route(worker, session_id, False, rule)
 
     def knows(self, identity: SessionIdentity) -> bool:
         """Whether a legacy token names something of this instance (module docstring)."""
@@ -143,7 +207,8 @@ class Router:
         return owner in self.past_owners or owner in self.aliases
 
     def route(self, identity: SessionIdentity | None, owner_hint: str | None) -> Route:
-        """Decide where one request goes; raise GymError when it may go nowhere."""
+        """Rules 2, 4 and 5 of the module docstring: `identity` is what this instance's
+        token says (None: no token); raise GymError when the request may go nowhere."""
         if identity is not None and identity.legacy and not self.knows(identity):
             identity = None
         if identity is not None:
@@ -151,11 +216,11 @@ class Router:
             if owner is not None:
                 worker = self.workers.get(owner)
                 if worker is not None:
-                    return Route(worker, identity.session_id, False)
+                    return Route(worker, identity.session_id, False, TOKEN)
                 worker = self.resolve_owner(owner)
                 if worker is None:
                     raise _gone(owner)
-                return Route(worker, identity.session_id, False)
+                return Route(worker, identity.session_id, False, TOKEN)
             placed = self.sessions.get(identity.session_id)
             if placed is not None:
                 worker = self.resolve_owner(placed)
@@ -164,10 +229,10 @@ class Router:
             else:
                 worker = self.least_loaded()
                 self.sessions[identity.session_id] = worker.owner
-            return Route(worker, identity.session_id, False)
+            return Route(worker, identity.session_id, False, TOKEN)
         if owner_hint is not None:
             worker = self.resolve_owner(owner_hint)
             if worker is None:
                 raise GymError("session_owner_gone", f"owner {owner_hint} is not live")
-            return Route(worker, new_session_id(), True)
-        return Route(self.least_loaded(), new_session_id(), True)
+            return Route(worker, new_session_id(), True, OWNER)
+        return Route(self.least_loaded(), new_session_id(), True, NEW)

@@ -21,9 +21,11 @@ from typing import Any
 
 from aiohttp import web
 
-from coordinator.channel import Channel
-from coordinator.checkpoint import Checkpointer
-from coordinator.hub import Coordinator
+from coordinator.checkpointer import Checkpointer
+from coordinator.contract.channel import Channel
+from coordinator.contract.exit_codes import BOOT_ERROR
+from coordinator.contract.keepalive import POOL_IDLE
+from coordinator.worker_channels import Coordinator
 from proxy import data_path
 from proxy.client_connection import DISCARDING, LINGERING, TUNNEL, ClientConnection, ProxyState
 from proxy.config import Config
@@ -34,13 +36,11 @@ from proxy.session_tokens import TokenCodec
 from proxy.supervisor import Supervisor, WorkerBootError
 from proxy.upstream import UpstreamPool
 
-__all__ = ["run", "EXIT_BOOT_ERROR"]
+__all__ = ["run"]
 
 log = logging.getLogger("gym_proxy")
 
-EXIT_BOOT_ERROR = 3
 SWEEP_INTERVAL = 1.0
-POOL_IDLE_SECONDS = 30.0  # well below the worker's keep-alive timeout
 FD_RESERVE = 64  # descriptors for workers' channels, the control app, logs
 DEFAULT_MAX_CONNECTIONS = 10000
 LINGER = 2.0  # a refused client gets this long (since its last byte) to stop sending
@@ -141,7 +141,7 @@ async def run(config: Config, listen_sock: socket.socket, secret: bytes) -> int:
             boot.result()
         except WorkerBootError as exc:
             log.error("%s; stopping", exc)
-            code = EXIT_BOOT_ERROR
+            code = BOOT_ERROR
             return code
         state.booting = False
         if server is None:
@@ -156,7 +156,7 @@ async def run(config: Config, listen_sock: socket.socket, secret: bytes) -> int:
         stopped.cancel()
         if supervisor.fatal.done():
             log.error("%s; stopping", supervisor.fatal.exception())
-            code = EXIT_BOOT_ERROR
+            code = BOOT_ERROR
         else:
             log.info("shutting down: finishing in-flight requests (%g s)", config.graceful_timeout)
         server.close()
@@ -279,7 +279,7 @@ async def _sweep(state: ProxyState, supervisor: Supervisor) -> None:
             heard = pipeline[0].upstream_idle_since()
             if stall_before is not None and heard is not None and heard < stall_before:
                 pipeline[0].timed_out()
-        pool_before = time.monotonic() - POOL_IDLE_SECONDS
+        pool_before = time.monotonic() - POOL_IDLE
         for worker in supervisor.workers():
             if worker.route is not None:
                 worker.route.pool.close_idle(pool_before)

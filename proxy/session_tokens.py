@@ -31,9 +31,10 @@ from __future__ import annotations
 import base64
 import hashlib
 import hmac
-import re
 import secrets
 from dataclasses import dataclass
+
+from coordinator.contract.ids import is_valid_id
 
 __all__ = [
     "TokenError",
@@ -42,10 +43,8 @@ __all__ = [
     "instance_tag",
     "new_session_id",
     "new_owner_id",
-    "is_valid_id",
 ]
 
-_ID = re.compile(r"[A-Za-z0-9_-]{1,64}\Z")
 _MAC_LEN = 43
 _TAG_LEN = 11
 NO_OWNER = "-"
@@ -73,11 +72,6 @@ def new_session_id() -> str:
 def new_owner_id() -> str:
     """A fresh random owner ID for one worker incarnation (64 bits)."""
     return secrets.token_urlsafe(8)
-
-
-def is_valid_id(value: str) -> bool:
-    """True if `value` may be used as a session ID or an owner ID."""
-    return _ID.match(value) is not None
 
 
 def _b64(digest: bytes) -> str:

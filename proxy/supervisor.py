@@ -24,14 +24,14 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from coordinator.channel import Channel
-from coordinator.checkpoint import LiveWorker
-from coordinator.hub import RegistrationRefused
+from coordinator.checkpointer import LiveWorker
+from coordinator.contract.channel import Channel
+from coordinator.contract.exit_codes import BOOT_ERROR
+from coordinator.worker_channels import RegistrationRefused
 from proxy.config import Config
 from proxy.routing import Router, WorkerRoute
 from proxy.session_tokens import new_owner_id
 from proxy.upstream import UpstreamPool
-from worker.process import BOOT_ERROR
 
 __all__ = ["WorkerProcess", "Supervisor", "WorkerBootError", "worker_argv"]
 
@@ -310,7 +310,7 @@ class Supervisor:
         if worker.ping is not None:
             worker.ping.cancel()
 
-    # ---- the coordinator's view (coordinator.checkpoint.WorkerView) ----------------
+    # ---- the coordinator's view (coordinator.checkpointer.WorkerView) ----------------
     @property
     def expected(self) -> int:
         return self.config.workers

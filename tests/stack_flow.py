@@ -2,7 +2,7 @@
 are held at the model, checkpoint, crash, restore, continue, and check what is left.
 
 Everything here drives real processes (`worker.apps.stack.Stack`) through their public
-interfaces: `/run`, the control plane (`coordinator.controller`), and `GET /held`.
+interfaces: `/run`, the control plane (`coordinator.clients.controller`), and `GET /held`.
 """
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ from typing import Any
 
 import aiohttp
 
-from coordinator.controller import Controller, Participant
-from coordinator.episode_ids import EpisodeId
-from coordinator.rollouts import Rollout, RolloutDriver, exported_rollouts
-from coordinator.rollouts_cli import weather_rollouts
+from coordinator.clients.controller import Controller, Participant
+from coordinator.clients.rollouts import Rollout, RolloutDriver, exported_rollouts
+from coordinator.clients.rollouts_cli import weather_rollouts
+from coordinator.contract.episodes import EpisodeId
 from tests.support import wait_until
 from worker.apps.stack import Stack
 

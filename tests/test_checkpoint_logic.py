@@ -8,12 +8,13 @@ from dataclasses import dataclass
 import orjson
 import pytest
 
-from coordinator import records
-from coordinator.episode_ids import EpisodeId, parse_episode_key
-from coordinator.errors import GymError
+from coordinator import checkpoint_files as records
+from coordinator.contract import records as record_format
+from coordinator.contract.episodes import EpisodeId, parse_episode_key
+from coordinator.contract.errors import GymError
 from coordinator.phases import PhaseMachine
 from coordinator.placement import place
-from coordinator.reports import Readiness
+from coordinator.readiness import Readiness
 from worker.sessions import SessionStore
 
 NOW = 1000.0
@@ -231,8 +232,8 @@ def test_records_in_nemo_gym_shapes(tmp_path):
     assert first == {"episode_id": bound, "session_key": "s1", "session": 1, "owner": "o"}
     manifest, back = records.read(base, kind="agent", instance="inst")
     assert back == recs and manifest["session_owners"] == {}
-    assert [records.record_key(r) for r in back] == ["r1-a2", None, "r1-a2"]
-    legacy = records.from_disk(
+    assert [record_format.record_key(r) for r in back] == ["r1-a2", None, "r1-a2"]
+    legacy = record_format.from_disk(
         {"type": "session", "session_id": "x", "owner": "o", "episode": "r-a1", "value": 4}
     )
     assert legacy == session("x", "o", {"rollout_id": "r", "attempt": 1}) | {"state": 4}

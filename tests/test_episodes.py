@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import asyncio
 
-from coordinator import records
+from coordinator import checkpoint_files as records
+from coordinator.contract.episodes import task_digest
 from tests.conftest import BOTH_APP_KINDS
 from tests.support import CONTROL_TOKEN, Control
-from worker.runtime import task_digest
 
 TOKEN = "X-NeMo-Gym-Session-Token"
 OWNER = "x-ng-session-owner"

@@ -9,8 +9,8 @@ import struct
 import orjson
 import pytest
 
-from coordinator.channel import Channel, ChannelClosed, RemoteError
-from coordinator.framing import (
+from coordinator.contract.channel import Channel, ChannelClosed, RemoteError
+from coordinator.contract.framing import (
     MAX_FRAME,
     FrameTooLarge,
     MalformedFrame,
@@ -149,7 +149,7 @@ async def test_garbage_from_peer_drops_the_channel():
 
 
 async def test_typed_errors_cross_the_channel():
-    from coordinator.errors import GymError
+    from coordinator.contract.errors import GymError
 
     async def refuse(message):
         raise GymError("checkpoint_parked", "come back later")
@@ -167,7 +167,7 @@ async def test_typed_errors_cross_the_channel():
 
 
 async def test_request_deadline_and_pings_while_a_handler_is_stuck():
-    from coordinator.channel import ChannelTimeout
+    from coordinator.contract.channel import ChannelTimeout
 
     gate, entered = asyncio.Event(), asyncio.Event()
     handled = []

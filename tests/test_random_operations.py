@@ -35,8 +35,9 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from coordinator import records
-from coordinator.episode_ids import EpisodeId, parse_episode_key
+from coordinator import checkpoint_files as records
+from coordinator.contract import records as record_format
+from coordinator.contract.episodes import EpisodeId, parse_episode_key
 from tests.support import CONTROL_TOKEN, Control, ProxyProcess, wait_until
 
 SEEDS = int(os.environ.get("GYM_PROXY_RANDOM_SEEDS", "100"))
@@ -277,7 +278,7 @@ class Walk:
         self.model.committed.append((directory, snapshot, exported))
         base = records.checkpoint_path(str(directory), "resources", "apps")
         _, recs = records.read(base, kind="resources", instance="apps")
-        keys = {records.record_key(r) for r in recs if not records.is_session(r)}
+        keys = {record_format.record_key(r) for r in recs if not record_format.is_session(r)}
         assert keys == exported, (keys, exported)
         assert not any(self.model.retired(k) for k in keys)
 

@@ -15,8 +15,8 @@ import os
 import aiohttp
 import pytest
 
-from coordinator.episode_ids import EpisodeId
-from coordinator.rollouts import Rollout, exported_rollouts
+from coordinator.clients.rollouts import Rollout, exported_rollouts
+from coordinator.contract.episodes import EpisodeId
 from tests.stack_flow import HOLD_SECOND_CALL, StackRun, all_scored
 from tests.support import wait_until
 from worker.apps.stack import Stack

@@ -8,7 +8,7 @@ import asyncio
 import aiohttp
 import orjson
 
-from coordinator.rollouts import Rollout, RolloutDriver
+from coordinator.clients.rollouts import Rollout, RolloutDriver
 
 REPLY = orjson.dumps({"reward": 1.0})
 

@@ -6,7 +6,7 @@ from collections import Counter
 
 import pytest
 
-from coordinator.errors import GymError
+from coordinator.contract.errors import GymError
 from proxy.routing import Router, WorkerRoute
 from proxy.session_tokens import SessionIdentity
 

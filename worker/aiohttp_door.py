@@ -12,7 +12,8 @@ from typing import Any
 
 from aiohttp import web
 
-from coordinator.errors import RETRY_AFTER, GymError
+from coordinator.contract import headers as names
+from coordinator.contract.errors import RETRY_AFTER, GymError
 from worker.participation import Participation
 from worker.runtime import ParticipantRuntime, RequestFacts, own_cancellation
 
@@ -31,7 +32,11 @@ PARTICIPANT_KIND = web.AppKey("gym_proxy_participant_kind", str)
 PARTICIPATION = web.AppKey("gym_proxy_participation", Participation)
 RUNTIME = web.AppKey("gym_proxy_participant_runtime", ParticipantRuntime)
 FLIGHT = "gym_proxy.flight"
-APP_TOKEN_HEADER = "x-nemo-gym-session-token"  # only an app's own token gets this far
+# Names as aiohttp's headers take them. Only an app's own token reaches a worker.
+_SESSION_ID = names.text(names.SESSION_ID)
+_SESSION_NEW = names.text(names.SESSION_NEW)
+_EPISODE_KEY = names.text(names.EPISODE_KEY)
+_APP_TOKEN = names.text(names.APP_TOKEN)
 
 
 def participation_of(app: web.Application) -> Participation:
@@ -78,10 +83,10 @@ async def participant_middleware(request: web.Request, handler: Any) -> web.Stre
     facts = RequestFacts(
         request.method,
         request.path,
-        headers.get("x-ng-session-id"),
-        headers.get("x-ng-session-new") == "1",
-        headers.get("x-ng-episode-key"),
-        APP_TOKEN_HEADER in headers,
+        headers.get(_SESSION_ID),
+        headers.get(_SESSION_NEW) == "1",
+        headers.get(_EPISODE_KEY),
+        _APP_TOKEN in headers,
     )
     try:
         flight = await runtime.admit(facts, request.read)

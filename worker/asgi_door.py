@@ -21,8 +21,11 @@ import asyncio
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-from coordinator.errors import RETRY_AFTER, GymError
-from worker.app_sessions import app_session_cookie, session_in_headers, starlette_app
+from coordinator.contract import headers as names
+from coordinator.contract.app_sessions import session_in_headers
+from coordinator.contract.errors import RETRY_AFTER, GymError
+from coordinator.contract.headers import split_rollout_path
+from worker.app_sessions import app_session_cookie, starlette_app
 from worker.request_context import RequestContext
 from worker.runtime import (
     RUN_BODY_LIMIT,
@@ -30,14 +33,11 @@ from worker.runtime import (
     ParticipantRuntime,
     RequestFacts,
     own_cancellation,
-    split_rollout_path,
 )
 
 __all__ = [
     "AsgiDoor",
     "SCOPE_KEY",
-    "APP_SESSION_HEADER",
-    "APP_SESSION_END_HEADER",
     "answer_runtime_errors",
 ]
 
@@ -47,8 +47,6 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 
 SCOPE_KEY = "gym_proxy"  # scope[SCOPE_KEY] is the request's worker.participant.RequestContext
-APP_SESSION_HEADER = b"x-ng-app-session"
-APP_SESSION_END_HEADER = b"x-ng-app-session-end"
 
 
 class AsgiDoor:
@@ -71,13 +69,13 @@ class AsgiDoor:
         runtime = self.runtime
         session_id = new_session = proxy_token = app_token = None
         for name, value in scope["headers"]:
-            if name == b"x-ng-session-id":
+            if name == names.SESSION_ID:
                 session_id = value.decode("latin-1")
-            elif name == b"x-ng-session-new":
+            elif name == names.SESSION_NEW:
                 new_session = value == b"1"
-            elif name == b"x-ng-session-token":
+            elif name == names.SESSION_TOKEN:
                 proxy_token = True
-            elif name == b"x-nemo-gym-session-token":  # only an app's own gets this far
+            elif name == names.APP_TOKEN:  # only an app's own gets this far
                 app_token = True
         buffered: list[bytes] = []
 
@@ -151,7 +149,7 @@ class AsgiDoor:
         runtime = self.runtime
         session_id = None
         for name, value in scope["headers"]:
-            if name == b"x-ng-session-id":
+            if name == names.SESSION_ID:
                 session_id = value.decode("latin-1")
         try:
             key, path = split_rollout_path(scope["path"])
@@ -213,9 +211,9 @@ def _announcement(
     if app_session is None or not 200 <= status < 300:
         return None
     if flight.path == "/seed_session" and app_session not in runtime.store:
-        return APP_SESSION_HEADER, app_session.encode("latin-1")
+        return names.APP_SESSION, app_session.encode("latin-1")
     if runtime.ends_session(flight.path) and app_session in runtime.store:
-        return APP_SESSION_END_HEADER, app_session.encode("latin-1")
+        return names.APP_SESSION_END, app_session.encode("latin-1")
     return None
 
 

@@ -15,13 +15,13 @@ from typing import Any
 
 import uvicorn
 
+from coordinator.contract.keepalive import WORKER_KEEPALIVE
 from worker.identity import WORKER_BACKLOG
 
 __all__ = ["AsgiWorkerServer", "AppStartupFailed"]
 
 # Longer than the proxy's pool idle time, so the worker never closes a pooled connection
 # the proxy is about to reuse.
-KEEPALIVE = 3600
 
 
 class AppStartupFailed(Exception):
@@ -39,7 +39,7 @@ class AsgiWorkerServer:
             interface="asgi3",
             http="httptools",
             lifespan="auto",
-            timeout_keep_alive=KEEPALIVE,
+            timeout_keep_alive=int(WORKER_KEEPALIVE),
             timeout_graceful_shutdown=graceful_timeout,
             log_config=None,
             log_level=logging.getLevelName(log_level.upper()),

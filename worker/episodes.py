@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from coordinator.episode_ids import EpisodeId, episode_key, parse_episode_key
+from coordinator.contract.episodes import EpisodeId, episode_key, parse_episode_key
 
 if TYPE_CHECKING:
     from worker.runtime import InFlight, ParticipantRuntime

@@ -6,14 +6,16 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
+from coordinator.contract import headers as names
+
 __all__ = ["WorkerInfo", "WORKER_INFO", "WORKER_BACKLOG", "session_id", "session_token"]
 
 # The accept queue of a worker's socket (the kernel caps it at net.core.somaxconn): a
 # burst of new proxy connections must queue, not be refused with EAGAIN.
 WORKER_BACKLOG = 4096
 
-SESSION_ID_HEADER = "x-ng-session-id"
-SESSION_TOKEN_HEADER = "x-ng-session-token"
+SESSION_ID_HEADER = names.text(names.SESSION_ID)
+SESSION_TOKEN_HEADER = names.text(names.SESSION_TOKEN)
 
 
 @dataclass(frozen=True, slots=True)

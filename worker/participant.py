@@ -18,7 +18,7 @@ from typing import Any
 
 from aiohttp import web
 
-from coordinator.errors import GymError
+from coordinator.contract.errors import GymError
 from worker.aiohttp_door import FLIGHT, PARTICIPANT_KIND, PARTICIPATION, RUNTIME
 from worker.asgi_door import SCOPE_KEY
 from worker.episodes import Episode

@@ -23,23 +23,22 @@ from typing import Any, Protocol
 import uvloop
 from aiohttp import web
 
-from coordinator.channel import Channel, ChannelClosed, ChannelTimeout, RemoteError
+from coordinator.contract.channel import Channel, ChannelClosed, ChannelTimeout, RemoteError
+from coordinator.contract.exit_codes import BOOT_ERROR, LOST_COORDINATOR
+from coordinator.contract.keepalive import WORKER_KEEPALIVE
 from worker.aiohttp_door import RUNTIME, install_door, participation_of
 from worker.app_loading import build_app
 from worker.app_sessions import app_session_cookie
 from worker.asgi_door import AsgiDoor, answer_runtime_errors
 from worker.asgi_server import AsgiWorkerServer
+from worker.channel_requests import handle_coordinator_message
 from worker.identity import WORKER_BACKLOG, WORKER_INFO, WorkerInfo
-from worker.participant_messages import handle_coordinator_message
 from worker.participation import Participation, declared
 from worker.runtime import ParticipantRuntime
 
-__all__ = ["BOOT_ERROR", "main"]
+__all__ = ["main"]
 
-BOOT_ERROR = 3  # reserved exit code: the app cannot be built; do not respawn
-LOST_COORDINATOR = 4
 REGISTER_WAIT = 30.0
-KEEPALIVE = 3600  # longer than the proxy's pool idle time
 
 log = logging.getLogger("gym_proxy.worker")
 
@@ -77,7 +76,7 @@ class AiohttpWorkerServer:
             handle_signals=False,
             access_log=None,
             handler_cancellation=True,  # a client that goes away cancels its handler
-            keepalive_timeout=KEEPALIVE,
+            keepalive_timeout=WORKER_KEEPALIVE,
             shutdown_timeout=graceful_timeout,
         )
         self.socket_path = socket_path

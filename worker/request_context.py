@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from coordinator.errors import GymError
+from coordinator.contract.errors import GymError
 from worker.episodes import Episode
 from worker.identity import WorkerInfo
 from worker.runtime import InFlight, ParticipantRuntime

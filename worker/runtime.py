@@ -26,27 +26,22 @@
 
 The aiohttp and ASGI front doors (`worker.aiohttp_door`, `worker.asgi_door`) turn a
 request into `RequestFacts`, call `admit`, run the app, then `answered` and `leave`.
-Coordinator messages are served by `worker.participant_messages`.
+Coordinator messages are served by `worker.channel_requests`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
-import json
 import logging
-import re
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import orjson
-
-from coordinator.channel import Channel, ChannelClosed, ChannelTimeout, RemoteError
-from coordinator.episode_ids import EpisodeId, parse_episode_key
-from coordinator.errors import GymError
+from coordinator.contract.channel import Channel, ChannelClosed, ChannelTimeout, RemoteError
+from coordinator.contract.episodes import EpisodeId, body_identity, parse_episode_key
+from coordinator.contract.errors import GymError
 from worker.episodes import Episode
 from worker.identity import WorkerInfo
 from worker.participation import Participation
@@ -56,9 +51,7 @@ __all__ = [
     "InFlight",
     "ParticipantRuntime",
     "RequestFacts",
-    "ROLLOUT_PREFIX",
     "own_cancellation",
-    "split_rollout_path",
 ]
 
 log = logging.getLogger("gym_proxy.participant")
@@ -67,7 +60,6 @@ access = logging.getLogger("gym_proxy.worker.access")
 REPORT_POLL = 0.2
 ENDED_FLUSH = 0.2  # seconds ended sessions are collected before the proxy is told
 CLAIM_WAIT = 30.0
-ROLLOUT_PREFIX = "/ng-rollout/"
 RUN_BODY_LIMIT = 64 * 1024 * 1024
 # Routes that end a session when they answer 2xx (NeMo Gym's session lifecycle);
 # `/verify` ends it only on a resources server.
@@ -75,20 +67,9 @@ RUN_BODY_LIMIT = 64 * 1024 * 1024
 # a model server's other routes (model lists, health, a judge) keep serving.
 GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/responses", "/v1/messages"})
 _CLOSE_PATHS = frozenset({"/close_session"})
-_ROLLOUT_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*\Z")  # NeMo Gym's ROLLOUT_ID_PATTERN
 # Bodies that may name the request's rollout (read ahead by the front doors).
 _IDENTITY_PATHS = frozenset({"/run", "/seed_session"})
 _RESOURCES_CLOSE_PATHS = frozenset({"/close_session", "/verify"})
-
-
-def split_rollout_path(path: str) -> tuple[str | None, str]:
-    """`/ng-rollout/<key>/rest` -> (key, `/rest`); any other path -> (None, path)."""
-    if not path.startswith(ROLLOUT_PREFIX):
-        return None, path
-    key, slash, rest = path[len(ROLLOUT_PREFIX) :].partition("/")
-    if not key:
-        raise GymError("invalid_request", "/ng-rollout/ needs an episode key")
-    return key, "/" + rest if slash else "/"
 
 
 @dataclass(slots=True)
@@ -178,7 +159,7 @@ class ParticipantRuntime:
         if facts.episode_key:
             identity: EpisodeId | None = parse_episode_key(facts.episode_key)
         elif facts.path in _IDENTITY_PATHS and facts.method == "POST":
-            identity, digest = _body_identity(await read_body())
+            identity, digest = body_identity(await read_body())
         else:
             identity = None
         self._refuse_retired(identity, facts)
@@ -509,38 +490,3 @@ def own_cancellation(flight: InFlight) -> bool:
         task.uncancel()
         return True
     return False
-
-
-def _body_identity(raw: bytes) -> tuple[EpisodeId | None, str]:
-    """Rollout identity from a `/run` or `/seed_session` body (module docstring), and the
-    digest of its task (the body without `_ng_*` fields)."""
-    try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError:
-        return None, ""
-    if not isinstance(body, dict):
-        return None, ""
-    rollout_id = body.get("_ng_rollout_id")
-    if rollout_id is None:
-        task, rollout = body.get("_ng_task_index"), body.get("_ng_rollout_index")
-        if not (_is_index(task) and _is_index(rollout)):
-            return None, ""
-        rollout_id = f"{task}-{rollout}"
-    elif not isinstance(rollout_id, str) or not _ROLLOUT_ID.match(rollout_id):
-        # As NeMo Gym does: a malformed explicit ID is refused, never rewritten.
-        raise GymError("invalid_request", f"_ng_rollout_id {rollout_id!r} is not a rollout ID")
-    attempt = body.get("_ng_attempt_index", 0)
-    if not _is_index(attempt):
-        raise GymError("invalid_request", "_ng_attempt_index must be a non-negative integer")
-    task_fields = {k: v for k, v in body.items() if not k.startswith("_ng_")}
-    return EpisodeId(rollout_id, attempt), task_digest(task_fields)
-
-
-def _is_index(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-
-def task_digest(task: Any) -> str:
-    """NeMo Gym's task digest: SHA-256 of the task as canonical JSON (sorted, compact)."""
-    canonical = json.dumps(task, sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(canonical.encode()).hexdigest()

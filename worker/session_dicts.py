@@ -6,7 +6,7 @@ Many NeMo Gym resources servers keep their per-session state in such a dict
 one the runtime tracks for the app. The declaration turns it into the four hooks: export
 reads each live session's entry, restore installs entries (all checked first, then all
 written), retire and release drop them. That the values are JSON is checked where every
-record is encoded (`coordinator.records.encode`): a value that is not fails the commit,
+record is encoded (`coordinator.checkpoint_files.encode`): a value that is not fails the commit,
 naming the session and the type, before anything is written.
 """
 

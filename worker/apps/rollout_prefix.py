@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from worker.runtime import split_rollout_path
+from coordinator.contract.headers import ROLLOUT_PREFIX_TEXT, split_rollout_path
 
 __all__ = ["RolloutPrefix"]
 
@@ -21,7 +21,7 @@ class RolloutPrefix:
         self.app = app
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] in ("http", "websocket") and scope["path"].startswith("/ng-rollout/"):
+        if scope["type"] in ("http", "websocket") and scope["path"].startswith(ROLLOUT_PREFIX_TEXT):
             _, path = split_rollout_path(scope["path"])
             scope = {**scope, "path": path, "raw_path": path.encode()}
         await self.app(scope, receive, send)

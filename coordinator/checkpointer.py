@@ -1,7 +1,7 @@
 """The coordinator: N workers as one checkpoint participant.
 
 It drives the phase machine (`coordinator.phases`), talks to every worker over its
-channel, writes and verifies checkpoint files (`coordinator.records`), places restored
+channel, writes and verifies checkpoint files (`coordinator.checkpoint_files`), places restored
 sessions (`coordinator.placement`) and holds restored episode records until exactly one
 worker claims each.
 
@@ -24,13 +24,14 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from coordinator import records as files
-from coordinator.channel import Channel, ChannelClosed, ChannelTimeout, RemoteError
-from coordinator.episode_ids import EpisodeId, parse_episode_key
-from coordinator.errors import GymError
+from coordinator import checkpoint_files as files
+from coordinator.contract.channel import Channel, ChannelClosed, ChannelTimeout, RemoteError
+from coordinator.contract.episodes import EpisodeId, parse_episode_key
+from coordinator.contract.errors import GymError
+from coordinator.contract.records import EncodedRecords, is_session, record_key
 from coordinator.phases import PhaseMachine
 from coordinator.placement import place
-from coordinator.reports import Readiness
+from coordinator.readiness import Readiness
 
 __all__ = ["LiveWorker", "WorkerView", "Checkpointer"]
 
@@ -337,7 +338,7 @@ class Checkpointer:
             kind=self._kind(),
         )
         encoded = [
-            files.EncodedRecords(reply["blob"], reply["count"], frozenset(reply["keys"]))
+            EncodedRecords(reply["blob"], reply["count"], frozenset(reply["keys"]))
             for reply in replies
         ]
         records = []
@@ -369,7 +370,7 @@ class Checkpointer:
         )
         task.add_done_callback(_retrieve)
         keys = frozenset().union(*(part.keys for part in encoded))
-        keys |= {key for r in records if (key := files.record_key(r))}
+        keys |= {key for r in records if (key := record_key(r))}
         self._write = _Write(checkpoint_id, (checkpoint_dir, scope), task, abort, keys)
         return self._write
 
@@ -449,7 +450,7 @@ class Checkpointer:
         self.pending = pending
         self.restored_once = True
         continued = {EpisodeId(rid, a).key for rid, (a, _) in pending.items()}
-        continued.update(key for r in sessions if (key := files.record_key(r)))
+        continued.update(key for r in sessions if (key := record_key(r)))
         reply = {
             "phase": "restored",
             "source_checkpoint_id": manifest["checkpoint_id"],
@@ -664,8 +665,8 @@ def _select(
     bound sessions move to the next attempt (episodes move when claimed)."""
     sessions, episodes = [], []
     for record in records:
-        key = files.record_key(record)
-        if not files.is_session(record):
+        key = record_key(record)
+        if not is_session(record):
             if key in scope:
                 episodes.append(record)
         elif key is None:

@@ -21,8 +21,8 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from coordinator.errors import GymError
-from coordinator.framing import FramingError, encode_frame, read_frame
+from coordinator.contract.errors import GymError
+from coordinator.contract.framing import FramingError, encode_frame, read_frame
 
 __all__ = ["Channel", "ChannelClosed", "ChannelTimeout", "RemoteError", "Handler", "PING"]
 

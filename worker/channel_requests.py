@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from coordinator import records as files
-from coordinator.episode_ids import EpisodeId
-from coordinator.errors import GymError
+from coordinator.contract import records
+from coordinator.contract.episodes import EpisodeId
+from coordinator.contract.errors import GymError
 from worker.runtime import ParticipantRuntime
 
 __all__ = ["handle_coordinator_message"]
@@ -25,7 +25,7 @@ async def handle_coordinator_message(
         return {}
     if kind == "export":
         # Encoded here, as the records file holds them: the coordinator only joins bytes.
-        encoded = files.encode(await _export(runtime, message), message["kind"])
+        encoded = records.encode(await _export(runtime, message), message["kind"])
         return {"blob": encoded.data, "count": encoded.count, "keys": sorted(encoded.keys)}
     if kind == "release":
         dropped = runtime.store.release(set(message["keep"]))

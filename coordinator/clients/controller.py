@@ -24,7 +24,7 @@ from typing import Any
 
 import aiohttp
 
-from coordinator.episode_ids import EpisodeId, parse_episode_key
+from coordinator.contract.episodes import EpisodeId, parse_episode_key
 
 __all__ = [
     "KIND_ORDER",

@@ -14,8 +14,8 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from coordinator.channel import Channel
-from coordinator.framing import FramingError, read_frame
+from coordinator.contract.channel import Channel
+from coordinator.contract.framing import FramingError, read_frame
 
 __all__ = ["Coordinator", "RegistrationRefused"]
 

@@ -14,17 +14,7 @@ Restore opens regular files only (never blocking on a FIFO or a device), and ver
 schema, kind, instance, digest, record count and the type of every field of the
 manifest and of every record before anything is installed.
 
-Records are NeMo Gym's (`nemo_gym/_checkpoint/`), so a directory written by a NeMo Gym
-server restores onto gym-proxy workers and back:
-
-- a session: `{episode_id, session_id, state, owner}` (an agent's:
-  `{episode_id, session_key, session, owner}`); `owner` null for a session of a
-  single-process server; `episode_id` null for a session bound to no episode, which
-  NeMo Gym does not have (a gym-proxy extension: such sessions are always exported);
-- an episode at its boundary: `{episode_id, task_digest, boundary}`.
-
-`episode_id` is `{rollout_id, attempt}`. In memory every session record has the
-resources field names whatever the kind; `to_disk` and `from_disk` convert.
+The records' format is the contract's (`coordinator.contract.records`).
 """
 
 from __future__ import annotations
@@ -35,32 +25,27 @@ import re
 import secrets
 import stat
 import threading
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import orjson
 
 from coordinator import failpoints
-from coordinator.episode_ids import episode_key, parse_episode_key
-from coordinator.errors import GymError
-from coordinator.phases import CHECKPOINT_ID
-from proxy.session_tokens import is_valid_id
+from coordinator.contract.ids import is_checkpoint_id, is_valid_id
+from coordinator.contract.records import (
+    EncodedRecords,
+    encode,
+    from_disk,
+    validate_record,
+)
 
 __all__ = [
     "SCHEMA_VERSION",
-    "EncodedRecords",
     "InvalidCheckpoint",
     "WriteAborted",
-    "encode",
     "checkpoint_path",
     "write",
     "read",
-    "validate_record",
-    "is_session",
-    "record_key",
-    "to_disk",
-    "from_disk",
 ]
 
 SCHEMA_VERSION = 1
@@ -102,105 +87,6 @@ def _unlink(path: Path) -> None:
         path.unlink()
     except FileNotFoundError:
         pass
-
-
-def is_session(record: dict[str, Any]) -> bool:
-    """A session record (else an episode record)."""
-    return "session_id" in record
-
-
-def record_key(record: dict[str, Any]) -> str | None:
-    """The capture key of the episode a record belongs to (None: bound to none)."""
-    episode = record.get("episode_id")
-    if episode is None:
-        return None
-    return episode_key(episode["rollout_id"], episode["attempt"])
-
-
-@dataclass(frozen=True)
-class EncodedRecords:
-    """Records encoded as the records file holds them (one JSON line each), with how
-    many there are and the capture keys of the episodes they belong to."""
-
-    data: bytes
-    count: int
-    keys: frozenset[str]
-
-
-def encode(records: list[dict[str, Any]], kind: str) -> EncodedRecords:
-    """Encode records of a participant of `kind` for the records file (workers do this
-    for their own records, so the coordinator only joins bytes). A state that is not JSON
-    is `unexportable_state`, naming the session (or episode) and the type: the commit
-    fails before anything is written."""
-    dumps, newline = orjson.dumps, orjson.OPT_APPEND_NEWLINE
-    lines = []
-    for record in records:
-        try:
-            lines.append(dumps(to_disk(record, kind), option=newline))
-        except TypeError as exc:  # orjson.JSONEncodeError
-            raise _unexportable(record, exc) from exc
-    return EncodedRecords(
-        b"".join(lines),
-        len(records),
-        frozenset(key for r in records if (key := record_key(r))),
-    )
-
-
-def _unexportable(record: dict[str, Any], exc: Exception) -> GymError:
-    if is_session(record):
-        what = f"session {record['session_id']}"
-        state = record.get("state")
-    else:
-        what = f"episode {record_key(record)}"
-        state = record.get("boundary")
-    return GymError(
-        "unexportable_state",
-        f"the state of {what} (a {type(state).__name__}) cannot be written as JSON: {exc}; "
-        "nothing was written",
-    )
-
-
-def to_disk(record: dict[str, Any], kind: str) -> dict[str, Any]:
-    """A record as NeMo Gym's participant of `kind` writes it."""
-    if kind == "agent" and is_session(record):
-        return {
-            "episode_id": record["episode_id"],
-            "session_key": record["session_id"],
-            "session": record["state"],
-            "owner": record["owner"],
-        }
-    return record
-
-
-def from_disk(record: dict[str, Any]) -> dict[str, Any]:
-    """The in-memory shape of a record read back (agents' and older gym-proxy records
-    converted); validate it afterwards."""
-    if "session_key" in record and "session_id" not in record:
-        converted = {k: v for k, v in record.items() if k not in ("session_key", "session")}
-        converted["session_id"] = record["session_key"]
-        converted["state"] = record.get("session")
-        converted.setdefault("owner", None)
-        return converted
-    legacy = record.get("type")
-    if legacy == "session":  # gym-proxy 0.1
-        episode = record.get("episode")
-        identity = parse_episode_key(episode) if isinstance(episode, str) and episode else None
-        return {
-            "episode_id": None if identity is None else identity.as_json(),
-            "session_id": record.get("session_id"),
-            "state": record.get("value"),
-            "owner": record.get("owner"),
-        }
-    if legacy == "episode":
-        identity = {"rollout_id": record.get("rollout_id"), "attempt": record.get("attempt")}
-        return {
-            "episode_id": identity,
-            "task_digest": "",
-            "boundary": record.get("state"),
-        }
-    if "session_id" in record:
-        record.setdefault("owner", None)
-    return record
 
 
 def write(
@@ -312,43 +198,6 @@ def _id_map(manifest: dict[str, Any], key: str, keys_are: str) -> dict[str, str]
     return value
 
 
-def _episode_problem(value: Any) -> str | None:
-    if not isinstance(value, dict) or set(value) != {"rollout_id", "attempt"}:
-        return "has no episode_id {rollout_id, attempt}"
-    rollout_id, attempt = value["rollout_id"], value["attempt"]
-    if not isinstance(rollout_id, str) or not rollout_id:
-        return "has an episode_id whose rollout_id is not a non-empty string"
-    if not isinstance(attempt, int) or isinstance(attempt, bool) or attempt < 0:
-        return "has an episode_id whose attempt is not a non-negative integer"
-    return None
-
-
-def validate_record(record: Any) -> str | None:
-    """What is wrong with one (in-memory) record, or None when it can be installed."""
-    if not isinstance(record, dict):
-        return "is not a JSON object"
-    if is_session(record):
-        if record.get("episode_id") is not None:
-            problem = _episode_problem(record["episode_id"])
-            if problem is not None:
-                return problem
-        session_id = record["session_id"]
-        if not isinstance(session_id, str) or not is_valid_id(session_id):
-            return "has no valid session_id (1-64 of A-Z a-z 0-9 _ -)"
-        owner = record.get("owner")
-        if owner is not None and (not isinstance(owner, str) or not is_valid_id(owner)):
-            return "has an owner that is neither null nor an owner ID"
-        return None
-    if "task_digest" in record or "boundary" in record:
-        problem = _episode_problem(record.get("episode_id"))
-        if problem is not None:
-            return problem
-        if not isinstance(record.get("task_digest"), str):
-            return "has no task_digest (a string)"
-        return None
-    return "is neither a session nor an episode record"
-
-
 def read(base: Path, *, kind: str, instance: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """Load and verify a checkpoint; raise InvalidCheckpoint on any doubt."""
     path = base / MANIFEST
@@ -370,7 +219,7 @@ def read(base: Path, *, kind: str, instance: str) -> tuple[dict[str, Any], list[
             f"not {kind}/{instance}"
         )
     checkpoint_id = manifest.get("checkpoint_id")
-    if not isinstance(checkpoint_id, str) or not CHECKPOINT_ID.match(checkpoint_id):
+    if not isinstance(checkpoint_id, str) or not is_checkpoint_id(checkpoint_id):
         raise InvalidCheckpoint("manifest has no valid checkpoint_id")
     name = manifest.get("records_file")
     match = _RECORDS_NAME.match(name) if isinstance(name, str) else None

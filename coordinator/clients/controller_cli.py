@@ -22,8 +22,8 @@ from typing import Any
 import aiohttp
 import orjson
 
-from coordinator.controller import ControlFailed, Controller, Participant
-from coordinator.episode_ids import EpisodeId
+from coordinator.clients.controller import ControlFailed, Controller, Participant
+from coordinator.contract.episodes import EpisodeId
 
 __all__ = ["main"]
 

@@ -1,0 +1,82 @@
+"""The header names and path prefix the proxy and the workers speak between them.
+
+The proxy sets the identity headers on every request it routes and strips any a client
+sent; the workers read them. A worker's runtime announces an app session it holds in a
+response header the proxy strips before the client sees it. Names are lower case bytes,
+as the data path compares them; `text()` gives the str a worker's framework uses.
+
+`/ng-rollout/<key>/rest` names a request's rollout in its path: the key ends at the next
+`/` (or `?`), and the app sees `/rest`. An empty key is `bad_request` on either floor.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+from coordinator.contract.errors import GymError
+
+__all__ = [
+    "SESSION_ID",
+    "SESSION_TOKEN",
+    "SESSION_NEW",
+    "EPISODE_KEY",
+    "SESSION_OWNER",
+    "APP_TOKEN",
+    "APP_SESSION",
+    "APP_SESSION_END",
+    "IDENTITY_HEADERS",
+    "ROLLOUT_PREFIX",
+    "ROLLOUT_PREFIX_TEXT",
+    "EMPTY_ROLLOUT_KEY",
+    "text",
+    "split_rollout_url",
+    "split_rollout_path",
+]
+
+# Set by the proxy on the requests it routes (a client's own are stripped).
+SESSION_ID: Final = b"x-ng-session-id"  # the request's gym-proxy session
+SESSION_TOKEN: Final = b"x-ng-session-token"  # that session's signed token
+SESSION_NEW: Final = b"x-ng-session-new"  # "1": the proxy minted the session for it
+EPISODE_KEY: Final = b"x-ng-episode-key"  # the /ng-rollout/<key>/ an aiohttp app lost
+IDENTITY_HEADERS: Final = frozenset({SESSION_ID, SESSION_TOKEN, SESSION_NEW, EPISODE_KEY})
+# Sent by clients: a new session on this owner's worker (an agent's own calls).
+SESSION_OWNER: Final = b"x-ng-session-owner"
+# NeMo Gym's session token header: gym-proxy's tokens and an app's own MCP tokens.
+APP_TOKEN: Final = b"x-nemo-gym-session-token"
+# Sent by a worker's runtime, stripped by the proxy: an app session it now holds, or ended.
+APP_SESSION: Final = b"x-ng-app-session"
+APP_SESSION_END: Final = b"x-ng-app-session-end"
+
+ROLLOUT_PREFIX: Final = b"/ng-rollout/"
+ROLLOUT_PREFIX_TEXT: Final = "/ng-rollout/"
+EMPTY_ROLLOUT_KEY: Final = ("bad_request", "/ng-rollout/ needs an episode key")
+
+
+def text(name: bytes) -> str:
+    """A header name as the str a worker's framework uses."""
+    return name.decode("ascii")
+
+
+def split_rollout_url(url: bytes, start: int = len(ROLLOUT_PREFIX)) -> tuple[bytes, bytes]:
+    """`/ng-rollout/<key>/rest?q` -> (key, `/rest?q`); the key ends at `/` or `?`, and may
+    be empty (the caller refuses that as EMPTY_ROLLOUT_KEY)."""
+    end = len(url)
+    for stop in (b"/", b"?"):
+        at = url.find(stop, start)
+        if 0 <= at < end:
+            end = at
+    rest = url[end:]
+    if not rest.startswith(b"/"):
+        rest = b"/" + rest
+    return url[start:end], rest
+
+
+def split_rollout_path(path: str) -> tuple[str | None, str]:
+    """`/ng-rollout/<key>/rest` -> (key, `/rest`); any other path -> (None, path). An
+    empty key raises GymError(EMPTY_ROLLOUT_KEY)."""
+    if not path.startswith(ROLLOUT_PREFIX_TEXT):
+        return None, path
+    key, slash, rest = path[len(ROLLOUT_PREFIX_TEXT) :].partition("/")
+    if not key:
+        raise GymError(*EMPTY_ROLLOUT_KEY)
+    return key, "/" + rest if slash else "/"
