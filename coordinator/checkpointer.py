@@ -1,4 +1,4 @@
-"""The coordinator: N workers as one checkpoint participant.
+"""The checkpointer, the coordinator the proxy hosts: N workers as one checkpoint participant.
 
 It drives the phase machine (`coordinator.phases`), talks to every worker over its
 channel, writes and verifies checkpoint files (`coordinator.checkpoint_files`), places restored
@@ -28,6 +28,27 @@ from coordinator import checkpoint_files as files
 from coordinator.contract.channel import Channel, ChannelClosed, ChannelTimeout, RemoteError
 from coordinator.contract.episodes import EpisodeId, parse_episode_key
 from coordinator.contract.errors import GymError
+from coordinator.contract.marks import RestoredClaims, RetireMarks
+from coordinator.contract.messages import (
+    Claim,
+    ClaimReply,
+    Close,
+    Export,
+    ExportReply,
+    Forget,
+    Install,
+    Message,
+    Ready,
+    RegisterReply,
+    Release,
+    Reopen,
+    Retire,
+    SessionsEnded,
+    Stop,
+    Tables,
+    TablesUpdate,
+    Uninstall,
+)
 from coordinator.contract.records import EncodedRecords, is_session, record_key
 from coordinator.phases import PhaseMachine
 from coordinator.placement import place
@@ -89,8 +110,8 @@ class Checkpointer:
     kind: str | None = None
     machine: PhaseMachine = field(init=False)
     readiness: Readiness = field(default_factory=Readiness)
-    pending: dict[str, tuple[int, dict[str, Any]]] = field(default_factory=dict)
-    marks: dict[str, int] = field(default_factory=dict)  # rollout -> highest retired attempt
+    claims: RestoredClaims[dict[str, Any]] = field(default_factory=RestoredClaims)
+    marks: RetireMarks = field(default_factory=RetireMarks)
     restored_once: bool = False
     _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     _op: tuple[str, asyncio.Task[Any]] | None = None
@@ -101,50 +122,44 @@ class Checkpointer:
         self.machine = PhaseMachine(self.lease_grace)
 
     # ---- worker side ------------------------------------------------------------
-    def register_reply(self, kind: str) -> dict[str, Any]:
-        """What a (late) joining worker needs: tables, pending claims, open checkpoint."""
+    def register_reply(self, kind: str) -> RegisterReply:
+        """What a (late) joining worker needs: pending claims, marks, an open checkpoint."""
         if self.kind is None:
             self.kind = kind
-        reply: dict[str, Any] = {"tables": self._tables()}
-        if self.machine.is_open:
-            reply["checkpoint_id"] = self.machine.checkpoint_id
-        return reply
+        open_id = self.machine.checkpoint_id if self.machine.is_open else None
+        return RegisterReply(self._tables(), open_id)
 
     def on_lost(self, owner: str) -> None:
         self.readiness.forget(owner, lost_while_open=self.machine.is_open)
         self.machine.unprepare()
 
-    async def on_message(self, owner: str, message: dict[str, Any]) -> dict[str, Any] | None:
-        kind = message["type"]
-        if kind == "ready":
-            if message.get("checkpoint_id") == self.machine.checkpoint_id:
-                self.readiness.update(owner, message)
-            return None
-        if kind == "claim":
-            return self._claim(message)
-        if kind == "sessions_ended":
-            self.workers.sessions_ended(owner, [str(s) for s in message["session_ids"]])
-            return None
-        raise GymError("invalid_request", f"unknown message type {kind!r}")
+    async def on_message(self, owner: str, message: Message) -> Message | None:
+        """A worker's message: a report, a claim, or sessions that ended."""
+        match message:
+            case Ready():
+                if message.checkpoint_id == self.machine.checkpoint_id:
+                    self.readiness.update(owner, message)
+                return None
+            case Claim():
+                return self._claim(message)
+            case SessionsEnded():
+                self.workers.sessions_ended(owner, message.session_ids)
+                return None
+        raise GymError("invalid_request", f"{message.TYPE} is not a message for the coordinator")
 
-    def _claim(self, message: dict[str, Any]) -> dict[str, Any]:
+    def _claim(self, claim: Claim) -> ClaimReply:
         # Synchronous on purpose: the record is taken and the reply written in one step.
         if self.machine.is_open:
             raise GymError("checkpoint_parked", "claims wait until the checkpoint resumes")
-        rollout_id, attempt = str(message["rollout_id"]), int(message["attempt"])
-        held = self.pending.get(rollout_id)
-        if held is None:
-            raise GymError("stale_attempt", f"{rollout_id} has no unclaimed restored record")
-        if held[0] != attempt:
-            raise GymError("stale_attempt", f"{rollout_id} continues only as attempt {held[0]}")
-        recorded, offered = held[1].get("task_digest"), message.get("task_digest")
+        record = self.claims.check(EpisodeId(claim.rollout_id, claim.attempt))
+        recorded, offered = record.get("task_digest"), claim.task_digest
         if recorded and offered and recorded != offered:
             # The record stays: the right replacement may still come.
             raise GymError(
-                "invalid_request", f"{rollout_id} continues a checkpoint of a different task"
+                "invalid_request", f"{claim.rollout_id} continues a checkpoint of a different task"
             )
-        del self.pending[rollout_id]
-        return {"boundary": held[1].get("boundary")}
+        self.claims.take(claim.rollout_id)
+        return ClaimReply(record.get("boundary"))
 
     # ---- control operations -------------------------------------------------------
     def status(self) -> dict[str, Any]:
@@ -169,7 +184,7 @@ class Checkpointer:
             "expected_workers": self.workers.expected,
             "session_aliases": self.workers.aliases(),
             "routed_sessions": len(self.workers.placed_sessions()),
-            "restored_pending": self._pending_keys(),
+            "restored_pending": self.claims.keys(),
             "retired_rollouts": len(self.marks),
         }
 
@@ -219,7 +234,7 @@ class Checkpointer:
         timeout = max(CLOSE_WAIT, deadline_ts - self.clock())
         for worker in self.workers.live():
             sent = asyncio.ensure_future(
-                worker.channel.request("close", within=timeout, checkpoint_id=checkpoint_id)
+                worker.channel.request(Close(checkpoint_id), within=timeout)
             )
             self._sends.add(sent)
             sent.add_done_callback(self._sends.discard)
@@ -234,7 +249,7 @@ class Checkpointer:
         if exc is not None:
             log.warning("close to worker %d failed: %s", worker.slot, exc)
         elif self.machine.checkpoint_id == checkpoint_id:
-            self.readiness.update(worker.owner, done.result()["report"])
+            self.readiness.update(worker.owner, done.result().report)
 
     async def commit(
         self,
@@ -297,10 +312,8 @@ class Checkpointer:
             raise GymError("checkpoint_write_failed", detail) from exc
         if scope is not None:
             keep = set(scope)
-            await self._gather(live, "release", deadline_ts, keep=sorted(keep))
-            for rollout_id, (attempt, _) in list(self.pending.items()):
-                if EpisodeId(rollout_id, attempt).key not in keep:
-                    del self.pending[rollout_id]
+            await self._gather(live, Release(sorted(keep)), deadline_ts)
+            self.claims.keep_only(keep)
         if stop:
             await self._stop_workers(live, deadline_ts)
         exported = sorted(write.keys)
@@ -315,7 +328,7 @@ class Checkpointer:
         """After a commit with `stop: true`: each app frees what it can, best effort."""
         within = max(0.0, deadline_ts - self.clock())
         results = await asyncio.gather(
-            *(w.channel.request("stop", within=within) for w in live), return_exceptions=True
+            *(w.channel.request(Stop(), within=within) for w in live), return_exceptions=True
         )
         for worker, result in zip(live, results, strict=True):
             if isinstance(result, BaseException):
@@ -329,25 +342,18 @@ class Checkpointer:
         live: list[LiveWorker],
         deadline_ts: float,
     ) -> _Write:
-        replies = await self._gather(
-            live,
-            "export",
-            deadline_ts,
-            checkpoint_id=checkpoint_id,
-            scope=None if scope is None else list(scope),
-            kind=self._kind(),
-        )
+        export = Export(checkpoint_id, None if scope is None else list(scope), self._kind())
+        replies: list[ExportReply] = await self._gather(live, export, deadline_ts)
         encoded = [
-            EncodedRecords(reply["blob"], reply["count"], frozenset(reply["keys"]))
+            EncodedRecords(bytes(reply.blob), reply.count, frozenset(reply.keys))
             for reply in replies
         ]
         records = []
         keep = None if scope is None else set(scope)
-        for rollout_id, (attempt, record) in list(self.pending.items()):
-            if keep is None or EpisodeId(rollout_id, attempt).key in keep:
+        for continuing, record in self.claims:
+            if keep is None or continuing.key in keep:
                 # Not claimed yet: exported again, named by the attempt that continues it.
-                continues = {"rollout_id": rollout_id, "attempt": attempt}
-                records.append({**record, "episode_id": continues})
+                records.append({**record, "episode_id": continuing.as_json()})
         owners = {w.owner for w in live}
         session_owners = {o: o for o in owners}
         session_owners.update(
@@ -423,23 +429,16 @@ class Checkpointer:
             manifest["placed_sessions"],
             [w.owner for w in live],
         )
-        pending = {
-            r["episode_id"]["rollout_id"]: (r["episode_id"]["attempt"] + 1, r) for r in episodes
-        }
+        claims = RestoredClaims(
+            {r["episode_id"]["rollout_id"]: (r["episode_id"]["attempt"] + 1, r) for r in episodes}
+        )
         self.machine.open(checkpoint_id, "restored", deadline_ts)
         self.readiness.reset()
-        tables = {
-            "aliases": placement.aliases,
-            "sessions": placement.sessions,
-            "pending": {rid: attempt for rid, (attempt, _) in pending.items()},
-            "marks": self.marks,
-        }
         try:
-            await self._gather(live, "close", deadline_ts, checkpoint_id=checkpoint_id)
-            await self._gather(
-                live, "install", deadline_ts, lambda w: {"sessions": placement.records[w.owner]}
-            )
-            await self._gather(live, "tables", deadline_ts, **tables)
+            await self._gather(live, Close(checkpoint_id), deadline_ts)
+            await self._gather(live, lambda w: Install(placement.records[w.owner]), deadline_ts)
+            tables = TablesUpdate(claims.attempts(), self.marks.as_dict())
+            await self._gather(live, tables, deadline_ts)
         except GymError as exc:
             await self._rollback(live)
             raise GymError(exc.code, f"{exc.detail}; nothing was installed") from exc
@@ -447,9 +446,9 @@ class Checkpointer:
             await self._rollback(live)  # cancelled by a resume: undo, then let it go on
             raise
         self.workers.set_tables(placement.aliases, placement.sessions)
-        self.pending = pending
+        self.claims = claims
         self.restored_once = True
-        continued = {EpisodeId(rid, a).key for rid, (a, _) in pending.items()}
+        continued = set(claims.keys())
         continued.update(key for r in sessions if (key := record_key(r)))
         reply = {
             "phase": "restored",
@@ -461,17 +460,18 @@ class Checkpointer:
     async def _rollback(self, live: list[LiveWorker]) -> None:
         """Undo an install on every worker and reopen it (each worker handles the three
         messages in order; a silent worker costs REOPEN_WAIT once, not per message)."""
-        empty = {"aliases": {}, "sessions": {}, "pending": {}}
-        undo = (("uninstall", {}), ("tables", empty), ("reopen", {}))
+        undo = (Uninstall(), TablesUpdate({}, self.marks.as_dict()), Reopen())
         sends = [
-            (worker, message, worker.channel.request(message, within=REOPEN_WAIT, **fields))
+            (worker, message, worker.channel.request(message, within=REOPEN_WAIT))
             for worker in live
-            for message, fields in undo
+            for message in undo
         ]
         results = await asyncio.gather(*(send for _, _, send in sends), return_exceptions=True)
         for (worker, message, _), result in zip(sends, results, strict=True):
             if isinstance(result, BaseException):
-                log.warning("rollback %s on worker %d failed: %s", message, worker.slot, result)
+                log.warning(
+                    "rollback %s on worker %d failed: %s", message.TYPE, worker.slot, result
+                )
         self.machine.abandon()
 
     async def renew(self, checkpoint_id: str, deadline_ts: float) -> dict[str, Any]:
@@ -513,7 +513,7 @@ class Checkpointer:
         self.readiness.reset()
         live = self.workers.live()
         results = await asyncio.gather(
-            *(w.channel.request("reopen", within=REOPEN_WAIT) for w in live),
+            *(w.channel.request(Reopen(), within=REOPEN_WAIT) for w in live),
             return_exceptions=True,
         )
         for worker, result in zip(live, results, strict=True):
@@ -530,18 +530,10 @@ class Checkpointer:
             self.machine.check("retire", checkpoint_id, deadline_ts, self.clock())
             if self.machine.is_open:
                 self.machine.extend(deadline_ts)
-            for episode in episode_ids:
-                mark = self.marks.get(episode.rollout_id, -1)
-                self.marks[episode.rollout_id] = max(mark, episode.attempt)
-            for rollout_id, (attempt, _) in list(self.pending.items()):
-                if attempt <= self.marks.get(rollout_id, -1):
-                    del self.pending[rollout_id]  # the rollout starts over as a later attempt
-            await self._gather(
-                self.workers.live(),
-                "retire",
-                deadline_ts,
-                episode_ids=[e.as_json() for e in episode_ids],
-            )
+            self.marks.retire(episode_ids)
+            self.claims.drop_retired(self.marks)  # those rollouts start over as later attempts
+            retire = Retire([e.as_json() for e in episode_ids])
+            await self._gather(self.workers.live(), retire, deadline_ts)
             return {"retired": [e.key for e in episode_ids]}
 
     async def forget(
@@ -552,11 +544,8 @@ class Checkpointer:
             self.machine.check("forget", checkpoint_id, deadline_ts, self.clock())
             if self.machine.is_open:
                 self.machine.extend(deadline_ts)
-            await self._gather(
-                self.workers.live(), "forget", deadline_ts, rollout_ids=sorted(set(rollout_ids))
-            )
-            for rollout_id in rollout_ids:
-                self.marks.pop(rollout_id, None)
+            await self._gather(self.workers.live(), Forget(sorted(set(rollout_ids))), deadline_ts)
+            self.marks.forget(rollout_ids)
             return {"forgotten": sorted(set(rollout_ids))}
 
     async def expire_lease(self) -> bool:
@@ -603,49 +592,39 @@ class Checkpointer:
             raise GymError("invalid_phase", "no worker has registered yet")
         return self.kind
 
-    def _tables(self) -> dict[str, Any]:
-        return {
-            "aliases": self.workers.aliases(),
-            "sessions": self.workers.placed_sessions(),
-            "pending": {rid: attempt for rid, (attempt, _) in self.pending.items()},
-            "marks": self.marks,
-        }
-
-    def _pending_keys(self) -> list[str]:
-        return sorted(EpisodeId(rid, attempt).key for rid, (attempt, _) in self.pending.items())
+    def _tables(self) -> Tables:
+        return Tables(self.claims.attempts(), self.marks.as_dict())
 
     async def _gather(
         self,
         live: list[LiveWorker],
-        message: str,
+        message: Message | Callable[[LiveWorker], Message],
         deadline_ts: float,
-        per_worker: Callable[[LiveWorker], dict[str, Any]] | None = None,
-        **fields: Any,
-    ) -> list[dict[str, Any]]:
-        """Send to every worker in `live` at once; any failure refuses the whole call."""
-        timeout = self._remaining(deadline_ts, message)
+    ) -> list[Any]:
+        """Send `message` (or the one `message(worker)` makes for it) to every worker in
+        `live` at once; any failure refuses the whole call."""
+        messages = [message(w) if callable(message) else message for w in live]
+        if not messages:
+            return []
+        what = messages[0].TYPE
+        timeout = self._remaining(deadline_ts, what)
         results = await asyncio.gather(
-            *(
-                w.channel.request(
-                    message, within=timeout, **fields, **(per_worker(w) if per_worker else {})
-                )
-                for w in live
-            ),
+            *(w.channel.request(m, within=timeout) for w, m in zip(live, messages, strict=True)),
             return_exceptions=True,
         )
         for worker, result in zip(live, results, strict=True):
             if isinstance(result, ChannelTimeout):
                 raise GymError(
                     "deadline_exceeded",
-                    f"worker {worker.slot} did not answer {message} by deadline_ts",
+                    f"worker {worker.slot} did not answer {what} by deadline_ts",
                 )
             if isinstance(result, ChannelClosed):
-                raise GymError("invalid_phase", f"worker {worker.slot} was lost during {message}")
+                raise GymError("invalid_phase", f"worker {worker.slot} was lost during {what}")
             if isinstance(result, RemoteError):
-                raise GymError(result.code, f"{message} on worker {worker.slot}: {result.detail}")
+                raise GymError(result.code, f"{what} on worker {worker.slot}: {result.detail}")
             if isinstance(result, BaseException):
                 raise result
-        return results  # type: ignore[return-value]
+        return results
 
 
 def _succeeded(task: asyncio.Future[Any]) -> bool:

@@ -25,14 +25,15 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from coordinator.contract.errors import GymError
 from coordinator.contract.ids import is_checkpoint_id
 
-__all__ = ["PhaseMachine", "OPEN_PHASES"]
+__all__ = ["PhaseMachine", "Phase", "OPEN_PHASES"]
 
-OPEN_PHASES = frozenset({"preparing", "prepared", "committed", "restored"})
+Phase = Literal["idle", "preparing", "prepared", "committed", "restored"]
+OPEN_PHASES: frozenset[Phase] = frozenset({"preparing", "prepared", "committed", "restored"})
 _REMEMBERED_RESUMES = 256
 # The phases each operation may start in.
 _ALLOWED = {
@@ -59,7 +60,7 @@ class PhaseMachine:
     """Phase, checkpoint ID, lease and reply cache of the one participant."""
 
     lease_grace: float
-    phase: str = "idle"
+    phase: Phase = "idle"
     checkpoint_id: str | None = None
     lease_expires_at: float | None = None
     replies: dict[str, tuple[Any, dict[str, Any]]] = field(default_factory=dict)
@@ -108,7 +109,7 @@ class PhaseMachine:
             raise GymError("deadline_exceeded", "deadline_ts is already in the past")
         return None
 
-    def open(self, checkpoint_id: str, phase: str, deadline_ts: float) -> None:
+    def open(self, checkpoint_id: str, phase: Phase, deadline_ts: float) -> None:
         """Enter `phase` for a new checkpoint ID."""
         self.checkpoint_id = checkpoint_id
         self.phase = phase
@@ -123,7 +124,7 @@ class PhaseMachine:
             self.lease_expires_at = expires
 
     def succeed(
-        self, op: str, phase: str, reply: dict[str, Any], arguments: Any = None
+        self, op: str, phase: Phase, reply: dict[str, Any], arguments: Any = None
     ) -> dict[str, Any]:
         """`op` succeeded: enter `phase` and remember `reply` (and its arguments) for retries."""
         self.phase = phase

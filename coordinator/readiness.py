@@ -7,6 +7,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from coordinator.contract.messages import Report
+
 __all__ = ["Readiness", "MAX_BLOCKERS"]
 
 MAX_BLOCKERS = 100
@@ -21,7 +23,7 @@ class _Worker(Protocol):
 class Readiness:
     """Latest report per worker owner for the open checkpoint, plus fail-closed markers."""
 
-    reports: dict[str, dict[str, Any]] = field(default_factory=dict)
+    reports: dict[str, Report] = field(default_factory=dict)
     lost: bool = False
     _changed: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -31,10 +33,10 @@ class Readiness:
         self.lost = False
         self._changed.set()
 
-    def update(self, owner: str, report: dict[str, Any]) -> None:
+    def update(self, owner: str, report: Report) -> None:
         """Keep `report` unless a report with a higher sequence number is already held."""
         held = self.reports.get(owner)
-        if held is not None and held.get("seq", 0) > report.get("seq", 0):
+        if held is not None and held.seq > report.seq:
             return  # stale: an older report arrived late
         self.reports[owner] = report
         self._changed.set()
@@ -48,7 +50,7 @@ class Readiness:
 
     def worker_ready(self, owner: str) -> bool | None:
         report = self.reports.get(owner)
-        return None if report is None else bool(report["ready"])
+        return None if report is None else report.ready
 
     def report(
         self, live: Sequence[_Worker], expected: int, kind: str = "resources"
@@ -64,11 +66,11 @@ class Readiness:
             if report is None:
                 unreported += 1
                 continue
-            blockers.extend(report["blockers"])
-            restarts.update(report.get("restarts", ()))
-            if not report["ready"] and not report["blockers"]:
+            blockers.extend(report.blockers)
+            restarts.update(report.restarts)
+            if not report.ready and not report.blockers:
                 blockers.append(f"{kind}-worker-not-closed:{worker.slot}")
-            for name, value in report.get("counts", {}).items():
+            for name, value in report.counts.items():
                 counts[name] = counts.get(name, 0) + value
         head = []
         # The multi-worker markers, named as NeMo Gym's coordinators name them.

@@ -1,9 +1,11 @@
-"""The coordinator's end of the channel: accepts worker connections on its Unix socket.
+"""The coordinator's end of the worker channels: accepts worker connections on its Unix
+socket, one channel per registered worker.
 
-A connection must open with `register {slot, owner, pid, socket}`; the registrar (the
-proxy's supervisor) accepts or refuses it and supplies the reply (alias table, session
-table, phase). From then on the channel stays open for coordinator requests; when it
-ends, the registrar hears that the owner is lost.
+A connection must open with `register` (`coordinator.contract.messages.Register`); the
+registrar (the proxy's supervisor, with the checkpointer) accepts or refuses it and
+supplies the reply (the pending claims and retire marks, an open checkpoint). From then on
+the channel stays open for coordinator requests; when it ends, the registrar hears that
+the owner is lost.
 """
 
 from __future__ import annotations
@@ -12,12 +14,12 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Any
 
 from coordinator.contract.channel import Channel
 from coordinator.contract.framing import FramingError, read_frame
+from coordinator.contract.messages import MalformedMessage, Message, Register, RegisterReply
 
-__all__ = ["Coordinator", "RegistrationRefused"]
+__all__ = ["WorkerChannels", "RegistrationRefused"]
 
 log = logging.getLogger("gym_proxy.coordinator")
 
@@ -28,11 +30,11 @@ class RegistrationRefused(Exception):
     """The registrar does not expect this worker (wrong slot, owner or state)."""
 
 
-Registrar = Callable[[dict[str, Any], Channel], dict[str, Any]]
-MessageHandler = Callable[[str, dict[str, Any]], Awaitable[dict[str, Any] | None]]
+Registrar = Callable[[Register, Channel], RegisterReply]
+MessageHandler = Callable[[str, Message], Awaitable[Message | None]]
 
 
-class Coordinator:
+class WorkerChannels:
     """Holds one channel per registered worker owner."""
 
     def __init__(
@@ -67,18 +69,24 @@ class Coordinator:
             log.error("coordinator connection dropped before registering: %s", exc)
             writer.close()
             return
-        if first is None or first["type"] != "register" or not isinstance(first.get("id"), int):
+        if first is None or first["type"] != Register.TYPE or not isinstance(first.get("id"), int):
             log.error("coordinator connection did not open with register")
             writer.close()
             return
-        owner = str(first.get("owner"))
+        try:
+            registration = Register.decode(first)
+        except MalformedMessage as exc:
+            log.error("coordinator connection dropped: %s", exc)
+            writer.close()
+            return
+        owner = registration.owner
 
-        async def handle(message: dict[str, Any]) -> dict[str, Any] | None:
+        async def handle(message: Message) -> Message | None:
             return await self._on_message(owner, message)
 
         channel = Channel(reader, writer, handle)
         try:
-            reply = self._on_register(first, channel)
+            reply = self._on_register(registration, channel)
         except RegistrationRefused as exc:
             log.error("registration refused: %s", exc)
             with contextlib.suppress(ConnectionError):
@@ -88,7 +96,7 @@ class Coordinator:
             return
         self.channels[owner] = channel
         try:
-            await channel.send({"type": "ok", "id": first["id"], **reply})
+            await channel.send({"type": "ok", "id": first["id"], **reply.fields()})
             await channel.serve()
         except ConnectionError:
             pass

@@ -19,7 +19,7 @@ Connection phases (`ClientConnection.phase`; each exchange has its own, `proxy.e
                 is read and dropped, then the connection closes
     UPGRADING   an upgrade request (WebSocket) was parsed; later input is held, reading
                 paused, until the worker answers
-    TUNNEL      the worker answered 101: bytes pass both ways untouched until either
+    TUNNELING   the worker answered 101: bytes pass both ways untouched until either
                 side closes or the tunnel idle timeout
     REFUSED     the input is not parsed any more (not HTTP we accept, over the
                 connection cap, a refused upgrade); the answer goes out, then LINGERING
@@ -27,7 +27,7 @@ Connection phases (`ClientConnection.phase`; each exchange has its own, `proxy.e
     CLOSED      the transport is closed or closing
 
     READING    --answer before the body ended--> DISCARDING --body end--> REFUSED
-    READING    --upgrade request parsed--------> UPGRADING --101--> TUNNEL
+    READING    --upgrade request parsed--------> UPGRADING --101--> TUNNELING
     UPGRADING  --any other answer--------------> REFUSED (answered, then closed)
     READING    --bad input / head limits-------> REFUSED --answered--> LINGERING
     any        --close-------------------------> CLOSED (or LINGERING when REFUSED)
@@ -62,7 +62,7 @@ __all__ = [
     "READING",
     "DISCARDING",
     "UPGRADING",
-    "TUNNEL",
+    "TUNNELING",
     "REFUSED",
     "LINGERING",
     "CLOSED",
@@ -73,7 +73,7 @@ __all__ = [
 READING: Final = 0
 DISCARDING: Final = 1
 UPGRADING: Final = 2
-TUNNEL: Final = 3
+TUNNELING: Final = 3
 REFUSED: Final = 4
 LINGERING: Final = 5
 CLOSED: Final = 6
@@ -141,7 +141,7 @@ class ClientConnection(asyncio.Protocol):
     """One client connection; see the module docstring for the phases and flow rules."""
 
     __slots__ = (
-        "state",
+        "proxy_state",
         "transport",
         "outbox",
         "parser",
@@ -159,8 +159,8 @@ class ClientConnection(asyncio.Protocol):
         "held",
     )
 
-    def __init__(self, state: ProxyState) -> None:
-        self.state = state
+    def __init__(self, proxy_state: ProxyState) -> None:
+        self.proxy_state = proxy_state
         self.transport: asyncio.Transport = None  # type: ignore[assignment]
         self.outbox: Outbox = None  # type: ignore[assignment]
         self.parser = httptools.HttpRequestParser(self)
@@ -169,10 +169,10 @@ class ClientConnection(asyncio.Protocol):
         self.pipeline: deque[Exchange] = deque()
         self.read_pause = 0
         self.write_paused = False
-        self.last_active = state.now
+        self.last_active = proxy_state.now
         self.peer = "-"
         self.in_head = True  # between messages or inside a head (not inside a body)
-        self.head_since: float | None = state.now  # when the head being waited for began
+        self.head_since: float | None = proxy_state.now  # when the head being waited for began
         self.head_bytes = 0  # bytes of the current head seen so far (a lower bound)
         self.head_marks = 0  # message boundaries seen, to tell reads inside one head
         self.held = b""  # input after an upgrade request, for the tunnel
@@ -196,7 +196,7 @@ class ClientConnection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
         self.outbox = Outbox(transport)  # type: ignore[arg-type]
-        state = self.state
+        state = self.proxy_state
         if len(state.clients) >= state.max_connections and not close_idle_clients(state):
             # Over the cap and nothing idle to close: answer the first request 503 and
             # close, so descriptors are given back at once instead of running out.
@@ -210,7 +210,7 @@ class ClientConnection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.phase = CLOSED
         self.outbox.closed = True
-        state = self.state
+        state = self.proxy_state
         state.clients.discard(self)
         if state.drained is not None and not state.clients:
             state.drained.set()
@@ -222,13 +222,13 @@ class ClientConnection(asyncio.Protocol):
             self.parsing = None
 
     def data_received(self, data: bytes) -> None:
-        self.last_active = self.state.now
+        self.last_active = self.proxy_state.now
         phase = self.phase
         if phase >= REFUSED:
             return
         outbox.hold()
         try:
-            if phase == TUNNEL:
+            if phase == TUNNELING:
                 self.pipeline[0].request_body(data)
             elif phase == UPGRADING:
                 self.held += data  # paused: at most one read arrives here
@@ -239,7 +239,7 @@ class ClientConnection(asyncio.Protocol):
 
     def _parse(self, data: bytes) -> None:
         if self.head_since is None and self.in_head:
-            self.head_since = self.state.now  # a head begins: the header timeout runs
+            self.head_since = self.proxy_state.now  # a head begins: the header timeout runs
         marks = self.head_marks
         try:
             self.parser.feed_data(data)
@@ -260,7 +260,7 @@ class ClientConnection(asyncio.Protocol):
         if self.in_head and marks == self.head_marks and self.parsing is not None:
             # This whole read lay inside one unfinished head (httptools buffers it).
             self.head_bytes += len(data)
-            if self.head_bytes > self.state.limit_request_head and self.phase < REFUSED:
+            if self.head_bytes > self.proxy_state.limit_request_head and self.phase < REFUSED:
                 self._refuse("headers_too_large", _HEAD_DETAIL)
 
     def eof_received(self) -> bool:
@@ -289,13 +289,13 @@ class ClientConnection(asyncio.Protocol):
             exchange.url = url
         else:
             exchange.url += url
-        if len(exchange.url) > self.state.limit_request_line:
+        if len(exchange.url) > self.proxy_state.limit_request_line:
             raise GymError("uri_too_long", "the request line is too long")
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self.parsing.headers.append((name, value))  # type: ignore[union-attr]
         self.head_bytes += len(name) + len(value) + 4
-        if self.head_bytes > self.state.limit_request_head:
+        if self.head_bytes > self.proxy_state.limit_request_head:
             raise GymError("headers_too_large", _HEAD_DETAIL)
 
     def on_headers_complete(self) -> None:
@@ -345,7 +345,7 @@ class ClientConnection(asyncio.Protocol):
         phase = self.phase
         if phase >= LINGERING:
             return
-        if exchange.upgrade and (phase == UPGRADING or phase == TUNNEL):
+        if exchange.upgrade and (phase == UPGRADING or phase == TUNNELING):
             if phase == UPGRADING:
                 self.phase = REFUSED  # no switch: held input is dropped, then lingering
             self.close()
@@ -369,7 +369,7 @@ class ClientConnection(asyncio.Protocol):
 
     def start_tunnel(self, exchange: Exchange) -> None:
         """The worker switched protocols: from now on bytes pass through untouched."""
-        self.phase = TUNNEL
+        self.phase = TUNNELING
         held, self.held = self.held, b""
         if held:
             exchange.request_body(held)
@@ -417,7 +417,7 @@ class ClientConnection(asyncio.Protocol):
 
     def tunnel_timed_out(self) -> None:
         """Nothing crossed the tunnel for the tunnel idle timeout (the sweep calls this)."""
-        if self.phase == TUNNEL and self.pipeline:
+        if self.phase == TUNNELING and self.pipeline:
             self.pipeline[0].finish(reuse=False)  # closes both sides
 
     # ---- internals ----------------------------------------------------------------

@@ -61,16 +61,27 @@ __all__ = [
     "TUNNEL",
     "ANSWERING",
     "DONE",
+    "STATE_NAMES",
 ]
 
-# Final: the compiled data path (setup.py) inlines them instead of looking them up.
-QUEUED: Final = "queued"
-CONNECTING: Final = "connecting"
-SENDING: Final = "sending"
-RESPONDING: Final = "responding"
-TUNNEL: Final = "tunnel"
-ANSWERING: Final = "answering"
-DONE: Final = "done"
+# Final ints, as the client connection's phases: the compiled data path (setup.py)
+# inlines them instead of looking them up. STATE_NAMES names them for a human.
+QUEUED: Final = 0
+CONNECTING: Final = 1
+SENDING: Final = 2
+RESPONDING: Final = 3
+TUNNEL: Final = 4
+ANSWERING: Final = 5
+DONE: Final = 6
+STATE_NAMES: Final = (
+    "queued",
+    "connecting",
+    "sending",
+    "responding",
+    "tunnel",
+    "answering",
+    "done",
+)
 _CONTROL_PREFIX: Final = b"/ng-control/"
 # A request this large may not leave in one write; its connection keeps a spare descriptor.
 SPARE_AFTER_BYTES: Final = 65536
@@ -149,15 +160,15 @@ class Exchange:
     # ---- QUEUED -> CONNECTING ----------------------------------------------------
     def start(self) -> None:
         """Route the request and send it on; called when it heads the pipeline."""
-        if self.client.state.access_log is not None:
+        if self.client.proxy_state.access_log is not None:
             self.started = time.perf_counter()
         if self.error is not None:
             self.fail(*self.error)
             return
         try:
-            state = self.client.state
+            proxy = self.client.proxy_state
             head = rewrite_request_head(
-                self.method, self.url, self.version, self.headers, self.upgrade, state.token_prefix
+                self.method, self.url, self.version, self.headers, self.upgrade, proxy.token_prefix
             )
         except GymError as exc:
             self.keep_alive = False
@@ -167,7 +178,7 @@ class Exchange:
         self.expect_continue = head.expect_continue
         parts = head.parts
         if self.url.startswith(_CONTROL_PREFIX):
-            worker = self.client.state.control
+            worker = self.client.proxy_state.control
         else:
             routed = self._route_session(parts, head)
             if routed is None:
@@ -183,7 +194,7 @@ class Exchange:
         worker.in_flight += 1
         self.worker = worker
         self.slot = worker.slot
-        self.routed_at = self.client.state.now
+        self.routed_at = self.client.proxy_state.now
         self.state = CONNECTING
         if self.expect_continue and not self.request_done:
             self.client.outbox.write(wire.CONTINUE_100)
@@ -191,8 +202,8 @@ class Exchange:
 
     def _route_session(self, parts: list[bytes], head: RequestHead) -> WorkerRoute | None:
         """Pick the worker and add the identity headers; None after answering an error."""
-        state = self.client.state
-        if state.booting:
+        proxy = self.client.proxy_state
+        if proxy.booting:
             self.fail("worker_unavailable", "gym-proxy is starting: not every worker registered")
             return None
         key: bytes | None = None
@@ -203,9 +214,9 @@ class Exchange:
                 self.fail(*EMPTY_ROLLOUT_KEY)
                 return None
         try:
-            route = state.router.route_request(
-                state.codec,
-                state.cookie_name,
+            route = proxy.router.route_request(
+                proxy.codec,
+                proxy.cookie_name,
                 head.token,
                 head.cookie,
                 head.owner_hint,
@@ -231,7 +242,7 @@ class Exchange:
                 # The proxy mints nothing for a call that carries an app's own token: one
                 # naming no session it routes by reaches the app with no session at all.
                 return worker
-            token = state.codec.sign(route.session_id, worker.owner).encode()
+            token = proxy.codec.sign(route.session_id, worker.owner).encode()
             self.new_token = token
             parts.append(wire.SESSION_NEW_LINE)
         elif route.cookie is not None:
@@ -249,7 +260,7 @@ class Exchange:
             conn = self.upstream
             if conn is None:
                 return
-            conn.last_active = self.client.state.now
+            conn.last_active = self.client.proxy_state.now
             if state == TUNNEL:
                 conn.outbox.write(body)
                 return
@@ -282,7 +293,7 @@ class Exchange:
         self.upstream = conn
         self.state = SENDING
         conn.exchange = self
-        conn.last_active = self.client.state.now
+        conn.last_active = self.client.proxy_state.now
         outbox = conn.outbox
         outbox.write(self.head)
         sent = len(self.head)
@@ -318,7 +329,7 @@ class Exchange:
         self.status = status
         client = self.client
         if self.new_token is not None:
-            extra = wire.set_cookie_headers(client.state.cookie_name, self.new_token)
+            extra = wire.set_cookie_headers(client.proxy_state.cookie_name, self.new_token)
         elif self.cookie_token is not None:
             # Re-set on every answer, as Starlette does its session cookie: NeMo Gym's
             # clients send on only the cookies of the last response they got.
@@ -332,7 +343,7 @@ class Exchange:
             headers,
             http10=self.version == "1.0",
             head_request=self.method == b"HEAD",
-            close=not self.keep_alive or not self.request_done or client.state.draining,
+            close=not self.keep_alive or not self.request_done or client.proxy_state.draining,
             extra=extra,
         )
         if head.app_session is not None or head.app_session_end is not None:
@@ -357,7 +368,7 @@ class Exchange:
         worker = self.worker
         if worker is None:
             return
-        sessions = self.client.state.router.sessions
+        sessions = self.client.proxy_state.router.sessions
         if started is not None:
             session_id = started.decode("latin-1")
             if is_valid_id(session_id):
@@ -375,7 +386,7 @@ class Exchange:
                 self.client.outbox.write(body)
         elif self.state == TUNNEL:
             client = self.client
-            client.last_active = client.state.now  # the tunnel idle timeout counts both ways
+            client.last_active = client.proxy_state.now  # the tunnel idle timeout counts both ways
             client.outbox.write(body)
 
     def response_end(self, reusable: bool = True) -> None:
@@ -417,13 +428,13 @@ class Exchange:
         if self.state == DONE:
             return
         worker = self.worker
-        state = self.client.state
+        proxy = self.client.proxy_state
         if protocol_error:
             self.fail("upstream_protocol_error", f"worker sent an invalid response: {exc}")
         elif (
             worker is not None
-            and worker is not state.control
-            and (state.router.workers.get(worker.owner) is not worker)
+            and worker is not proxy.control
+            and (proxy.router.workers.get(worker.owner) is not worker)
         ):
             self.fail("session_owner_gone", f"the worker {worker.owner} is gone")
         else:
@@ -434,7 +445,7 @@ class Exchange:
         upstream timeout does not apply (not routed yet, a tunnel: it has its own idle
         timeout, or a control call: bounded by its own deadline_ts, and a prepare may
         rightly wait minutes)."""
-        if self.worker is self.client.state.control or self.state == TUNNEL:
+        if self.worker is self.client.proxy_state.control or self.state == TUNNEL:
             return None
         if self.upstream is not None:
             return self.upstream.last_active
@@ -465,7 +476,7 @@ class Exchange:
 
     def _write_error(self, code: str, detail: str) -> None:
         client = self.client
-        close = not self.keep_alive or not self.request_done or client.state.draining
+        close = not self.keep_alive or not self.request_done or client.proxy_state.draining
         self.close_after = close
         self.status = status_of(code)
         client.outbox.write(
@@ -494,8 +505,8 @@ class Exchange:
             return
         self.state = DONE
         self._detach(reuse)
-        if self.client.state.access_log is not None:
-            self._log_access(self.client.state.access_log)
+        if self.client.proxy_state.access_log is not None:
+            self._log_access(self.client.proxy_state.access_log)
         self.client.exchange_done(self)
 
     def abort(self) -> None:
@@ -503,9 +514,9 @@ class Exchange:
         if self.state != DONE:
             self.state = DONE
             self._detach(reuse=False)
-            if self.client.state.access_log is not None:
+            if self.client.proxy_state.access_log is not None:
                 self.status = self.status or 499  # nginx's "client closed request"
-                self._log_access(self.client.state.access_log)
+                self._log_access(self.client.proxy_state.access_log)
 
     def _log_access(self, logger: logging.Logger) -> None:
         elapsed = (time.perf_counter() - self.started) * 1000 if self.started else 0.0

@@ -25,9 +25,10 @@ from coordinator.checkpointer import Checkpointer
 from coordinator.contract.channel import Channel
 from coordinator.contract.exit_codes import BOOT_ERROR
 from coordinator.contract.keepalive import POOL_IDLE
-from coordinator.worker_channels import Coordinator
+from coordinator.contract.messages import Register, RegisterReply
+from coordinator.worker_channels import WorkerChannels
 from proxy import data_path
-from proxy.client_connection import DISCARDING, LINGERING, TUNNEL, ClientConnection, ProxyState
+from proxy.client_connection import DISCARDING, LINGERING, TUNNELING, ClientConnection, ProxyState
 from proxy.config import Config
 from proxy.control_app import create_control_app
 from proxy.routing import Router, WorkerRoute
@@ -86,15 +87,15 @@ async def run(config: Config, listen_sock: socket.socket, secret: bytes) -> int:
     supervisor = Supervisor(config, runtime.path, coordinator_socket, router)
     checkpointer = Checkpointer(supervisor, config.instance, config.lease_grace)
 
-    def on_register(message: dict[str, Any], channel: Channel) -> dict[str, Any]:
-        supervisor.on_register(message, channel)
-        return checkpointer.register_reply(str(message.get("kind", "resources")))
+    def on_register(registration: Register, channel: Channel) -> RegisterReply:
+        supervisor.on_register(registration, channel)
+        return checkpointer.register_reply(registration.kind)
 
     def on_lost(owner: str) -> None:
         supervisor.on_lost(owner)
         checkpointer.on_lost(owner)
 
-    coordinator = Coordinator(on_register, on_lost, checkpointer.on_message)
+    worker_channels = WorkerChannels(on_register, on_lost, checkpointer.on_message)
     control_runner = web.AppRunner(
         create_control_app(checkpointer, config.control_token),
         access_log=None,
@@ -107,7 +108,7 @@ async def run(config: Config, listen_sock: socket.socket, secret: bytes) -> int:
         log.info("runtime directory %s", runtime.path)
         await control_runner.setup()
         await web.UnixSite(control_runner, control_socket).start()
-        await coordinator.start(coordinator_socket)
+        await worker_channels.start(coordinator_socket)
 
         # A port gym-proxy bound itself listens only once every worker has registered:
         # until then a connection is refused at once, which NeMo Gym's clients retry
@@ -172,7 +173,7 @@ async def run(config: Config, listen_sock: socket.socket, secret: bytes) -> int:
         await supervisor.stop(config.graceful_timeout)
         if supervisor.fatal is not None and supervisor.fatal.done():
             supervisor.fatal.exception()  # retrieved: it was reported above
-        await coordinator.close()
+        await worker_channels.close()
         control.pool.close()
         await control_runner.cleanup()
         runtime.remove()
@@ -255,7 +256,7 @@ async def _sweep(state: ProxyState, supervisor: Supervisor) -> None:
                 if client.last_active < linger_before:
                     client.abort()
                 continue
-            if phase == TUNNEL:
+            if phase == TUNNELING:
                 if client.last_active < tunnel_before:
                     client.tunnel_timed_out()
                 continue

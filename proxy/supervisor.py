@@ -22,18 +22,20 @@ import signal
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from coordinator.checkpointer import LiveWorker
 from coordinator.contract.channel import Channel
 from coordinator.contract.exit_codes import BOOT_ERROR
+from coordinator.contract.messages import Ping, Register
 from coordinator.worker_channels import RegistrationRefused
 from proxy.config import Config
 from proxy.routing import Router, WorkerRoute
 from proxy.session_tokens import new_owner_id
 from proxy.upstream import UpstreamPool
+from worker.options import worker_argv
 
-__all__ = ["WorkerProcess", "Supervisor", "WorkerBootError", "worker_argv"]
+__all__ = ["WorkerProcess", "Supervisor", "WorkerBootError"]
 
 log = logging.getLogger("gym_proxy.supervisor")
 
@@ -45,15 +47,8 @@ PING_INTERVAL = 1.0
 TEST_OWNERS_ENV = "GYM_PROXY_TEST_OWNERS"
 
 
-def worker_argv(**options: object) -> list[str]:
-    """`python -m worker` options as `--name=value`, one argument each: a value that
-    starts with `-` (one random owner ID in 64 does) can never be read as a flag.
-    None leaves the option out; True is a bare flag."""
-    return [
-        f"--{name.replace('_', '-')}" + ("" if value is True else f"={value}")
-        for name, value in options.items()
-        if value is not None
-    ]
+# starting -> live (registered) -> dead (exited, lost or killed)
+WorkerState = Literal["starting", "live", "dead"]
 
 
 class WorkerBootError(Exception):
@@ -69,7 +64,7 @@ class WorkerProcess:
     socket_path: str
     process: asyncio.subprocess.Process
     started_at: float
-    state: str = "starting"  # starting -> live -> dead
+    state: WorkerState = "starting"
     channel: Channel | None = None
     route: WorkerRoute | None = None
     answered_at: float = 0.0  # monotonic time of the last pong (or of registering)
@@ -100,6 +95,9 @@ class Supervisor:
     _registered: asyncio.Event = field(default_factory=asyncio.Event)
     _timer: asyncio.TimerHandle | None = None
     _warned_restart_only: bool = False
+    # `python -P`: the current directory never shadows gym-proxy's packages. Tests of the
+    # supervisor start stand-in workers instead.
+    worker_command: tuple[str, ...] = (sys.executable, "-P", "-m", "worker")
     _owners: list[str] = field(
         default_factory=lambda: list(filter(None, os.environ.get(TEST_OWNERS_ENV, "").split(",")))
     )
@@ -152,26 +150,15 @@ class Supervisor:
         socket_path = os.path.join(self.runtime_dir, f"w{slot_index}-{owner}.sock")
         # Reserve the slot before the first await so reconcile never spawns it twice.
         slot.worker = placeholder = WorkerProcess(slot_index, owner, socket_path, None, 0.0)  # type: ignore[arg-type]
-        cfg = self.config
         try:
             process = await asyncio.create_subprocess_exec(
-                sys.executable,
-                "-m",
-                "worker",
+                *self.worker_command,
                 *worker_argv(
+                    self.config,
                     slot=slot_index,
                     owner=owner,
                     socket=socket_path,
                     coordinator=self.coordinator_socket,
-                    app=cfg.app,
-                    app_dir=cfg.app_dir,
-                    workers=cfg.workers,
-                    session_state=cfg.session_state,
-                    graceful_timeout=cfg.graceful_timeout,
-                    session_idle_ttl=cfg.session_idle_ttl,
-                    kind=cfg.kind,
-                    log_level=cfg.log_level,
-                    access_log=cfg.access_log or None,
                 ),
                 stdin=asyncio.subprocess.DEVNULL,
             )
@@ -180,6 +167,12 @@ class Supervisor:
             self._fail(WorkerBootError(f"cannot start a worker process: {exc}"))
             return
         placeholder.process = process
+        if self.stopping:  # stop() began while this process started: it never serves
+            with contextlib.suppress(ProcessLookupError):
+                process.kill()
+            await process.wait()
+            slot.worker = None
+            return
         placeholder.started_at = time.monotonic()
         log.info("worker %d started (pid %d, owner %s)", slot_index, process.pid, owner)
         self._track(self._watch(placeholder))
@@ -216,15 +209,17 @@ class Supervisor:
         self.reconcile()
 
     # ---- coordinator callbacks ------------------------------------------------------
-    def on_register(self, message: dict[str, Any], channel: Channel) -> None:
+    def on_register(self, registration: Register, channel: Channel) -> None:
         """Accept a worker's `register` if it is the incarnation the slot expects."""
-        slot_index = message.get("slot")
-        if not isinstance(slot_index, int) or not 0 <= slot_index < len(self.slots):
+        slot_index = registration.slot
+        if self.stopping:
+            raise RegistrationRefused("gym-proxy is stopping")
+        if not 0 <= slot_index < len(self.slots):
             raise RegistrationRefused(f"no slot {slot_index!r}")
         worker = self.slots[slot_index].worker
-        if worker is None or worker.owner != message.get("owner") or worker.state != "starting":
+        if worker is None or worker.owner != registration.owner or worker.state != "starting":
             raise RegistrationRefused(
-                f"slot {slot_index} does not expect owner {message.get('owner')!r}"
+                f"slot {slot_index} does not expect owner {registration.owner!r}"
             )
         worker.state = "live"
         worker.channel = channel
@@ -233,13 +228,12 @@ class Supervisor:
             worker.owner,
             slot_index,
             worker.socket_path,
-            keeps_rollout_prefix=message.get("framework") == "asgi",
+            keeps_rollout_prefix=registration.framework == "asgi",
         )
         worker.route.pool = UpstreamPool(worker.socket_path)
-        app_cookie = message.get("app_cookie")
-        if isinstance(app_cookie, str):
-            self.router.app_cookie = app_cookie.encode("latin-1")
-        if message.get("restart_only") and not self._warned_restart_only:
+        if registration.app_cookie is not None:
+            self.router.app_cookie = registration.app_cookie.encode("latin-1")
+        if registration.restart_only and not self._warned_restart_only:
             self._warned_restart_only = True
             log.warning(
                 "%s declares no session state, so it is a restart-only participant: a "
@@ -290,7 +284,7 @@ class Supervisor:
     async def _ping(self, worker: WorkerProcess, within: float) -> None:
         assert worker.channel is not None
         try:
-            await worker.channel.request("ping", within=within)
+            await worker.channel.request(Ping(), within=within)
         except (ConnectionError, TimeoutError):
             return  # a lost channel retires the worker; silence is judged by the watcher
         worker.answered_at = time.monotonic()

@@ -124,7 +124,7 @@ class UpstreamConnection(asyncio.Protocol):
             # A worker must not speak unasked; whatever this is, the connection is spoiled.
             self.close()
             return
-        self.last_active = exchange.client.state.now
+        self.last_active = exchange.client.proxy_state.now
         outbox.hold()
         try:
             if self.tunnel:

@@ -86,6 +86,7 @@ class ProxyProcess:
         secret: str | None = TEST_SECRET,
         env: dict[str, str] | None = None,
         control_token: str | None = None,
+        cwd: str | Path = REPO,
     ) -> None:
         self.runtime_parent = tempfile.mkdtemp(prefix="gpt-", dir="/tmp")
         self.log_path = Path(self.runtime_parent) / "proxy.log"
@@ -127,7 +128,7 @@ class ProxyProcess:
         self._log = open(self.log_path, "wb")  # noqa: SIM115
         self.popen = subprocess.Popen(
             command,
-            cwd=REPO,
+            cwd=cwd,
             stdout=self._log,
             stderr=subprocess.STDOUT,
             pass_fds=[self.listener.fileno()],

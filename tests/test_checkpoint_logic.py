@@ -12,6 +12,7 @@ from coordinator import checkpoint_files as records
 from coordinator.contract import records as record_format
 from coordinator.contract.episodes import EpisodeId, parse_episode_key
 from coordinator.contract.errors import GymError
+from coordinator.contract.messages import Report
 from coordinator.phases import PhaseMachine
 from coordinator.placement import place
 from coordinator.readiness import Readiness
@@ -127,11 +128,14 @@ class W:
 
 
 def test_readiness_fail_closed_and_sequencing():
+    def rep(seq, ready, blockers, counts=None, restarts=()):
+        return Report(seq, "c", ready, blockers, counts or {}, list(restarts))
+
     r = Readiness()
     live = [W(0, "a"), W(1, "b")]
     assert r.report(live, 3, "agent")["blockers"] == ["agent-workers-unreported:3"]
-    r.update("a", {"seq": 2, "ready": True, "blockers": [], "counts": {"door": 1}})
-    r.update("b", {"seq": 1, "ready": False, "blockers": ["x"], "counts": {}, "restarts": ["r"]})
+    r.update("a", rep(2, True, [], {"door": 1}))
+    r.update("b", rep(1, False, ["x"], restarts=["r"]))
     report = r.report(live, 2)
     assert report == {
         "ready": False,
@@ -140,8 +144,8 @@ def test_readiness_fail_closed_and_sequencing():
         "counts": {"door": 1},
         "restarts": ["r"],
     }
-    r.update("b", {"seq": 3, "ready": True, "blockers": [], "counts": {}})
-    r.update("b", {"seq": 2, "ready": False, "blockers": ["late"], "counts": {}})  # stale
+    r.update("b", rep(3, True, []))
+    r.update("b", rep(2, False, ["late"]))  # stale
     assert r.report(live, 2)["ready"] is True
     r.forget("b", lost_while_open=True)
     assert r.report([W(0, "a")], 2)["blockers"] == [
@@ -149,7 +153,7 @@ def test_readiness_fail_closed_and_sequencing():
         "resources-worker-lost",
     ]
     r.reset()
-    r.update("a", {"seq": 1, "ready": False, "blockers": [f"s{i}" for i in range(150)]})
+    r.update("a", rep(1, False, [f"s{i}" for i in range(150)]))
     report = r.report([W(0, "a")], 1)
     assert len(report["blockers"]) == 100 and report["blocker_count"] == 150
 

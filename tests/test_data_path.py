@@ -12,7 +12,7 @@ import asyncio
 import orjson
 import pytest
 
-from proxy.client_connection import CLOSED, DISCARDING, LINGERING, READING, TUNNEL
+from proxy.client_connection import CLOSED, DISCARDING, LINGERING, READING, TUNNELING
 from proxy.exchange import DONE
 from tests.data_path_rig import Rig, parse_requests, parse_responses
 
@@ -507,7 +507,7 @@ async def test_websocket_upgrade_becomes_a_tunnel_both_ways():
     assert switched[0] == 101 and switched[1][b"upgrade"] == b"websocket"
     assert (marker, rest) == ("upgraded", b"server-frame")
     assert bytes(upstream.transport.data).endswith(b"\r\n\r\nearly-frame")
-    assert client.protocol.phase == TUNNEL and client.transport.reading
+    assert client.protocol.phase == TUNNELING and client.transport.reading
     client.send(b"\x81\x05hello")
     upstream.send(b"\x81\x02hi")
     assert bytes(upstream.transport.data).endswith(b"early-frame\x81\x05hello")
@@ -629,7 +629,7 @@ async def test_upgrade_behind_a_pipelined_request_waits_its_turn():
     upstream.send(OK)
     assert [r[1] for r in upstream.requests()][:2] == [b"/x", b"/ws"]
     upstream.send(SWITCH)
-    assert client.protocol.phase == TUNNEL
+    assert client.protocol.phase == TUNNELING
     exchange = client.protocol.pipeline[0]
     client.protocol.tunnel_timed_out()
     assert exchange.state == DONE

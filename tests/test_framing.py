@@ -18,6 +18,45 @@ from coordinator.contract.framing import (
     encode_frame,
     read_frame,
 )
+from coordinator.contract.messages import Done, Message, Ping, message
+
+# The channel's tests speak messages of their own (the channel is generic over them).
+TEST_MESSAGES: dict[str, type[Message]] = {}
+
+
+@message(registry=TEST_MESSAGES)
+class Echoed(Message):
+    echo: int
+
+
+@message("echo", Echoed, TEST_MESSAGES)
+class Echo(Message):
+    value: int
+
+
+@message("boom", Done, TEST_MESSAGES)
+class Boom(Message):
+    pass
+
+
+@message(registry=TEST_MESSAGES)
+class Handled(Message):
+    done: str
+
+
+@message("stall", Handled, TEST_MESSAGES)
+class Stall(Message):
+    pass
+
+
+@message("after", Handled, TEST_MESSAGES)
+class After(Message):
+    pass
+
+
+@message("wrong_reply", Echoed, TEST_MESSAGES)
+class WrongReply(Message):
+    pass
 
 
 def reader_with(data: bytes, eof: bool = True) -> asyncio.StreamReader:
@@ -88,29 +127,69 @@ async def _pair(handler_a, handler_b):
     left, right = socket.socketpair()
     ra, wa = await asyncio.open_connection(sock=left)
     rb, wb = await asyncio.open_connection(sock=right)
-    a, b = Channel(ra, wa, handler_a), Channel(rb, wb, handler_b)
+    a = Channel(ra, wa, handler_a, TEST_MESSAGES)
+    b = Channel(rb, wb, handler_b, TEST_MESSAGES)
     tasks = [asyncio.create_task(a.serve()), asyncio.create_task(b.serve())]
     return a, b, tasks
 
 
 async def test_request_reply_by_id_and_errors():
     async def echo(message):
-        if message["type"] == "boom":
+        if isinstance(message, Boom):
             raise ValueError("no such thing")
-        return {"echo": message["value"]}
+        if isinstance(message, WrongReply):
+            return Handled("not an echo")
+        return Echoed(message.value)
 
     async def none(message):
         return None
 
     a, b, tasks = await _pair(none, echo)
-    replies = await asyncio.gather(*(a.request("echo", value=i) for i in range(50)))
-    assert [r["echo"] for r in replies] == list(range(50))
+    replies = await asyncio.gather(*(a.request(Echo(i)) for i in range(50)))
+    assert [r.echo for r in replies] == list(range(50))
     with pytest.raises(RemoteError, match="no such thing"):
-        await a.request("boom")
+        await a.request(Boom())
+    malformed = r"malformed reply to wrong_reply: Echoed: unknown key\(s\) done"
+    with pytest.raises(RemoteError, match=malformed):
+        await a.request(WrongReply())
     b.close()
     await asyncio.gather(*tasks)
     with pytest.raises(ChannelClosed):
-        await a.request("echo", value=1)
+        await a.request(Echo(1))
+
+
+async def test_a_malformed_request_is_refused_naming_the_message_and_key():
+    """A missing, unknown or mistyped key never reaches the handler."""
+    seen = []
+
+    async def echo(message):
+        seen.append(message)
+        return Echoed(message.value)
+
+    async def none(message):
+        return None
+
+    a, b, tasks = await _pair(none, echo)
+    cases = [
+        ({"type": "echo"}, "echo: missing key(s) value"),
+        ({"type": "echo", "value": 1, "extra": 2}, "echo: unknown key(s) extra"),
+        ({"type": "echo", "value": "1"}, "echo: value is not a int"),
+        ({"type": "nothing"}, "unknown message type 'nothing'"),
+    ]
+    for number, (payload, detail) in enumerate(cases, 1000):
+        future = asyncio.get_running_loop().create_future()
+        a._pending[number] = future
+        a.send_nowait({**payload, "id": number})
+        reply = await asyncio.wait_for(future, 5)
+        assert (reply["type"], reply["code"], reply["detail"]) == (
+            "error",
+            "invalid_request",
+            detail,
+        )
+    assert seen == []
+    assert (await a.request(Echo(7))).echo == 7
+    b.close()
+    await asyncio.gather(*tasks)
 
 
 async def test_pending_request_fails_when_peer_closes():
@@ -123,7 +202,7 @@ async def test_pending_request_fails_when_peer_closes():
         return None
 
     a, b, tasks = await _pair(none, stall)
-    pending = asyncio.create_task(a.request("stall"))
+    pending = asyncio.create_task(a.request(Stall()))
     await asyncio.sleep(0)
     b.close()
     with pytest.raises(ChannelClosed):
@@ -139,7 +218,7 @@ async def test_garbage_from_peer_drops_the_channel():
     async def none(message):
         return None
 
-    channel = Channel(reader, writer, none)
+    channel = Channel(reader, writer, none, TEST_MESSAGES)
     task = asyncio.create_task(channel.serve())
     right.sendall(struct.pack(">I", 5) + b"hello")
     await asyncio.wait_for(task, 5)
@@ -159,7 +238,7 @@ async def test_typed_errors_cross_the_channel():
 
     a, b, tasks = await _pair(none, refuse)
     with pytest.raises(RemoteError) as err:
-        await a.request("claim")
+        await a.request(Boom())
     assert (err.value.code, err.value.detail) == ("checkpoint_parked", "come back later")
     assert err.value.status == 409 and isinstance(err.value, GymError)
     b.close()
@@ -173,24 +252,24 @@ async def test_request_deadline_and_pings_while_a_handler_is_stuck():
     handled = []
 
     async def slow_then_record(message):
-        if message["type"] == "stall":
+        if isinstance(message, Stall):
             entered.set()
             await gate.wait()
-        handled.append(message["type"])
-        return {"done": message["type"]}
+        handled.append(message.TYPE)
+        return Handled(message.TYPE)
 
     async def none(message):
         return None
 
     a, b, tasks = await _pair(none, slow_then_record)
-    stalled = asyncio.ensure_future(a.request("stall"))
+    stalled = asyncio.ensure_future(a.request(Stall()))
     await asyncio.wait_for(entered.wait(), 5)
     with pytest.raises(ChannelTimeout):
-        await a.request("after", within=0.2)  # queued behind the stuck handler
+        await a.request(After(), within=0.2)  # queued behind the stuck handler
     # the peer's reader still answers pings: its event loop runs
-    assert (await a.request("ping", within=1.0))["type"] == "ok"
+    assert isinstance(await a.request(Ping(), within=1.0), Done)
     gate.set()
-    assert (await stalled)["done"] == "stall"
+    assert (await stalled).done == "stall"
     assert handled == ["stall", "after"]  # in arrival order; the late reply was dropped
     a.close()
     b.close()

@@ -27,12 +27,14 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Literal, get_args
 
 __all__ = ["KINDS", "TUNNEL_POLICIES", "ParticipantHooks", "Participation", "declare", "declared"]
 
-KINDS = ("resources", "agent", "environment", "model")
-TUNNEL_POLICIES = ("close", "block")
+Kind = Literal["resources", "agent", "environment", "model"]
+TunnelPolicy = Literal["close", "block"]
+KINDS: tuple[Kind, ...] = get_args(Kind)
+TUNNEL_POLICIES: tuple[TunnelPolicy, ...] = get_args(TunnelPolicy)
 _ATTRIBUTE = "gym_proxy_participation"
 
 SessionStates = dict[str, Any]
@@ -64,10 +66,10 @@ class ParticipantHooks:
 class Participation:
     """An app's declaration: its kind, and hooks or restart-only (else the session store)."""
 
-    kind: str = "resources"
+    kind: Kind = "resources"
     hooks: ParticipantHooks | None = None
     restart_only: bool = False
-    tunnels: str = "close"  # or "block": what a checkpoint does with an open WebSocket
+    tunnels: TunnelPolicy = "close"  # what a checkpoint does with an open WebSocket
     # A dict of the app's holding each session's state (keyed by the app's session IDs);
     # declaring it stands for hooks (`worker.session_dicts`).
     session_state: MutableMapping[str, Any] | None = None

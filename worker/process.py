@@ -26,13 +26,15 @@ from aiohttp import web
 from coordinator.contract.channel import Channel, ChannelClosed, ChannelTimeout, RemoteError
 from coordinator.contract.exit_codes import BOOT_ERROR, LOST_COORDINATOR
 from coordinator.contract.keepalive import WORKER_KEEPALIVE
+from coordinator.contract.messages import Message, Register, RegisterReply
 from worker.aiohttp_door import RUNTIME, install_door, participation_of
 from worker.app_loading import build_app
 from worker.app_sessions import app_session_cookie
 from worker.asgi_door import AsgiDoor, answer_runtime_errors
 from worker.asgi_server import AsgiWorkerServer
-from worker.channel_requests import handle_coordinator_message
+from worker.channel_requests import apply_tables, handle_coordinator_message
 from worker.identity import WORKER_BACKLOG, WORKER_INFO, WorkerInfo
+from worker.options import parse_worker_args
 from worker.participation import Participation, declared
 from worker.runtime import ParticipantRuntime
 
@@ -41,24 +43,6 @@ __all__ = ["main"]
 REGISTER_WAIT = 30.0
 
 log = logging.getLogger("gym_proxy.worker")
-
-
-def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m worker")
-    parser.add_argument("--slot", type=int, required=True)
-    parser.add_argument("--owner", required=True)
-    parser.add_argument("--socket", required=True)
-    parser.add_argument("--coordinator", required=True)
-    parser.add_argument("--app", required=True)
-    parser.add_argument("--app-dir", default=".")
-    parser.add_argument("--workers", type=int, default=1)  # how many this server has
-    parser.add_argument("--session-state", default=None)
-    parser.add_argument("--kind", default=None)
-    parser.add_argument("--graceful-timeout", type=float, default=30.0)
-    parser.add_argument("--session-idle-ttl", type=float, default=0.0)
-    parser.add_argument("--log-level", default="info")
-    parser.add_argument("--access-log", action="store_true")
-    return parser.parse_args(argv)
 
 
 class WorkerServer(Protocol):
@@ -129,16 +113,14 @@ async def serve(args: argparse.Namespace) -> int:
     # Ctrl-C reaches the whole process group; the proxy decides and sends SIGTERM.
     loop.add_signal_handler(signal.SIGINT, lambda: None)
 
-    async def handle(message: dict[str, Any]) -> dict[str, Any]:
+    async def handle(message: Message) -> Message:
         return await handle_coordinator_message(runtime, message)
 
     try:
         reader, writer = await asyncio.open_unix_connection(args.coordinator)
         channel = Channel(reader, writer, handle)
         channel_task = asyncio.create_task(channel.serve())
-        reply = await channel.request(
-            "register",
-            within=REGISTER_WAIT,
+        registration = Register(
             slot=info.slot,
             owner=info.owner,
             pid=info.pid,
@@ -148,14 +130,15 @@ async def serve(args: argparse.Namespace) -> int:
             app_cookie=app_session_cookie(app),
             restart_only=runtime.participation.restart_only,
         )
+        reply: RegisterReply = await channel.request(registration, within=REGISTER_WAIT)
     except (OSError, ChannelClosed, ChannelTimeout, RemoteError) as exc:
         log.error("worker %d could not register with the coordinator: %s", info.slot, exc)
         await server.stop()
         return LOST_COORDINATOR
     runtime.channel = channel
-    await handle_coordinator_message(runtime, {"type": "tables", **reply["tables"]})
-    if reply.get("checkpoint_id"):
-        runtime.close_gate(reply["checkpoint_id"])
+    apply_tables(runtime, reply.tables)
+    if reply.checkpoint_id is not None:
+        runtime.close_gate(reply.checkpoint_id)
     log.debug("worker %d registered as %s", info.slot, info.owner)
 
     expiry = None
@@ -177,7 +160,7 @@ async def serve(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    args = _parse(argv)
+    args = parse_worker_args(argv)
     logging.basicConfig(
         level=args.log_level.upper(),
         format=f"%(asctime)s worker[{args.slot}:{os.getpid()}] %(levelname)s %(message)s",

@@ -37,11 +37,13 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from coordinator.contract.channel import Channel, ChannelClosed, ChannelTimeout, RemoteError
 from coordinator.contract.episodes import EpisodeId, body_identity, parse_episode_key
 from coordinator.contract.errors import GymError
+from coordinator.contract.marks import RestoredClaims, RetireMarks
+from coordinator.contract.messages import Claim, Ready, Report, SessionsEnded
 from worker.episodes import Episode
 from worker.identity import WorkerInfo
 from worker.participation import Participation
@@ -72,6 +74,11 @@ _IDENTITY_PATHS = frozenset({"/run", "/seed_session"})
 _RESOURCES_CLOSE_PATHS = frozenset({"/close_session", "/verify"})
 
 
+# Where a request in flight stands: running the app, waiting at the door (not started),
+# parked at a boundary, inside a replay step, or a WebSocket tunnel.
+Position = Literal["running", "door", "parked", "replay", "tunnel"]
+
+
 @dataclass(slots=True)
 class RequestFacts:
     """What admission needs to know about a request, from whichever framework."""
@@ -95,7 +102,7 @@ class InFlight:
     path: str
     new_session: bool = False
     app_token: bool = False  # routed by (or carrying) an app's own session token
-    position: str = "running"  # running | door | parked | replay | tunnel
+    position: Position = "running"
     episode: Episode | None = None
     retired: bool = False
     close_tunnel: Callable[[], None] | None = None  # set once it became a tunnel
@@ -120,13 +127,11 @@ class ParticipantRuntime:
     flights: set[InFlight] = field(default_factory=set)
     channel: Channel | None = None
     checkpoint_id: str | None = None
-    pending: dict[str, int] = field(default_factory=dict)  # restored rollout -> attempt
-    # Retire marks (rollout -> highest retired attempt) and the sessions of retired
-    # attempts (session -> rollout): refused until the controller forgets the rollout.
-    marks: dict[str, int] = field(default_factory=dict)
+    claims: RestoredClaims[None] = field(default_factory=RestoredClaims)
+    # Retire marks and the sessions of retired attempts (session -> rollout): refused
+    # until the controller forgets the rollout.
+    marks: RetireMarks = field(default_factory=RetireMarks)
     retired_sessions: dict[str, str] = field(default_factory=dict)
-    aliases: dict[str, str] = field(default_factory=dict)
-    sessions: dict[str, str] = field(default_factory=dict)
     opened: asyncio.Event = field(default_factory=asyncio.Event)
     seq: int = 0
     _report_due: bool = False
@@ -180,7 +185,7 @@ class ParticipantRuntime:
         try:
             if identity is not None:
                 restored, state = False, None
-                if new_episode and identity.rollout_id in self.pending:
+                if new_episode and identity.rollout_id in self.claims:
                     state = await self._claim(identity, digest)
                     restored = True
                 flight.episode = Episode(
@@ -194,29 +199,18 @@ class ParticipantRuntime:
     def _refuse_retired(self, identity: EpisodeId | None, facts: RequestFacts) -> None:
         """A retired attempt (or an earlier one) is refused until its rollout is forgotten;
         so is a session of one (MCP calls name only their session), except its close."""
-        if identity is not None:
-            mark = self.marks.get(identity.rollout_id)
-            if mark is not None and identity.attempt <= mark:
-                raise GymError("stale_attempt", f"attempt {identity.key} was retired")
+        if identity is not None and self.marks.covers(identity):
+            raise GymError("stale_attempt", f"attempt {identity.key} was retired")
         if facts.session_id in self.retired_sessions and facts.path != "/close_session":
             detail = f"session {facts.session_id} belongs to a retired attempt"
             raise GymError("stale_attempt", detail)
 
     async def _claim(self, identity: EpisodeId, digest: str) -> Any:
-        expected = self.pending[identity.rollout_id]
-        if identity.attempt != expected:
-            raise GymError(
-                "stale_attempt", f"{identity.rollout_id} continues only as attempt {expected}"
-            )
+        self.claims.check(identity)
         assert self.channel is not None
         try:
-            reply = await self.channel.request(
-                "claim",
-                within=CLAIM_WAIT,
-                rollout_id=identity.rollout_id,
-                attempt=identity.attempt,
-                task_digest=digest,
-            )
+            claim = Claim(identity.rollout_id, identity.attempt, digest)
+            reply = await self.channel.request(claim, within=CLAIM_WAIT)
         except (ChannelClosed, ChannelTimeout) as exc:
             raise GymError(
                 "checkpoint_coordinator_unavailable", f"the claim got no answer: {exc}"
@@ -225,10 +219,10 @@ class ParticipantRuntime:
             if exc.code == "stale_attempt":
                 # The coordinator no longer holds it (claimed elsewhere, retired); a parked
                 # claim or a replacement of another task leaves the record where it is.
-                self.pending.pop(identity.rollout_id, None)
+                self.claims.take(identity.rollout_id)
             raise GymError(exc.code, exc.detail) from exc
-        self.pending.pop(identity.rollout_id, None)
-        return reply.get("boundary")
+        self.claims.take(identity.rollout_id)
+        return reply.boundary
 
     def answered(self, flight: InFlight, status: int, app_session: str | None = None) -> None:
         """The app answered `status`: track the request's session.
@@ -264,7 +258,7 @@ class ParticipantRuntime:
         self.flights.discard(flight)
         self.changed()
 
-    async def park(self, flight: InFlight, position: str) -> float:
+    async def park(self, flight: InFlight, position: Position) -> float:
         """Wait while the gate is closed; return the seconds spent parked."""
         if self.is_open:
             return 0.0
@@ -276,7 +270,7 @@ class ParticipantRuntime:
             self.set_position(flight, "running")
         return time.monotonic() - started
 
-    def set_position(self, flight: InFlight, position: str) -> None:
+    def set_position(self, flight: InFlight, position: Position) -> None:
         flight.position = position
         self.changed()
 
@@ -308,8 +302,9 @@ class ParticipantRuntime:
                 self.store.expire(time.monotonic() - ttl, busy)
 
     # ---- readiness --------------------------------------------------------------
-    def report(self) -> dict[str, Any]:
-        """This worker's readiness for the open checkpoint."""
+    def report(self) -> Report:
+        """This worker's readiness for the open checkpoint (its sequence number is the last
+        report sent)."""
         counts = {"in_flight": 0, "running": 0, "door": 0, "parked": 0, "replay": 0, "tunnel": 0}
         blockers = []
         # A model's calls never block: admitted ones finish and their answers are held
@@ -332,13 +327,14 @@ class ParticipantRuntime:
             counts["unbound_sessions"] = unbound
             if unbound and self.kind == "resources":
                 blockers.append(f"resources-unbound-sessions:{unbound}")
-        return {
-            "checkpoint_id": self.checkpoint_id,
-            "ready": not self.is_open and not blockers,
-            "blockers": sorted(blockers),
-            "counts": counts,
-            "restarts": sorted(restarts),
-        }
+        return Report(
+            seq=self.seq,
+            checkpoint_id=self.checkpoint_id,
+            ready=not self.is_open and not blockers,
+            blockers=sorted(blockers),
+            counts=counts,
+            restarts=sorted(restarts),
+        )
 
     def _sessions_ended(self, session_ids: list[str]) -> None:
         """Sessions ended here: the app's `release` hook drops their state, and the proxy
@@ -359,7 +355,7 @@ class ParticipantRuntime:
         ended = [sid for sid in ended if sid not in store]  # begun again meanwhile: keep
         if ended and self.channel is not None and not self.channel.closed:
             with contextlib.suppress(ChannelClosed):
-                self.channel.send_nowait({"type": "sessions_ended", "session_ids": ended})
+                self.channel.notify(SessionsEnded(ended))
 
     def changed(self) -> None:
         """Something readiness depends on changed: report soon (coalesced)."""
@@ -374,7 +370,7 @@ class ParticipantRuntime:
             return
         self.seq += 1
         with contextlib.suppress(ChannelClosed):
-            self.channel.send_nowait({"type": "ready", "seq": self.seq, **self.report()})
+            self.channel.notify(Ready(**self.report().fields()))
 
     async def _poll_reports(self) -> None:
         while True:
@@ -440,10 +436,8 @@ class ParticipantRuntime:
         """Mark the attempts (and earlier ones of their rollouts) retired, cancel their
         requests, wait for them to stop, then free their sessions; return what was freed.
         The marks stay, whether or not this finishes, until `forget`."""
-        for episode in episode_ids:
-            mark = self.marks.get(episode.rollout_id, -1)
-            self.marks[episode.rollout_id] = max(mark, episode.attempt)
-        covered = self._covered
+        self.marks.retire(episode_ids)
+        covered = self.marks.covers
         doomed = [f for f in self.flights if f.identity is not None and covered(f.identity)]
         for flight in doomed:
             flight.retired = True
@@ -456,20 +450,13 @@ class ParticipantRuntime:
         for session_id, key in self.store.bound_to(keys).items():
             self.retired_sessions[session_id] = parse_episode_key(key).rollout_id
         freed = self.store.release_episodes(keys)
-        for rollout_id, attempt in list(self.pending.items()):
-            if covered(EpisodeId(rollout_id, attempt)):
-                del self.pending[rollout_id]
+        self.claims.drop_retired(self.marks)
         return await self.forget_sessions(freed) + len(doomed)
-
-    def _covered(self, identity: EpisodeId) -> bool:
-        mark = self.marks.get(identity.rollout_id)
-        return mark is not None and identity.attempt <= mark
 
     def forget(self, rollout_ids: list[str]) -> list[str]:
         """Stop refusing these rollouts' retired attempts and sessions."""
         gone = set(rollout_ids)
-        for rollout_id in gone:
-            self.marks.pop(rollout_id, None)
+        self.marks.forget(gone)
         for session_id, rollout_id in list(self.retired_sessions.items()):
             if rollout_id in gone:
                 del self.retired_sessions[session_id]

@@ -9,6 +9,9 @@
 - `ping` is answered by the reader itself, never queued behind a long handler: it tells
   whether the peer's event loop runs, which is what liveness is about.
 - An error reply carries `{code, detail}` and is raised again as the same `GymError`.
+- Messages are typed (`coordinator.contract.messages`): a request is decoded before its
+  handler runs (a malformed one is answered `invalid_request`, naming the message and the
+  key), and a reply is decoded as the request's `REPLY` before the caller sees it.
 """
 
 from __future__ import annotations
@@ -18,18 +21,25 @@ import contextlib
 import itertools
 import logging
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from coordinator.contract.errors import GymError
 from coordinator.contract.framing import FramingError, encode_frame, read_frame
+from coordinator.contract.messages import (
+    MESSAGES,
+    Done,
+    MalformedMessage,
+    Message,
+    Ping,
+    decode,
+)
 
-__all__ = ["Channel", "ChannelClosed", "ChannelTimeout", "RemoteError", "Handler", "PING"]
+__all__ = ["Channel", "ChannelClosed", "ChannelTimeout", "RemoteError", "Handler"]
 
 log = logging.getLogger("gym_proxy.channel")
 
-Handler = Callable[[dict[str, Any]], Awaitable[dict[str, Any] | None]]
-PING = "ping"
+Handler = Callable[[Message], Awaitable[Message | None]]
 
 
 class ChannelClosed(ConnectionError):
@@ -52,10 +62,12 @@ class Channel:
         reader: asyncio.StreamReader,
         writer: asyncio.StreamWriter,
         handler: Handler,
+        messages: Mapping[str, type[Message]] = MESSAGES,
     ) -> None:
         self._reader = reader
         self._writer = writer
         self._handler = handler
+        self._messages = messages
         self._ids = itertools.count(1)
         self._pending: dict[int, asyncio.Future[dict[str, Any]]] = {}
         self._inbox: deque[dict[str, Any]] = deque()
@@ -66,32 +78,38 @@ class Channel:
     def closed(self) -> bool:
         return self._closed
 
-    async def request(
-        self, type_: str, within: float | None = None, **fields: Any
-    ) -> dict[str, Any]:
-        """Send a request and return the peer's `ok` reply.
+    async def request(self, message: Message, within: float | None = None) -> Any:
+        """Send a request and return the peer's `ok` reply, decoded as `message.REPLY`.
 
         Raises ChannelClosed, ChannelTimeout (after `within` seconds; None waits for as
-        long as the channel lives) or RemoteError.
+        long as the channel lives) or RemoteError (an error reply, or a malformed one).
         """
         if self._closed:
             raise ChannelClosed("channel is closed")
         request_id = next(self._ids)
         future: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         self._pending[request_id] = future
+        kind = message.TYPE
         try:
-            self.send_nowait({"type": type_, "id": request_id, **fields})
+            self.send_nowait({**message.wire(), "id": request_id})
             try:
                 reply = await asyncio.wait_for(future, within)
             except TimeoutError:
-                raise ChannelTimeout(f"no reply to {type_} within {within:.3g} s") from None
+                raise ChannelTimeout(f"no reply to {kind} within {within:.3g} s") from None
         finally:
             self._pending.pop(request_id, None)
         if reply["type"] == "error":
             raise RemoteError(
                 str(reply.get("code", "internal_error")), str(reply.get("detail", "error"))
             )
-        return reply
+        try:
+            return (message.REPLY or Done).decode(reply)
+        except MalformedMessage as exc:
+            raise RemoteError("internal_error", f"malformed reply to {kind}: {exc}") from None
+
+    def notify(self, message: Message) -> None:
+        """Send a message that gets no reply (a report, ended sessions)."""
+        self.send_nowait(message.wire())
 
     def send_nowait(self, message: dict[str, Any]) -> None:
         """Queue one message for writing (the transport buffers; nothing is awaited)."""
@@ -124,7 +142,7 @@ class Channel:
                     future = self._pending.get(message.get("id"))  # type: ignore[arg-type]
                     if future is not None and not future.done():
                         future.set_result(message)
-                elif kind == PING:
+                elif kind == Ping.TYPE:
                     self.send_nowait({"type": "ok", "id": message.get("id")})
                 else:
                     self._inbox.append(message)
@@ -142,21 +160,27 @@ class Channel:
         while inbox and not self._closed:
             await self._dispatch(inbox.popleft())
 
-    async def _dispatch(self, message: dict[str, Any]) -> None:
-        request_id = message.get("id")
+    async def _dispatch(self, payload: dict[str, Any]) -> None:
+        request_id = payload.get("id")
         try:
-            reply = await self._handler(message)
+            reply = await self._handler(decode(payload, self._messages))
+        except MalformedMessage as exc:
+            reply_msg: dict[str, Any] = {"type": "error", "code": "invalid_request"}
+            reply_msg["detail"] = str(exc)
         except GymError as exc:
-            reply_msg: dict[str, Any] = {"type": "error", "code": exc.code, "detail": exc.detail}
+            reply_msg = {"type": "error", "code": exc.code, "detail": exc.detail}
         except Exception as exc:  # the peer gets the failure as a reply, not a dead channel
-            log.exception("handler for %s failed", message["type"])
+            log.exception("handler for %s failed", payload["type"])
             reply_msg = {"type": "error", "code": "internal_error", "detail": repr(exc)}
         else:
-            reply_msg = {"type": "ok", **(reply or {})}
-        if request_id is not None:
-            reply_msg["id"] = request_id
-            with contextlib.suppress(ChannelClosed):
-                self.send_nowait(reply_msg)
+            reply_msg = {"type": "ok", **(reply.fields() if reply is not None else {})}
+        if request_id is None:
+            if reply_msg["type"] == "error":  # a notice has nobody to answer: say it here
+                log.error("dropped a %s message: %s", payload["type"], reply_msg["detail"])
+            return
+        reply_msg["id"] = request_id
+        with contextlib.suppress(ChannelClosed):
+            self.send_nowait(reply_msg)
 
     def close(self) -> None:
         """Close the connection and fail every request still waiting for a reply."""

@@ -1,0 +1,369 @@
+"""Every message of the coordinator channel, one typed definition used by both ends.
+
+A message is a frozen dataclass with its wire `type` (`TYPE`) and, for a request, the
+class of its `ok` reply (`REPLY`). On the wire it is one JSON object (`framing`): its
+fields, plus `type` and, for a request awaiting a reply, `id`. `decode` checks the object
+against the definition: a missing key, an unknown key or a value of the wrong type fails
+with `MalformedMessage` naming the message and the key, before a handler sees it.
+
+    worker -> coordinator            coordinator -> worker
+    register  -> RegisterReply       close      -> CloseReply (the worker's Report)
+    claim     -> ClaimReply          reopen     -> Done
+    ready     (no reply)             export     -> ExportReply (records, encoded)
+    sessions_ended (no reply)        release    -> Released
+                                     install    -> Installed
+    either way                       uninstall  -> Released
+    ping      -> Done                tables     -> Done
+                                     retire     -> Retired
+                                     forget     -> Forgotten
+                                     stop       -> Done
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal, TypeVar, get_args, get_origin
+
+__all__ = [
+    "Message",
+    "MalformedMessage",
+    "MESSAGES",
+    "decode",
+    "message",
+    "Done",
+    "Ping",
+    "Tables",
+    "Register",
+    "RegisterReply",
+    "Report",
+    "Ready",
+    "Claim",
+    "ClaimReply",
+    "SessionsEnded",
+    "Close",
+    "CloseReply",
+    "Reopen",
+    "Export",
+    "ExportReply",
+    "Release",
+    "Released",
+    "Install",
+    "Installed",
+    "Uninstall",
+    "TablesUpdate",
+    "Retire",
+    "Retired",
+    "Forget",
+    "Forgotten",
+    "Stop",
+]
+
+M = TypeVar("M", bound="Message")
+_ENVELOPE = frozenset({"type", "id"})
+
+
+class MalformedMessage(ValueError):
+    """A channel message that does not match its definition (names the message and key)."""
+
+
+class Message:
+    """Base of every channel message (see the module docstring)."""
+
+    TYPE: ClassVar[str] = ""
+    REPLY: ClassVar[type[Message] | None] = None
+    _checks: ClassVar[dict[str, Callable[[Any], bool]]] = {}
+    _required: ClassVar[frozenset[str]] = frozenset()
+
+    def fields(self) -> dict[str, Any]:
+        """The message's fields as the wire object holds them (nested messages too)."""
+        out = {}
+        for name in self._checks:
+            value = getattr(self, name)
+            out[name] = value.fields() if isinstance(value, Message) else value
+        return out
+
+    def wire(self) -> dict[str, Any]:
+        """The whole wire object: `type` and the fields."""
+        return {"type": self.TYPE, **self.fields()}
+
+    @classmethod
+    def decode(cls: type[M], payload: Mapping[str, Any]) -> M:
+        """The message in `payload` (envelope keys ignored), or MalformedMessage."""
+        name = cls.TYPE or cls.__name__
+        keys = set(payload) - _ENVELOPE
+        unknown = keys - set(cls._checks)
+        if unknown:
+            raise MalformedMessage(f"{name}: unknown key(s) {', '.join(sorted(unknown))}")
+        missing = cls._required - keys
+        if missing:
+            raise MalformedMessage(f"{name}: missing key(s) {', '.join(sorted(missing))}")
+        values = {}
+        for key in keys:
+            value = payload[key]
+            nested = _NESTED.get((cls, key))
+            if nested is not None and isinstance(value, Mapping):
+                value = nested.decode(value)
+            elif not cls._checks[key](value):
+                raise MalformedMessage(f"{name}: {key} is not {_DESCRIBED[(cls, key)]}")
+            values[key] = value
+        return cls(**values)
+
+
+MESSAGES: dict[str, type[Message]] = {}
+_NESTED: dict[tuple[type[Message], str], type[Message]] = {}
+_DESCRIBED: dict[tuple[type[Message], str], str] = {}
+
+
+def message(
+    type_: str = "",
+    reply: type[Message] | None = None,
+    registry: dict[str, type[Message]] = MESSAGES,
+) -> Callable[[type[M]], type[M]]:
+    """Define a message class: a frozen dataclass with its checks; a `type_` registers it
+    in `registry` (gym-proxy's channel's, unless a test brings its own)."""
+
+    def define(cls: type[M]) -> type[M]:
+        cls = dataclass(frozen=True, slots=True)(cls)  # type: ignore[assignment]
+        hints = typing.get_type_hints(cls)
+        checks, required = {}, set()
+        for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+            hint = hints[f.name]
+            checks[f.name] = _check(hint)
+            _DESCRIBED[(cls, f.name)] = _describe(hint)
+            if isinstance(hint, type) and issubclass(hint, Message):
+                _NESTED[(cls, f.name)] = hint
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                required.add(f.name)
+        cls._checks = checks
+        cls._required = frozenset(required)
+        cls.TYPE = type_
+        cls.REPLY = reply
+        if type_:
+            if type_ in registry:
+                raise ValueError(f"two definitions of channel message {type_!r}")
+            registry[type_] = cls
+        return cls
+
+    return define
+
+
+def decode(payload: Mapping[str, Any], registry: Mapping[str, type[Message]] = MESSAGES) -> Message:
+    """The request or notice in `payload`, by its `type`; MalformedMessage if unknown."""
+    kind = payload.get("type")
+    cls = registry.get(kind) if isinstance(kind, str) else None
+    if cls is None:
+        raise MalformedMessage(f"unknown message type {kind!r}")
+    return cls.decode(payload)
+
+
+def _check(hint: Any) -> Callable[[Any], bool]:
+    """A predicate for values of the annotation `hint` (the shapes messages use)."""
+    origin, args = get_origin(hint), get_args(hint)
+    if hint is Any:
+        return lambda value: True
+    if origin in (types.UnionType, typing.Union):
+        alternatives = [_check(a) for a in args]
+        return lambda value: any(check(value) for check in alternatives)
+    if origin is Literal:
+        allowed = frozenset(args)
+        return lambda value: isinstance(value, str) and value in allowed
+    if hint is type(None):
+        return lambda value: value is None
+    if hint is int:
+        return lambda value: isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return lambda value: isinstance(value, int | float) and not isinstance(value, bool)
+    if hint is bytes:
+        return lambda value: isinstance(value, bytes | bytearray | memoryview)
+    if origin is list:
+        item = _check(args[0])
+        return lambda value: isinstance(value, list) and all(item(v) for v in value)
+    if origin is dict:
+        key, item = _check(args[0]), _check(args[1])
+        return lambda value: (
+            isinstance(value, dict) and all(key(k) and item(v) for k, v in value.items())
+        )
+    if isinstance(hint, type) and issubclass(hint, Message):
+        return lambda value: isinstance(value, hint)
+    if isinstance(hint, type):
+        return lambda value: isinstance(value, hint)
+    raise TypeError(f"channel messages cannot hold {hint!r}")
+
+
+def _describe(hint: Any) -> str:
+    name = getattr(hint, "__name__", None)
+    return f"a {name}" if name and not get_args(hint) else f"of type {hint}"
+
+
+# ---- replies and shared parts ---------------------------------------------------------
+@message()
+class Done(Message):
+    """An `ok` reply that carries nothing."""
+
+
+@message()
+class Tables(Message):
+    """What every worker holds of the coordinator's state: the restored rollouts not yet
+    claimed (rollout -> the attempt that continues it) and the retire marks."""
+
+    pending: dict[str, int]
+    marks: dict[str, int]
+
+
+@message()
+class Report(Message):
+    """A worker's readiness for the open checkpoint, sequenced (a later one wins)."""
+
+    seq: int
+    checkpoint_id: str | None
+    ready: bool
+    blockers: list[str]
+    counts: dict[str, int]
+    restarts: list[str]
+
+
+# ---- worker -> coordinator --------------------------------------------------------------
+@message()
+class RegisterReply(Message):
+    tables: Tables
+    checkpoint_id: str | None = None  # set: a checkpoint is open; close at once
+
+
+@message("register", RegisterReply)
+class Register(Message):
+    """The first message on a worker's channel: which incarnation it is and what it runs."""
+
+    slot: int
+    owner: str
+    pid: int
+    socket: str
+    kind: str
+    framework: Literal["aiohttp", "asgi"]
+    app_cookie: str | None
+    restart_only: bool
+
+
+@message("ready")
+class Ready(Report):
+    """A report sent whenever readiness changes (no reply)."""
+
+
+@message()
+class ClaimReply(Message):
+    boundary: Any  # the boundary state the episode continues from
+
+
+@message("claim", ClaimReply)
+class Claim(Message):
+    """A worker continues a restored episode: the coordinator hands its record out once."""
+
+    rollout_id: str
+    attempt: int
+    task_digest: str
+
+
+@message("sessions_ended")
+class SessionsEnded(Message):
+    """Sessions that ended on this worker; the proxy's tables forget them (no reply)."""
+
+    session_ids: list[str]
+
+
+@message("ping", Done)
+class Ping(Message):
+    """Answered by the channel's reader itself: the peer's event loop runs."""
+
+
+# ---- coordinator -> worker --------------------------------------------------------------
+@message()
+class CloseReply(Message):
+    report: Report
+
+
+@message("close", CloseReply)
+class Close(Message):
+    """Close admission for `checkpoint_id`; the reply is the worker's first report."""
+
+    checkpoint_id: str
+
+
+@message("reopen", Done)
+class Reopen(Message):
+    """Open admission again (resume, or a rollback)."""
+
+
+@message()
+class ExportReply(Message):
+    blob: bytes  # the records, encoded as the records file holds them
+    count: int
+    keys: list[str]  # capture keys of the episodes the records belong to
+
+
+@message("export", ExportReply)
+class Export(Message):
+    checkpoint_id: str
+    scope: list[str] | None  # capture keys; None: everything
+    kind: str
+
+
+@message()
+class Released(Message):
+    released: int
+
+
+@message("release", Released)
+class Release(Message):
+    """After a scoped commit: drop restored state bound to episodes outside `keep`."""
+
+    keep: list[str]
+
+
+@message()
+class Installed(Message):
+    installed: int
+
+
+@message("install", Installed)
+class Install(Message):
+    """Install these restored session records (all or none)."""
+
+    sessions: list[dict[str, Any]]
+
+
+@message("uninstall", Released)
+class Uninstall(Message):
+    """Undo an install (a restore that failed)."""
+
+
+@message("tables", Done)
+class TablesUpdate(Tables):
+    """Replace the worker's pending claims and merge in the marks."""
+
+
+@message()
+class Retired(Message):
+    retired: int
+
+
+@message("retire", Retired)
+class Retire(Message):
+    episode_ids: list[dict[str, Any]]  # [{rollout_id, attempt}]
+
+
+@message()
+class Forgotten(Message):
+    forgotten: list[str]
+
+
+@message("forget", Forgotten)
+class Forget(Message):
+    rollout_ids: list[str]
+
+
+@message("stop", Done)
+class Stop(Message):
+    """A commit with `stop: true` was written: free what the app can free."""
