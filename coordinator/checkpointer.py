@@ -33,6 +33,7 @@ from coordinator.contract.messages import (
     Claim,
     ClaimReply,
     Close,
+    CloseReply,
     Export,
     ExportReply,
     Forget,
@@ -277,6 +278,7 @@ class Checkpointer:
         cached = self.machine.check("commit", checkpoint_id, deadline_ts, self.clock(), arguments)
         if cached is not None:
             return cached
+        self.machine.extend(deadline_ts)  # the lease covers the call's own deadline
         live = self.workers.live()
         write = self._write
         if write is not None and write.task.done() and not _succeeded(write.task):
@@ -435,7 +437,9 @@ class Checkpointer:
         self.machine.open(checkpoint_id, "restored", deadline_ts)
         self.readiness.reset()
         try:
-            await self._gather(live, Close(checkpoint_id), deadline_ts)
+            closed: list[CloseReply] = await self._gather(live, Close(checkpoint_id), deadline_ts)
+            for worker, reply in zip(live, closed, strict=True):
+                self.readiness.update(worker.owner, reply.report)  # status tells the truth
             await self._gather(live, lambda w: Install(placement.records[w.owner]), deadline_ts)
             tables = TablesUpdate(claims.attempts(), self.marks.as_dict())
             await self._gather(live, tables, deadline_ts)
@@ -483,25 +487,34 @@ class Checkpointer:
     async def resume(self, checkpoint_id: str, deadline_ts: float) -> dict[str, Any]:
         if checkpoint_id in self.machine.resumed:  # never behind another call
             return {"phase": "idle", "idempotent": True}
+        stopped = False
         if self.machine.checkpoint_id == checkpoint_id:
-            await self._stop_work(checkpoint_id)
+            stopped = await self._stop_work(checkpoint_id)
         async with self._lock:
+            if stopped and not self.machine.is_open:
+                # It stopped a restore, whose rollback left the participant idle: this
+                # resume did something, and its ID is fenced like any resumed one.
+                self.machine.remember(checkpoint_id)
+                return {"phase": "idle", "idempotent": False}
             cached = self.machine.check("resume", checkpoint_id, deadline_ts, self.clock())
             if cached is not None:
                 return cached
             await self._reopen()
             return {"phase": "idle", "idempotent": False}
 
-    async def _stop_work(self, checkpoint_id: str) -> None:
-        """Stop a commit or restore of `checkpoint_id` that is running (resume wins)."""
+    async def _stop_work(self, checkpoint_id: str) -> bool:
+        """Stop a commit or restore of `checkpoint_id` that is running (resume wins);
+        True if one was running."""
         op = self._op
-        if op is not None and op[0] == checkpoint_id and not op[1].done():
+        stopped = op is not None and op[0] == checkpoint_id and not op[1].done()
+        if stopped:
             op[1].cancel()
             await asyncio.wait({op[1]})
         write = self._write
         if write is not None and write.checkpoint_id == checkpoint_id:
             write.abort.set()
             await asyncio.wait({write.task})  # after this, no manifest can appear
+        return stopped
 
     async def _reopen(self) -> None:
         write = self._write

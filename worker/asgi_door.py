@@ -21,10 +21,17 @@ import asyncio
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-from coordinator.contract import headers as names
 from coordinator.contract.app_sessions import session_in_headers
 from coordinator.contract.errors import RETRY_AFTER, GymError
-from coordinator.contract.headers import split_rollout_path
+from coordinator.contract.headers import (
+    APP_SESSION,
+    APP_SESSION_END,
+    APP_TOKEN,
+    SESSION_ID,
+    SESSION_NEW,
+    SESSION_TOKEN,
+    split_rollout_path,
+)
 from worker.app_sessions import app_session_cookie, starlette_app
 from worker.request_context import RequestContext
 from worker.runtime import (
@@ -69,13 +76,13 @@ class AsgiDoor:
         runtime = self.runtime
         session_id = new_session = proxy_token = app_token = None
         for name, value in scope["headers"]:
-            if name == names.SESSION_ID:
+            if name == SESSION_ID:
                 session_id = value.decode("latin-1")
-            elif name == names.SESSION_NEW:
+            elif name == SESSION_NEW:
                 new_session = value == b"1"
-            elif name == names.SESSION_TOKEN:
+            elif name == SESSION_TOKEN:
                 proxy_token = True
-            elif name == names.APP_TOKEN:  # only an app's own gets this far
+            elif name == APP_TOKEN:  # only an app's own gets this far
                 app_token = True
         buffered: list[bytes] = []
 
@@ -149,7 +156,7 @@ class AsgiDoor:
         runtime = self.runtime
         session_id = None
         for name, value in scope["headers"]:
-            if name == names.SESSION_ID:
+            if name == SESSION_ID:
                 session_id = value.decode("latin-1")
         try:
             key, path = split_rollout_path(scope["path"])
@@ -211,9 +218,9 @@ def _announcement(
     if app_session is None or not 200 <= status < 300:
         return None
     if flight.path == "/seed_session" and app_session not in runtime.store:
-        return names.APP_SESSION, app_session.encode("latin-1")
+        return APP_SESSION, app_session.encode("latin-1")
     if runtime.ends_session(flight.path) and app_session in runtime.store:
-        return names.APP_SESSION_END, app_session.encode("latin-1")
+        return APP_SESSION_END, app_session.encode("latin-1")
     return None
 
 

@@ -136,7 +136,6 @@ class ParticipantRuntime:
     seq: int = 0
     _report_due: bool = False
     _poller: asyncio.Task[None] | None = None
-    _sends: set[asyncio.Task[None]] = field(default_factory=set)
 
     _ended: list[str] = field(default_factory=list)
     # One line per answered request (logger gym_proxy.worker.access): which worker served
@@ -178,11 +177,11 @@ class ParticipantRuntime:
             facts.app_token,
         )
         self.flights.add(flight)
-        if not self.is_open and (self.kind != "model" or facts.path in GENERATION_PATHS):
-            # New work waits too (see the module docstring); a model server's other routes
-            # (model lists, health, a judge) are not checkpointed work and keep serving.
-            await self.park(flight, "door")
         try:
+            if not self.is_open and (self.kind != "model" or facts.path in GENERATION_PATHS):
+                # New work waits too (see the module docstring); a model server's other
+                # routes (model lists, health, a judge) are not checkpointed work.
+                await self.park(flight, "door")
             if identity is not None:
                 restored, state = False, None
                 if new_episode and identity.rollout_id in self.claims:
@@ -191,6 +190,11 @@ class ParticipantRuntime:
                 flight.episode = Episode(
                     self, flight, identity, restored, state, digest, exported=new_episode
                 )
+        except asyncio.CancelledError:
+            self.leave(flight)
+            if own_cancellation(flight):  # retired while it waited: refused, not dropped
+                raise GymError("stale_attempt", f"attempt {flight.blocker()} was retired") from None
+            raise
         except BaseException:
             self.leave(flight)
             raise
@@ -400,7 +404,7 @@ class ParticipantRuntime:
         participation = self.participation
         owner = self.info.owner
         if participation.restart_only:
-            records = []
+            return []  # its episodes are restarts (report.restarts), never continued
         elif participation.hooks is not None and participation.hooks.export is not None:
             live = self.store.sessions_in(scope)
             states = await participation.hooks.export(sorted(live))

@@ -1,0 +1,156 @@
+"""Unit tests of the ground floor (`coordinator.contract`): the channel messages, retire
+marks and restored claims, the ID rules and the /ng-rollout/ split, and that the floor
+imports nothing above it."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from coordinator.contract import messages
+from coordinator.contract.episodes import EpisodeId, check_rollout_id
+from coordinator.contract.errors import GymError
+from coordinator.contract.headers import split_rollout_path, split_rollout_url
+from coordinator.contract.ids import is_checkpoint_id, is_rollout_id, is_valid_id
+from coordinator.contract.marks import RestoredClaims, RetireMarks
+from coordinator.contract.messages import MESSAGES, MalformedMessage, Message
+
+CONTRACT = Path(__file__).resolve().parent.parent / "coordinator" / "contract"
+
+# A value of the right type for every field shape the messages use.
+SAMPLES: dict[str, Any] = {
+    "int": 3,
+    "str": "x",
+    "bool": True,
+    "bytes": b"raw",
+    "Any": {"step": 1},
+    "str | None": None,
+    "list[str]": ["a"],
+    "list[str] | None": ["k"],
+    "dict[str, int]": {"a": 1},
+    "list[dict[str, Any]]": [{"session_id": "s"}],
+    "Literal['aiohttp', 'asgi']": "asgi",
+}
+
+
+def sample(cls: type[Message]) -> Message:
+    values = {}
+    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+        nested = messages._NESTED.get((cls, f.name))
+        values[f.name] = sample(nested) if nested is not None else SAMPLES[str(f.type)]
+    return cls(**values)
+
+
+@pytest.mark.parametrize("kind", sorted(MESSAGES))
+def test_every_message_and_its_reply_survive_the_wire(kind):
+    for cls in (MESSAGES[kind], MESSAGES[kind].REPLY):
+        if cls is None:
+            continue
+        original = sample(cls)
+        wire = {**original.wire(), "id": 7}
+        assert cls.decode(wire) == original
+        if cls.TYPE:
+            assert messages.decode(wire) == original
+
+
+@pytest.mark.parametrize("kind", sorted(k for k, c in MESSAGES.items() if c._required))
+def test_a_missing_or_unknown_key_fails_at_decode_naming_the_message(kind):
+    wire = sample(MESSAGES[kind]).wire()
+    key = sorted(MESSAGES[kind]._required)[0]
+    with pytest.raises(MalformedMessage, match=rf"^{kind}: missing key\(s\) {key}$"):
+        messages.decode({k: v for k, v in wire.items() if k != key})
+    with pytest.raises(MalformedMessage, match=rf"^{kind}: unknown key\(s\) surplus$"):
+        messages.decode({**wire, "surplus": 1})
+
+
+def test_mistyped_values_fail_at_decode():
+    good = messages.Claim("r1", 2, "d").wire()
+    for key, value in (("attempt", True), ("attempt", "2"), ("rollout_id", None)):
+        with pytest.raises(MalformedMessage, match=rf"^claim: {key} is not"):
+            messages.decode({**good, key: value})
+    reply = messages.RegisterReply(messages.Tables({}, {}), None).fields()
+    with pytest.raises(MalformedMessage, match="Tables: unknown key"):
+        messages.RegisterReply.decode({**reply, "tables": {"pending": {}, "marks": {}, "x": 1}})
+    with pytest.raises(MalformedMessage, match="unknown message type 'nope'"):
+        messages.decode({"type": "nope"})
+
+
+def test_a_second_definition_of_a_message_type_is_refused():
+    with pytest.raises(ValueError, match="two definitions of channel message 'claim'"):
+
+        @messages.message("claim")
+        class Again(Message):
+            pass
+
+
+def test_retire_marks_cover_the_attempt_and_every_earlier_one():
+    marks = RetireMarks()
+    marks.retire([EpisodeId("r", 2)])
+    assert [marks.covers(EpisodeId("r", a)) for a in range(4)] == [True, True, True, False]
+    marks.retire([EpisodeId("r", 1)])  # marks never go back
+    assert marks.covers(EpisodeId("r", 2)) and not marks.covers(EpisodeId("other", 0))
+    marks.merge({"r": 0, "s": 5})
+    assert marks.as_dict() == {"r": 2, "s": 5} and len(marks) == 2
+    marks.forget(["r", "unknown"])
+    assert not marks.covers(EpisodeId("r", 0)) and marks.as_dict() == {"s": 5}
+
+
+def test_restored_claims_are_handed_out_once_and_only_to_the_continuing_attempt():
+    claims: RestoredClaims[str] = RestoredClaims({"r1": (1, "rec1"), "r2": (3, "rec2")})
+    with pytest.raises(GymError, match="r1 continues only as attempt 1") as wrong:
+        claims.check(EpisodeId("r1", 0))
+    assert wrong.value.code == "stale_attempt"
+    assert claims.check(EpisodeId("r1", 1)) == "rec1"
+    claims.take("r1")
+    with pytest.raises(GymError, match="r1 has no unclaimed restored record"):
+        claims.check(EpisodeId("r1", 1))
+    assert "r2" in claims and claims.keys() == ["r2-a3"] and claims.attempts() == {"r2": 3}
+
+
+def test_restored_claims_drop_what_marks_cover_and_what_a_scope_leaves_out():
+    claims: RestoredClaims[None] = RestoredClaims({"a": (1, None), "b": (2, None), "c": (0, None)})
+    marks = RetireMarks({"a": 1, "b": 1})
+    assert claims.drop_retired(marks) == [EpisodeId("a", 1)]  # b continues as 2: not covered
+    claims.keep_only({"b-a2"})
+    assert claims.attempts() == {"b": 2}
+
+
+def test_id_rules():
+    assert is_valid_id("-P1SBqWaCxk") and not is_valid_id("a.b") and not is_valid_id("x" * 65)
+    assert is_checkpoint_id("ck-1.r") and not is_checkpoint_id(".hidden")
+    assert is_rollout_id("12-3") and not is_rollout_id(5) and not is_rollout_id("_x")
+    assert check_rollout_id("task.7") == "task.7"
+    for bad in ("r-a3", "x" * 513, "", None):
+        with pytest.raises(GymError):
+            check_rollout_id(bad)
+
+
+def test_the_rollout_prefix_splits_the_same_on_both_floors():
+    assert split_rollout_url(b"/ng-rollout/r1-a2/run?x=1") == (b"r1-a2", b"/run?x=1")
+    assert split_rollout_url(b"/ng-rollout/r1?x") == (b"r1", b"/?x")
+    assert split_rollout_url(b"/ng-rollout//run")[0] == b""
+    assert split_rollout_path("/ng-rollout/r1-a2/run") == ("r1-a2", "/run")
+    assert split_rollout_path("/ng-rollout/r1") == ("r1", "/")
+    assert split_rollout_path("/run") == (None, "/run")
+    with pytest.raises(GymError) as empty:
+        split_rollout_path("/ng-rollout//run")
+    assert empty.value.code == "bad_request"
+
+
+def test_the_ground_floor_imports_nothing_above_it():
+    for path in sorted(CONTRACT.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            elif isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            else:
+                continue
+            for name in names:
+                top = name.split(".")[0]
+                if top in ("proxy", "worker", "coordinator"):
+                    assert name.startswith("coordinator.contract"), f"{path.name} imports {name}"
