@@ -34,6 +34,7 @@ from coordinator.contract.messages import (
     ClaimReply,
     Close,
     CloseReply,
+    EpisodeRef,
     Export,
     ExportReply,
     Forget,
@@ -114,6 +115,7 @@ class Checkpointer:
     claims: RestoredClaims[dict[str, Any]] = field(default_factory=RestoredClaims)
     marks: RetireMarks = field(default_factory=RetireMarks)
     restored_once: bool = False
+    busy: str | None = None  # a live operation (a move) that excludes checkpoints
     _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     _op: tuple[str, asyncio.Task[Any]] | None = None
     _write: _Write | None = None
@@ -187,6 +189,7 @@ class Checkpointer:
             "routed_sessions": len(self.workers.placed_sessions()),
             "restored_pending": self.claims.keys(),
             "retired_rollouts": len(self.marks),
+            "operation": self.busy,
         }
 
     def _report(self, live: list[LiveWorker] | None = None) -> dict[str, Any]:
@@ -202,11 +205,21 @@ class Checkpointer:
             live or self.workers.live(), self.workers.expected, self.kind or "resources"
         )
 
+    @property
+    def open_checkpoint(self) -> str | None:
+        """The ID of the checkpoint that is open, if one is."""
+        return self.machine.checkpoint_id if self.machine.is_open else None
+
+    def _refuse_while_busy(self) -> None:
+        if self.busy is not None:
+            raise GymError("operation_conflict", f"a {self.busy} is running; retry after it")
+
     async def prepare(self, checkpoint_id: str, deadline_ts: float) -> dict[str, Any]:
         async with self._lock:
             cached = self.machine.check("prepare", checkpoint_id, deadline_ts, self.clock())
             if cached is not None:
                 return cached
+            self._refuse_while_busy()
             if not self.machine.is_open:
                 self.machine.open(checkpoint_id, "preparing", deadline_ts)
                 self.readiness.reset()
@@ -408,6 +421,7 @@ class Checkpointer:
             return cached
         if self.restored_once:
             raise GymError("invalid_phase", "restore needs freshly started workers")
+        self._refuse_while_busy()
         live = self.workers.live()
         if len(live) < self.workers.expected:
             missing = self.workers.expected - len(live)
@@ -545,7 +559,7 @@ class Checkpointer:
                 self.machine.extend(deadline_ts)
             self.marks.retire(episode_ids)
             self.claims.drop_retired(self.marks)  # those rollouts start over as later attempts
-            retire = Retire([e.as_json() for e in episode_ids])
+            retire = Retire([EpisodeRef(e.rollout_id, e.attempt) for e in episode_ids])
             await self._gather(self.workers.live(), retire, deadline_ts)
             return {"retired": [e.key for e in episode_ids]}
 

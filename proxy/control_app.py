@@ -22,6 +22,8 @@ from aiohttp import web
 from coordinator.checkpointer import Checkpointer
 from coordinator.contract.episodes import EpisodeId, check_rollout_id
 from coordinator.contract.errors import GymError, error_body, status_of
+from coordinator.contract.ids import is_valid_id
+from coordinator.mover import Mover
 
 __all__ = ["create_control_app", "PREFIX"]
 
@@ -38,6 +40,7 @@ _FIELDS: dict[str, tuple[set[str], set[str]]] = {
     "forget": (_BASE | {"rollout_ids"}, set()),
 }
 CHECKPOINTER = web.AppKey("gym_proxy_checkpointer", Checkpointer)
+MOVER = web.AppKey("gym_proxy_mover", Mover)
 # Controllers give deadlines of minutes; a day ahead is a bug, and would hold the lease
 # open (and admission closed) for as long.
 MAX_DEADLINE_AHEAD = 86400.0
@@ -147,8 +150,46 @@ def _operation(op: str) -> Callable[[web.Request], Awaitable[web.Response]]:
     return handler
 
 
+MOVE_PATH = "/ng-control/v1/gym-proxy/sessions/move"
+MAX_MOVE_TIMEOUT = 3600.0
+
+
+async def _move(request: web.Request) -> web.Response:
+    """Move live sessions to the worker in one slot (`coordinator.mover`)."""
+    try:
+        body = orjson.loads(await request.read())
+    except orjson.JSONDecodeError as exc:
+        raise GymError("invalid_request", f"body is not JSON: {exc}") from exc
+    if not isinstance(body, dict):
+        raise GymError("invalid_request", "body must be a JSON object")
+    unknown = set(body) - {"session_ids", "to_slot", "timeout_s"}
+    if unknown:
+        raise GymError("invalid_request", f"unknown fields: {', '.join(sorted(unknown))}")
+    ids, slot = body.get("session_ids"), body.get("to_slot")
+    if (
+        not isinstance(ids, list)
+        or not ids
+        or not all(isinstance(i, str) and is_valid_id(i) for i in ids)
+    ):
+        raise GymError("invalid_request", "session_ids must be a non-empty list of session IDs")
+    if not isinstance(slot, int) or isinstance(slot, bool):
+        raise GymError("invalid_request", "to_slot must be a worker slot (an integer)")
+    timeout = body.get("timeout_s", 30.0)
+    if (
+        not isinstance(timeout, int | float)
+        or isinstance(timeout, bool)
+        or not 0 < timeout <= MAX_MOVE_TIMEOUT
+    ):
+        raise GymError("invalid_request", "timeout_s must be a number of seconds, 0-3600")
+    return _json(await request.app[MOVER].move(ids, slot, within=float(timeout)))
+
+
 async def _status(request: web.Request) -> web.Response:
-    return _json(request.app[CHECKPOINTER].status())
+    status = request.app[CHECKPOINTER].status()
+    mover = request.app.get(MOVER)
+    if mover is not None:
+        status["moving_sessions"] = mover.holding
+    return _json(status)
 
 
 _HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
@@ -180,7 +221,9 @@ def _guard(token: str | None) -> Any:
     return guard
 
 
-def create_control_app(checkpointer: Checkpointer, token: str | None) -> web.Application:
+def create_control_app(
+    checkpointer: Checkpointer, token: str | None, mover: Mover | None = None
+) -> web.Application:
     """The control-plane app; `token` None means checkpoint control is off (404)."""
     # restore and retire bodies list episode IDs: allow large runs, not unbounded ones
     app = web.Application(middlewares=[_guard(token)], client_max_size=64 * 1024 * 1024)
@@ -188,4 +231,7 @@ def create_control_app(checkpointer: Checkpointer, token: str | None) -> web.App
     app.router.add_get(f"{PREFIX}/status", _status)
     for op in _FIELDS:
         app.router.add_post(f"{PREFIX}/{op}", _operation(op))
+    if mover is not None:
+        app[MOVER] = mover
+        app.router.add_post(MOVE_PATH, _move)
     return app

@@ -8,6 +8,7 @@ Heads are rewritten by pure functions (`proxy.request_head`, `proxy.response_hea
 States (one at a time; the request side's progress is `request_done`, orthogonal):
 
     QUEUED      head parsed, behind another request of the pipeline     writes nothing
+                (or its session is moving: held until the move ends)
     CONNECTING  routed; waiting for a worker connection (body buffered) may write 100-continue
     SENDING     head sent to the worker; request body streams to it     body -> worker
     RESPONDING  response head sent; response body streams to the client body -> client
@@ -43,9 +44,10 @@ from coordinator.contract.headers import EMPTY_ROLLOUT_KEY, ROLLOUT_PREFIX, spli
 from coordinator.contract.ids import is_valid_id
 from proxy import http_wire as wire
 from proxy.outbox import batch as write_batch
+from proxy.outbox import hold, release
 from proxy.request_head import RequestHead, rewrite_request_head
 from proxy.response_head import rewrite_response_head
-from proxy.routing import APP_TOKEN, WorkerRoute
+from proxy.routing import APP_TOKEN, Router, WorkerRoute
 from proxy.session_tokens import TokenError
 
 if TYPE_CHECKING:
@@ -62,6 +64,7 @@ __all__ = [
     "ANSWERING",
     "DONE",
     "STATE_NAMES",
+    "start_held",
 ]
 
 # Final ints, as the client connection's phases: the compiled data path (setup.py)
@@ -120,6 +123,7 @@ class Exchange:
         "sent_batch",
         "sent_bytes",
         "slot",
+        "session_id",
     )
 
     def __init__(self, client: ClientConnection) -> None:
@@ -152,6 +156,7 @@ class Exchange:
         self.sent_batch = 0  # the outbox batch of the first write to the worker
         self.sent_bytes = 0
         self.slot = -2  # the worker slot routed to (-1: the control app), for the access log
+        self.session_id: str | None = None  # the session it was routed under, once routed
 
     @property
     def finished(self) -> bool:
@@ -228,6 +233,14 @@ class Exchange:
         except GymError as exc:
             self.fail(exc.code, exc.detail)
             return None
+        router = proxy.router
+        session_id = route.session_id
+        if router.holding and session_id in router.holding:
+            # Its session is moving: it waits here, unrouted, and starts again after.
+            router.holding[session_id].append(self)
+            return None
+        self.session_id = session_id
+        router.active[session_id] = router.active.get(session_id, 0) + 1
         worker = route.worker
         if key is not None and not worker.keeps_rollout_prefix:
             # aiohttp routes before any middleware: the app sees /rest, the runtime the key.
@@ -486,6 +499,15 @@ class Exchange:
 
     # ---- -> DONE -------------------------------------------------------------------
     def _detach(self, reuse: bool) -> None:
+        session_id = self.session_id
+        if session_id is not None:
+            self.session_id = None
+            active = self.client.proxy_state.router.active
+            left = active.get(session_id, 1) - 1
+            if left > 0:
+                active[session_id] = left
+            else:
+                active.pop(session_id, None)
         worker = self.worker
         if worker is not None:
             self.worker = None
@@ -531,3 +553,16 @@ class Exchange:
             elapsed,
             slot if slot >= 0 else ("control" if slot == -1 else "-"),
         )
+
+
+def start_held(router: Router, session_ids: list[str]) -> None:
+    """A move of these sessions ended: their held requests start again, routed by the
+    tables as they are now (a request whose client went away meanwhile is skipped)."""
+    hold()  # a burst of starts: one write per transport
+    try:
+        for session_id in session_ids:
+            for exchange in router.holding.pop(session_id, []):
+                if not exchange.finished:
+                    exchange.start()
+    finally:
+        release()

@@ -9,6 +9,7 @@ hands it the request's identity headers and writes the headers its `Route` says:
    untouched and the request goes on down this list without it;
 2. this instance's token, from `X-NeMo-Gym-Session-Token`, else from this instance's
    cookie (`--cookie-name`), else from the legacy `ng_session` cookie (rule `token`):
+   a session the session table places (one that was moved) goes where it says; else
    a. naming a live owner: that worker;
    b. naming an aliased owner (old owner -> the worker that now holds its sessions);
    c. naming any other owner: 410 `session_owner_gone`;
@@ -95,6 +96,10 @@ class Router:
     # Every owner this process has had a worker for (a few per slot and restart).
     past_owners: set[str] = field(default_factory=set)
     app_cookie: bytes | None = None  # the app's own session cookie (workers say it)
+    # Requests routed and not yet done, per session (a move waits for none), and the
+    # requests held while their session moves (exchanges, started again after the move).
+    active: dict[str, int] = field(default_factory=dict)
+    holding: dict[str, list[Any]] = field(default_factory=dict)
     _live: list[WorkerRoute] = field(default_factory=list)
     _next: int = 0
 
@@ -213,7 +218,7 @@ class Router:
             identity = None
         if identity is not None:
             owner = identity.owner
-            if owner is not None:
+            if owner is not None and identity.session_id not in self.sessions:
                 worker = self.workers.get(owner)
                 if worker is not None:
                     return Route(worker, identity.session_id, False, TOKEN)

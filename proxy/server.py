@@ -26,6 +26,7 @@ from coordinator.contract.channel import Channel
 from coordinator.contract.exit_codes import BOOT_ERROR
 from coordinator.contract.keepalive import POOL_IDLE
 from coordinator.contract.messages import Register, RegisterReply
+from coordinator.mover import Mover
 from coordinator.worker_channels import WorkerChannels
 from proxy import data_path
 from proxy.client_connection import DISCARDING, LINGERING, TUNNELING, ClientConnection, ProxyState
@@ -97,7 +98,7 @@ async def run(config: Config, listen_sock: socket.socket, secret: bytes) -> int:
 
     worker_channels = WorkerChannels(on_register, on_lost, checkpointer.on_message)
     control_runner = web.AppRunner(
-        create_control_app(checkpointer, config.control_token),
+        create_control_app(checkpointer, config.control_token, Mover(supervisor, checkpointer)),
         access_log=None,
         handle_signals=False,
     )

@@ -30,6 +30,7 @@ from coordinator.contract.exit_codes import BOOT_ERROR
 from coordinator.contract.messages import Ping, Register
 from coordinator.worker_channels import RegistrationRefused
 from proxy.config import Config
+from proxy.exchange import start_held
 from proxy.routing import Router, WorkerRoute
 from proxy.session_tokens import new_owner_id
 from proxy.upstream import UpstreamPool
@@ -328,6 +329,22 @@ class Supervisor:
 
     def sessions_ended(self, owner: str, session_ids: list[str]) -> None:
         self.router.forget_sessions(owner, session_ids)
+
+    # ---- the mover's view (coordinator.mover.MoveTable) ---------------------------
+    def hold_sessions(self, session_ids: list[str]) -> None:
+        """New requests of these sessions wait at the proxy until released."""
+        for session_id in session_ids:
+            self.router.holding.setdefault(session_id, [])
+
+    def release_sessions(self, session_ids: list[str]) -> None:
+        """The held requests go on, routed by the tables as they are now."""
+        start_held(self.router, session_ids)
+
+    def running_requests(self, session_id: str) -> int:
+        return self.router.active.get(session_id, 0)
+
+    def place_session(self, session_id: str, owner: str) -> None:
+        self.router.sessions[session_id] = owner
 
     # ---- stopping -----------------------------------------------------------------
     def workers(self) -> list[WorkerProcess]:

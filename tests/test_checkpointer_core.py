@@ -545,7 +545,7 @@ async def test_retire_and_forget_marks(make_rig, tmp_path):
     assert reply == {"retired": ["r1-a1", "r9-a4"]}
     status = rig.cp.status()
     assert status["restored_pending"] == ["r2-a1"] and status["retired_rollouts"] == 2
-    expected = msg.Retire([{"rollout_id": "r1", "attempt": 1}, {"rollout_id": "r9", "attempt": 4}])
+    expected = msg.Retire([msg.EpisodeRef("r1", 1), msg.EpisodeRef("r9", 4)])
     assert all(w.received(msg.Retire)[-1] == expected for w in rig.workers)
     await rig.cp.resume("rst", NOW + 5)
     assert await claim_code(rig.workers[0], "r1", 1) == "stale_attempt"

@@ -32,7 +32,9 @@ SAMPLES: dict[str, Any] = {
     "list[str]": ["a"],
     "list[str] | None": ["k"],
     "dict[str, int]": {"a": 1},
+    "dict[str, list[str]]": {"a": ["b"]},
     "list[dict[str, Any]]": [{"session_id": "s"}],
+    "list[EpisodeRef]": [messages.EpisodeRef("r", 1)],
     "Literal['aiohttp', 'asgi']": "asgi",
 }
 
@@ -75,6 +77,12 @@ def test_mistyped_values_fail_at_decode():
     reply = messages.RegisterReply(messages.Tables({}, {}), None).fields()
     with pytest.raises(MalformedMessage, match="Tables: unknown key"):
         messages.RegisterReply.decode({**reply, "tables": {"pending": {}, "marks": {}, "x": 1}})
+    retire = {"type": "retire", "episode_ids": [{"rollout_id": "r", "attempt": 1}]}
+    assert messages.decode(retire) == messages.Retire([messages.EpisodeRef("r", 1)])
+    with pytest.raises(MalformedMessage, match="^EpisodeRef: missing key"):
+        messages.decode({"type": "retire", "episode_ids": [{"rollout_id": "r"}]})
+    with pytest.raises(MalformedMessage, match="^retire: episode_ids is not a list of EpisodeRef"):
+        messages.decode({"type": "retire", "episode_ids": ["r-a1"]})
     with pytest.raises(MalformedMessage, match="unknown message type 'nope'"):
         messages.decode({"type": "nope"})
 

@@ -235,3 +235,48 @@ async def test_restore_of_a_single_process_checkpoint_routes_nemo_gyms_own_clien
             token = URLSafeSerializer(COOKIE, salt=_MCP_TOKEN_SALT).dumps(claims)
             await mcp_call(proxy.url, token, "increment_counter", {"count": 2})
             assert await client.count() == count + 2, sid
+
+
+async def test_nemo_gyms_counter_sessions_move_between_workers(start_proxy):
+    """The real counter, its session dict declared: its sessions (NeMo Gym's own cookie
+    and MCP tokens) move between live workers and keep their counts; a session no other
+    worker holds is reported, not moved; moved twice, every one of them moves."""
+    from coordinator.contract.app_sessions import session_in_cookie_value
+
+    proxy = start_counter(
+        start_proxy,
+        "--session-state",
+        "session_id_to_counter",
+        workers=2,
+        mcp=True,
+        control_token=CONTROL_TOKEN,
+    )
+    move_path = f"{proxy.url}/ng-control/v1/gym-proxy/sessions/move"
+    auth = {"Authorization": f"Bearer {CONTROL_TOKEN}"}
+    async with nemo_http() as http:
+        clients = [CounterClient(http, proxy.url, task) for task in range(12)]
+        for i, client in enumerate(clients):
+            await client.seed(i)
+        ids = [session_in_cookie_value(c.cookies[COOKIE].encode()) for c in clients]
+        assert all(ids)
+
+        async def move(to_slot: int) -> dict:
+            body = {"session_ids": ids, "to_slot": to_slot}
+            async with http.post(move_path, json=body, headers=auth) as response:
+                assert response.status == 200, await response.text()
+                return await response.json()
+
+        first = await move(1)
+        assert first["moved"] and first["failed"], first  # both workers held some
+        assert sorted(first["moved"] + [f["session_id"] for f in first["failed"]]) == sorted(ids)
+        for i, client in enumerate(clients):
+            await mcp_call(proxy.url, client.mcp_token, "increment_counter", {"count": 1})
+            await client.post("/increment_counter", {"count": 1})
+            assert await client.count() == i + 2
+        second = await move(0)  # all of them are on worker 1 now
+        assert second["moved"] == sorted(ids) and second["failed"] == [], second
+        for i, client in enumerate(clients):
+            assert await client.count() == i + 2
+            assert await mcp_call(proxy.url, client.mcp_token, "get_counter_value", {}) == {
+                "count": i + 2
+            }

@@ -385,9 +385,7 @@ async def test_retire_cancels_refuses_and_frees_until_forgotten(rig_of):
     other = rig.play("/run", body=run_body("r2", 1))
     for call in (current, earlier, other):
         await call.admitted()
-    reply = await handle_coordinator_message(
-        runtime, msg.Retire([{"rollout_id": "r1", "attempt": 1}])
-    )
+    reply = await handle_coordinator_message(runtime, msg.Retire([msg.EpisodeRef("r1", 1)]))
     assert reply.retired == 3  # two requests, one session
     assert [await current.result(), await earlier.result()] == ["stale_attempt"] * 2
     assert current.own_cancellation and earlier.own_cancellation

@@ -9,21 +9,27 @@ from coordinator.contract.episodes import EpisodeId
 from coordinator.contract.errors import GymError
 from coordinator.contract.marks import RestoredClaims
 from coordinator.contract.messages import (
+    Adopt,
     Close,
     CloseReply,
     Done,
+    Drop,
     Export,
     ExportReply,
     Forget,
     Forgotten,
     Install,
     Installed,
+    LinkedSessions,
+    Links,
     Message,
+    MoveOut,
     Release,
     Released,
     Reopen,
     Retire,
     Retired,
+    SessionRecords,
     Stop,
     Tables,
     TablesUpdate,
@@ -59,13 +65,22 @@ async def handle_coordinator_message(runtime: ParticipantRuntime, message: Messa
             apply_tables(runtime, message)
             return Done()
         case Retire():
-            episodes = [EpisodeId(e["rollout_id"], int(e["attempt"])) for e in message.episode_ids]
+            episodes = [EpisodeId(e.rollout_id, e.attempt) for e in message.episode_ids]
             return Retired(await runtime.retire(episodes))
         case Forget():
             return Forgotten(runtime.forget(message.rollout_ids))
         case Stop():
             await runtime.stop()
             return Done()
+        case LinkedSessions():
+            links = runtime.links
+            return Links({s: sorted(links[s]) for s in message.session_ids if s in links})
+        case MoveOut():
+            return SessionRecords(await runtime.export_sessions(message.session_ids))
+        case Adopt():
+            return Installed(await runtime.install(message.sessions, restored=False))
+        case Drop():
+            return Released(await runtime.drop_sessions(message.session_ids))
     raise GymError("invalid_request", f"{message.TYPE} is not a message for a worker")
 
 

@@ -44,6 +44,7 @@ from coordinator.contract.episodes import EpisodeId, body_identity, parse_episod
 from coordinator.contract.errors import GymError
 from coordinator.contract.marks import RestoredClaims, RetireMarks
 from coordinator.contract.messages import Claim, Ready, Report, SessionsEnded
+from coordinator.contract.records import encode
 from worker.episodes import Episode
 from worker.identity import WorkerInfo
 from worker.participation import Participation
@@ -132,6 +133,8 @@ class ParticipantRuntime:
     # until the controller forgets the rollout.
     marks: RetireMarks = field(default_factory=RetireMarks)
     retired_sessions: dict[str, str] = field(default_factory=dict)
+    # An app session -> the gym-proxy sessions its requests came under (moved with it).
+    links: dict[str, set[str]] = field(default_factory=dict)
     opened: asyncio.Event = field(default_factory=asyncio.Event)
     seq: int = 0
     _report_due: bool = False
@@ -251,6 +254,9 @@ class ParticipantRuntime:
             tracked = not flight.new_session
         if tracked:
             self.store.touch(sid, episode)
+            proxy_session = flight.session_id
+            if app_session is not None and proxy_session not in (None, app_session):
+                self.links.setdefault(app_session, set()).add(proxy_session)
         if episode is not None:
             self.store.bind(sid, episode)
 
@@ -348,6 +354,8 @@ class ParticipantRuntime:
         hooks = self.participation.hooks
         if hooks is not None and hooks.release is not None:
             hooks.release(session_ids)
+        for session_id in session_ids:
+            self.links.pop(session_id, None)
         if not self._ended:
             with contextlib.suppress(RuntimeError):  # no loop: nobody to tell
                 asyncio.get_running_loop().call_later(ENDED_FLUSH, self._send_ended)
@@ -421,13 +429,47 @@ class ParticipantRuntime:
                 records.append(ep.export())
         return records
 
-    async def install(self, records: list[dict[str, Any]]) -> int:
-        """Install restored sessions (all or nothing: the hook raises to refuse)."""
+    async def install(self, records: list[dict[str, Any]], restored: bool = True) -> int:
+        """Install restored sessions, or (not `restored`) live ones moved here: all or
+        nothing (the hook raises to refuse)."""
         hooks = self.participation.hooks
         if hooks is not None and hooks.restore is not None:
             await hooks.restore({r["session_id"]: r.get("state") for r in records})
             records = [{**r, "state": None} for r in records]
-        return self.store.install(records)
+        return self.store.install(records, restored)
+
+    async def export_sessions(self, session_ids: list[str]) -> list[dict[str, Any]]:
+        """Records of those of `session_ids` this worker holds, for a move; it keeps them
+        (and serves them) until told to drop them."""
+        held = self.store.entries(session_ids)
+        if not held:
+            return []
+        participation = self.participation
+        if participation.restart_only:
+            raise GymError(
+                "session_not_movable",
+                "the app declares no session state (restart-only): its sessions cannot move",
+            )
+        busy = sorted({f.session_id for f in self.flights if f.session_id in held})
+        if busy:
+            raise GymError("session_not_movable", f"sessions with a request running: {busy}")
+        owner = self.info.owner
+        if participation.hooks is not None and participation.hooks.export is not None:
+            states = await participation.hooks.export(sorted(held))
+            found = [
+                session_record(sid, held[sid].episode, value, owner)
+                for sid, value in states.items()
+                if sid in held
+            ]
+        else:
+            found = [session_record(s, e.episode, e.value, owner) for s, e in held.items()]
+        encode(found, self.kind)  # a state that is not JSON fails here, naming the session
+        return found
+
+    async def drop_sessions(self, session_ids: list[str]) -> int:
+        """These sessions moved away: end them here (the app's hooks free their state)."""
+        dropped = [sid for sid in session_ids if self.store.delete(sid)]
+        return await self.forget_sessions(dropped)
 
     async def forget_sessions(self, session_ids: list[str]) -> int:
         """The store dropped these sessions: tell the app's hook too (idempotent)."""

@@ -134,13 +134,23 @@ class SessionStore:
             for session_id, entry in self.sessions_in(scope).items()
         ]
 
-    def install(self, records: list[dict[str, Any]]) -> int:
-        """Add restored sessions (their episode IDs already name the new attempt)."""
+    def install(self, records: list[dict[str, Any]], restored: bool = True) -> int:
+        """Add restored sessions (their episode IDs already name the new attempt), or, not
+        `restored`, live sessions moved here from another worker."""
         for record in records:
             bound = record["episode_id"]
             key = None if bound is None else episode_key(bound["rollout_id"], bound["attempt"])
-            self._entries[record["session_id"]] = SessionEntry(record.get("state"), key, True)
+            self._entries[record["session_id"]] = SessionEntry(record.get("state"), key, restored)
         return len(records)
+
+    def entries(self, session_ids: list[str]) -> dict[str, SessionEntry]:
+        """The entries of those of `session_ids` this store holds."""
+        found = {}
+        for session_id in session_ids:
+            entry = self._entries.get(session_id)
+            if entry is not None:
+                found[session_id] = entry
+        return found
 
     def uninstall(self) -> list[str]:
         """Drop every restored session (a restore that failed elsewhere)."""

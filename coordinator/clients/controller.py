@@ -93,6 +93,30 @@ class Participant:
             raise ControlFailed(op, {self.url: failure})
         return reply
 
+    async def move_sessions(
+        self, session_ids: list[str], to_slot: int, timeout_s: float = 30.0
+    ) -> dict[str, Any]:
+        """Move live sessions of a gym-proxy to the worker in `to_slot` (its reply:
+        `moved`, `failed` with reasons); ControlFailed on anything but 200."""
+        url = f"{self.url.rstrip('/')}/ng-control/v1/gym-proxy/sessions/move"
+        headers = {"Authorization": f"Bearer {self.token}"}
+        body = {"session_ids": session_ids, "to_slot": to_slot, "timeout_s": timeout_s}
+        try:
+            async with asyncio.timeout(timeout_s + REPLY_SLACK):
+                async with self.http.post(url, json=body, headers=headers) as resp:
+                    reply = await resp.json(content_type=None)
+                    status = resp.status
+        except (aiohttp.ClientError, ValueError, TimeoutError) as exc:
+            raise ControlFailed(
+                "move", {self.url: (0, "unreachable", str(exc) or "timed out")}
+            ) from exc
+        if status != 200:
+            error = reply.get("error", {}) if isinstance(reply, dict) else {}
+            raise ControlFailed(
+                "move", {self.url: (status, error.get("code", "?"), error.get("detail", ""))}
+            )
+        return reply
+
     async def learn_kind(self) -> str:
         self.kind = (await self.call("status"))["kind"] or "resources"
         return self.kind

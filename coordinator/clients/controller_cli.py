@@ -66,6 +66,11 @@ def _parser() -> argparse.ArgumentParser:
     retire = commands.add_parser("retire")
     retire.add_argument("checkpoint_id")
     retire.add_argument("--episode", type=_episode, action="append", required=True)
+    move = commands.add_parser(
+        "move", help="move live sessions of one gym-proxy (--server) to another worker"
+    )
+    move.add_argument("--session", action="append", required=True, help="a session ID")
+    move.add_argument("--to-slot", type=int, required=True, help="the worker slot to move to")
     forget = commands.add_parser("forget")
     forget.add_argument("checkpoint_id")
     forget.add_argument("--rollout", action="append", required=True)
@@ -82,6 +87,11 @@ async def _run(args: argparse.Namespace) -> Any:
         if args.command == "resume":
             await controller.resume(args.checkpoint_id)
             return {"resumed": args.checkpoint_id}
+        if args.command == "move":
+            if len(args.server) != 1:
+                raise ControlFailed("move", {"--server": (0, "invalid_request", "name one")})
+            participant = Participant(args.server[0], args.token, http)
+            return await participant.move_sessions(args.session, args.to_slot, args.timeout)
         await controller.learn_kinds()
         if args.command == "checkpoint":
             if args.keep_open:

@@ -44,6 +44,8 @@ STATUS: dict[str, int] = {
     "invalid_phase": 409,
     "deadline_exceeded": 409,
     "restart_in_scope": 409,
+    "operation_conflict": 409,
+    "session_not_movable": 409,
     "invalid_checkpoint_state": 422,
     "internal_error": 500,
     "checkpoint_write_failed": 500,

@@ -17,6 +17,10 @@ with `MalformedMessage` naming the message and the key, before a handler sees it
                                      retire     -> Retired
                                      forget     -> Forgotten
                                      stop       -> Done
+                                     links      -> Links
+                                     move_out   -> SessionRecords
+                                     adopt      -> Installed
+                                     drop       -> Released
 """
 
 from __future__ import annotations
@@ -55,11 +59,18 @@ __all__ = [
     "Installed",
     "Uninstall",
     "TablesUpdate",
+    "EpisodeRef",
     "Retire",
     "Retired",
     "Forget",
     "Forgotten",
     "Stop",
+    "SessionRecords",
+    "Links",
+    "LinkedSessions",
+    "MoveOut",
+    "Adopt",
+    "Drop",
 ]
 
 M = TypeVar("M", bound="Message")
@@ -83,7 +94,11 @@ class Message:
         out = {}
         for name in self._checks:
             value = getattr(self, name)
-            out[name] = value.fields() if isinstance(value, Message) else value
+            if isinstance(value, Message):
+                value = value.fields()
+            elif (type(self), name) in _NESTED_LISTS:
+                value = [item.fields() for item in value]
+            out[name] = value
         return out
 
     def wire(self) -> dict[str, Any]:
@@ -105,8 +120,13 @@ class Message:
         for key in keys:
             value = payload[key]
             nested = _NESTED.get((cls, key))
+            items = _NESTED_LISTS.get((cls, key))
             if nested is not None and isinstance(value, Mapping):
                 value = nested.decode(value)
+            elif items is not None and isinstance(value, list):
+                if not all(isinstance(item, Mapping) for item in value):
+                    raise MalformedMessage(f"{name}: {key} is not a list of {items.__name__}")
+                value = [items.decode(item) for item in value]
             elif not cls._checks[key](value):
                 raise MalformedMessage(f"{name}: {key} is not {_DESCRIBED[(cls, key)]}")
             values[key] = value
@@ -115,6 +135,7 @@ class Message:
 
 MESSAGES: dict[str, type[Message]] = {}
 _NESTED: dict[tuple[type[Message], str], type[Message]] = {}
+_NESTED_LISTS: dict[tuple[type[Message], str], type[Message]] = {}
 _DESCRIBED: dict[tuple[type[Message], str], str] = {}
 
 
@@ -136,6 +157,9 @@ def message(
             _DESCRIBED[(cls, f.name)] = _describe(hint)
             if isinstance(hint, type) and issubclass(hint, Message):
                 _NESTED[(cls, f.name)] = hint
+            item = get_args(hint)[0] if get_origin(hint) is list else None
+            if isinstance(item, type) and issubclass(item, Message):
+                _NESTED_LISTS[(cls, f.name)] = item
             if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
                 required.add(f.name)
         cls._checks = checks
@@ -349,9 +373,17 @@ class Retired(Message):
     retired: int
 
 
+@message()
+class EpisodeRef(Message):
+    """One rollout attempt, as `{rollout_id, attempt}`."""
+
+    rollout_id: str
+    attempt: int
+
+
 @message("retire", Retired)
 class Retire(Message):
-    episode_ids: list[dict[str, Any]]  # [{rollout_id, attempt}]
+    episode_ids: list[EpisodeRef]
 
 
 @message()
@@ -367,3 +399,44 @@ class Forget(Message):
 @message("stop", Done)
 class Stop(Message):
     """A commit with `stop: true` was written: free what the app can free."""
+
+
+# ---- a move of live sessions (coordinator -> the source, then the target) -------------
+@message()
+class SessionRecords(Message):
+    records: list[dict[str, Any]]  # in-memory session records (`coordinator.contract.records`)
+
+
+@message()
+class Links(Message):
+    links: dict[str, list[str]]  # an app's session -> the gym-proxy sessions it came under
+
+
+@message("links", Links)
+class LinkedSessions(Message):
+    """Which gym-proxy sessions carried these app sessions' requests (a client that holds
+    gym-proxy's cookie and the app's own is routed by gym-proxy's: both must move)."""
+
+    session_ids: list[str]
+
+
+@message("move_out", SessionRecords)
+class MoveOut(Message):
+    """The records of those of these sessions the worker holds; it keeps serving them."""
+
+    session_ids: list[str]
+
+
+@message("adopt", Installed)
+class Adopt(Message):
+    """Take these live sessions over (all or none); unlike a restore's, they are not
+    restored state a scoped commit may release."""
+
+    sessions: list[dict[str, Any]]
+
+
+@message("drop", Released)
+class Drop(Message):
+    """These sessions moved away: free their state here (their requests go elsewhere)."""
+
+    session_ids: list[str]
