@@ -22,12 +22,13 @@ from aiohttp import web
 from coordinator.checkpointer import Checkpointer
 from coordinator.contract.episodes import EpisodeId, check_rollout_id
 from coordinator.contract.errors import GymError, error_body, status_of
+from coordinator.contract.headers import CHECKPOINT_PATH, MOVE_PATH
 from coordinator.contract.ids import is_valid_id
 from coordinator.mover import Mover
 
 __all__ = ["create_control_app", "PREFIX"]
 
-PREFIX = "/ng-control/v1/checkpoint"
+PREFIX = CHECKPOINT_PATH
 _BASE = {"checkpoint_id", "deadline_ts"}
 # operation -> (required fields, optional fields)
 _FIELDS: dict[str, tuple[set[str], set[str]]] = {
@@ -77,17 +78,23 @@ def _episode_ids(value: Any, at_least: int) -> list[EpisodeId]:
     return result
 
 
-async def _body(request: web.Request, op: str) -> dict[str, Any]:
+async def _json_object(request: web.Request, fields: set[str]) -> dict[str, Any]:
+    """The body as a JSON object holding no field outside `fields`, or GymError."""
     try:
         body = orjson.loads(await request.read())
     except orjson.JSONDecodeError as exc:
         raise GymError("invalid_request", f"body is not JSON: {exc}") from exc
     if not isinstance(body, dict):
         raise GymError("invalid_request", "body must be a JSON object")
-    required, optional = _FIELDS[op]
-    unknown = set(body) - required - optional
+    unknown = set(body) - fields
     if unknown:
         raise GymError("invalid_request", f"unknown fields: {', '.join(sorted(unknown))}")
+    return body
+
+
+async def _body(request: web.Request, op: str) -> dict[str, Any]:
+    required, optional = _FIELDS[op]
+    body = await _json_object(request, required | optional)
     missing = required - set(body)
     if missing:
         raise GymError("invalid_request", f"missing fields: {', '.join(sorted(missing))}")
@@ -150,21 +157,12 @@ def _operation(op: str) -> Callable[[web.Request], Awaitable[web.Response]]:
     return handler
 
 
-MOVE_PATH = "/ng-control/v1/gym-proxy/sessions/move"
 MAX_MOVE_TIMEOUT = 3600.0
 
 
 async def _move(request: web.Request) -> web.Response:
     """Move live sessions to the worker in one slot (`coordinator.mover`)."""
-    try:
-        body = orjson.loads(await request.read())
-    except orjson.JSONDecodeError as exc:
-        raise GymError("invalid_request", f"body is not JSON: {exc}") from exc
-    if not isinstance(body, dict):
-        raise GymError("invalid_request", "body must be a JSON object")
-    unknown = set(body) - {"session_ids", "to_slot", "timeout_s"}
-    if unknown:
-        raise GymError("invalid_request", f"unknown fields: {', '.join(sorted(unknown))}")
+    body = await _json_object(request, {"session_ids", "to_slot", "timeout_s"})
     ids, slot = body.get("session_ids"), body.get("to_slot")
     if (
         not isinstance(ids, list)

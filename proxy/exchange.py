@@ -40,7 +40,12 @@ import time
 from typing import TYPE_CHECKING, Final
 
 from coordinator.contract.errors import GymError, status_of
-from coordinator.contract.headers import EMPTY_ROLLOUT_KEY, ROLLOUT_PREFIX, split_rollout_url
+from coordinator.contract.headers import (
+    CONTROL_PREFIX,
+    EMPTY_ROLLOUT_KEY,
+    ROLLOUT_PREFIX,
+    split_rollout_url,
+)
 from coordinator.contract.ids import is_valid_id
 from proxy import http_wire as wire
 from proxy.outbox import batch as write_batch
@@ -85,7 +90,6 @@ STATE_NAMES: Final = (
     "answering",
     "done",
 )
-_CONTROL_PREFIX: Final = b"/ng-control/"
 # A request this large may not leave in one write; its connection keeps a spare descriptor.
 SPARE_AFTER_BYTES: Final = 65536
 
@@ -182,7 +186,7 @@ class Exchange:
         self.chunked_request = head.chunked
         self.expect_continue = head.expect_continue
         parts = head.parts
-        if self.url.startswith(_CONTROL_PREFIX):
+        if self.url.startswith(CONTROL_PREFIX):
             worker = self.client.proxy_state.control
         else:
             routed = self._route_session(parts, head)

@@ -25,6 +25,7 @@ from typing import Any
 import aiohttp
 
 from coordinator.contract.episodes import EpisodeId, parse_episode_key
+from coordinator.contract.headers import CHECKPOINT_PATH, MOVE_PATH
 
 __all__ = [
     "KIND_ORDER",
@@ -69,18 +70,29 @@ class Participant:
     kind: str = "resources"
 
     async def call(self, op: str, deadline_ts: float | None = None, **body: Any) -> dict[str, Any]:
-        """One control call; ControlFailed on anything but 200."""
-        headers = {"Authorization": f"Bearer {self.token}"}
-        base = f"{self.url.rstrip('/')}/ng-control/v1/checkpoint"
+        """One checkpoint control call; ControlFailed on anything but 200."""
         within = None if deadline_ts is None else max(0.0, deadline_ts - time.time()) + REPLY_SLACK
+        if op == "status":
+            return await self._request(op, "GET", f"{CHECKPOINT_PATH}/status", None, within)
+        payload = {"deadline_ts": deadline_ts, **body}
+        return await self._request(op, "POST", f"{CHECKPOINT_PATH}/{op}", payload, within)
+
+    async def move_sessions(
+        self, session_ids: list[str], to_slot: int, timeout_s: float = 30.0
+    ) -> dict[str, Any]:
+        """Move live sessions of a gym-proxy to the worker in `to_slot` (its reply:
+        `moved`, `failed` with reasons); ControlFailed on anything but 200."""
+        body = {"session_ids": session_ids, "to_slot": to_slot, "timeout_s": timeout_s}
+        return await self._request("move", "POST", MOVE_PATH, body, timeout_s + REPLY_SLACK)
+
+    async def _request(
+        self, op: str, method: str, path: str, body: dict[str, Any] | None, within: float | None
+    ) -> dict[str, Any]:
+        headers = {"Authorization": f"Bearer {self.token}"}
+        url = f"{self.url.rstrip('/')}{path}"
         try:
             async with asyncio.timeout(within):
-                if op == "status":
-                    request = self.http.get(f"{base}/status", headers=headers)
-                else:
-                    payload = {"deadline_ts": deadline_ts, **body}
-                    request = self.http.post(f"{base}/{op}", json=payload, headers=headers)
-                async with request as resp:
+                async with self.http.request(method, url, json=body, headers=headers) as resp:
                     reply = await resp.json(content_type=None)
                     status = resp.status
         except (aiohttp.ClientError, ValueError, TimeoutError) as exc:
@@ -91,30 +103,6 @@ class Participant:
             error = reply.get("error", {}) if isinstance(reply, dict) else {}
             failure = (status, error.get("code", "?"), error.get("detail", ""))
             raise ControlFailed(op, {self.url: failure})
-        return reply
-
-    async def move_sessions(
-        self, session_ids: list[str], to_slot: int, timeout_s: float = 30.0
-    ) -> dict[str, Any]:
-        """Move live sessions of a gym-proxy to the worker in `to_slot` (its reply:
-        `moved`, `failed` with reasons); ControlFailed on anything but 200."""
-        url = f"{self.url.rstrip('/')}/ng-control/v1/gym-proxy/sessions/move"
-        headers = {"Authorization": f"Bearer {self.token}"}
-        body = {"session_ids": session_ids, "to_slot": to_slot, "timeout_s": timeout_s}
-        try:
-            async with asyncio.timeout(timeout_s + REPLY_SLACK):
-                async with self.http.post(url, json=body, headers=headers) as resp:
-                    reply = await resp.json(content_type=None)
-                    status = resp.status
-        except (aiohttp.ClientError, ValueError, TimeoutError) as exc:
-            raise ControlFailed(
-                "move", {self.url: (0, "unreachable", str(exc) or "timed out")}
-            ) from exc
-        if status != 200:
-            error = reply.get("error", {}) if isinstance(reply, dict) else {}
-            raise ControlFailed(
-                "move", {self.url: (status, error.get("code", "?"), error.get("detail", ""))}
-            )
         return reply
 
     async def learn_kind(self) -> str:

@@ -25,6 +25,9 @@ __all__ = [
     "APP_SESSION",
     "APP_SESSION_END",
     "IDENTITY_HEADERS",
+    "CONTROL_PREFIX",
+    "CHECKPOINT_PATH",
+    "MOVE_PATH",
     "ROLLOUT_PREFIX",
     "ROLLOUT_PREFIX_TEXT",
     "EMPTY_ROLLOUT_KEY",
@@ -46,6 +49,12 @@ APP_TOKEN: Final = b"x-nemo-gym-session-token"
 # Sent by a worker's runtime, stripped by the proxy: an app session it now holds, or ended.
 APP_SESSION: Final = b"x-ng-app-session"
 APP_SESSION_END: Final = b"x-ng-app-session-end"
+
+# The control plane: NeMo Gym's Gen-2 checkpoint calls, and gym-proxy's own operations
+# (a path that cannot collide with NeMo Gym's). The proxy answers these itself.
+CONTROL_PREFIX: Final = b"/ng-control/"
+CHECKPOINT_PATH: Final = "/ng-control/v1/checkpoint"
+MOVE_PATH: Final = "/ng-control/v1/gym-proxy/sessions/move"
 
 ROLLOUT_PREFIX: Final = b"/ng-rollout/"
 ROLLOUT_PREFIX_TEXT: Final = "/ng-rollout/"
