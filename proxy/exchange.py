@@ -90,6 +90,10 @@ STATE_NAMES: Final = (
     "answering",
     "done",
 )
+# Bound here as Finals of this compiled module: read per request, never looked up in
+# the (uncompiled) contract module.
+_CONTROL_PREFIX: Final = CONTROL_PREFIX
+_ROLLOUT_PREFIX: Final = ROLLOUT_PREFIX
 # A request this large may not leave in one write; its connection keeps a spare descriptor.
 SPARE_AFTER_BYTES: Final = 65536
 
@@ -186,7 +190,7 @@ class Exchange:
         self.chunked_request = head.chunked
         self.expect_continue = head.expect_continue
         parts = head.parts
-        if self.url.startswith(CONTROL_PREFIX):
+        if self.url.startswith(_CONTROL_PREFIX):
             worker = self.client.proxy_state.control
         else:
             routed = self._route_session(parts, head)
@@ -217,7 +221,7 @@ class Exchange:
             return None
         key: bytes | None = None
         rest = b""
-        if self.url.startswith(ROLLOUT_PREFIX):
+        if self.url.startswith(_ROLLOUT_PREFIX):
             key, rest = split_rollout_url(self.url)
             if not key:
                 self.fail(*EMPTY_ROLLOUT_KEY)
