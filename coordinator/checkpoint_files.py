@@ -30,7 +30,7 @@ from typing import Any
 
 import orjson
 
-from coordinator import failpoints
+from coordinator.contract import failpoints
 from coordinator.contract.ids import is_checkpoint_id, is_valid_id
 from coordinator.contract.records import (
     EncodedRecords,

@@ -31,6 +31,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from coordinator.contract import failpoints
 from coordinator.contract.channel import ChannelClosed, ChannelTimeout, RemoteError
 from coordinator.contract.errors import GymError
 from coordinator.contract.messages import (
@@ -42,7 +43,7 @@ from coordinator.contract.messages import (
     SessionRecords,
 )
 
-__all__ = ["Mover", "MoveTable"]
+__all__ = ["Mover", "MoveTable", "Moved", "failures"]
 
 log = logging.getLogger("gym_proxy.moves")
 
@@ -77,6 +78,15 @@ class _Checkpoints(Protocol):
     def open_checkpoint(self) -> str | None: ...
 
 
+@dataclass
+class Moved:
+    """What one batch of moves did: each moved session and the owner it went to, and
+    each session not moved with the reason."""
+
+    moved: dict[str, str] = field(default_factory=dict)
+    failed: dict[str, str] = field(default_factory=dict)
+
+
 @dataclass(eq=False)
 class Mover:
     table: MoveTable
@@ -100,31 +110,66 @@ class Mover:
         wanted = list(dict.fromkeys(session_ids))
         started = time.monotonic()
         self.checkpoints.busy = "move"
-        held = list(wanted)
         try:
-            links = await self._links(wanted, within)
-            held += [linked for ids in links.values() for linked in ids]
-            self.table.hold_sessions(held)
-            self.holding = len(held)
-            moved, failed = await self._move(wanted, links, target, started + within)
+            sources = [w for w in self.table.live() if w.owner != target.owner]
+            result = await self.move_sessions({target.owner: wanted}, sources, started + within)
         finally:
-            self.table.release_sessions(held)
-            self.holding = 0
             self.checkpoints.busy = None
         seconds = round(time.monotonic() - started, 6)
         log.info(
             "moved %d sessions to worker %d in %.3f s (%d not moved)",
-            len(moved),
+            len(result.moved),
             to_slot,
             seconds,
-            len(failed),
+            len(result.failed),
         )
         return {
             "to_slot": to_slot,
-            "moved": moved,
-            "failed": [{"session_id": s, "reason": r} for s, r in sorted(failed.items())],
+            "moved": sorted(result.moved),
+            "failed": failures(result.failed),
             "seconds": seconds,
         }
+
+    async def move_sessions(
+        self, plan: dict[str, list[str]], sources: Sequence[_Worker], deadline: float
+    ) -> Moved:
+        """Move the sessions `plan` lists under each target owner, from whichever of
+        `sources` holds them, by the steps of the module docstring. Sessions at their
+        boundary move at once, in one batch; each busy one moves as soon as its requests
+        end (until `deadline`), so one long request holds up only its own session. The
+        caller excludes checkpoints and other moves."""
+        target_of = {s: owner for owner, ids in plan.items() for s in ids}
+        links = await self._links(list(target_of), max(0.1, deadline - time.monotonic()))
+        groups = {s: [s, *links.get(s, ())] for s in target_of}
+        result = Moved()
+        held = {s for group in groups.values() for s in group}
+        self.table.hold_sessions(list(held))
+        self.holding += len(held)
+        running = self.table.running_requests
+        pending = list(target_of)
+        try:
+            while pending:
+                ready = [s for s in pending if not any(running(x) for x in groups[s])]
+                if ready:
+                    await self._move(ready, target_of, links, sources, deadline, result)
+                    done = [x for s in ready for x in groups[s]]
+                    self.table.release_sessions(done)
+                    held.difference_update(done)
+                    self.holding -= len(done)
+                    pending = [s for s in pending if s not in set(ready)]
+                if not pending:
+                    break
+                if time.monotonic() >= deadline:
+                    for session_id in pending:
+                        result.failed[session_id] = (
+                            "a request of the session was still running at the timeout"
+                        )
+                    break
+                await asyncio.sleep(BOUNDARY_POLL)
+        finally:
+            self.table.release_sessions(list(held))
+            self.holding -= len(held)
+        return result
 
     async def _links(self, wanted: list[str], within: float) -> dict[str, list[str]]:
         """Every worker's gym-proxy sessions that carried these app sessions' requests."""
@@ -143,25 +188,16 @@ class Mover:
         return links
 
     async def _move(
-        self, wanted: list[str], links: dict[str, list[str]], target: _Worker, deadline: float
-    ) -> tuple[list[str], dict[str, str]]:
-        failed: dict[str, str] = {}
-        running = self.table.running_requests
-
-        def busy_now(session_id: str) -> bool:
-            return bool(running(session_id)) or any(running(s) for s in links.get(session_id, ()))
-
-        while True:
-            busy = [s for s in wanted if busy_now(s)]
-            if not busy or time.monotonic() >= deadline:
-                break
-            await asyncio.sleep(BOUNDARY_POLL)
-        for session_id in busy:
-            failed[session_id] = "a request of the session was still running at the timeout"
-        ready = [s for s in wanted if s not in failed]
-        if not ready:
-            return [], failed
-        sources = [w for w in self.table.live() if w.owner != target.owner]
+        self,
+        ready: list[str],
+        target_of: dict[str, str],
+        links: dict[str, list[str]],
+        sources: Sequence[_Worker],
+        deadline: float,
+        result: Moved,
+    ) -> None:
+        """Steps 3-7 for sessions at their boundary."""
+        failed = result.failed
         within = max(0.1, deadline - time.monotonic())
         replies = await asyncio.gather(
             *(w.channel.request(MoveOut(ready), within=within) for w in sources),
@@ -179,35 +215,58 @@ class Mover:
                 silent.append(f"worker {worker.slot} did not answer: {reply}")
             elif isinstance(reply, BaseException):
                 raise reply
+        by_target: dict[str, list[dict[str, Any]]] = {}
         for session_id in ready:
-            if session_id not in found:
-                why = "; ".join(silent) or f"no live worker but slot {target.slot}'s holds it"
-                failed[session_id] = f"not found on another worker ({why})"
-        records = [found[s][1] for s in ready if s in found]
-        if not records:
-            return [], failed
+            if session_id in found:
+                by_target.setdefault(target_of[session_id], []).append(found[session_id][1])
+            else:
+                why = "; ".join(silent) or "no worker it was asked of holds it"
+                failed[session_id] = f"not found on a source worker ({why})"
+        failpoints.hit("move-before-adopt")
+        targets = {w.owner: w for w in self.table.live()}
+        adoptions = []
+        for owner, records in by_target.items():
+            target = targets.get(owner)
+            if target is None:
+                for record in records:
+                    failed[record["session_id"]] = f"the target worker ({owner}) is gone"
+            else:
+                adoptions.append(self._adopt(target, records, deadline, result, links))
+        await asyncio.gather(*adoptions)
+        by_source: dict[int, tuple[_Worker, list[str]]] = {}
+        for session_id in ready:
+            if session_id in result.moved:
+                source = found[session_id][0]
+                by_source.setdefault(id(source), (source, []))[1].append(session_id)
+        for source, ids in by_source.values():
+            # It gets none of their requests any more: the held ones need not wait for it.
+            self._drop_later(source, ids)
+
+    async def _adopt(
+        self,
+        target: _Worker,
+        records: list[dict[str, Any]],
+        deadline: float,
+        result: Moved,
+        links: dict[str, list[str]],
+    ) -> None:
+        """`target` takes `records` (all or none); the session table then sends them there."""
         within = max(0.1, deadline - time.monotonic())
         try:
             await target.channel.request(Adopt(records), within=within)
         except (ChannelClosed, ChannelTimeout, RemoteError) as exc:
             for record in records:
-                failed[record["session_id"]] = f"worker {target.slot} did not take it: {exc}"
+                result.failed[record["session_id"]] = f"worker {target.slot} did not take it: {exc}"
             # A target that answers late may still install them: it drops them after
             # (the channel serves its requests in order), so no stray copy stays.
             self._drop_later(target, [r["session_id"] for r in records])
-            return [], failed
-        moved = [r["session_id"] for r in records]
-        for session_id in moved:
+            return
+        failpoints.hit("move-adopted")
+        for record in records:
+            session_id = record["session_id"]
             for placed in (session_id, *links.get(session_id, ())):
                 self.table.place_session(placed, target.owner)
-        by_source: dict[int, tuple[_Worker, list[str]]] = {}
-        for session_id in moved:
-            source = found[session_id][0]
-            by_source.setdefault(source.slot, (source, []))[1].append(session_id)
-        for source, ids in by_source.values():
-            # It gets none of their requests any more: the held ones need not wait for it.
-            self._drop_later(source, ids)
-        return sorted(moved), failed
+            result.moved[session_id] = target.owner
 
     def _drop_later(self, worker: _Worker, session_ids: list[str]) -> None:
         drop = asyncio.ensure_future(self._drop(worker, session_ids))
@@ -219,3 +278,13 @@ class Mover:
             await worker.channel.request(Drop(session_ids), within=DROP_WAIT)
         except (ChannelClosed, ChannelTimeout, RemoteError) as exc:
             log.warning("worker %d kept %d sessions' state: %s", worker.slot, len(session_ids), exc)
+
+    async def drops_done(self) -> None:
+        """Wait for the drops sent so far (an operation stops a worker only after)."""
+        if self._drops:
+            await asyncio.wait(set(self._drops))
+
+
+def failures(failed: dict[str, str]) -> list[dict[str, str]]:
+    """Sessions not moved, as the control plane answers them."""
+    return [{"session_id": s, "reason": r} for s, r in sorted(failed.items())]

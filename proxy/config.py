@@ -128,6 +128,23 @@ class Config:
         "restarted (its sessions answer 410)",
         type=float,
     )
+    max_requests: int = option(
+        0,
+        "recycle a worker after it served this many requests: a rolling restart of that "
+        "one worker, its sessions moved to the replacement (0: never)",
+        type=int,
+    )
+    max_requests_jitter: int = option(
+        0,
+        "add a random 0..N to each worker's --max-requests, so workers do not recycle together",
+        type=int,
+    )
+    max_worker_memory: float = option(
+        0.0,
+        "recycle a worker whose resident memory (RSS) exceeds this many MiB, as "
+        "--max-requests does (0: never)",
+        type=float,
+    )
     session_idle_ttl: float = option(
         0.0,
         "end sessions unused for this many seconds in the workers' session stores (0: never)",
@@ -202,6 +219,9 @@ class Config:
             "boot_timeout",
             "lease_grace",
             "session_idle_ttl",
+            "max_requests",
+            "max_requests_jitter",
+            "max_worker_memory",
         ):
             value = getattr(self, name)
             if not 0 <= value < float("inf"):

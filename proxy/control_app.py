@@ -22,9 +22,10 @@ from aiohttp import web
 from coordinator.checkpointer import Checkpointer
 from coordinator.contract.episodes import EpisodeId, check_rollout_id
 from coordinator.contract.errors import GymError, error_body, status_of
-from coordinator.contract.headers import CHECKPOINT_PATH, MOVE_PATH
+from coordinator.contract.headers import CHECKPOINT_PATH, MOVE_PATH, WORKERS_PATH
 from coordinator.contract.ids import is_valid_id
 from coordinator.mover import Mover
+from coordinator.operations import Operations
 
 __all__ = ["create_control_app", "PREFIX"]
 
@@ -42,6 +43,7 @@ _FIELDS: dict[str, tuple[set[str], set[str]]] = {
 }
 CHECKPOINTER = web.AppKey("gym_proxy_checkpointer", Checkpointer)
 MOVER = web.AppKey("gym_proxy_mover", Mover)
+OPERATIONS = web.AppKey("gym_proxy_operations", Operations)
 # Controllers give deadlines of minutes; a day ahead is a bug, and would hold the lease
 # open (and admission closed) for as long.
 MAX_DEADLINE_AHEAD = 86400.0
@@ -157,29 +159,71 @@ def _operation(op: str) -> Callable[[web.Request], Awaitable[web.Response]]:
     return handler
 
 
-MAX_MOVE_TIMEOUT = 3600.0
+MAX_OPERATION_TIMEOUT = 3600.0
+
+
+def _timeout(body: dict[str, Any], default: float) -> float:
+    timeout = body.get("timeout_s", default)
+    if (
+        not isinstance(timeout, int | float)
+        or isinstance(timeout, bool)
+        or not 0 < timeout <= MAX_OPERATION_TIMEOUT
+    ):
+        raise GymError("invalid_request", "timeout_s must be a number of seconds, 0-3600")
+    return float(timeout)
+
+
+def _slot(value: Any, name: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise GymError("invalid_request", f"{name} must be a worker slot (an integer)")
+    return value
 
 
 async def _move(request: web.Request) -> web.Response:
     """Move live sessions to the worker in one slot (`coordinator.mover`)."""
     body = await _json_object(request, {"session_ids", "to_slot", "timeout_s"})
-    ids, slot = body.get("session_ids"), body.get("to_slot")
+    ids = body.get("session_ids")
     if (
         not isinstance(ids, list)
         or not ids
         or not all(isinstance(i, str) and is_valid_id(i) for i in ids)
     ):
         raise GymError("invalid_request", "session_ids must be a non-empty list of session IDs")
-    if not isinstance(slot, int) or isinstance(slot, bool):
-        raise GymError("invalid_request", "to_slot must be a worker slot (an integer)")
-    timeout = body.get("timeout_s", 30.0)
-    if (
-        not isinstance(timeout, int | float)
-        or isinstance(timeout, bool)
-        or not 0 < timeout <= MAX_MOVE_TIMEOUT
-    ):
-        raise GymError("invalid_request", "timeout_s must be a number of seconds, 0-3600")
-    return _json(await request.app[MOVER].move(ids, slot, within=float(timeout)))
+    slot = _slot(body.get("to_slot"), "to_slot")
+    timeout = _timeout(body, 30.0)
+    return _json(await request.app[MOVER].move(ids, slot, within=timeout))
+
+
+async def _drain(request: web.Request) -> web.Response:
+    body = await _json_object(request, {"slot", "timeout_s"})
+    slot = _slot(body.get("slot"), "slot")
+    return _json(await request.app[OPERATIONS].drain(slot, _timeout(body, 60.0)))
+
+
+async def _undrain(request: web.Request) -> web.Response:
+    body = await _json_object(request, {"slot"})
+    return _json(await request.app[OPERATIONS].undrain(_slot(body.get("slot"), "slot")))
+
+
+async def _restart(request: web.Request) -> web.Response:
+    body = await _json_object(request, {"slots", "timeout_s"})
+    slots = body.get("slots")
+    if slots is not None:
+        if not isinstance(slots, list) or not slots:
+            raise GymError("invalid_request", "slots must be a non-empty list of worker slots")
+        slots = list(dict.fromkeys(_slot(s, "each of slots") for s in slots))
+    return _json(await request.app[OPERATIONS].restart(slots, _timeout(body, 60.0)))
+
+
+MAX_WORKERS = 256
+
+
+async def _resize(request: web.Request) -> web.Response:
+    body = await _json_object(request, {"workers", "timeout_s"})
+    workers = body.get("workers")
+    if not isinstance(workers, int) or isinstance(workers, bool) or not 1 <= workers <= MAX_WORKERS:
+        raise GymError("invalid_request", f"workers must be an integer, 1-{MAX_WORKERS}")
+    return _json(await request.app[OPERATIONS].resize(workers, _timeout(body, 60.0)))
 
 
 async def _status(request: web.Request) -> web.Response:
@@ -187,6 +231,12 @@ async def _status(request: web.Request) -> web.Response:
     mover = request.app.get(MOVER)
     if mover is not None:
         status["moving_sessions"] = mover.holding
+    operations = request.app.get(OPERATIONS)
+    if operations is not None:
+        status["operations"] = operations.status()
+        states = operations.worker_states()
+        for worker in status["workers"]:
+            worker.update(states.get(worker["owner"], {}))
     return _json(status)
 
 
@@ -220,7 +270,10 @@ def _guard(token: str | None) -> Any:
 
 
 def create_control_app(
-    checkpointer: Checkpointer, token: str | None, mover: Mover | None = None
+    checkpointer: Checkpointer,
+    token: str | None,
+    mover: Mover | None = None,
+    operations: Operations | None = None,
 ) -> web.Application:
     """The control-plane app; `token` None means checkpoint control is off (404)."""
     # restore and retire bodies list episode IDs: allow large runs, not unbounded ones
@@ -232,4 +285,13 @@ def create_control_app(
     if mover is not None:
         app[MOVER] = mover
         app.router.add_post(MOVE_PATH, _move)
+    if operations is not None:
+        app[OPERATIONS] = operations
+        for name, handler in (
+            ("drain", _drain),
+            ("undrain", _undrain),
+            ("restart", _restart),
+            ("resize", _resize),
+        ):
+            app.router.add_post(f"{WORKERS_PATH}/{name}", handler)
     return app

@@ -8,7 +8,8 @@ Heads are rewritten by pure functions (`proxy.request_head`, `proxy.response_hea
 States (one at a time; the request side's progress is `request_done`, orthogonal):
 
     QUEUED      head parsed, behind another request of the pipeline     writes nothing
-                (or its session is moving: held until the move ends)
+                (or its session is moving, or its worker leaves service: held
+                until that ends, then routed anew)
     CONNECTING  routed; waiting for a worker connection (body buffered) may write 100-continue
     SENDING     head sent to the worker; request body streams to it     body -> worker
     RESPONDING  response head sent; response body streams to the client body -> client
@@ -70,6 +71,7 @@ __all__ = [
     "DONE",
     "STATE_NAMES",
     "start_held",
+    "start_held_by_worker",
 ]
 
 # Final ints, as the client connection's phases: the compiled data path (setup.py)
@@ -205,6 +207,7 @@ class Exchange:
             parts.append(b"\r\n")
         self.head = b"".join(parts)
         worker.in_flight += 1
+        worker.served += 1
         self.worker = worker
         self.slot = worker.slot
         self.routed_at = self.client.proxy_state.now
@@ -247,9 +250,13 @@ class Exchange:
             # Its session is moving: it waits here, unrouted, and starts again after.
             router.holding[session_id].append(self)
             return None
+        worker = route.worker
+        if worker.held is not None:
+            # Its worker is being taken out of service: it waits, and is routed anew after.
+            worker.held.append(self)
+            return None
         self.session_id = session_id
         router.active[session_id] = router.active.get(session_id, 0) + 1
-        worker = route.worker
         if key is not None and not worker.keeps_rollout_prefix:
             # aiohttp routes before any middleware: the app sees /rest, the runtime the key.
             parts[2] = rest
@@ -566,11 +573,23 @@ class Exchange:
 def start_held(router: Router, session_ids: list[str]) -> None:
     """A move of these sessions ended: their held requests start again, routed by the
     tables as they are now (a request whose client went away meanwhile is skipped)."""
+    held: list[Exchange] = []
+    for session_id in session_ids:
+        held += router.holding.pop(session_id, ())
+    _start_again(held)
+
+
+def start_held_by_worker(worker: WorkerRoute) -> None:
+    """Requests held at `worker` start again, routed anew (module docstring)."""
+    held, worker.held = worker.held or [], None
+    _start_again(held)
+
+
+def _start_again(exchanges: list[Exchange]) -> None:
     hold()  # a burst of starts: one write per transport
     try:
-        for session_id in session_ids:
-            for exchange in router.holding.pop(session_id, []):
-                if not exchange.finished:
-                    exchange.start()
+        for exchange in exchanges:
+            if not exchange.finished:
+                exchange.start()
     finally:
         release()

@@ -19,7 +19,7 @@ hands it the request's identity headers and writes the headers its `Route` says:
 4. `x-ng-session-owner`: that worker (or its alias), as a new session there (rule `owner`);
 5. nothing: a new session on the live, responsive worker with the fewest requests in
    flight, ties broken round-robin (rule `new`); a worker not answering the supervisor's
-   pings gets no new sessions.
+   pings gets no new sessions, nor does one an operation is draining.
 
 A token that is not this instance's (another server's, or the app's own) is taken as
 absent. A legacy token (minted before tokens named their instance) is this instance's only
@@ -65,6 +65,11 @@ class WorkerRoute:
     pool: Any = None
     responsive: bool = True  # False while the supervisor's pings go unanswered
     keeps_rollout_prefix: bool = False  # ASGI apps see /ng-rollout/<key>/ as sent
+    draining: bool = False  # an operation empties it: no new sessions go to it
+    # Requests routed to it that wait at the proxy while an operation takes it out of
+    # service (None: none wait); they are started again, and routed anew, after.
+    held: list[Any] | None = None
+    served: int = 0  # requests routed to it, for --max-requests
 
 
 @dataclass(slots=True)
@@ -128,6 +133,20 @@ class Router:
             if holder is not None and (holder == owner or aliases.get(holder) == owner):
                 del sessions[session_id]
 
+    def retire_owner(self, old: str, heir: str) -> None:
+        """An operation stopped `old`'s worker after moving its sessions: whatever still
+        names it (a cookie of a session it kept no state for, an alias, a placed session)
+        goes to `heir` from now on."""
+        aliases = self.aliases
+        for owner, target in aliases.items():
+            if target == old:
+                aliases[owner] = heir
+        aliases[old] = heir
+        sessions = self.sessions
+        for session_id, holder in sessions.items():
+            if holder == old:
+                sessions[session_id] = heir
+
     def resolve_owner(self, owner: str) -> WorkerRoute | None:
         """The live worker that holds `owner`'s sessions, directly or through an alias."""
         worker = self.workers.get(owner)
@@ -145,10 +164,16 @@ class Router:
         best = None
         for i in range(count):
             candidate = live[(start + i) % count]
-            if candidate.responsive and (best is None or candidate.in_flight < best.in_flight):
+            if (
+                candidate.responsive
+                and not candidate.draining
+                and (best is None or candidate.in_flight < best.in_flight)
+            ):
                 best = candidate
         if best is None:
-            raise GymError("worker_unavailable", "no worker is live and answering; retry shortly")
+            raise GymError(
+                "worker_unavailable", "no worker is live and taking sessions; retry shortly"
+            )
         return best
 
     def route_request(

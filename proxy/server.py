@@ -6,6 +6,8 @@ inherited, listening socket (--fd) serves from the start, answering 503
 `worker_unavailable` until then. Stop order
 (SIGTERM/SIGINT; a second signal skips the drain): stop accepting, let in-flight requests
 finish within the grace period, cut the rest, stop workers, remove the runtime directory.
+Once ready, HUP restarts the workers one by one, TTIN adds one and TTOU removes one
+(`coordinator.operations`), their sessions moved, never dropped.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from coordinator.contract.exit_codes import BOOT_ERROR
 from coordinator.contract.keepalive import POOL_IDLE
 from coordinator.contract.messages import Register, RegisterReply
 from coordinator.mover import Mover
+from coordinator.operations import Operations
 from coordinator.worker_channels import WorkerChannels
 from proxy import data_path
 from proxy.client_connection import DISCARDING, LINGERING, TUNNELING, ClientConnection, ProxyState
@@ -61,6 +64,17 @@ async def run(config: Config, listen_sock: socket.socket, secret: bytes) -> int:
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal)
+    accepting_signals = False
+
+    def on_operation_signal(name: str) -> None:
+        if accepting_signals and not stop.is_set():
+            operations.on_signal(name)
+        else:
+            log.warning("SIG%s ignored: gym-proxy is not serving (starting or stopping)", name)
+
+    # gunicorn's and uvicorn's: HUP rolling restart, TTIN/TTOU one worker more or less.
+    for sig in (signal.SIGHUP, signal.SIGTTIN, signal.SIGTTOU):
+        loop.add_signal_handler(sig, on_operation_signal, sig.name.removeprefix("SIG"))
 
     max_connections = _connection_cap(config.max_connections)
     for stale in remove_stale(config.runtime_dir):
@@ -97,8 +111,11 @@ async def run(config: Config, listen_sock: socket.socket, secret: bytes) -> int:
         checkpointer.on_lost(owner)
 
     worker_channels = WorkerChannels(on_register, on_lost, checkpointer.on_message)
+    mover = Mover(supervisor, checkpointer)
+    operations = Operations(supervisor, mover, checkpointer)
+    supervisor.on_recycle = operations.recycle
     control_runner = web.AppRunner(
-        create_control_app(checkpointer, config.control_token, Mover(supervisor, checkpointer)),
+        create_control_app(checkpointer, config.control_token, mover, operations),
         access_log=None,
         handle_signals=False,
     )
@@ -152,6 +169,7 @@ async def run(config: Config, listen_sock: socket.socket, secret: bytes) -> int:
         log.info("ready on http://%s:%d with %d workers", host, port, config.workers)
         log.info("data path: %s (%s)", *data_path.mode())
         timers.append(asyncio.ensure_future(supervisor.watch_liveness()))
+        accepting_signals = True
         stopped = asyncio.ensure_future(stop.wait())
         assert supervisor.fatal is not None
         await asyncio.wait({stopped, supervisor.fatal}, return_when=asyncio.FIRST_COMPLETED)
@@ -165,6 +183,9 @@ async def run(config: Config, listen_sock: socket.socket, secret: bytes) -> int:
         await _drain(state, config.graceful_timeout, force)
         return code
     finally:
+        for sig in (signal.SIGHUP, signal.SIGTTIN, signal.SIGTTOU):
+            loop.remove_signal_handler(sig)
+        operations.close()
         for timer in timers:
             timer.cancel()
         if server is not None:

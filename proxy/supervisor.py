@@ -10,14 +10,23 @@ Liveness, as gunicorn and uvicorn do it: every live worker is pinged over its ch
 silent for two ping intervals gets no new sessions; one silent for `--worker-timeout`
 is killed (SIGKILL, which also ends a SIGSTOPped process) and restarted, and its
 sessions answer 410.
+
+Live operations (`coordinator.operations`) change the workers while they serve: a slot
+may hold a *successor* beside its worker (a rolling restart starts it, waits until it
+registers, moves the sessions over, then promotes it), slots are added and removed at
+the end (resize), and a worker an operation stops is *leaving*: its exit is expected and
+nothing restarts it. A worker an operation starts is on trial until it registers: if it
+cannot boot, only that operation fails, never the server.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
+import random
 import signal
 import sys
 import time
@@ -30,7 +39,7 @@ from coordinator.contract.exit_codes import BOOT_ERROR
 from coordinator.contract.messages import Ping, Register
 from coordinator.worker_channels import RegistrationRefused
 from proxy.config import Config
-from proxy.exchange import start_held
+from proxy.exchange import start_held, start_held_by_worker
 from proxy.routing import Router, WorkerRoute
 from proxy.session_tokens import new_owner_id
 from proxy.upstream import UpstreamPool
@@ -70,15 +79,29 @@ class WorkerProcess:
     route: WorkerRoute | None = None
     answered_at: float = 0.0  # monotonic time of the last pong (or of registering)
     ping: asyncio.Future[Any] | None = None
+    # Set when it registers, or failed with WorkerBootError when it exits before.
+    registered: asyncio.Future[None] = field(default_factory=lambda: _quiet_future())
+    on_trial: bool = False  # an operation started it: a boot failure fails only that
+    leaving: bool = False  # an operation stops it: its exit is expected, never restarted
+    max_requests: int = 0  # recycled after serving this many (0: never)
 
     @property
     def pid(self) -> int:
         return self.process.pid
 
 
+def _quiet_future() -> asyncio.Future[None]:
+    """A future whose exception nobody may ask for (a worker that exits before it
+    registers, with no operation waiting on it) without asyncio complaining."""
+    future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    future.add_done_callback(lambda f: f.cancelled() or f.exception())
+    return future
+
+
 @dataclass
 class _Slot:
     worker: WorkerProcess | None = None
+    successor: WorkerProcess | None = None  # a rolling restart's replacement, booting
     failures: int = 0
     restart_at: float = 0.0
 
@@ -96,6 +119,10 @@ class Supervisor:
     _registered: asyncio.Event = field(default_factory=asyncio.Event)
     _timer: asyncio.TimerHandle | None = None
     _warned_restart_only: bool = False
+    _leaving: set[WorkerProcess] = field(default_factory=set)
+    _trial_slots: int = 0  # slots an operation is adding: their boot errors are not fatal
+    # What a worker asks of its operator: recycle(slot, reason) (live operations set it).
+    on_recycle: Any = None
     # `python -P`: the current directory never shadows gym-proxy's packages. Tests of the
     # supervisor start stand-in workers instead.
     worker_command: tuple[str, ...] = (sys.executable, "-P", "-m", "worker")
@@ -145,12 +172,22 @@ class Supervisor:
                 max(0.0, next_due - now), self.reconcile
             )
 
-    async def _spawn(self, slot_index: int) -> None:
+    async def _spawn(self, slot_index: int, successor: bool = False) -> WorkerProcess | None:
+        """Start a worker process for the slot: its worker, or (`successor`) the one an
+        operation will put in its place. None when no process could start."""
         slot = self.slots[slot_index]
         owner = self._owners.pop(0) if self._owners else new_owner_id()
         socket_path = os.path.join(self.runtime_dir, f"w{slot_index}-{owner}.sock")
         # Reserve the slot before the first await so reconcile never spawns it twice.
-        slot.worker = placeholder = WorkerProcess(slot_index, owner, socket_path, None, 0.0)  # type: ignore[arg-type]
+        placeholder = WorkerProcess(slot_index, owner, socket_path, None, 0.0)  # type: ignore[arg-type]
+        placeholder.on_trial = successor or self._trial_slots > 0
+        limit = self.config.max_requests
+        if limit:
+            placeholder.max_requests = limit + random.randint(0, self.config.max_requests_jitter)
+        if successor:
+            slot.successor = placeholder
+        else:
+            slot.worker = placeholder
         try:
             process = await asyncio.create_subprocess_exec(
                 *self.worker_command,
@@ -164,29 +201,63 @@ class Supervisor:
                 stdin=asyncio.subprocess.DEVNULL,
             )
         except OSError as exc:
-            slot.worker = None
-            self._fail(WorkerBootError(f"cannot start a worker process: {exc}"))
-            return
+            self._vacate(placeholder)
+            error = WorkerBootError(f"cannot start a worker process: {exc}")
+            if placeholder.on_trial:
+                placeholder.registered.set_exception(error)
+            else:
+                self._fail(error)
+            return None
         placeholder.process = process
         if self.stopping:  # stop() began while this process started: it never serves
             with contextlib.suppress(ProcessLookupError):
                 process.kill()
             await process.wait()
-            slot.worker = None
-            return
+            self._vacate(placeholder)
+            return None
         placeholder.started_at = time.monotonic()
-        log.info("worker %d started (pid %d, owner %s)", slot_index, process.pid, owner)
+        log.info(
+            "worker %d%s started (pid %d, owner %s)",
+            slot_index,
+            " (replacement)" if successor else "",
+            process.pid,
+            owner,
+        )
         self._track(self._watch(placeholder))
+        return placeholder
+
+    def _vacate(self, worker: WorkerProcess) -> None:
+        """The slot no longer holds `worker` (as its worker or successor)."""
+        if worker.slot >= len(self.slots):
+            return
+        slot = self.slots[worker.slot]
+        if slot.worker is worker:
+            slot.worker = None
+        if slot.successor is worker:
+            slot.successor = None
 
     async def _watch(self, worker: WorkerProcess) -> None:
         code = await worker.process.wait()
         self._retire(worker)
-        slot = self.slots[worker.slot]
-        if slot.worker is worker:
-            slot.worker = None
+        if not worker.registered.done():
+            worker.registered.set_exception(
+                WorkerBootError(f"worker {worker.slot} exited with code {code} before registering")
+            )
+        self._leaving.discard(worker)
+        if worker.leaving:
+            log.info("worker %d (pid %d) stopped with code %s", worker.slot, worker.pid, code)
+            return
+        replaced_slot = self.slots[worker.slot] if worker.slot < len(self.slots) else None
+        current = replaced_slot is not None and replaced_slot.worker is worker
+        self._vacate(worker)
         if self.stopping:
             return
-        if code == BOOT_ERROR:
+        if not current:  # a successor that died before its promotion: its operation says so
+            log.warning("replacement worker %d exited with code %s", worker.slot, code)
+            return
+        slot = replaced_slot
+        assert slot is not None
+        if code == BOOT_ERROR and not worker.on_trial:
             self._fail(
                 WorkerBootError(
                     f"worker {worker.slot} cannot build app {self.config.app} (see above)"
@@ -217,8 +288,16 @@ class Supervisor:
             raise RegistrationRefused("gym-proxy is stopping")
         if not 0 <= slot_index < len(self.slots):
             raise RegistrationRefused(f"no slot {slot_index!r}")
-        worker = self.slots[slot_index].worker
-        if worker is None or worker.owner != registration.owner or worker.state != "starting":
+        slot = self.slots[slot_index]
+        worker = next(
+            (
+                w
+                for w in (slot.worker, slot.successor)
+                if w is not None and w.owner == registration.owner and w.state == "starting"
+            ),
+            None,
+        )
+        if worker is None:
             raise RegistrationRefused(
                 f"slot {slot_index} does not expect owner {registration.owner!r}"
             )
@@ -245,14 +324,16 @@ class Supervisor:
             )
         self.router.add_worker(worker.route)
         log.info("worker %d registered (owner %s)", slot_index, worker.owner)
+        if not worker.registered.done():
+            worker.registered.set_result(None)
         if all(s.worker is not None and s.worker.state == "live" for s in self.slots):
             self._registered.set()
 
     def on_lost(self, owner: str) -> None:
         """A worker's channel ended: stop routing to it at once (its sessions get 410)."""
-        for slot in self.slots:
-            if slot.worker is not None and slot.worker.owner == owner:
-                self._retire(slot.worker)
+        for worker in self.workers():
+            if worker.owner == owner:
+                self._retire(worker)
 
     # ---- liveness ------------------------------------------------------------------
     async def watch_liveness(self) -> None:
@@ -281,6 +362,22 @@ class Supervisor:
                 elif silent > 2 * interval and worker.route.responsive:
                     log.warning("worker %d is not answering; no new sessions go to it", worker.slot)
                     worker.route.responsive = False
+            self._check_recycling()
+
+    def _check_recycling(self) -> None:
+        """Ask for a recycle of each slot's worker past --max-requests or the memory
+        ceiling (asked again every interval until it happens: a checkpoint may defer it)."""
+        if self.on_recycle is None:
+            return
+        ceiling = self.config.max_worker_memory * 1024 * 1024
+        for slot in self.slots:
+            worker = slot.worker
+            if worker is None or worker.state != "live" or worker.route is None:
+                continue
+            if worker.max_requests and worker.route.served >= worker.max_requests:
+                self.on_recycle(worker.slot, f"served {worker.route.served} requests")
+            elif ceiling and (rss := resident_bytes(worker.pid)) > ceiling:
+                self.on_recycle(worker.slot, f"resident memory {rss / 2**20:.0f} MiB")
 
     async def _ping(self, worker: WorkerProcess, within: float) -> None:
         assert worker.channel is not None
@@ -308,10 +405,11 @@ class Supervisor:
     # ---- the coordinator's view (coordinator.checkpointer.WorkerView) ----------------
     @property
     def expected(self) -> int:
-        return self.config.workers
+        return len(self.slots)
 
     def live(self) -> list[LiveWorker]:
-        """Registered workers whose channel is up, by slot."""
+        """Registered workers whose channel is up, by slot (a successor or a leaving
+        worker too: both serve sessions while an operation runs)."""
         return [
             LiveWorker(w.slot, w.owner, w.pid, w.channel, w.route.in_flight)
             for w in self.workers()
@@ -329,6 +427,123 @@ class Supervisor:
 
     def sessions_ended(self, owner: str, session_ids: list[str]) -> None:
         self.router.forget_sessions(owner, session_ids)
+
+    # ---- live operations (coordinator.operations.WorkerPool) -----------------------
+    def current(self, slot_index: int) -> WorkerProcess | None:
+        """The live worker of the slot, if it has one."""
+        if not 0 <= slot_index < len(self.slots):
+            return None
+        worker = self.slots[slot_index].worker
+        return worker if worker is not None and worker.state == "live" else None
+
+    async def start_successor(self, slot_index: int, within: float) -> WorkerProcess:
+        """Start a replacement for the slot's worker and wait until it registers (it
+        takes new sessions from then on); WorkerBootError, after killing it, when it
+        cannot boot in `within` seconds."""
+        worker = await self._spawn(slot_index, successor=True)
+        if worker is None:
+            raise WorkerBootError(f"slot {slot_index}: the replacement did not start")
+        return await self._registered_within(worker, within)
+
+    async def add_slot(self, within: float) -> WorkerProcess:
+        """Grow by one slot at the end and wait until its worker registers; on failure
+        the slot is removed again (WorkerBootError)."""
+        self.slots.append(_Slot())
+        self._resized()
+        slot_index = len(self.slots) - 1
+        self._trial_slots += 1
+        try:
+            worker = await self._spawn(slot_index)
+        finally:
+            self._trial_slots -= 1
+        try:
+            if worker is None:
+                raise WorkerBootError(f"slot {slot_index}: the worker did not start")
+            worker = await self._registered_within(worker, within)
+        except BaseException:
+            if slot_index == len(self.slots) - 1:
+                self.slots.pop()
+                self._resized()
+            raise
+        worker.on_trial = False
+        return worker
+
+    async def _registered_within(self, worker: WorkerProcess, within: float) -> WorkerProcess:
+        try:
+            await asyncio.wait_for(asyncio.shield(worker.registered), within)
+        except TimeoutError:
+            await self.stop_worker(worker, 0.0)
+            raise WorkerBootError(
+                f"slot {worker.slot}: the new worker did not register within {within:g} s"
+            ) from None
+        except WorkerBootError:
+            self._vacate(worker)
+            raise
+        return worker
+
+    def promote(self, successor: WorkerProcess) -> WorkerProcess | None:
+        """The successor becomes its slot's worker; the worker it replaces is returned,
+        out of the slot (the caller stops it)."""
+        slot = self.slots[successor.slot]
+        old, slot.worker, slot.successor = slot.worker, successor, None
+        successor.on_trial = False
+        if old is not None:
+            old.leaving = True
+            self._leaving.add(old)
+        return old
+
+    def remove_last_slot(self) -> WorkerProcess | None:
+        """Shrink by the last slot; its worker (returned, leaving) is the caller's to stop."""
+        slot = self.slots.pop()
+        self._resized()
+        for worker in (slot.worker, slot.successor):
+            if worker is not None:
+                worker.leaving = True
+                self._leaving.add(worker)
+        return slot.worker
+
+    def take_out_of_service(self, worker: WorkerProcess) -> None:
+        """No request reaches it any more (a leaving worker, emptied)."""
+        self._retire(worker)
+
+    async def stop_worker(self, worker: WorkerProcess, grace: float) -> int | None:
+        """SIGTERM a worker an operation is done with (SIGKILL after `grace`); its exit
+        is expected. Answers its exit code."""
+        worker.leaving = True
+        self._leaving.add(worker)
+        process = worker.process
+        if process is None:
+            return None
+        if process.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                process.send_signal(signal.SIGTERM if grace > 0 else signal.SIGKILL)
+            try:
+                await asyncio.wait_for(asyncio.shield(process.wait()), grace or None)
+            except TimeoutError:
+                log.warning("worker %d did not stop in time; killing it", worker.slot)
+                with contextlib.suppress(ProcessLookupError):
+                    process.kill()
+                await process.wait()
+        self._retire(worker)
+        self._vacate(worker)
+        return process.returncode
+
+    def hold_worker(self, worker: WorkerProcess) -> None:
+        """Requests routed to it wait at the proxy from now on."""
+        if worker.route is not None and worker.route.held is None:
+            worker.route.held = []
+
+    def release_worker(self, worker: WorkerProcess) -> None:
+        """The requests held at it start again, routed by the tables as they are now."""
+        if worker.route is not None:
+            start_held_by_worker(worker.route)
+
+    def retire_owner(self, old: str, heir: str) -> None:
+        self.router.retire_owner(old, heir)
+
+    def _resized(self) -> None:
+        # Workers started from now on are told the new count (a NeMo Gym class reads it).
+        self.config = dataclasses.replace(self.config, workers=len(self.slots))
 
     # ---- the mover's view (coordinator.mover.MoveTable) ---------------------------
     def hold_sessions(self, session_ids: list[str]) -> None:
@@ -348,8 +563,9 @@ class Supervisor:
 
     # ---- stopping -----------------------------------------------------------------
     def workers(self) -> list[WorkerProcess]:
-        """Current worker records, by slot."""
-        return [slot.worker for slot in self.slots if slot.worker is not None]
+        """Every worker record: each slot's worker and successor, then leaving ones."""
+        records = [w for slot in self.slots for w in (slot.worker, slot.successor) if w is not None]
+        return records + sorted(self._leaving - set(records), key=lambda w: w.slot)
 
     async def stop(self, grace: float) -> None:
         """SIGTERM every worker, SIGKILL those still running at the deadline, reap all."""
@@ -384,3 +600,12 @@ class Supervisor:
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+
+def resident_bytes(pid: int) -> int:
+    """The process's resident set size (Linux /proc; 0 when it cannot be read)."""
+    try:
+        with open(f"/proc/{pid}/statm", "rb") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0

@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 import pytest
 
 from coordinator import checkpoint_files as files
-from coordinator import failpoints
 from coordinator.checkpointer import Checkpointer, LiveWorker
+from coordinator.contract import failpoints
 from coordinator.contract import messages as msg
 from coordinator.contract.channel import Channel
 from coordinator.contract.episodes import EpisodeId

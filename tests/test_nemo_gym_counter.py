@@ -57,6 +57,18 @@ def start_counter(start_proxy, *args: str, workers: int = 4, mcp: bool = False, 
     )
 
 
+def movable_counter(start_proxy):  # type: ignore[no-untyped-def]
+    """Two workers of the counter, its session dict declared, MCP on, a control token."""
+    return start_counter(
+        start_proxy,
+        "--session-state",
+        "session_id_to_counter",
+        workers=2,
+        mcp=True,
+        control_token=CONTROL_TOKEN,
+    )
+
+
 @pytest.mark.parametrize("new_connection_per_request", [False, True], ids=["pooled", "fresh"])
 async def test_every_session_exact_under_four_workers(start_proxy, new_connection_per_request):
     proxy = start_counter(start_proxy)
@@ -243,14 +255,7 @@ async def test_nemo_gyms_counter_sessions_move_between_workers(start_proxy):
     worker holds is reported, not moved; moved twice, every one of them moves."""
     from coordinator.contract.app_sessions import session_in_cookie_value
 
-    proxy = start_counter(
-        start_proxy,
-        "--session-state",
-        "session_id_to_counter",
-        workers=2,
-        mcp=True,
-        control_token=CONTROL_TOKEN,
-    )
+    proxy = movable_counter(start_proxy)
     move_path = f"{proxy.url}/ng-control/v1/gym-proxy/sessions/move"
     auth = {"Authorization": f"Bearer {CONTROL_TOKEN}"}
     async with nemo_http() as http:
@@ -276,6 +281,41 @@ async def test_nemo_gyms_counter_sessions_move_between_workers(start_proxy):
         second = await move(0)  # all of them are on worker 1 now
         assert second["moved"] == sorted(ids) and second["failed"] == [], second
         for i, client in enumerate(clients):
+            assert await client.count() == i + 2
+            assert await mcp_call(proxy.url, client.mcp_token, "get_counter_value", {}) == {
+                "count": i + 2
+            }
+
+
+async def test_nemo_gyms_counter_survives_a_rolling_restart_and_a_resize(start_proxy):
+    """The real counter, its session dict declared: a rolling restart replaces both
+    workers and a resize goes 2 -> 3 -> 1, and every session (NeMo Gym's own cookie and
+    its MCP token) keeps its count and answers from a live worker."""
+    proxy = movable_counter(start_proxy)
+    workers = f"{proxy.url}/ng-control/v1/gym-proxy/workers"
+    auth = {"Authorization": f"Bearer {CONTROL_TOKEN}"}
+    before = set(proxy.worker_pids())
+    async with nemo_http() as http:
+        clients = [CounterClient(http, proxy.url, task) for task in range(12)]
+        for i, client in enumerate(clients):
+            await client.seed(i)
+
+        async def operate(name: str, body: dict) -> dict:
+            async with http.post(f"{workers}/{name}", json=body, headers=auth) as response:
+                reply = await response.json()
+                assert response.status == 200 and reply["complete"], reply
+                return reply
+
+        restarted = await operate("restart", {})
+        assert restarted["moved"] >= 12 and restarted["failed"] == [], restarted
+        assert not set(proxy.worker_pids()) & before
+        for i, client in enumerate(clients):
+            await mcp_call(proxy.url, client.mcp_token, "increment_counter", {"count": 1})
+            assert await client.count() == i + 1
+        await operate("resize", {"workers": 3})
+        await operate("resize", {"workers": 1})
+        for i, client in enumerate(clients):
+            await client.post("/increment_counter", {"count": 1})
             assert await client.count() == i + 2
             assert await mcp_call(proxy.url, client.mcp_token, "get_counter_value", {}) == {
                 "count": i + 2

@@ -156,7 +156,7 @@ async def test_bad_moves_are_refused_with_what_is_wrong(proxy):
             assert detail in reply["error"]["detail"], reply
         status, reply = await move(http, url, {"session_ids": [sid], "to_slot": slot})
         assert status == 200 and reply["moved"] == [], reply
-        assert reply["failed"][0]["reason"].startswith("not found on another worker")
+        assert reply["failed"][0]["reason"].startswith("not found on a source worker")
         headers = {"Authorization": f"Bearer {CONTROL}"}
         prepare = {"checkpoint_id": "ck-move", "deadline_ts": time.time() + 60}
         async with http.post(

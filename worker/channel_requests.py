@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from coordinator.contract import records
+from coordinator.contract import failpoints, records
 from coordinator.contract.episodes import EpisodeId
 from coordinator.contract.errors import GymError
 from coordinator.contract.marks import RestoredClaims
@@ -18,10 +18,12 @@ from coordinator.contract.messages import (
     ExportReply,
     Forget,
     Forgotten,
+    HeldSessions,
     Install,
     Installed,
     LinkedSessions,
     Links,
+    ListHeld,
     Message,
     MoveOut,
     Release,
@@ -76,11 +78,21 @@ async def handle_coordinator_message(runtime: ParticipantRuntime, message: Messa
             links = runtime.links
             return Links({s: sorted(links[s]) for s in message.session_ids if s in links})
         case MoveOut():
-            return SessionRecords(await runtime.export_sessions(message.session_ids))
+            moving = await runtime.export_sessions(message.session_ids)
+            failpoints.hit("worker-move-out")  # the source dies before it answers
+            return SessionRecords(moving)
         case Adopt():
-            return Installed(await runtime.install(message.sessions, restored=False))
+            installed = await runtime.install(message.sessions, restored=False)
+            failpoints.hit("worker-adopted")  # the target dies after installing
+            return Installed(installed)
         case Drop():
             return Released(await runtime.drop_sessions(message.session_ids))
+        case ListHeld():
+            return HeldSessions(
+                runtime.store.session_ids(),
+                not runtime.participation.restart_only,
+                len(runtime.flights),
+            )
     raise GymError("invalid_request", f"{message.TYPE} is not a message for a worker")
 
 

@@ -143,6 +143,10 @@ class SessionStore:
             self._entries[record["session_id"]] = SessionEntry(record.get("state"), key, restored)
         return len(records)
 
+    def session_ids(self) -> list[str]:
+        """Every live session, least recently used first."""
+        return list(self._entries)
+
     def entries(self, session_ids: list[str]) -> dict[str, SessionEntry]:
         """The entries of those of `session_ids` this store holds."""
         found = {}

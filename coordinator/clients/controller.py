@@ -25,7 +25,7 @@ from typing import Any
 import aiohttp
 
 from coordinator.contract.episodes import EpisodeId, parse_episode_key
-from coordinator.contract.headers import CHECKPOINT_PATH, MOVE_PATH
+from coordinator.contract.headers import CHECKPOINT_PATH, MOVE_PATH, WORKERS_PATH
 
 __all__ = [
     "KIND_ORDER",
@@ -84,6 +84,13 @@ class Participant:
         `moved`, `failed` with reasons); ControlFailed on anything but 200."""
         body = {"session_ids": session_ids, "to_slot": to_slot, "timeout_s": timeout_s}
         return await self._request("move", "POST", MOVE_PATH, body, timeout_s + REPLY_SLACK)
+
+    async def operate(self, operation: str, body: dict[str, Any]) -> dict[str, Any]:
+        """Run a live operation of a gym-proxy (`drain`, `undrain`, `restart`, `resize`)
+        and answer its report; ControlFailed on anything but 200. Not bounded here: the
+        server bounds every step (`timeout_s` per worker emptied, its boot timeout per
+        worker started), and a restart of many slots takes as many steps."""
+        return await self._request(operation, "POST", f"{WORKERS_PATH}/{operation}", body, None)
 
     async def _request(
         self, op: str, method: str, path: str, body: dict[str, Any] | None, within: float | None

@@ -1,10 +1,13 @@
-"""`gym-proxy-ctl`: checkpoint, restore, resume and retire one or more participants.
+"""`gym-proxy-ctl`: checkpoint, restore, resume and retire one or more participants;
+move sessions, drain, restart and resize the workers of one gym-proxy.
 
     gym-proxy-ctl --server http://127.0.0.1:8000 status
     gym-proxy-ctl --server URL1 --server URL2 checkpoint ck1 /ckpt/step-10 [--stop]
     gym-proxy-ctl --server URL restore r1 /ckpt/step-10 --episode r7:0 --resume
     gym-proxy-ctl --server URL retire x1 --episode r7:1
     gym-proxy-ctl --server URL forget x2 --rollout r7
+    gym-proxy-ctl --server URL move --session ID --to-slot 1
+    gym-proxy-ctl --server URL drain 0 | undrain 0 | restart [--slot 2] | resize 4
 
 The token comes from `--token` or GYM_PROXY_CONTROL_TOKEN. Replies are printed as JSON;
 a refused call prints one line on stderr and exits 1.
@@ -33,6 +36,9 @@ def _episode(text: str) -> EpisodeId:
     if not rollout_id or not attempt.isdigit():
         raise argparse.ArgumentTypeError(f"episode must be ROLLOUT_ID:ATTEMPT, got {text!r}")
     return EpisodeId(rollout_id, int(attempt))
+
+
+OPERATIONS = ("drain", "undrain", "restart", "resize")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -71,6 +77,19 @@ def _parser() -> argparse.ArgumentParser:
     )
     move.add_argument("--session", action="append", required=True, help="a session ID")
     move.add_argument("--to-slot", type=int, required=True, help="the worker slot to move to")
+    for name, help_text in (
+        ("drain", "no new sessions on a worker; move its sessions to the others"),
+        ("undrain", "a drained worker takes new sessions again"),
+        ("restart", "rolling restart: replace each worker (or --slot ones), sessions moved"),
+        ("resize", "grow or shrink to N workers while serving"),
+    ):
+        operation = commands.add_parser(name, help=help_text)
+        if name in ("drain", "undrain"):
+            operation.add_argument("slot", type=int)
+        elif name == "restart":
+            operation.add_argument("--slot", type=int, action="append", dest="slots")
+        else:
+            operation.add_argument("workers", type=int)
     forget = commands.add_parser("forget")
     forget.add_argument("checkpoint_id")
     forget.add_argument("--rollout", action="append", required=True)
@@ -92,6 +111,20 @@ async def _run(args: argparse.Namespace) -> Any:
                 raise ControlFailed("move", {"--server": (0, "invalid_request", "name one")})
             participant = Participant(args.server[0], args.token, http)
             return await participant.move_sessions(args.session, args.to_slot, args.timeout)
+        if args.command in OPERATIONS:
+            if len(args.server) != 1:
+                raise ControlFailed(args.command, {"--server": (0, "invalid_request", "name one")})
+            body: dict[str, Any] = {}
+            if args.command in ("drain", "undrain"):
+                body["slot"] = args.slot
+            if args.command == "resize":
+                body["workers"] = args.workers
+            if args.command == "restart" and args.slots:
+                body["slots"] = args.slots
+            if args.command != "undrain":
+                body["timeout_s"] = min(args.timeout, 3600.0)
+            participant = Participant(args.server[0], args.token, http)
+            return await participant.operate(args.command, body)
         await controller.learn_kinds()
         if args.command == "checkpoint":
             if args.keep_open:

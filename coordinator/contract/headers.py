@@ -28,6 +28,7 @@ __all__ = [
     "CONTROL_PREFIX",
     "CHECKPOINT_PATH",
     "MOVE_PATH",
+    "WORKERS_PATH",
     "ROLLOUT_PREFIX",
     "ROLLOUT_PREFIX_TEXT",
     "EMPTY_ROLLOUT_KEY",
@@ -55,6 +56,8 @@ APP_SESSION_END: Final = b"x-ng-app-session-end"
 CONTROL_PREFIX: Final = b"/ng-control/"
 CHECKPOINT_PATH: Final = "/ng-control/v1/checkpoint"
 MOVE_PATH: Final = "/ng-control/v1/gym-proxy/sessions/move"
+# + /drain, /undrain, /restart, /resize: live operations on the workers
+WORKERS_PATH: Final = "/ng-control/v1/gym-proxy/workers"
 
 ROLLOUT_PREFIX: Final = b"/ng-rollout/"
 ROLLOUT_PREFIX_TEXT: Final = "/ng-rollout/"

@@ -21,6 +21,7 @@ with `MalformedMessage` naming the message and the key, before a handler sees it
                                      move_out   -> SessionRecords
                                      adopt      -> Installed
                                      drop       -> Released
+                                     held       -> HeldSessions
 """
 
 from __future__ import annotations
@@ -71,6 +72,8 @@ __all__ = [
     "MoveOut",
     "Adopt",
     "Drop",
+    "HeldSessions",
+    "ListHeld",
 ]
 
 M = TypeVar("M", bound="Message")
@@ -440,3 +443,15 @@ class Drop(Message):
     """These sessions moved away: free their state here (their requests go elsewhere)."""
 
     session_ids: list[str]
+
+
+@message()
+class HeldSessions(Message):
+    session_ids: list[str]  # every live session of the worker's store, app sessions too
+    movable: bool  # False: restart-only, its sessions end where they are
+    requests: int  # requests the worker is running now
+
+
+@message("held", HeldSessions)
+class ListHeld(Message):
+    """The sessions this worker holds (an operation that empties it moves them)."""

@@ -1,0 +1,509 @@
+"""Live operations: drain, resize, rolling restart and recycle, built on session moves.
+
+Each runs on the proxy's event loop while the server serves, excludes checkpoints and
+every other operation (409 `operation_conflict`, both ways), reports its progress in
+`status` while it runs, and answers what it did and what it could not.
+
+- **drain** a slot: its worker takes no new sessions and its sessions move to the other
+  workers (a restart-only app's sessions cannot move: they are waited for until they
+  end, up to the timeout, then reported). The worker stays up, draining, until
+  `undrain`.
+- **retire** a worker (the step a restart and a shrink share): drain it into its heirs,
+  then hold every request still routed to it at the proxy, wait for its running
+  requests to end, move what they left, send whatever still names its owner to an heir
+  (`Router.retire_owner`), start the held requests again, and stop it. A worker that
+  cannot be emptied by the timeout (a session whose request runs on, a restart-only
+  session that does not end) is not stopped: it keeps serving what it holds, taking
+  nothing new, and is retired in the background as soon as it can be; the answer names
+  what it kept.
+- **rolling restart**, one slot at a time: start the replacement (new code: a fresh
+  `python -m worker`), wait until it registers, make it the slot's worker, retire the
+  old one into it. A replacement that does not boot aborts the restart: the old worker
+  keeps serving and the slots not reached yet are left alone.
+- **resize** to M: grow starts workers in new slots at the end, one by one; shrink
+  removes the last slots and retires their workers into the rest.
+- **recycle**: the supervisor asks for one when a worker passes `--max-requests` (plus
+  its jitter) or `--max-worker-memory`; it is a rolling restart of that slot, deferred
+  while a checkpoint or another operation runs.
+
+Signals (gunicorn's and uvicorn's): HUP restarts every slot, TTIN adds a worker, TTOU
+removes one; they queue and run one after the other when the server is free.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any, Protocol
+
+from coordinator.contract.channel import ChannelClosed, ChannelTimeout, RemoteError
+from coordinator.contract.errors import GymError
+from coordinator.contract.messages import ListHeld
+from coordinator.mover import Mover, failures
+
+__all__ = ["Operations", "WorkerPool", "Progress"]
+
+log = logging.getLogger("gym_proxy.operations")
+
+POLL = 0.05  # seconds between looks at a worker being emptied
+FINAL_SWEEP = 5.0  # seconds the last step of a retire gets even past the timeout
+RETRY_RETIRE = 1.0  # seconds between background attempts at a worker left serving
+SIGNAL_POLL = 0.5  # seconds between looks, for a queued signal, at whether it may run
+RECYCLE_BACKOFF = 60.0  # seconds before a failed recycle of a slot is tried again
+
+
+class WorkerPool(Protocol):
+    """What operations need from the supervisor."""
+
+    slots: list[Any]
+    config: Any
+
+    def current(self, slot_index: int) -> Any: ...
+
+    def workers(self) -> Sequence[Any]: ...
+
+    async def start_successor(self, slot_index: int, within: float) -> Any: ...
+
+    async def add_slot(self, within: float) -> Any: ...
+
+    def promote(self, successor: Any) -> Any: ...
+
+    def remove_last_slot(self) -> Any: ...
+
+    def take_out_of_service(self, worker: Any) -> None: ...
+
+    async def stop_worker(self, worker: Any, grace: float) -> int | None: ...
+
+    def hold_worker(self, worker: Any) -> None: ...
+
+    def release_worker(self, worker: Any) -> None: ...
+
+    def retire_owner(self, old: str, heir: str) -> None: ...
+
+
+class _Checkpoints(Protocol):
+    busy: str | None
+
+    @property
+    def open_checkpoint(self) -> str | None: ...
+
+
+@dataclass
+class Progress:
+    """One operation, as `status` shows it while it runs and after."""
+
+    operation: str
+    reason: str
+    started_at: float  # Unix seconds
+    step: str = "starting"
+    moved: int = 0
+    failed: dict[str, str] = field(default_factory=dict)
+    slots: list[dict[str, Any]] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    seconds: float | None = None  # set when it ended
+
+    def view(self, waiting: int) -> dict[str, Any]:
+        view = asdict(self)
+        view["failed"] = failures(self.failed)
+        view["waiting"] = waiting
+        return view
+
+
+@dataclass(eq=False)
+class Operations:
+    pool: WorkerPool
+    mover: Mover
+    checkpoints: _Checkpoints
+    running: Progress | None = None
+    last: Progress | None = None
+    _background: set[asyncio.Task[Any]] = field(default_factory=set)
+    _signals: list[str] = field(default_factory=list)
+    _signal_task: asyncio.Task[None] | None = None
+    _recycle_not_before: dict[int, float] = field(default_factory=dict)
+
+    # ---- the operations -------------------------------------------------------------
+    async def drain(self, slot: int, within: float) -> dict[str, Any]:
+        """No new sessions on the slot's worker; move its sessions to the others."""
+        async with self._exclusive("drain", "operator") as progress:
+            worker = self._live_in(slot)
+            if not self._others(worker):
+                raise GymError(
+                    "invalid_request", f"no other worker takes sessions than slot {slot}'s"
+                )
+            deadline = time.monotonic() + within
+            progress.step = f"slot {slot}: moving its sessions to the other workers"
+            left = await self._empty(worker, lambda: self._others(worker), deadline, progress)
+            if left is None:
+                left = await self._held_sessions(worker)
+                progress.errors.append(f"slot {slot} did not list its sessions")
+            progress.slots.append(
+                {"slot": slot, "owner": worker.owner, "draining": True, "sessions_left": len(left)}
+            )
+            if left:
+                progress.errors.append(
+                    f"slot {slot} still holds {len(left)} sessions at the timeout "
+                    + self._why_left(left, progress)
+                )
+            return self._answer(progress)
+
+    async def undrain(self, slot: int) -> dict[str, Any]:
+        """The slot's worker takes new sessions again."""
+        async with self._exclusive("undrain", "operator") as progress:
+            worker = self._live_in(slot)
+            worker.route.draining = False
+            progress.slots.append({"slot": slot, "owner": worker.owner, "draining": False})
+            return self._answer(progress)
+
+    async def restart(
+        self, slots: list[int] | None, within: float, reason: str = "operator"
+    ) -> dict[str, Any]:
+        """Rolling restart of `slots` (None: every slot), one at a time."""
+        async with self._exclusive("restart", reason) as progress:
+            order = list(range(len(self.pool.slots))) if slots is None else list(slots)
+            for slot in order:
+                self._live_in(slot)
+            for slot in order:
+                if not await self._restart_slot(slot, within, progress):
+                    break
+            return self._answer(progress)
+
+    async def resize(self, workers: int, within: float, reason: str = "operator") -> dict[str, Any]:
+        """Grow or shrink to `workers` slots while serving."""
+        if workers < 1:
+            raise GymError("invalid_request", "workers must be at least 1")
+        async with self._exclusive("resize", reason) as progress:
+            boot = float(self.pool.config.boot_timeout or within)
+            while len(self.pool.slots) < workers:
+                progress.step = f"starting worker {len(self.pool.slots)}"
+                try:
+                    worker = await self.pool.add_slot(boot)
+                except Exception as exc:  # WorkerBootError: the server keeps its size
+                    progress.errors.append(f"grow stopped at {len(self.pool.slots)} workers: {exc}")
+                    break
+                progress.slots.append({"slot": worker.slot, "owner": worker.owner, "added": True})
+            while len(self.pool.slots) > workers:
+                slot = len(self.pool.slots) - 1
+                progress.step = f"removing slot {slot}"
+                old = self.pool.current(slot)
+                self.pool.remove_last_slot()
+                entry: dict[str, Any] = {"slot": slot, "removed": True}
+                progress.slots.append(entry)
+                if old is not None:
+                    entry["owner"] = old.owner
+                    await self._retire(old, lambda: self._serving(), within, progress, entry)
+            return self._answer(progress, workers=len(self.pool.slots))
+
+    def recycle(self, slot: int, reason: str) -> None:
+        """The supervisor's ask: a rolling restart of one slot, when the server is free
+        (it asks again every interval, so a deferred recycle happens later; one that
+        failed is not tried again for RECYCLE_BACKOFF seconds)."""
+        cp = self.checkpoints
+        if cp.busy is not None or cp.open_checkpoint is not None:
+            return
+        if self._recycle_not_before.get(slot, 0.0) > time.monotonic():
+            return
+        log.info("recycling worker %d: %s", slot, reason)
+        within = float(self.pool.config.graceful_timeout or 30.0)
+        self._in_background(self._recycle(slot, within, f"recycle: {reason}"))
+
+    async def _recycle(self, slot: int, within: float, reason: str) -> None:
+        # Set before the first await: the supervisor asks again each interval.
+        self._recycle_not_before[slot] = time.monotonic() + RECYCLE_BACKOFF
+        try:
+            answer = await self.restart([slot], within, reason)
+        except GymError as exc:
+            log.warning("recycle of worker %d not run: %s", slot, exc.detail)
+            self._recycle_not_before.pop(slot, None)
+            return
+        if answer["complete"]:
+            self._recycle_not_before.pop(slot, None)
+
+    def on_signal(self, name: str) -> None:
+        """HUP, TTIN or TTOU: queued, run one after the other when the server is free."""
+        self._signals.append(name)
+        if self._signal_task is None or self._signal_task.done():
+            self._signal_task = asyncio.ensure_future(self._run_signals())
+
+    # ---- the steps ----------------------------------------------------------------
+    async def _restart_slot(self, slot: int, within: float, progress: Progress) -> bool:
+        old = self._live_in(slot)
+        entry: dict[str, Any] = {"slot": slot, "old_owner": old.owner, "old_pid": old.pid}
+        progress.slots.append(entry)
+        progress.step = f"slot {slot}: starting its replacement"
+        boot = float(self.pool.config.boot_timeout or within)
+        try:
+            new = await self.pool.start_successor(slot, boot)
+        except Exception as exc:  # WorkerBootError: the old worker keeps serving
+            entry["outcome"] = "kept: the replacement did not boot"
+            progress.errors.append(f"slot {slot}: {exc}; the restart stopped here")
+            return False
+        entry.update(new_owner=new.owner, new_pid=new.pid)
+        self.pool.promote(new)
+        progress.step = f"slot {slot}: moving its sessions to the replacement"
+        await self._retire(old, lambda: self._slot_worker(slot), within, progress, entry)
+        return True
+
+    async def _retire(
+        self,
+        worker: Any,
+        heirs: Callable[[], list[Any]],
+        within: float,
+        progress: Progress,
+        entry: dict[str, Any],
+    ) -> None:
+        """Empty `worker` into `heirs` and stop it (module docstring); one that cannot be
+        emptied in `within` seconds keeps serving and is retired in the background."""
+        deadline = time.monotonic() + within
+        left = await self._empty(worker, heirs, deadline, progress)
+        if left == [] and await self._take_out(worker, heirs, deadline, progress):
+            entry["outcome"] = "stopped"
+            await self.pool.stop_worker(worker, float(self.pool.config.graceful_timeout))
+            return
+        if worker.state == "dead":
+            entry["outcome"] = "died while it was emptied"
+            return
+        kept = await self._held_sessions(worker)
+        entry["outcome"] = "left serving what it holds; retired when it can be"
+        entry["sessions_left"] = len(kept)
+        progress.errors.append(
+            f"slot {worker.slot}: the old worker (pid {worker.pid}) keeps {len(kept)} sessions "
+            + self._why_left(kept, progress)
+        )
+        self._in_background(self._retire_later(worker, heirs))
+
+    async def _empty(
+        self,
+        worker: Any,
+        heirs: Callable[[], list[Any]],
+        deadline: float,
+        progress: Progress,
+    ) -> list[str] | None:
+        """Take `worker` out of new sessions and move its sessions to `heirs` until none
+        is left or `deadline`; answer the sessions it still holds (None: it did not say,
+        so it is not empty as far as anyone knows)."""
+        worker.route.draining = True
+        moved: set[str] = set()
+        while worker.state == "live":
+            await self.mover.drops_done()  # a moved session must not be listed again
+            listing = await self._listing(worker)
+            if listing is None:
+                return None
+            todo = [s for s in listing.session_ids if s not in moved]
+            if not todo or time.monotonic() >= deadline:
+                return todo
+            targets = [h for h in heirs() if h is not worker]
+            if not listing.movable or not targets:
+                await asyncio.sleep(POLL)  # restart-only: its sessions end where they are
+                continue
+            plan: dict[str, list[str]] = {}
+            for i, session_id in enumerate(todo):
+                plan.setdefault(targets[i % len(targets)].owner, []).append(session_id)
+            result = await self.mover.move_sessions(plan, [worker], deadline)
+            moved.update(result.moved)
+            progress.moved += len(result.moved)
+            for session_id in result.moved:
+                progress.failed.pop(session_id, None)
+            progress.failed.update(result.failed)
+            if not result.moved:
+                await asyncio.sleep(POLL)
+        return []
+
+    async def _take_out(
+        self,
+        worker: Any,
+        heirs: Callable[[], list[Any]],
+        deadline: float,
+        progress: Progress,
+    ) -> bool:
+        """The last step of a retire: with every request for `worker` held at the proxy,
+        wait for its running ones, move what they left, and send what still names its
+        owner to an heir. False (nothing changed, it serves on) when it is not empty."""
+        final = max(deadline, time.monotonic() + FINAL_SWEEP)
+        self.pool.hold_worker(worker)
+        try:
+            while True:
+                if not worker.route.in_flight:
+                    if await self._empty(worker, heirs, final, progress) != []:
+                        return False
+                    listing = await self._listing(worker)
+                    if listing is None or listing.session_ids:
+                        return False
+                    if not listing.requests:  # a request its client left may still run
+                        break
+                if time.monotonic() >= final or worker.state != "live":
+                    return False
+                await asyncio.sleep(POLL)
+            targets = [h for h in heirs() if h is not worker]
+            if not targets:
+                return False
+            heir = min(targets, key=lambda h: h.route.in_flight)
+            self.pool.retire_owner(worker.owner, heir.owner)
+            self.pool.take_out_of_service(worker)
+            return True
+        finally:
+            self.pool.release_worker(worker)
+
+    async def _retire_later(self, worker: Any, heirs: Callable[[], list[Any]]) -> None:
+        """Retire a worker left serving, as soon as its sessions let it."""
+        while worker.state == "live":
+            await asyncio.sleep(RETRY_RETIRE)
+            if self.checkpoints.busy is not None or self.checkpoints.open_checkpoint is not None:
+                continue
+            async with self._exclusive("retire", f"worker {worker.slot} left serving") as p:
+                entry: dict[str, Any] = {"slot": worker.slot, "owner": worker.owner}
+                p.slots.append(entry)
+                deadline = time.monotonic() + RETRY_RETIRE
+                if await self._empty(worker, heirs, deadline, p) == [] and await self._take_out(
+                    worker, heirs, deadline, p
+                ):
+                    entry["outcome"] = "stopped"
+                    await self.pool.stop_worker(worker, float(self.pool.config.graceful_timeout))
+                    return
+
+    async def _listing(self, worker: Any) -> Any:
+        try:
+            return await worker.channel.request(ListHeld(), within=10.0)
+        except (ChannelClosed, ChannelTimeout, RemoteError) as exc:
+            log.warning("worker %d did not list its sessions: %s", worker.slot, exc)
+            return None
+
+    async def _held_sessions(self, worker: Any) -> list[str]:
+        listing = await self._listing(worker)
+        return [] if listing is None else list(listing.session_ids)
+
+    def _why_left(self, left: list[str], progress: Progress) -> str:
+        reasons = {progress.failed[s] for s in left if s in progress.failed}
+        if reasons:
+            return "(" + "; ".join(sorted(reasons)) + ")"
+        return "(they could not move: a restart-only app's sessions end where they are)"
+
+    # ---- workers ----------------------------------------------------------------
+    def _live_in(self, slot: int) -> Any:
+        worker = self.pool.current(slot) if isinstance(slot, int) else None
+        if worker is None:
+            raise GymError("invalid_request", f"no live worker in slot {slot}")
+        return worker
+
+    def _serving(self) -> list[Any]:
+        """Each slot's live worker."""
+        return [w for i in range(len(self.pool.slots)) if (w := self.pool.current(i)) is not None]
+
+    def _others(self, worker: Any) -> list[Any]:
+        return [w for w in self._serving() if w is not worker and not w.route.draining]
+
+    def _slot_worker(self, slot: int) -> list[Any]:
+        worker = self.pool.current(slot)
+        return [] if worker is None else [worker]
+
+    # ---- exclusion, progress, background ------------------------------------------
+    @contextlib.asynccontextmanager
+    async def _exclusive(self, kind: str, reason: str) -> AsyncIterator[Progress]:
+        cp = self.checkpoints
+        if cp.open_checkpoint is not None:
+            raise GymError(
+                "operation_conflict",
+                f"checkpoint {cp.open_checkpoint} is open; a {kind} waits for its resume",
+            )
+        if cp.busy is not None:
+            raise GymError("operation_conflict", f"a {cp.busy} is running; retry after it")
+        cp.busy = kind
+        progress = self.running = Progress(kind, reason, time.time())
+        started = time.monotonic()
+        try:
+            yield progress
+        finally:
+            progress.seconds = round(time.monotonic() - started, 6)
+            progress.step = "done"
+            self.running, self.last = None, progress
+            cp.busy = None
+            log.info(
+                "%s (%s) done in %.3f s: %d sessions moved, %d not%s",
+                kind,
+                reason,
+                progress.seconds,
+                progress.moved,
+                len(progress.failed),
+                "".join(f"; {e}" for e in progress.errors),
+            )
+
+    def _answer(self, progress: Progress, **extra: Any) -> dict[str, Any]:
+        view = progress.view(self.mover.holding)
+        view["seconds"] = round(time.time() - progress.started_at, 6)
+        view["complete"] = not progress.errors
+        view.update(extra)
+        return view
+
+    def status(self) -> dict[str, Any]:
+        """The running operation's progress, the last one's outcome, and every worker
+        process with its state (a booting replacement and a leaving worker too)."""
+        waiting = self.mover.holding
+        states = self.worker_states()
+        return {
+            "running": None if self.running is None else self.running.view(waiting),
+            "last": None if self.last is None else self.last.view(0),
+            "workers": [
+                {"slot": w.slot, "owner": w.owner, "pid": w.pid, **states[w.owner]}
+                for w in self.pool.workers()
+                if w.process is not None
+            ],
+        }
+
+    def worker_states(self) -> dict[str, dict[str, Any]]:
+        """owner -> {state, requests_served}: booting, ready, draining, unresponsive,
+        leaving (an operation stops it once it is empty) or stopped."""
+        states = {}
+        for w in self.pool.workers():
+            route = w.route
+            if w.state == "starting":
+                state = "booting"
+            elif w.state == "dead":
+                state = "stopped"
+            elif w.leaving:
+                state = "leaving"
+            elif route.draining:
+                state = "draining"
+            elif not route.responsive:
+                state = "unresponsive"
+            else:
+                state = "ready"
+            states[w.owner] = {"state": state, "requests_served": route.served if route else 0}
+        return states
+
+    async def _run_signals(self) -> None:
+        while self._signals:
+            if self.checkpoints.busy is not None or self.checkpoints.open_checkpoint is not None:
+                await asyncio.sleep(SIGNAL_POLL)
+                continue
+            name = self._signals.pop(0)
+            within = float(self.pool.config.graceful_timeout or 30.0)
+            count = len(self.pool.slots)
+            if name == "HUP":
+                await self._quietly(self.restart(None, within, "SIGHUP"))
+            elif name == "TTIN":
+                await self._quietly(self.resize(count + 1, within, "SIGTTIN"))
+            elif name == "TTOU" and count > 1:
+                await self._quietly(self.resize(count - 1, within, "SIGTTOU"))
+            elif name == "TTOU":
+                log.warning("SIGTTOU ignored: the server has one worker left")
+
+    async def _quietly(self, operation: Any) -> None:
+        try:
+            await operation
+        except GymError as exc:
+            log.warning("operation not run: %s", exc.detail)
+
+    def _in_background(self, coro: Any) -> None:
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    def close(self) -> None:
+        """Stop background work (the server is stopping)."""
+        for task in list(self._background):
+            task.cancel()
+        if self._signal_task is not None:
+            self._signal_task.cancel()

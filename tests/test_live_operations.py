@@ -1,0 +1,313 @@
+"""Live operations with real processes (`coordinator.operations`): rolling restart, resize,
+drain and recycle while a pooled client (any session on any connection) increments
+counters; every counter must come out exact and no request may fail."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import signal
+from collections.abc import Awaitable, Callable
+
+import aiohttp
+import pytest
+
+from tests.conftest import BOTH_APP_KINDS
+from tests.support import CONTROL_TOKEN as CONTROL
+from tests.support import Control, wait_until
+
+WORKERS = "/ng-control/v1/gym-proxy/workers"
+TOKEN_HEADER = "X-NeMo-Gym-Session-Token"
+AUTH = {"Authorization": f"Bearer {CONTROL}"}
+
+
+async def seed(http: aiohttp.ClientSession, url: str) -> str:
+    async with http.post(f"{url}/seed_session", json={"initial_count": 0}) as response:
+        assert response.status == 200, await response.text()
+        return response.headers[TOKEN_HEADER]
+
+
+async def whoami(http: aiohttp.ClientSession, url: str, token: str) -> dict:
+    async with http.get(f"{url}/whoami", headers={TOKEN_HEADER: token}) as response:
+        assert response.status == 200, await response.text()
+        return await response.json()
+
+
+async def count(http: aiohttp.ClientSession, url: str, token: str) -> int:
+    async with http.post(
+        f"{url}/get_counter_value", json={}, headers={TOKEN_HEADER: token}
+    ) as response:
+        assert response.status == 200, await response.text()
+        return (await response.json())["count"]
+
+
+async def operate(http: aiohttp.ClientSession, url: str, name: str, **body) -> tuple[int, dict]:
+    async with http.post(f"{url}{WORKERS}/{name}", json=body, headers=AUTH) as response:
+        return response.status, await response.json()
+
+
+async def status_of(http: aiohttp.ClientSession, url: str) -> dict:
+    async with http.get(f"{url}/ng-control/v1/checkpoint/status", headers=AUTH) as response:
+        assert response.status == 200
+        return await response.json()
+
+
+class Load:
+    """Clients incrementing random sessions until stopped; what each session was sent."""
+
+    def __init__(self, http: aiohttp.ClientSession, url: str, tokens: list[str], seed: int):
+        self.http, self.url, self.tokens = http, url, tokens
+        self.sent = [0] * len(tokens)
+        self.rng = random.Random(seed)
+        self.stopping = asyncio.Event()
+        self.failures: list[str] = []
+        self.tasks: list[asyncio.Task[None]] = []
+
+    def start(self, clients: int = 4, most: int = 20000) -> None:
+        self.tasks = [asyncio.ensure_future(self._client(most)) for _ in range(clients)]
+
+    async def _client(self, most: int) -> None:
+        for _ in range(most):  # bounded: stops by itself
+            if self.stopping.is_set():
+                return
+            i = self.rng.randrange(len(self.tokens))
+            headers = {TOKEN_HEADER: self.tokens[i]}
+            async with self.http.post(
+                f"{self.url}/increment_counter", json={"count": 1}, headers=headers
+            ) as response:
+                if response.status != 200:
+                    self.failures.append(f"{response.status} {await response.text()}")
+                    return
+            self.sent[i] += 1
+
+    async def until(self, requests: int) -> None:
+        await wait_until(lambda: sum(self.sent) >= requests, 60, f"{requests} requests sent")
+
+    async def stop(self) -> None:
+        self.stopping.set()
+        await asyncio.wait_for(asyncio.gather(*self.tasks), 60)
+        assert not self.failures, self.failures[:5]
+
+    async def check(self) -> None:
+        for i, token in enumerate(self.tokens):
+            assert await count(self.http, self.url, token) == self.sent[i], i
+
+
+async def under_load(
+    proxy, sessions: int, operation: Callable[[aiohttp.ClientSession, Load], Awaitable[None]]
+) -> Load:
+    async with aiohttp.ClientSession() as http:
+        tokens = [await seed(http, proxy.url) for _ in range(sessions)]
+        load = Load(http, proxy.url, tokens, seed=sessions)
+        load.start()
+        await load.until(100)
+        await operation(http, load)
+        sent = sum(load.sent)
+        await load.until(sent + 100)  # the load goes on after the operation
+        await load.stop()
+        await load.check()
+        return load
+
+
+@BOTH_APP_KINDS
+async def test_rolling_restart_of_four_workers_loses_no_request_and_no_count(start_proxy):
+    proxy = start_proxy(workers=4, control_token=CONTROL)
+    before = set(proxy.worker_pids())
+
+    async def restart(http: aiohttp.ClientSession, load: Load) -> None:
+        status, reply = await operate(http, proxy.url, "restart", timeout_s=30)
+        assert status == 200, reply
+        assert reply["complete"] and reply["failed"] == [], reply
+        assert [s["slot"] for s in reply["slots"]] == [0, 1, 2, 3]
+        assert all(s["outcome"] == "stopped" for s in reply["slots"]), reply
+        assert reply["moved"] >= 1
+        listed = await status_of(http, proxy.url)
+        assert {w["pid"] for w in listed["workers"]}.isdisjoint(before)
+        assert len(listed["workers"]) == 4 and listed["expected_workers"] == 4
+        assert listed["operations"]["last"]["operation"] == "restart"
+
+    await under_load(proxy, 60, restart)
+    assert set(proxy.worker_pids()).isdisjoint(before)
+
+
+async def test_resize_two_to_four_to_one_under_load(start_proxy):
+    proxy = start_proxy(workers=2, control_token=CONTROL)
+
+    async def resize(http: aiohttp.ClientSession, load: Load) -> None:
+        status, reply = await operate(http, proxy.url, "resize", workers=4)
+        assert status == 200 and reply["complete"] and reply["workers"] == 4, reply
+        await wait_until(lambda: len(proxy.worker_pids()) == 4, 30, "four workers")
+        fresh = [await seed(http, proxy.url) for _ in range(12)]
+        slots = {(await whoami(http, proxy.url, t))["slot"] for t in fresh}
+        assert {2, 3} & slots, slots  # new sessions reach the new workers
+        load.tokens += fresh
+        load.sent += [0] * len(fresh)
+        await load.until(sum(load.sent) + 100)
+        status, reply = await operate(http, proxy.url, "resize", workers=1, timeout_s=30)
+        assert status == 200 and reply["complete"] and reply["workers"] == 1, reply
+        assert [s["slot"] for s in reply["slots"]] == [3, 2, 1]
+        listed = await status_of(http, proxy.url)
+        assert [w["slot"] for w in listed["workers"]] == [0]
+        assert listed["expected_workers"] == 1
+
+    load = await under_load(proxy, 30, resize)
+    async with aiohttp.ClientSession() as http:
+        for token in load.tokens:
+            assert (await whoami(http, proxy.url, token))["slot"] == 0
+    await wait_until(lambda: len(proxy.worker_pids()) == 1, 30, "one worker left")
+
+
+async def test_drain_moves_a_thousand_sessions_and_takes_no_new_ones(start_proxy):
+    proxy = start_proxy(workers=2, control_token=CONTROL)
+    async with aiohttp.ClientSession() as http:
+        tokens = await asyncio.gather(*(seed(http, proxy.url) for _ in range(1000)))
+        for i, token in enumerate(tokens[:50]):
+            async with http.post(
+                f"{proxy.url}/increment_counter", json={"count": i}, headers={TOKEN_HEADER: token}
+            ) as response:
+                assert response.status == 200
+        on_zero = [t for t in tokens if (await whoami(http, proxy.url, t))["slot"] == 0]
+        assert 300 < len(on_zero) < 700
+        status, reply = await operate(http, proxy.url, "drain", slot=0)
+        assert status == 200 and reply["complete"], reply
+        assert reply["moved"] == len(on_zero) and reply["failed"] == [], reply
+        for token in tokens:
+            assert (await whoami(http, proxy.url, token))["slot"] == 1
+        for i, token in enumerate(tokens[:50]):
+            assert await count(http, proxy.url, token) == i
+        fresh = [await seed(http, proxy.url) for _ in range(10)]
+        assert {(await whoami(http, proxy.url, t))["slot"] for t in fresh} == {1}
+        listed = await status_of(http, proxy.url)
+        states = {w["slot"]: w["state"] for w in listed["workers"]}
+        assert states == {0: "draining", 1: "ready"}, listed["workers"]
+        status, reply = await operate(http, proxy.url, "undrain", slot=0)
+        assert status == 200, reply
+        fresh = [await seed(http, proxy.url) for _ in range(10)]
+        assert 0 in {(await whoami(http, proxy.url, t))["slot"] for t in fresh}
+
+
+async def test_a_worker_is_recycled_after_max_requests(start_proxy):
+    proxy = start_proxy(
+        "--max-requests", "150", "--max-requests-jitter", "20", workers=2, control_token=CONTROL
+    )
+    before = set(proxy.worker_pids())
+
+    async def recycled(http: aiohttp.ClientSession, load: Load) -> None:
+        await wait_until(
+            lambda: len(set(proxy.worker_pids()) - before) >= 2, 60, "both workers recycled"
+        )
+
+        async def last_is_recycle() -> bool:
+            last = (await status_of(http, proxy.url))["operations"]["last"]
+            return last is not None and last["reason"].startswith("recycle: served")
+
+        await wait_until(last_is_recycle, 30, "a recycle in status")
+
+    await under_load(proxy, 20, recycled)
+
+
+async def test_signals_restart_grow_and_shrink(start_proxy):
+    proxy = start_proxy(workers=2, control_token=CONTROL)
+
+    async def signals(http: aiohttp.ClientSession, load: Load) -> None:
+        before = set(proxy.worker_pids())
+        proxy.signal(signal.SIGTTIN)
+        await wait_until(lambda: len(proxy.worker_pids()) == 3, 30, "a third worker")
+        proxy.signal(signal.SIGTTOU)
+        await wait_until(lambda: len(proxy.worker_pids()) == 2, 30, "back to two workers")
+        kept = set(proxy.worker_pids())
+        proxy.signal(signal.SIGHUP)
+        await wait_until(
+            lambda: len(proxy.worker_pids()) == 2 and not set(proxy.worker_pids()) & kept,
+            60,
+            "both workers replaced",
+        )
+        assert not set(proxy.worker_pids()) & before
+
+    await under_load(proxy, 20, signals)
+
+
+async def test_operations_and_checkpoints_exclude_each_other(start_proxy, tmp_path):
+    proxy = start_proxy(workers=2, control_token=CONTROL)
+    async with aiohttp.ClientSession() as http:
+        control = Control(http, proxy.url)
+        await control.ok("prepare", checkpoint_id="ck-op")
+        for name, body in (("restart", {}), ("resize", {"workers": 3}), ("drain", {"slot": 0})):
+            status, reply = await operate(http, proxy.url, name, **body)
+            assert status == 409 and reply["error"]["code"] == "operation_conflict", reply
+            assert "ck-op is open" in reply["error"]["detail"]
+        await control.ok("resume", checkpoint_id="ck-op")
+        token = await seed(http, proxy.url)
+        slow = asyncio.ensure_future(
+            http.get(f"{proxy.url}/slow?seconds=2", headers={TOKEN_HEADER: token})
+        )
+
+        async def running() -> bool:
+            return (await status_of(http, proxy.url))["operations"]["running"] is not None
+
+        drain = asyncio.ensure_future(operate(http, proxy.url, "drain", slot=0, timeout_s=5))
+        await wait_until(running, 10, "the drain to run")
+        status, reply = await control.call("prepare", checkpoint_id="ck-op2")
+        assert status == 409 and reply["error"]["code"] == "operation_conflict", reply
+        status, reply = await operate(http, proxy.url, "restart")
+        assert status == 409 and "a drain is running" in reply["error"]["detail"], reply
+        status, reply = await drain
+        assert status == 200, reply
+        async with await slow as response:
+            assert response.status == 200
+        await control.ok("prepare", checkpoint_id="ck-op3")
+        await control.ok("resume", checkpoint_id="ck-op3")
+
+
+@pytest.mark.parametrize(
+    ("name", "body", "detail"),
+    [
+        ("drain", {}, "slot must be a worker slot"),
+        ("drain", {"slot": 7}, "no live worker in slot 7"),
+        ("drain", {"slot": 0, "timeout_s": -1}, "timeout_s must be"),
+        ("undrain", {"slot": "0"}, "slot must be a worker slot"),
+        ("restart", {"slots": []}, "slots must be a non-empty list"),
+        ("restart", {"slots": [5]}, "no live worker in slot 5"),
+        ("resize", {"workers": 0}, "workers must be an integer"),
+        ("resize", {"workers": 2, "extra": True}, "unknown fields: extra"),
+    ],
+)
+async def test_bad_operation_calls_are_refused_with_what_is_wrong(start_proxy, name, body, detail):
+    proxy = start_proxy(workers=2, control_token=CONTROL)
+    async with aiohttp.ClientSession() as http:
+        status, reply = await operate(http, proxy.url, name, **body)
+        assert status == 400 and reply["error"]["code"] == "invalid_request", reply
+        assert detail in reply["error"]["detail"], reply
+        async with http.post(f"{proxy.url}{WORKERS}/drain", json={"slot": 0}) as response:
+            assert response.status == 401
+
+
+async def test_a_restore_onto_a_resized_server_places_every_session(start_proxy, tmp_path):
+    """A checkpoint of 2 workers, taken after a rolling restart; after kill -9, a fresh
+    server grown to 3 workers live restores it: every committed count, over all three."""
+    first = start_proxy(workers=2, control_token=CONTROL)
+    async with aiohttp.ClientSession(cookie_jar=aiohttp.DummyCookieJar()) as http:
+        tokens = [await seed(http, first.url) for _ in range(30)]
+        for i, token in enumerate(tokens):
+            async with http.post(
+                f"{first.url}/increment_counter", json={"count": i}, headers={TOKEN_HEADER: token}
+            ) as response:
+                assert response.status == 200
+        status, reply = await operate(http, first.url, "restart")
+        assert status == 200 and reply["complete"], reply
+        control = Control(http, first.url)
+        await control.checkpoint("ck-resized", str(tmp_path))
+        first.kill_all()
+
+        second = start_proxy(workers=2, control_token=CONTROL)
+        status, reply = await operate(http, second.url, "resize", workers=3)
+        assert status == 200 and reply["complete"], reply
+        control = Control(http, second.url)
+        await control.ok(
+            "restore", checkpoint_id="rs", checkpoint_dir=str(tmp_path), episode_ids=[]
+        )
+        await control.ok("resume", checkpoint_id="rs")
+        for i, token in enumerate(tokens):
+            assert await count(http, second.url, token) == i
+        slots = {(await whoami(http, second.url, t))["slot"] for t in tokens}
+        assert slots <= {0, 1, 2} and len(slots) >= 2, slots
