@@ -6,9 +6,12 @@ A move of some sessions to the worker in one slot, in order:
    a gym-proxy session an app session's requests came under: `links`);
 2. wait for the boundary: until none of the session's requests routed before is still
    running (a session whose request outlives the move's timeout is not moved: it is
-   reported, and serves where it was);
-3. `move_out` to every other live worker: the one that holds a session answers its
-   record (session store, hooks or a declared session dict) and keeps serving it;
+   reported, and serves where it was). A WebSocket tunnel of the session follows the
+   app's `tunnels` choice: closed with 1012 first ("close"), or waited for ("block").
+   Each session moves as soon as it reaches its boundary, with the others that did;
+3. `move_out` to the source workers (for a move call, every other live worker): the one
+   that holds a session answers its record (session store, hooks or a declared session
+   dict) and keeps serving it;
 4. `adopt` on the target: all the records or none;
 5. the proxy's session table sends each moved session to the target (its token and
    cookie do not change: the table wins over the owner a token names);
@@ -36,6 +39,7 @@ from coordinator.contract.channel import ChannelClosed, ChannelTimeout, RemoteEr
 from coordinator.contract.errors import GymError
 from coordinator.contract.messages import (
     Adopt,
+    CloseTunnels,
     Drop,
     LinkedSessions,
     Links,
@@ -145,6 +149,7 @@ class Mover:
         held = {s for group in groups.values() for s in group}
         self.table.hold_sessions(list(held))
         self.holding += len(held)
+        await self._close_tunnels(sources, list(held), deadline)
         running = self.table.running_requests
         pending = list(target_of)
         try:
@@ -170,6 +175,20 @@ class Mover:
             self.table.release_sessions(list(held))
             self.holding -= len(held)
         return result
+
+    async def _close_tunnels(
+        self, sources: Sequence[_Worker], session_ids: list[str], deadline: float
+    ) -> None:
+        """A tunnel of a moving session follows the app's `tunnels` choice: closed now
+        (1012: its client reconnects, and waits here), or waited for like a request."""
+        within = max(0.1, deadline - time.monotonic())
+        replies = await asyncio.gather(
+            *(w.channel.request(CloseTunnels(session_ids), within=within) for w in sources),
+            return_exceptions=True,
+        )
+        for worker, reply in zip(sources, replies, strict=True):
+            if isinstance(reply, BaseException):
+                log.warning("worker %d did not close moving tunnels: %s", worker.slot, reply)
 
     async def _links(self, wanted: list[str], within: float) -> dict[str, list[str]]:
         """Every worker's gym-proxy sessions that carried these app sessions' requests."""

@@ -201,9 +201,18 @@ def hold_while_file() -> None:
             time.sleep(0.05)
 
 
+def refuse_while_file() -> None:
+    """Lets a test make a worker that starts from now on fail to boot: while the file
+    named by GYM_TEST_BROKEN_FILE exists, the app cannot be built."""
+    broken = os.environ.get("GYM_TEST_BROKEN_FILE")
+    if broken and os.path.exists(broken):
+        raise RuntimeError(f"{broken} exists: this worker cannot build the app")
+
+
 def create_app() -> web.Application:
     """The counter app plus test routes."""
     hold_while_file()
+    refuse_while_file()
     app = create_counter_app()
     kind = os.environ.get("GYM_TEST_KIND", "resources")
     app[STOPPED] = []

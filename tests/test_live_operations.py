@@ -311,3 +311,61 @@ async def test_a_restore_onto_a_resized_server_places_every_session(start_proxy,
             assert await count(http, second.url, token) == i
         slots = {(await whoami(http, second.url, t))["slot"] for t in tokens}
         assert slots <= {0, 1, 2} and len(slots) >= 2, slots
+
+
+async def test_a_replacement_that_cannot_boot_aborts_the_restart(start_proxy, tmp_path):
+    """The first replacement fails to build the app: the restart stops there, reports
+    it, and every old worker keeps serving its sessions; the server does not stop."""
+    broken = tmp_path / "broken"
+    proxy = start_proxy(workers=2, control_token=CONTROL, env={"GYM_TEST_BROKEN_FILE": str(broken)})
+    before = sorted(proxy.worker_pids())
+    async with aiohttp.ClientSession() as http:
+        tokens = [await seed(http, proxy.url) for _ in range(10)]
+        broken.touch()
+        status, reply = await operate(http, proxy.url, "restart", timeout_s=10)
+        assert status == 200 and not reply["complete"], reply
+        assert [s["outcome"] for s in reply["slots"]] == ["kept: the replacement did not boot"]
+        assert "the restart stopped here" in reply["errors"][0], reply
+        assert sorted(proxy.worker_pids()) == before
+        for token in tokens:
+            assert await count(http, proxy.url, token) == 0
+        broken.unlink()
+        status, reply = await operate(http, proxy.url, "restart", timeout_s=10)
+        assert status == 200 and reply["complete"], reply
+        for token in tokens:
+            assert await count(http, proxy.url, token) == 0
+    assert not set(proxy.worker_pids()) & set(before)
+
+
+async def test_a_long_request_leaves_the_old_worker_serving_until_it_ends(start_proxy):
+    """A request outlives the restart's timeout: its slot gets its replacement, the old
+    worker finishes the request (state leaving), and is retired in the background after:
+    the session then answers from the replacement, its count exact."""
+    proxy = start_proxy(workers=1, control_token=CONTROL)
+    old = proxy.worker_pids()
+    async with aiohttp.ClientSession() as http:
+        busy, idle = await seed(http, proxy.url), await seed(http, proxy.url)
+        slow = asyncio.ensure_future(
+            http.get(f"{proxy.url}/slow?seconds=3", headers={TOKEN_HEADER: busy})
+        )
+
+        async def running() -> bool:
+            return (await status_of(http, proxy.url))["workers"][0]["in_flight"] == 1
+
+        await wait_until(running, 10, "the slow request to run")
+        status, reply = await operate(http, proxy.url, "restart", timeout_s=0.5)
+        assert status == 200 and not reply["complete"], reply
+        (slot,) = reply["slots"]
+        assert slot["outcome"] == "left serving what it holds; retired when it can be", slot
+        assert slot["sessions_left"] == 1 and reply["moved"] == 1, reply
+        states = {
+            w["pid"]: w["state"]
+            for w in (await status_of(http, proxy.url))["operations"]["workers"]
+        }
+        assert states[old[0]] == "leaving" and list(states.values()).count("ready") == 1, states
+        assert (await whoami(http, proxy.url, idle))["owner"] == slot["new_owner"]
+        async with await slow as response:
+            assert response.status == 200
+        await wait_until(lambda: old[0] not in proxy.worker_pids(), 30, "the old worker to stop")
+        assert (await whoami(http, proxy.url, busy))["owner"] == slot["new_owner"]
+        assert await count(http, proxy.url, busy) == 0

@@ -320,3 +320,40 @@ async def test_nemo_gyms_counter_survives_a_rolling_restart_and_a_resize(start_p
             assert await mcp_call(proxy.url, client.mcp_token, "get_counter_value", {}) == {
                 "count": i + 2
             }
+
+
+async def test_a_restart_only_drain_waits_for_its_sessions_to_end(start_proxy):
+    """Declaring nothing, the counter's sessions cannot move: a drain reports them at its
+    timeout (they serve on where they are), and a drain with time enough ends once the
+    sessions have (NeMo Gym's /verify ends one)."""
+    proxy = start_counter(start_proxy, workers=2, control_token=CONTROL_TOKEN)
+    drain_path = f"{proxy.url}/ng-control/v1/gym-proxy/workers/drain"
+    auth = {"Authorization": f"Bearer {CONTROL_TOKEN}"}
+    async with nemo_http() as http:
+        clients = [CounterClient(http, proxy.url, task) for task in range(8)]
+        for i, client in enumerate(clients):
+            await client.seed(i)
+
+        async def drain(seconds: float) -> dict:
+            body = {"slot": 0, "timeout_s": seconds}
+            async with http.post(drain_path, json=body, headers=auth) as response:
+                assert response.status == 200, await response.text()
+                return await response.json()
+
+        reply = await drain(0.5)
+        assert not reply["complete"] and reply["moved"] == 0, reply
+        assert reply["slots"][0]["sessions_left"] >= 1, reply
+        assert "restart-only" in reply["errors"][0], reply
+        for i, client in enumerate(clients):
+            assert await client.count() == i
+        waiting = asyncio.ensure_future(drain(60))
+        control = Control(http, proxy.url)
+
+        async def draining() -> bool:
+            return (await control.ok("status"))["operations"]["running"] is not None
+
+        await wait_until(draining, 10, "the drain to run")
+        for i, client in enumerate(clients):
+            assert await client.verify(i) == 1.0  # the session ends
+        reply = await asyncio.wait_for(waiting, 30)
+        assert reply["complete"] and reply["slots"][0]["sessions_left"] == 0, reply

@@ -106,3 +106,60 @@ async def test_an_idle_tunnel_is_closed_after_the_tunnel_idle_timeout(start_prox
     ) as ws:
         message = await ws.receive(timeout=15)
         assert message.type in (aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSED)
+
+
+async def move_session(http: aiohttp.ClientSession, url: str, token: str, to_slot: int, **body):
+    async with http.get(f"{url}/whoami", headers={TOKEN: token}) as resp:
+        session_id = (await resp.json())["session_id"]
+    payload = {"session_ids": [session_id], "to_slot": to_slot, **body}
+    headers = {"Authorization": f"Bearer {CONTROL_TOKEN}"}
+    async with http.post(
+        f"{url}/ng-control/v1/gym-proxy/sessions/move", json=payload, headers=headers
+    ) as resp:
+        assert resp.status == 200
+        return await resp.json()
+
+
+async def slot_of(http: aiohttp.ClientSession, url: str, token: str) -> int:
+    async with http.get(f"{url}/whoami", headers={TOKEN: token}) as resp:
+        return (await resp.json())["slot"]
+
+
+@BOTH_APP_KINDS
+async def test_a_moving_session_s_tunnel_is_closed_and_the_reconnect_reaches_the_target(
+    start_proxy, http
+):
+    """tunnels="close": a move closes the session's WebSocket with 1012, moves the
+    session, and the client's reconnect reaches the target worker."""
+    proxy = start_proxy(workers=2, control_token=CONTROL_TOKEN)
+    token, _ = await seed(http, proxy.url)
+    source = await slot_of(http, proxy.url, token)
+    ws = await http.ws_connect(f"{proxy.url}/ws", headers={TOKEN: token})
+    await ws.send_str("before")
+    assert (await ws.receive_json(timeout=10))["echo"] == "before"
+    moving = asyncio.ensure_future(move_session(http, proxy.url, token, 1 - source))
+    closed = await ws.receive(timeout=10)
+    assert (closed.type, closed.data) == (aiohttp.WSMsgType.CLOSE, 1012)
+    await ws.close()
+    reply = await asyncio.wait_for(moving, 30)
+    assert reply["failed"] == [] and len(reply["moved"]) == 1, reply
+    async with http.ws_connect(f"{proxy.url}/ws", headers={TOKEN: token}) as again:
+        await again.send_str("after")
+        assert (await again.receive_json(timeout=10))["echo"] == "after"
+    assert await slot_of(http, proxy.url, token) == 1 - source
+
+
+async def test_a_blocking_tunnel_is_waited_for_and_then_reported(start_proxy, http):
+    """tunnels="block": the move waits for the tunnel up to its timeout, leaves it open
+    and reports the session; the session stays where it was."""
+    proxy = start_proxy(workers=2, control_token=CONTROL_TOKEN, env={"GYM_TEST_TUNNELS": "block"})
+    token, _ = await seed(http, proxy.url)
+    source = await slot_of(http, proxy.url, token)
+    async with http.ws_connect(f"{proxy.url}/ws", headers={TOKEN: token}) as ws:
+        await ws.send_str("hi")
+        assert (await ws.receive_json(timeout=10))["echo"] == "hi"
+        reply = await move_session(http, proxy.url, token, 1 - source, timeout_s=0.5)
+        assert reply["moved"] == [] and "still running" in reply["failed"][0]["reason"], reply
+        await ws.send_str("still open")
+        assert (await ws.receive_json(timeout=10))["echo"] == "still open"
+    assert await slot_of(http, proxy.url, token) == source

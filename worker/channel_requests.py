@@ -12,6 +12,7 @@ from coordinator.contract.messages import (
     Adopt,
     Close,
     CloseReply,
+    CloseTunnels,
     Done,
     Drop,
     Export,
@@ -87,6 +88,9 @@ async def handle_coordinator_message(runtime: ParticipantRuntime, message: Messa
             return Installed(installed)
         case Drop():
             return Released(await runtime.drop_sessions(message.session_ids))
+        case CloseTunnels():
+            runtime.close_tunnels(set(message.session_ids))
+            return Done()
         case ListHeld():
             return HeldSessions(
                 runtime.store.session_ids(),

@@ -297,6 +297,12 @@ class ParticipantRuntime:
         if not self.is_open:
             self._close_tunnel(flight)
 
+    def close_tunnels(self, session_ids: set[str]) -> None:
+        """Close these sessions' tunnels, as a checkpoint would (they are moving)."""
+        for flight in list(self.flights):
+            if flight.position == "tunnel" and flight.session_id in session_ids:
+                self._close_tunnel(flight)
+
     def _close_tunnel(self, flight: InFlight) -> None:
         if self.participation.tunnels == "close" and flight.close_tunnel is not None:
             close, flight.close_tunnel = flight.close_tunnel, None

@@ -22,6 +22,7 @@ with `MalformedMessage` naming the message and the key, before a handler sees it
                                      adopt      -> Installed
                                      drop       -> Released
                                      held       -> HeldSessions
+                                     close_tunnels -> Done
 """
 
 from __future__ import annotations
@@ -74,6 +75,7 @@ __all__ = [
     "Drop",
     "HeldSessions",
     "ListHeld",
+    "CloseTunnels",
 ]
 
 M = TypeVar("M", bound="Message")
@@ -455,3 +457,11 @@ class HeldSessions(Message):
 @message("held", HeldSessions)
 class ListHeld(Message):
     """The sessions this worker holds (an operation that empties it moves them)."""
+
+
+@message("close_tunnels", Done)
+class CloseTunnels(Message):
+    """These sessions are about to move: close their WebSocket tunnels (1012) if the app's
+    `tunnels` choice is "close"; with "block", a move waits for them to end."""
+
+    session_ids: list[str]
