@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from coordinator import checkpoint_files as files
+from coordinator.contract import telemetry
 from coordinator.contract.channel import Channel, ChannelClosed, ChannelTimeout, RemoteError
 from coordinator.contract.episodes import EpisodeId, parse_episode_key
 from coordinator.contract.errors import GymError
@@ -52,6 +53,7 @@ from coordinator.contract.messages import (
     Uninstall,
 )
 from coordinator.contract.records import EncodedRecords, is_session, record_key
+from coordinator.contract.telemetry import ATTRIBUTE
 from coordinator.phases import PhaseMachine
 from coordinator.placement import place
 from coordinator.readiness import Readiness
@@ -101,6 +103,18 @@ class _Write:
     task: asyncio.Future[dict[str, Any]]
     abort: threading.Event
     keys: frozenset[str]  # capture keys of the episodes the records belong to
+    counted: bool = False  # its records and bytes are in CheckpointIO (once, retries too)
+
+
+@dataclass
+class CheckpointIO:
+    """Records and bytes this process wrote (commits) and read (restores), for /metrics
+    and the checkpoint spans."""
+
+    records_written: int = 0
+    bytes_written: int = 0
+    records_read: int = 0
+    bytes_read: int = 0
 
 
 @dataclass(eq=False)
@@ -120,6 +134,7 @@ class Checkpointer:
     _op: tuple[str, asyncio.Task[Any]] | None = None
     _write: _Write | None = None
     _sends: set[asyncio.Future[Any]] = field(default_factory=set)
+    io: CheckpointIO = field(default_factory=CheckpointIO)
 
     def __post_init__(self) -> None:
         self.machine = PhaseMachine(self.lease_grace)
@@ -312,9 +327,15 @@ class Checkpointer:
                 "checkpoint_conflict", "a retried commit must name the same directory and scope"
             )
         try:
-            manifest = await asyncio.wait_for(
-                asyncio.shield(write.task), self._remaining(deadline_ts, "the checkpoint write")
-            )
+            with telemetry.span("gym.checkpoint.write") as traced:
+                manifest = await asyncio.wait_for(
+                    asyncio.shield(write.task), self._remaining(deadline_ts, "the checkpoint write")
+                )
+                if traced is not None:
+                    size = _size(checkpoint_dir, self._kind(), self.instance, manifest)
+                    traced.set_attributes(
+                        {ATTRIBUTE + "records": manifest["record_count"], ATTRIBUTE + "bytes": size}
+                    )
         except TimeoutError:
             raise GymError(
                 "deadline_exceeded",
@@ -325,6 +346,10 @@ class Checkpointer:
         except OSError as exc:
             detail = f"cannot write the checkpoint: {exc}"
             raise GymError("checkpoint_write_failed", detail) from exc
+        if not write.counted:
+            write.counted = True
+            self.io.records_written += manifest["record_count"]
+            self.io.bytes_written += _size(checkpoint_dir, self._kind(), self.instance, manifest)
         if scope is not None:
             keep = set(scope)
             await self._gather(live, Release(sorted(keep)), deadline_ts)
@@ -428,16 +453,24 @@ class Checkpointer:
             raise GymError("invalid_phase", f"{self._kind()}-workers-unreported:{missing}")
         base = files.checkpoint_path(checkpoint_dir, self._kind(), self.instance)
         try:
-            manifest, records = await asyncio.wait_for(
-                asyncio.to_thread(files.read, base, kind=self._kind(), instance=self.instance),
-                self._remaining(deadline_ts, "reading the checkpoint"),
-            )
+            with telemetry.span("gym.checkpoint.read") as traced:
+                manifest, records = await asyncio.wait_for(
+                    asyncio.to_thread(files.read, base, kind=self._kind(), instance=self.instance),
+                    self._remaining(deadline_ts, "reading the checkpoint"),
+                )
+                if traced is not None:
+                    size = _size(checkpoint_dir, self._kind(), self.instance, manifest)
+                    traced.set_attributes(
+                        {ATTRIBUTE + "records": len(records), ATTRIBUTE + "bytes": size}
+                    )
         except TimeoutError:
             raise GymError(
                 "deadline_exceeded", "reading the checkpoint did not finish by deadline_ts"
             ) from None
         except files.InvalidCheckpoint as exc:
             raise GymError("invalid_checkpoint_state", str(exc)) from exc
+        self.io.records_read += len(records)
+        self.io.bytes_read += _size(checkpoint_dir, self._kind(), self.instance, manifest)
         sessions, episodes = _select(records, scope)
         placement = place(
             sessions,
@@ -681,3 +714,12 @@ def _select(
             continues = parse_episode_key(key).next_attempt().as_json()
             sessions.append({**record, "episode_id": continues})
     return sessions, episodes
+
+
+def _size(checkpoint_dir: str, kind: str, instance: str, manifest: dict[str, Any]) -> int:
+    """The size of a checkpoint's records file (0 if it cannot be read now)."""
+    path = files.checkpoint_path(checkpoint_dir, kind, instance) / manifest["records_file"]
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0

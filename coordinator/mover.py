@@ -96,6 +96,8 @@ class Mover:
     table: MoveTable
     checkpoints: _Checkpoints
     holding: int = 0  # sessions whose new requests wait at the proxy now
+    moved_total: int = 0  # sessions moved, and not moved, since start (/metrics)
+    failed_total: int = 0
     _drops: set[asyncio.Future[None]] = field(default_factory=set)
 
     async def move(self, session_ids: list[str], to_slot: int, within: float) -> dict[str, Any]:
@@ -161,7 +163,8 @@ class Mover:
                     self.table.release_sessions(done)
                     held.difference_update(done)
                     self.holding -= len(done)
-                    pending = [s for s in pending if s not in set(ready)]
+                    moved_now = set(ready)
+                    pending = [s for s in pending if s not in moved_now]
                 if not pending:
                     break
                 if time.monotonic() >= deadline:
@@ -174,6 +177,8 @@ class Mover:
         finally:
             self.table.release_sessions(list(held))
             self.holding -= len(held)
+            self.moved_total += len(result.moved)
+            self.failed_total += len(result.failed)
         return result
 
     async def _close_tunnels(

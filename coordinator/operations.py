@@ -124,6 +124,8 @@ class Operations:
     _signals: list[str] = field(default_factory=list)
     _signal_task: asyncio.Task[None] | None = None
     _recycle_not_before: dict[int, float] = field(default_factory=dict)
+    # Told each operation's kind, outcome (complete, incomplete, error) and seconds.
+    observe: Callable[[str, str, float], None] | None = None
 
     # ---- the operations -------------------------------------------------------------
     async def drain(self, slot: int, within: float) -> dict[str, Any]:
@@ -413,10 +415,14 @@ class Operations:
         cp.busy = kind
         progress = self.running = Progress(kind, reason, time.time())
         started = time.monotonic()
+        outcome = "error"
         try:
             yield progress
+            outcome = "incomplete" if progress.errors else "complete"
         finally:
             progress.seconds = round(time.monotonic() - started, 6)
+            if self.observe is not None:
+                self.observe(kind, outcome, progress.seconds)
             progress.step = "done"
             self.running, self.last = None, progress
             cp.busy = None

@@ -43,7 +43,7 @@ import heapq
 import logging
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Final
+from typing import Any, Final
 
 import httptools
 
@@ -131,7 +131,12 @@ class ProxyState:
     booting: bool = False
     drained: asyncio.Event | None = None  # set when draining and the last client closed
     access_log: logging.Logger | None = None  # None: no per-request logging at all
+    request_spans: Any = None  # proxy.request_spans.RequestSpans with --trace-requests
     token_prefix: bytes = field(init=False, default=b"")  # how the codec's tokens start
+    # Counted for /metrics: the proxy's own answers by error code, and responses cut
+    # short after their first byte (a worker that died mid-answer).
+    errors: dict[str, int] = field(default_factory=dict)
+    responses_cut: int = 0
 
     def __post_init__(self) -> None:
         self.token_prefix = self.codec.prefix.encode()

@@ -20,6 +20,7 @@ __all__ = [
     "secrets_on_command_line",
     "DEFAULT_APP",
     "SECRET_ENV",
+    "metrics_address",
 ]
 
 DEFAULT_APP = "worker.counter:create_app"
@@ -127,6 +128,19 @@ class Config:
         "a worker that does not answer the supervisor's ping for this long is killed and "
         "restarted (its sessions answer 410)",
         type=float,
+    )
+    metrics: str | None = option(
+        None,
+        "serve Prometheus metrics at http://HOST:PORT/metrics (PORT alone: on --host; "
+        "port 0 picks a free one); unset, nothing listens for them",
+        env="GYM_PROXY_METRICS",
+    )
+    trace_requests: bool = option(
+        False,
+        "with NeMo Gym's telemetry on (NEMO_GYM_OTEL_ENABLED), a span per request in the "
+        "proxy too (off: they cost on the hot path)",
+        type=bool,
+        flag=True,
     )
     max_requests: int = option(
         0,
@@ -237,6 +251,8 @@ class Config:
             value = getattr(self, name)
             if value is not None and value < least:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least {least}")
+        if self.metrics is not None:
+            metrics_address(self.metrics, self.host)  # raises ConfigError when malformed
         if ":" not in self.app:
             raise ConfigError(f"APP must look like module:attr, got {self.app!r}")
         if self.secret is not None and not self.secret:
@@ -353,3 +369,18 @@ def secrets_on_command_line(argv: Sequence[str]) -> list[str]:
     """The secret-bearing flags given on the command line (visible in the process list)."""
     flags = ("--secret", "--control-token")
     return [f for f in flags if any(a == f or a.startswith(f + "=") for a in argv)]
+
+
+def metrics_address(value: str, default_host: str) -> tuple[str, int]:
+    """`--metrics` as (host, port): HOST:PORT, [V6]:PORT or PORT."""
+    host, sep, port_text = value.rpartition(":")
+    if not sep:
+        host, port_text = default_host, value
+    host = host.strip("[]") or default_host
+    try:
+        port = int(port_text)
+    except ValueError:
+        raise ConfigError(f"--metrics must be HOST:PORT or PORT, got {value!r}") from None
+    if not 0 <= port <= 65535:
+        raise ConfigError(f"--metrics port must be between 0 and 65535, got {port}")
+    return host, port

@@ -10,6 +10,7 @@ does the work.
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import logging
 import time
@@ -20,10 +21,12 @@ import orjson
 from aiohttp import web
 
 from coordinator.checkpointer import Checkpointer
+from coordinator.contract import telemetry
 from coordinator.contract.episodes import EpisodeId, check_rollout_id
 from coordinator.contract.errors import GymError, error_body, status_of
 from coordinator.contract.headers import CHECKPOINT_PATH, MOVE_PATH, WORKERS_PATH
 from coordinator.contract.ids import is_valid_id
+from coordinator.contract.telemetry import ATTRIBUTE
 from coordinator.mover import Mover
 from coordinator.operations import Operations
 
@@ -44,6 +47,8 @@ _FIELDS: dict[str, tuple[set[str], set[str]]] = {
 CHECKPOINTER = web.AppKey("gym_proxy_checkpointer", Checkpointer)
 MOVER = web.AppKey("gym_proxy_mover", Mover)
 OPERATIONS = web.AppKey("gym_proxy_operations", Operations)
+# Told each checkpoint call's operation, outcome (ok or the error code) and seconds.
+OBSERVE = web.AppKey("gym_proxy_observe", Callable[[str, str, float], None])
 # Controllers give deadlines of minutes; a day ahead is a bug, and would hold the lease
 # open (and admission closed) for as long.
 MAX_DEADLINE_AHEAD = 86400.0
@@ -129,34 +134,86 @@ async def _body(request: web.Request, op: str) -> dict[str, Any]:
 
 def _operation(op: str) -> Callable[[web.Request], Awaitable[web.Response]]:
     async def handler(request: web.Request) -> web.Response:
+        observe = request.app.get(OBSERVE)
+        started = time.monotonic()
+        outcome = "internal_error"
+        cp = request.app[CHECKPOINTER]
+        base = {
+            ATTRIBUTE + "participant_kind": cp.kind or "resources",
+            ATTRIBUTE + "instance": cp.instance,
+        }
+        # NeMo Gym names renew no span; the controller's traceparent is the parent.
+        traced = (
+            telemetry.span(f"gym.checkpoint.{op}", base, request.headers.get("traceparent"))
+            if op != "renew"
+            else contextlib.nullcontext()
+        )
+        read_before = cp.io.records_read
+        try:
+            with traced as current:
+                response, reply = await _call(request, current)
+                if current is not None:
+                    current.set_attributes(_reply_attributes(op, reply))
+                    if op == "restore":
+                        records = cp.io.records_read - read_before
+                        current.set_attribute(ATTRIBUTE + "records", records)
+            outcome = "ok"
+            return response
+        except GymError as exc:
+            outcome = exc.code
+            raise
+        finally:
+            if observe is not None:
+                observe(op, outcome, time.monotonic() - started)
+
+    async def _call(request: web.Request, current: Any) -> tuple[web.Response, dict[str, Any]]:
         cp = request.app[CHECKPOINTER]
         body = await _body(request, op)
         cid, deadline = body["checkpoint_id"], float(body["deadline_ts"])
-        if op == "prepare":
-            return _json(await cp.prepare(cid, deadline))
-        if op == "renew":
-            return _json(await cp.renew(cid, deadline))
-        if op == "resume":
-            return _json(await cp.resume(cid, deadline))
-        if op == "commit":
-            return _json(
-                await cp.commit(
-                    cid,
-                    deadline,
-                    body["checkpoint_dir"],
-                    body.get("episode_ids"),
-                    body.get("stop", False),
-                )
-            )
-        if op == "restore":
-            return _json(
-                await cp.restore(cid, deadline, body["checkpoint_dir"], body["episode_ids"])
-            )
-        if op == "forget":
-            return _json(await cp.forget(cid, deadline, body["rollout_ids"]))
-        return _json(await cp.retire(cid, deadline, body["episode_ids"]))
+        if current is not None:
+            current.set_attribute(ATTRIBUTE + "id", cid)
+            if "episode_ids" in body and op == "retire":
+                current.set_attribute(ATTRIBUTE + "episodes", len(body["episode_ids"]))
+            if op == "forget":
+                current.set_attribute(ATTRIBUTE + "rollouts", len(body["rollout_ids"]))
+        reply = await _run(cp, op, cid, deadline, body)
+        return _json(reply), reply
 
     return handler
+
+
+async def _run(
+    cp: Checkpointer, op: str, cid: str, deadline: float, body: dict[str, Any]
+) -> dict[str, Any]:
+    """The checkpointer's answer to one control call."""
+    if op == "prepare":
+        return await cp.prepare(cid, deadline)
+    if op == "renew":
+        return await cp.renew(cid, deadline)
+    if op == "resume":
+        return await cp.resume(cid, deadline)
+    if op == "commit":
+        return await cp.commit(
+            cid, deadline, body["checkpoint_dir"], body.get("episode_ids"), body.get("stop", False)
+        )
+    if op == "restore":
+        return await cp.restore(cid, deadline, body["checkpoint_dir"], body["episode_ids"])
+    if op == "forget":
+        return await cp.forget(cid, deadline, body["rollout_ids"])
+    return await cp.retire(cid, deadline, body["episode_ids"])
+
+
+def _reply_attributes(op: str, reply: dict[str, Any]) -> dict[str, Any]:
+    """NeMo Gym's attributes that come from the answer: phase, blockers (prepare) and
+    records (commit)."""
+    attributes: dict[str, Any] = {}
+    if "phase" in reply:
+        attributes[ATTRIBUTE + "phase"] = reply["phase"]
+    if op == "prepare":
+        attributes[ATTRIBUTE + "blockers"] = reply.get("report", {}).get("blocker_count", 0)
+    if op == "commit":
+        attributes[ATTRIBUTE + "records"] = reply.get("manifest", {}).get("record_count", 0)
+    return attributes
 
 
 MAX_OPERATION_TIMEOUT = 3600.0
@@ -274,11 +331,14 @@ def create_control_app(
     token: str | None,
     mover: Mover | None = None,
     operations: Operations | None = None,
+    observe: Callable[[str, str, float], None] | None = None,
 ) -> web.Application:
     """The control-plane app; `token` None means checkpoint control is off (404)."""
     # restore and retire bodies list episode IDs: allow large runs, not unbounded ones
     app = web.Application(middlewares=[_guard(token)], client_max_size=64 * 1024 * 1024)
     app[CHECKPOINTER] = checkpointer
+    if observe is not None:
+        app[OBSERVE] = observe
     app.router.add_get(f"{PREFIX}/status", _status)
     for op in _FIELDS:
         app.router.add_post(f"{PREFIX}/{op}", _operation(op))

@@ -134,6 +134,8 @@ class Exchange:
         "sent_bytes",
         "slot",
         "session_id",
+        "held_since",
+        "span",
     )
 
     def __init__(self, client: ClientConnection) -> None:
@@ -166,6 +168,8 @@ class Exchange:
         self.sent_batch = 0  # the outbox batch of the first write to the worker
         self.sent_bytes = 0
         self.slot = -2  # the worker slot routed to (-1: the control app), for the access log
+        self.held_since = 0.0  # monotonic time it began to wait for a move (0: never held)
+        self.span: object = None  # its span, with --trace-requests (proxy.request_spans)
         self.session_id: str | None = None  # the session it was routed under, once routed
 
     @property
@@ -177,6 +181,9 @@ class Exchange:
         """Route the request and send it on; called when it heads the pipeline."""
         if self.client.proxy_state.access_log is not None:
             self.started = time.perf_counter()
+        spans = self.client.proxy_state.request_spans
+        if spans is not None and self.span is None:
+            self.span = spans.begin(self.method, self.url, self.headers)
         if self.error is not None:
             self.fail(*self.error)
             return
@@ -249,14 +256,17 @@ class Exchange:
         if router.holding and session_id in router.holding:
             # Its session is moving: it waits here, unrouted, and starts again after.
             router.holding[session_id].append(self)
+            self.held_since = self.held_since or time.monotonic()
             return None
         worker = route.worker
         if worker.held is not None:
             # Its worker is being taken out of service: it waits, and is routed anew after.
             worker.held.append(self)
+            self.held_since = self.held_since or time.monotonic()
             return None
         self.session_id = session_id
         router.active[session_id] = router.active.get(session_id, 0) + 1
+        router.decisions[route.rule] += 1
         if key is not None and not worker.keeps_rollout_prefix:
             # aiohttp routes before any middleware: the app sees /rest, the runtime the key.
             parts[2] = rest
@@ -355,6 +365,9 @@ class Exchange:
             return  # 1xx: the proxy answered Expect itself; an interim answer is dropped
         self.upstream_keep_alive = keep_alive
         self.status = status
+        worker = self.worker
+        if worker is not None:
+            worker.responses[status // 100 if status < 600 else 5] += 1
         client = self.client
         if self.new_token is not None:
             extra = wire.set_cookie_headers(client.proxy_state.cookie_name, self.new_token)
@@ -489,6 +502,7 @@ class Exchange:
         if state == DONE or state == ANSWERING:
             return
         if state == RESPONDING or state == TUNNEL:
+            self.client.proxy_state.responses_cut += 1
             self.finish(reuse=False)
             self.client.abort()  # a truncated response must look truncated
             return
@@ -507,6 +521,8 @@ class Exchange:
         close = not self.keep_alive or not self.request_done or client.proxy_state.draining
         self.close_after = close
         self.status = status_of(code)
+        errors = client.proxy_state.errors
+        errors[code] = errors.get(code, 0) + 1
         client.outbox.write(
             wire.error_response(code, detail, close=close, head_only=self.method == b"HEAD")
         )
@@ -541,9 +557,13 @@ class Exchange:
         if self.state == DONE:
             return
         self.state = DONE
+        slot = self.slot
         self._detach(reuse)
         if self.client.proxy_state.access_log is not None:
             self._log_access(self.client.proxy_state.access_log)
+        if self.span is not None:
+            span, self.span = self.span, None
+            self.client.proxy_state.request_spans.end(span, self.status, slot)  # type: ignore[union-attr]
         self.client.exchange_done(self)
 
     def abort(self) -> None:
@@ -570,26 +590,32 @@ class Exchange:
         )
 
 
-def start_held(router: Router, session_ids: list[str]) -> None:
+def start_held(router: Router, session_ids: list[str]) -> list[float]:
     """A move of these sessions ended: their held requests start again, routed by the
-    tables as they are now (a request whose client went away meanwhile is skipped)."""
+    tables as they are now (a request whose client went away meanwhile is skipped).
+    Answers how long each waited, in seconds."""
     held: list[Exchange] = []
     for session_id in session_ids:
         held += router.holding.pop(session_id, ())
-    _start_again(held)
+    return _start_again(held)
 
 
-def start_held_by_worker(worker: WorkerRoute) -> None:
+def start_held_by_worker(worker: WorkerRoute) -> list[float]:
     """Requests held at `worker` start again, routed anew (module docstring)."""
     held, worker.held = worker.held or [], None
-    _start_again(held)
+    return _start_again(held)
 
 
-def _start_again(exchanges: list[Exchange]) -> None:
+def _start_again(exchanges: list[Exchange]) -> list[float]:
+    now = time.monotonic()
+    waits = []
     hold()  # a burst of starts: one write per transport
     try:
         for exchange in exchanges:
             if not exchange.finished:
+                waits.append(now - exchange.held_since)
+                exchange.held_since = 0.0
                 exchange.start()
     finally:
         release()
+    return waits

@@ -44,7 +44,17 @@ from coordinator.contract.ids import is_valid_id
 from proxy.http_wire import session_cookie
 from proxy.session_tokens import SessionIdentity, TokenCodec, TokenError, new_session_id
 
-__all__ = ["WorkerRoute", "Route", "Router", "APP_TOKEN", "TOKEN", "APP_COOKIE", "OWNER", "NEW"]
+__all__ = [
+    "WorkerRoute",
+    "Route",
+    "Router",
+    "APP_TOKEN",
+    "TOKEN",
+    "APP_COOKIE",
+    "OWNER",
+    "NEW",
+    "RULES",
+]
 
 # The rule that decided a Route (module docstring).
 APP_TOKEN: Final = "app_token"
@@ -52,6 +62,7 @@ TOKEN: Final = "token"
 APP_COOKIE: Final = "app_cookie"
 OWNER: Final = "owner"
 NEW: Final = "new"
+RULES: Final = (APP_TOKEN, TOKEN, APP_COOKIE, OWNER, NEW)
 
 
 @dataclass(slots=True, eq=False)
@@ -70,6 +81,8 @@ class WorkerRoute:
     # service (None: none wait); they are started again, and routed anew, after.
     held: list[Any] | None = None
     served: int = 0  # requests routed to it, for --max-requests
+    # Its answers by status class (index status // 100: 1xx ... 5xx), for /metrics.
+    responses: list[int] = field(default_factory=lambda: [0] * 6)
 
 
 @dataclass(slots=True)
@@ -105,6 +118,9 @@ class Router:
     # requests held while their session moves (exchanges, started again after the move).
     active: dict[str, int] = field(default_factory=dict)
     holding: dict[str, list[Any]] = field(default_factory=dict)
+    # Counted for /metrics: decisions by rule, and foreign tokens passed to the app.
+    decisions: dict[str, int] = field(default_factory=lambda: dict.fromkeys(RULES, 0))
+    foreign_tokens: int = 0
     _live: list[WorkerRoute] = field(default_factory=list)
     _next: int = 0
 
@@ -201,6 +217,7 @@ class Router:
                 route = self.route_app_session(app_session, APP_TOKEN)
                 if route is not None:
                     return route
+            self.foreign_tokens += 1  # it reaches the app untouched
         carried_in = None
         if token is None and cookie is not None:
             token, carried_in = session_cookie(cookie, cookie_name)

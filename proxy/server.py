@@ -24,6 +24,7 @@ from typing import Any
 from aiohttp import web
 
 from coordinator.checkpointer import Checkpointer
+from coordinator.contract import telemetry
 from coordinator.contract.channel import Channel
 from coordinator.contract.exit_codes import BOOT_ERROR
 from coordinator.contract.keepalive import POOL_IDLE
@@ -33,8 +34,10 @@ from coordinator.operations import Operations
 from coordinator.worker_channels import WorkerChannels
 from proxy import data_path
 from proxy.client_connection import DISCARDING, LINGERING, TUNNELING, ClientConnection, ProxyState
-from proxy.config import Config
+from proxy.config import Config, metrics_address
 from proxy.control_app import create_control_app
+from proxy.metrics import Metrics, serve_metrics
+from proxy.request_spans import RequestSpans
 from proxy.routing import Router, WorkerRoute
 from proxy.runtime_dir import RuntimeDir, remove_stale
 from proxy.session_tokens import TokenCodec
@@ -76,6 +79,7 @@ async def run(config: Config, listen_sock: socket.socket, secret: bytes) -> int:
     for sig in (signal.SIGHUP, signal.SIGTTIN, signal.SIGTTOU):
         loop.add_signal_handler(sig, on_operation_signal, sig.name.removeprefix("SIG"))
 
+    telemetry.start(config.instance, f"{config.instance}-proxy", **{"gym_proxy.role": "proxy"})
     max_connections = _connection_cap(config.max_connections)
     for stale in remove_stale(config.runtime_dir):
         log.info("removed the runtime directory of a dead instance: %s", stale)
@@ -99,6 +103,11 @@ async def run(config: Config, listen_sock: socket.socket, secret: bytes) -> int:
         now=loop.time(),
         access_log=_access_logger("gym_proxy.access") if config.access_log else None,
     )
+    if config.trace_requests:
+        if telemetry.enabled():
+            state.request_spans = RequestSpans()
+        else:
+            log.warning("--trace-requests needs NeMo Gym's telemetry on (NEMO_GYM_OTEL_ENABLED)")
     supervisor = Supervisor(config, runtime.path, coordinator_socket, router)
     checkpointer = Checkpointer(supervisor, config.instance, config.lease_grace)
 
@@ -114,11 +123,15 @@ async def run(config: Config, listen_sock: socket.socket, secret: bytes) -> int:
     mover = Mover(supervisor, checkpointer)
     operations = Operations(supervisor, mover, checkpointer)
     supervisor.on_recycle = operations.recycle
+    metrics = Metrics(state, supervisor, checkpointer, mover, operations)
     control_runner = web.AppRunner(
-        create_control_app(checkpointer, config.control_token, mover, operations),
+        create_control_app(
+            checkpointer, config.control_token, mover, operations, metrics.observe_checkpoint
+        ),
         access_log=None,
         handle_signals=False,
     )
+    metrics_runner: web.AppRunner | None = None
     server: asyncio.AbstractServer | None = None
     timers: list[asyncio.Task[None]] = []
     code = 0
@@ -126,6 +139,11 @@ async def run(config: Config, listen_sock: socket.socket, secret: bytes) -> int:
         log.info("runtime directory %s", runtime.path)
         await control_runner.setup()
         await web.UnixSite(control_runner, control_socket).start()
+        if config.metrics is not None:
+            metrics_sock = _bind(*metrics_address(config.metrics, config.host))
+            metrics_runner = await serve_metrics(metrics, metrics_sock)
+            host, port = metrics_sock.getsockname()[:2]
+            log.info("metrics on http://%s:%d/metrics", host, port)
         await worker_channels.start(coordinator_socket)
 
         # A port gym-proxy bound itself listens only once every worker has registered:
@@ -186,6 +204,9 @@ async def run(config: Config, listen_sock: socket.socket, secret: bytes) -> int:
         for sig in (signal.SIGHUP, signal.SIGTTIN, signal.SIGTTOU):
             loop.remove_signal_handler(sig)
         operations.close()
+        metrics.loop_lag.stop()
+        if metrics_runner is not None:
+            await metrics_runner.cleanup()
         for timer in timers:
             timer.cancel()
         if server is not None:
@@ -200,7 +221,25 @@ async def run(config: Config, listen_sock: socket.socket, secret: bytes) -> int:
         await control_runner.cleanup()
         runtime.remove()
         listen_sock.close()
+        telemetry.shutdown()
         log.info("stopped")
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on exactly the address given (--metrics)."""
+    family, kind, proto, _, address = socket.getaddrinfo(
+        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(128)
+    except OSError:
+        sock.close()
+        raise
+    sock.setblocking(False)
+    return sock
 
 
 def _listening(sock: socket.socket) -> bool:

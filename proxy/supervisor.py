@@ -84,6 +84,8 @@ class WorkerProcess:
     on_trial: bool = False  # an operation started it: a boot failure fails only that
     leaving: bool = False  # an operation stops it: its exit is expected, never restarted
     max_requests: int = 0  # recycled after serving this many (0: never)
+    started_unix: float = 0.0
+    ping_seconds: float | None = None  # the last ping's round trip
 
     @property
     def pid(self) -> int:
@@ -99,11 +101,17 @@ def _quiet_future() -> asyncio.Future[None]:
 
 
 @dataclass
-class _Slot:
+class Slot:
     worker: WorkerProcess | None = None
     successor: WorkerProcess | None = None  # a rolling restart's replacement, booting
     failures: int = 0
     restart_at: float = 0.0
+    # For /metrics, over every incarnation of the slot: restarts after an exit, and
+    # replacements by an operation; the answers and connect errors of workers gone.
+    restarts: int = 0
+    replacements: int = 0
+    responses_gone: list[int] = field(default_factory=lambda: [0] * 6)
+    connect_errors_gone: int = 0
 
 
 @dataclass(eq=False)
@@ -112,7 +120,7 @@ class Supervisor:
     runtime_dir: str
     coordinator_socket: str
     router: Router
-    slots: list[_Slot] = field(default_factory=list)
+    slots: list[Slot] = field(default_factory=list)
     stopping: bool = False
     fatal: asyncio.Future[None] | None = None
     _tasks: set[asyncio.Task[Any]] = field(default_factory=set)
@@ -123,6 +131,7 @@ class Supervisor:
     _trial_slots: int = 0  # slots an operation is adding: their boot errors are not fatal
     # What a worker asks of its operator: recycle(slot, reason) (live operations set it).
     on_recycle: Any = None
+    on_held: Any = None  # called with how long released held requests waited (/metrics)
     # `python -P`: the current directory never shadows gym-proxy's packages. Tests of the
     # supervisor start stand-in workers instead.
     worker_command: tuple[str, ...] = (sys.executable, "-P", "-m", "worker")
@@ -131,7 +140,7 @@ class Supervisor:
     )
 
     def __post_init__(self) -> None:
-        self.slots = [_Slot() for _ in range(self.config.workers)]
+        self.slots = [Slot() for _ in range(self.config.workers)]
         self.fatal = asyncio.get_running_loop().create_future()
 
     # ---- lifecycle ----------------------------------------------------------------
@@ -197,6 +206,7 @@ class Supervisor:
                     owner=owner,
                     socket=socket_path,
                     coordinator=self.coordinator_socket,
+                    instance=self.config.instance,
                 ),
                 stdin=asyncio.subprocess.DEVNULL,
             )
@@ -216,6 +226,7 @@ class Supervisor:
             self._vacate(placeholder)
             return None
         placeholder.started_at = time.monotonic()
+        placeholder.started_unix = time.time()
         log.info(
             "worker %d%s started (pid %d, owner %s)",
             slot_index,
@@ -265,6 +276,7 @@ class Supervisor:
             )
             return
         lived = time.monotonic() - worker.started_at
+        slot.restarts += 1
         slot.failures = 0 if lived >= STABLE_AFTER else slot.failures + 1
         delay = 0.0
         if slot.failures:
@@ -381,11 +393,13 @@ class Supervisor:
 
     async def _ping(self, worker: WorkerProcess, within: float) -> None:
         assert worker.channel is not None
+        sent = time.monotonic()
         try:
             await worker.channel.request(Ping(), within=within)
         except (ConnectionError, TimeoutError):
             return  # a lost channel retires the worker; silence is judged by the watcher
         worker.answered_at = time.monotonic()
+        worker.ping_seconds = worker.answered_at - sent
         if worker.route is not None and not worker.route.responsive:
             log.info("worker %d answers again", worker.slot)
             worker.route.responsive = True
@@ -397,6 +411,11 @@ class Supervisor:
         if worker.route is not None:
             self.router.remove_worker(worker.owner)
             worker.route.pool.close()
+            if worker.slot < len(self.slots):  # its counts stay in its slot's series
+                slot = self.slots[worker.slot]
+                for i, n in enumerate(worker.route.responses):
+                    slot.responses_gone[i] += n
+                slot.connect_errors_gone += worker.route.pool.connect_errors
         if worker.channel is not None:
             worker.channel.close()
         if worker.ping is not None:
@@ -448,7 +467,7 @@ class Supervisor:
     async def add_slot(self, within: float) -> WorkerProcess:
         """Grow by one slot at the end and wait until its worker registers; on failure
         the slot is removed again (WorkerBootError)."""
-        self.slots.append(_Slot())
+        self.slots.append(Slot())
         self._resized()
         slot_index = len(self.slots) - 1
         self._trial_slots += 1
@@ -487,6 +506,7 @@ class Supervisor:
         slot = self.slots[successor.slot]
         old, slot.worker, slot.successor = slot.worker, successor, None
         successor.on_trial = False
+        slot.replacements += 1
         if old is not None:
             old.leaving = True
             self._leaving.add(old)
@@ -536,7 +556,7 @@ class Supervisor:
     def release_worker(self, worker: WorkerProcess) -> None:
         """The requests held at it start again, routed by the tables as they are now."""
         if worker.route is not None:
-            start_held_by_worker(worker.route)
+            self._waited(start_held_by_worker(worker.route))
 
     def retire_owner(self, old: str, heir: str) -> None:
         self.router.retire_owner(old, heir)
@@ -553,7 +573,11 @@ class Supervisor:
 
     def release_sessions(self, session_ids: list[str]) -> None:
         """The held requests go on, routed by the tables as they are now."""
-        start_held(self.router, session_ids)
+        self._waited(start_held(self.router, session_ids))
+
+    def _waited(self, waits: list[float]) -> None:
+        if waits and self.on_held is not None:
+            self.on_held(waits)
 
     def running_requests(self, session_id: str) -> int:
         return self.router.active.get(session_id, 0)

@@ -264,6 +264,7 @@ class UpstreamPool:
         self.idle_since: dict[UpstreamConnection, float] = {}
         self.connecting: dict[asyncio.Task[None], Exchange] = {}
         self.closed = False
+        self.connect_errors = 0  # for /metrics
 
     def acquire(self, exchange: Exchange) -> None:
         """Attach `exchange` to an idle connection now, or to a new one when it connects."""
@@ -293,11 +294,13 @@ class UpstreamPool:
                 # refuses with EAGAIN instead of queueing the SYN as TCP would. Wait
                 # for the worker to accept, briefly, rather than fail the request.
                 if exchange.finished or time.monotonic() + delay > give_up:
+                    self.connect_errors += 1
                     exchange.upstream_failed(exc)
                     return
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 0.1)
             except OSError as exc:
+                self.connect_errors += 1
                 exchange.upstream_failed(exc)
                 return
         if exchange.finished:

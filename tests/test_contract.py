@@ -24,6 +24,7 @@ CONTRACT = Path(__file__).resolve().parent.parent / "coordinator" / "contract"
 # A value of the right type for every field shape the messages use.
 SAMPLES: dict[str, Any] = {
     "int": 3,
+    "float": 0.25,
     "str": "x",
     "bool": True,
     "bytes": b"raw",

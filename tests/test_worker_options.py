@@ -32,7 +32,13 @@ def test_argv_round_trip_with_values_that_look_like_flags():
         log_level="debug",
         access_log=True,
     )
-    incarnation = {"slot": 2, "owner": "-h", "socket": "/run/w2.sock", "coordinator": "/run/c"}
+    incarnation = {
+        "slot": 2,
+        "owner": "-h",
+        "socket": "/run/w2.sock",
+        "coordinator": "/run/c",
+        "instance": "--counter",
+    }
     argv = worker_argv(config, **incarnation)
     assert all(arg.startswith("--") for arg in argv) and "--access-log" in argv
     args = parse_worker_args(argv)
@@ -43,7 +49,7 @@ def test_argv_round_trip_with_values_that_look_like_flags():
 
 
 def test_unset_options_are_left_out():
-    argv = worker_argv(Config(), slot=0, owner="o", socket="s", coordinator="c")
+    argv = worker_argv(Config(), slot=0, owner="o", socket="s", coordinator="c", instance="i")
     assert not any(a.startswith(("--kind", "--session-state", "--access-log")) for a in argv)
     args = parse_worker_args(argv)
     assert args.kind is None and args.session_state is None and args.access_log is False

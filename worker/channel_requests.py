@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from coordinator.contract import failpoints, records
+from coordinator.contract import failpoints, records, telemetry
 from coordinator.contract.episodes import EpisodeId
 from coordinator.contract.errors import GymError
 from coordinator.contract.marks import RestoredClaims
@@ -33,18 +33,63 @@ from coordinator.contract.messages import (
     Retire,
     Retired,
     SessionRecords,
+    Stats,
     Stop,
     Tables,
     TablesUpdate,
     Uninstall,
+    WorkerStats,
 )
+from coordinator.contract.telemetry import ATTRIBUTE
 from worker.runtime import ParticipantRuntime
 
 __all__ = ["handle_coordinator_message", "apply_tables"]
 
 
 async def handle_coordinator_message(runtime: ParticipantRuntime, message: Message) -> Message:
-    """Serve one request from the coordinator; a GymError becomes a typed `error` reply."""
+    """Serve one request from the coordinator; a GymError becomes a typed `error` reply.
+    A checkpoint step is a span, the child of the coordinator's (telemetry)."""
+    step = STEPS.get(message.TYPE)
+    if step is None or not telemetry.enabled():
+        return await _handle(runtime, message)
+    with telemetry.span(f"gym.checkpoint.{step}") as traced:
+        reply = await _handle(runtime, message)
+        traced.set_attributes(_step_attributes(runtime, message, reply))
+        return reply
+
+
+# NeMo Gym's span names for the steps a worker does.
+STEPS = {
+    "close": "wait_ready",
+    "export": "export",
+    "install": "install",
+    "reopen": "resume",
+    "retire": "retire",
+    "forget": "forget",
+}
+
+
+def _step_attributes(runtime: ParticipantRuntime, message: Message, reply: Message) -> dict:
+    attributes: dict[str, Any] = {
+        ATTRIBUTE + "participant_kind": runtime.kind,
+        "gym_proxy.slot": runtime.info.slot,
+    }
+    match reply:
+        case ExportReply():
+            attributes[ATTRIBUTE + "records"] = reply.count
+            attributes[ATTRIBUTE + "bytes"] = len(reply.blob)
+        case Installed():
+            attributes[ATTRIBUTE + "records"] = reply.installed
+        case CloseReply():
+            attributes[ATTRIBUTE + "blockers"] = len(reply.report.blockers)
+        case Retired():
+            attributes[ATTRIBUTE + "episodes"] = len(getattr(message, "episode_ids", ()))
+        case Forgotten():
+            attributes[ATTRIBUTE + "rollouts"] = len(reply.forgotten)
+    return attributes
+
+
+async def _handle(runtime: ParticipantRuntime, message: Message) -> Message:
     match message:
         case Close():
             runtime.close_gate(message.checkpoint_id)
@@ -91,6 +136,9 @@ async def handle_coordinator_message(runtime: ParticipantRuntime, message: Messa
         case CloseTunnels():
             runtime.close_tunnels(set(message.session_ids))
             return Done()
+        case Stats():
+            lag = runtime.loop_lag.take_worst()
+            return WorkerStats(len(runtime.store), len(runtime.flights), lag)
         case ListHeld():
             return HeldSessions(
                 runtime.store.session_ids(),

@@ -29,6 +29,7 @@ INCARNATION = (
     WorkerOption("owner"),
     WorkerOption("socket"),
     WorkerOption("coordinator"),
+    WorkerOption("instance"),  # the server's instance name (telemetry names it)
 )
 FROM_CONFIG = (
     WorkerOption("app"),

@@ -23,6 +23,7 @@ from typing import Any, Protocol
 import uvloop
 from aiohttp import web
 
+from coordinator.contract import telemetry
 from coordinator.contract.channel import Channel, ChannelClosed, ChannelTimeout, RemoteError
 from coordinator.contract.exit_codes import BOOT_ERROR, LOST_COORDINATOR
 from coordinator.contract.keepalive import WORKER_KEEPALIVE
@@ -141,6 +142,12 @@ async def serve(args: argparse.Namespace) -> int:
         runtime.close_gate(reply.checkpoint_id)
     log.debug("worker %d registered as %s", info.slot, info.owner)
 
+    runtime.loop_lag.start()
+    telemetry.start(
+        args.instance,
+        f"{args.instance}-w{info.slot}-{info.owner}",
+        **{"gym_proxy.slot": str(info.slot)},
+    )
     expiry = None
     if args.session_idle_ttl > 0:
         expiry = asyncio.create_task(runtime.expire_sessions(args.session_idle_ttl))
@@ -151,11 +158,13 @@ async def serve(args: argparse.Namespace) -> int:
         log.warning("worker %d lost the coordinator; stopping", info.slot)
         code = LOST_COORDINATOR
     stop_task.cancel()
+    runtime.loop_lag.stop()
     if expiry is not None:
         expiry.cancel()
     await server.stop()
     channel.close()
     channel_task.cancel()
+    telemetry.shutdown()
     return code
 
 

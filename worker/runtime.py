@@ -42,6 +42,7 @@ from typing import Any, Literal
 from coordinator.contract.channel import Channel, ChannelClosed, ChannelTimeout, RemoteError
 from coordinator.contract.episodes import EpisodeId, body_identity, parse_episode_key
 from coordinator.contract.errors import GymError
+from coordinator.contract.loop_lag import LoopLag
 from coordinator.contract.marks import RestoredClaims, RetireMarks
 from coordinator.contract.messages import Claim, Ready, Report, SessionsEnded
 from coordinator.contract.records import encode
@@ -136,6 +137,7 @@ class ParticipantRuntime:
     # An app session -> the gym-proxy sessions its requests came under (moved with it).
     links: dict[str, set[str]] = field(default_factory=dict)
     opened: asyncio.Event = field(default_factory=asyncio.Event)
+    loop_lag: LoopLag = field(default_factory=LoopLag)  # sampled once serving (process)
     seq: int = 0
     _report_due: bool = False
     _poller: asyncio.Task[None] | None = None

@@ -34,6 +34,7 @@ from coordinator.contract.messages import (
     Ping,
     decode,
 )
+from coordinator.contract.telemetry import TRACEPARENT
 
 __all__ = ["Channel", "ChannelClosed", "ChannelTimeout", "RemoteError", "Handler"]
 
@@ -90,8 +91,12 @@ class Channel:
         future: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         self._pending[request_id] = future
         kind = message.TYPE
+        wire = {**message.wire(), "id": request_id}
+        traceparent = TRACEPARENT.get()
+        if traceparent is not None:  # a traced step: the peer's span is its child
+            wire["traceparent"] = traceparent
         try:
-            self.send_nowait({**message.wire(), "id": request_id})
+            self.send_nowait(wire)
             try:
                 reply = await asyncio.wait_for(future, within)
             except TimeoutError:
@@ -162,6 +167,8 @@ class Channel:
 
     async def _dispatch(self, payload: dict[str, Any]) -> None:
         request_id = payload.get("id")
+        traceparent = payload.get("traceparent")
+        token = TRACEPARENT.set(traceparent if isinstance(traceparent, str) else None)
         try:
             reply = await self._handler(decode(payload, self._messages))
         except MalformedMessage as exc:
@@ -174,6 +181,8 @@ class Channel:
             reply_msg = {"type": "error", "code": "internal_error", "detail": repr(exc)}
         else:
             reply_msg = {"type": "ok", **(reply.fields() if reply is not None else {})}
+        finally:
+            TRACEPARENT.reset(token)
         if request_id is None:
             if reply_msg["type"] == "error":  # a notice has nobody to answer: say it here
                 log.error("dropped a %s message: %s", payload["type"], reply_msg["detail"])

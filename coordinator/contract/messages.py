@@ -23,6 +23,7 @@ with `MalformedMessage` naming the message and the key, before a handler sees it
                                      drop       -> Released
                                      held       -> HeldSessions
                                      close_tunnels -> Done
+                                     stats      -> WorkerStats
 """
 
 from __future__ import annotations
@@ -76,10 +77,12 @@ __all__ = [
     "HeldSessions",
     "ListHeld",
     "CloseTunnels",
+    "Stats",
+    "WorkerStats",
 ]
 
 M = TypeVar("M", bound="Message")
-_ENVELOPE = frozenset({"type", "id"})
+_ENVELOPE = frozenset({"type", "id", "traceparent"})  # telemetry.TRACEPARENT
 
 
 class MalformedMessage(ValueError):
@@ -465,3 +468,15 @@ class CloseTunnels(Message):
     `tunnels` choice is "close"; with "block", a move waits for them to end."""
 
     session_ids: list[str]
+
+
+@message()
+class WorkerStats(Message):
+    sessions: int  # live sessions in the worker's store
+    requests: int  # requests it is running now
+    loop_lag_seconds: float  # the worst event-loop lag since the last ask
+
+
+@message("stats", WorkerStats)
+class Stats(Message):
+    """What the worker knows for /metrics (the proxy knows the rest itself)."""

@@ -1,0 +1,350 @@
+"""`/metrics`: Prometheus text format on its own address (`--metrics HOST:PORT`).
+
+The proxy is one process that sees every request and owns every worker, so it owns the
+one registry (prometheus_client's multiprocess mode, with its files of dead workers, is
+not needed): the data path only increments plain integers it keeps anyway, and a scrape
+reads them, asks each live worker over its channel what only the worker knows (sessions
+held, requests running, its event-loop lag; one second at most), and renders. Series
+are labelled by worker slot, rule, code or operation, never by session or rollout. A
+slot's counters add up every incarnation of the slot, so they never go backwards across
+a restart; `gym_proxy_worker_restarts_total` and `gym_proxy_worker_start_time_seconds`
+say that one happened. The families are listed in the README ("Metrics").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+from collections.abc import Iterator
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.process_collector import ProcessCollector
+from prometheus_client.registry import Collector
+
+from coordinator.checkpointer import Checkpointer
+from coordinator.contract.channel import ChannelClosed, ChannelTimeout, RemoteError
+from coordinator.contract.loop_lag import LoopLag
+from coordinator.contract.messages import Stats, WorkerStats
+from coordinator.mover import Mover
+from coordinator.operations import Operations
+from coordinator.phases import Phase
+from proxy.client_connection import ProxyState
+from proxy.routing import RULES
+from proxy.supervisor import Supervisor, WorkerProcess, resident_bytes
+
+__all__ = ["Metrics", "serve_metrics", "STATES", "PHASES"]
+
+log = logging.getLogger("gym_proxy.metrics")
+
+STATES = ("booting", "ready", "draining", "unresponsive", "leaving")
+PHASES: tuple[Phase, ...] = ("idle", "preparing", "prepared", "committed", "restored")
+CLASSES = ("1xx", "2xx", "3xx", "4xx", "5xx")
+STATS_WAIT = 1.0  # seconds a scrape waits for a worker's stats
+_CONTROL_BUCKETS = (0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 900)
+_WAIT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 5, 30)
+
+
+class Metrics:
+    """The registry and what fills it. `observe_*` are called off the data path."""
+
+    def __init__(
+        self,
+        state: ProxyState,
+        supervisor: Supervisor,
+        checkpointer: Checkpointer,
+        mover: Mover,
+        operations: Operations,
+    ) -> None:
+        self.state, self.supervisor = state, supervisor
+        self.checkpointer, self.mover, self.operations = checkpointer, mover, operations
+        self.loop_lag = LoopLag()
+        self.worker_stats: dict[str, WorkerStats] = {}
+        self.registry = CollectorRegistry(auto_describe=True)
+        ProcessCollector(namespace="gym_proxy", registry=self.registry)
+        self.checkpoint_seconds = Histogram(
+            "gym_proxy_checkpoint_operation_seconds",
+            "Checkpoint control calls by operation and outcome (ok, or the error code)",
+            ["operation", "outcome"],
+            buckets=_CONTROL_BUCKETS,
+            registry=self.registry,
+        )
+        self.operation_seconds = Histogram(
+            "gym_proxy_live_operation_seconds",
+            "Live operations (drain, restart, resize, ...) by outcome",
+            ["operation", "outcome"],
+            buckets=_CONTROL_BUCKETS,
+            registry=self.registry,
+        )
+        self.move_wait_seconds = Histogram(
+            "gym_proxy_move_wait_seconds",
+            "How long a request of a moving session (or a retiring worker) waited at the proxy",
+            buckets=_WAIT_BUCKETS,
+            registry=self.registry,
+        )
+        self.registry.register(_Gathered(self))
+        operations.observe = self.observe_operation
+        supervisor.on_held = self.observe_held
+
+    def observe_checkpoint(self, operation: str, outcome: str, seconds: float) -> None:
+        self.checkpoint_seconds.labels(operation, outcome).observe(seconds)
+
+    def observe_operation(self, operation: str, outcome: str, seconds: float) -> None:
+        self.operation_seconds.labels(operation, outcome).observe(seconds)
+
+    def observe_held(self, waits: list[float]) -> None:
+        for wait in waits:
+            self.move_wait_seconds.observe(wait)
+
+    async def refresh(self) -> None:
+        """Ask every live worker for its stats (a worker that does not answer in time
+        keeps its last ones out: its sessions gauge is absent, not stale)."""
+        live = self.supervisor.live()
+        replies = await asyncio.gather(
+            *(w.channel.request(Stats(), within=STATS_WAIT) for w in live),
+            return_exceptions=True,
+        )
+        stats = {}
+        for worker, reply in zip(live, replies, strict=True):
+            if isinstance(reply, WorkerStats):
+                stats[worker.owner] = reply
+            elif not isinstance(reply, ChannelClosed | ChannelTimeout | RemoteError):
+                log.warning("worker %d stats: %r", worker.slot, reply)
+        self.worker_stats = stats
+
+    async def render(self) -> bytes:
+        await self.refresh()
+        return generate_latest(self.registry)
+
+
+class _Gathered(Collector):
+    """Everything read at scrape time from the proxy's own state."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.m = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self._process()
+        yield from self._workers()
+        yield from self._routing()
+        yield from self._checkpoint()
+        yield from self._operations()
+
+    def _process(self) -> Iterator[Metric]:
+        state = self.m.state
+        yield gauge("gym_proxy_connections", "Open client connections", len(state.clients))
+        yield gauge("gym_proxy_connections_max", "Client connection cap", state.max_connections)
+        yield gauge(
+            "gym_proxy_event_loop_lag_seconds",
+            "The proxy's worst event-loop lag since the last scrape",
+            self.m.loop_lag.take_worst(),
+        )
+
+    def _workers(self) -> Iterator[Metric]:
+        sup, stats = self.m.supervisor, self.m.worker_stats
+        states = self.m.operations.worker_states()
+        by_slot: dict[int, list[WorkerProcess]] = {i: [] for i in range(len(sup.slots))}
+        for worker in sup.workers():
+            if worker.process is not None and worker.state != "dead":
+                by_slot.setdefault(worker.slot, []).append(worker)
+        state_family = GaugeMetricFamily(
+            "gym_proxy_workers",
+            "Worker processes by slot and state (two during a restart of the slot)",
+            labels=["slot", "state"],
+        )
+        families = {
+            name: GaugeMetricFamily(f"gym_proxy_worker_{name}", text, labels=["slot"])
+            for name, text in (
+                ("requests_in_flight", "Requests routed to the slot's workers and not done"),
+                ("sessions", "Live sessions in the slot's workers' stores"),
+                ("requests_running", "Requests the slot's workers say they are running"),
+                ("resident_memory_bytes", "Resident memory of the slot's workers"),
+                ("ping_seconds", "Round trip of the supervisor's last ping"),
+                ("event_loop_lag_seconds", "A worker's worst event-loop lag since the last scrape"),
+                ("start_time_seconds", "When the slot's current worker started (Unix time)"),
+            )
+        }
+        upstream = GaugeMetricFamily(
+            "gym_proxy_upstream_connections",
+            "Connections to the slot's workers: idle in the pool, connecting, or in use",
+            labels=["slot", "state"],
+        )
+        responses = CounterMetricFamily(
+            "gym_proxy_worker_responses",
+            "Answers of the slot's workers by status class (every incarnation of the slot)",
+            labels=["slot", "code_class"],
+        )
+        connect_errors = CounterMetricFamily(
+            "gym_proxy_upstream_connect_errors",
+            "Failed connections to the slot's workers (every incarnation)",
+            labels=["slot"],
+        )
+        restarts = CounterMetricFamily(
+            "gym_proxy_worker_restarts",
+            "Worker restarts: exit (the supervisor restarted a worker that exited or was "
+            "killed) or replaced (a rolling restart or a recycle)",
+            labels=["slot", "reason"],
+        )
+        for slot_index, workers in sorted(by_slot.items()):
+            slot = str(slot_index)
+            counts = dict.fromkeys(STATES, 0)
+            for worker in workers:
+                name = states.get(worker.owner, {}).get("state")
+                if name in counts:
+                    counts[name] += 1
+            for name, n in counts.items():
+                state_family.add_metric([slot, name], n)
+            routes = [w.route for w in workers if w.route is not None]
+            families["requests_in_flight"].add_metric([slot], sum(r.in_flight for r in routes))
+            mine = [stats[w.owner] for w in workers if w.owner in stats]
+            if mine:
+                families["sessions"].add_metric([slot], sum(s.sessions for s in mine))
+                families["requests_running"].add_metric([slot], sum(s.requests for s in mine))
+                lag = max(s.loop_lag_seconds for s in mine)
+                families["event_loop_lag_seconds"].add_metric([slot], lag)
+            pids = [w.pid for w in workers]
+            if pids:
+                rss = sum(resident_bytes(pid) for pid in pids)
+                families["resident_memory_bytes"].add_metric([slot], rss)
+            pings = [w.ping_seconds for w in workers if w.ping_seconds is not None]
+            if pings:
+                families["ping_seconds"].add_metric([slot], max(pings))
+            current = sup.slots[slot_index].worker if slot_index < len(sup.slots) else None
+            if current is not None and current.started_unix:
+                families["start_time_seconds"].add_metric([slot], current.started_unix)
+            idle = sum(len(r.pool.idle) for r in routes)
+            connecting = sum(len(r.pool.connecting) for r in routes)
+            busy = sum(r.in_flight for r in routes)
+            upstream.add_metric([slot, "idle"], idle)
+            upstream.add_metric([slot, "connecting"], connecting)
+            upstream.add_metric([slot, "active"], max(0, busy - connecting))
+            gone = sup.slots[slot_index] if slot_index < len(sup.slots) else None
+            for i, name in enumerate(CLASSES, start=1):
+                total = sum(r.responses[i] for r in routes)
+                if gone is not None:
+                    total += gone.responses_gone[i]
+                responses.add_metric([slot, name], total)
+            errors = sum(r.pool.connect_errors for r in routes)
+            connect_errors.add_metric([slot], errors + (gone.connect_errors_gone if gone else 0))
+            restarts.add_metric([slot, "exit"], gone.restarts if gone else 0)
+            restarts.add_metric([slot, "replaced"], gone.replacements if gone else 0)
+        yield state_family
+        yield from families.values()
+        yield upstream
+        yield responses
+        yield connect_errors
+        yield restarts
+
+    def _routing(self) -> Iterator[Metric]:
+        router, state = self.m.state.router, self.m.state
+        decisions = CounterMetricFamily(
+            "gym_proxy_routing_decisions",
+            "Requests routed, by the rule that decided (README: routing precedence)",
+            labels=["rule"],
+        )
+        for rule in RULES:
+            decisions.add_metric([rule], router.decisions.get(rule, 0))
+        yield decisions
+        yield counter(
+            "gym_proxy_foreign_tokens",
+            "Requests whose X-NeMo-Gym-Session-Token was not this instance's and named no "
+            "session a worker announced: passed to the app untouched",
+            router.foreign_tokens,
+        )
+        errors = CounterMetricFamily(
+            "gym_proxy_errors",
+            "Answers the proxy gave itself, by error code (README: HTTP interface)",
+            labels=["code"],
+        )
+        for code, n in sorted(state.errors.items()):
+            errors.add_metric([code], n)
+        yield errors
+        yield counter(
+            "gym_proxy_responses_cut",
+            "Responses cut after their first byte (a worker that failed mid-answer)",
+            state.responses_cut,
+        )
+        yield gauge(
+            "gym_proxy_sessions_table", "Sessions the session table places", len(router.sessions)
+        )
+
+    def _checkpoint(self) -> Iterator[Metric]:
+        cp = self.m.checkpointer
+        phase = GaugeMetricFamily(
+            "gym_proxy_checkpoint_phase",
+            "The participant's checkpoint phase (1: current)",
+            labels=["phase"],
+        )
+        for name in PHASES:
+            phase.add_metric([name], 1 if cp.machine.phase == name else 0)
+        yield phase
+        blockers = cp.status()["report"]["blocker_count"] if cp.machine.is_open else 0
+        yield gauge(
+            "gym_proxy_checkpoint_blockers", "What keeps an open checkpoint from ready", blockers
+        )
+        io = cp.io
+        records = CounterMetricFamily(
+            "gym_proxy_checkpoint_records",
+            "Records written by commits and read by restores",
+            labels=["direction"],
+        )
+        records.add_metric(["written"], io.records_written)
+        records.add_metric(["read"], io.records_read)
+        yield records
+        size = CounterMetricFamily(
+            "gym_proxy_checkpoint_bytes",
+            "Records-file bytes written and read",
+            labels=["direction"],
+        )
+        size.add_metric(["written"], io.bytes_written)
+        size.add_metric(["read"], io.bytes_read)
+        yield size
+
+    def _operations(self) -> Iterator[Metric]:
+        mover = self.m.mover
+        yield counter(
+            "gym_proxy_sessions_moved", "Sessions moved to another worker", mover.moved_total
+        )
+        yield counter(
+            "gym_proxy_session_move_failures", "Sessions a move did not move", mover.failed_total
+        )
+        yield gauge(
+            "gym_proxy_moving_sessions",
+            "Sessions whose requests wait for a move now",
+            mover.holding,
+        )
+        running = GaugeMetricFamily(
+            "gym_proxy_live_operation_running",
+            "A live operation runs (1), by kind",
+            labels=["operation"],
+        )
+        now = self.m.operations.running
+        for kind in ("drain", "undrain", "restart", "resize", "retire"):
+            running.add_metric([kind], 1 if now is not None and now.operation == kind else 0)
+        yield running
+
+
+def gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, documentation, value=value)
+
+
+def counter(name: str, documentation: str, value: float) -> CounterMetricFamily:
+    return CounterMetricFamily(name, documentation, value=value)
+
+
+async def serve_metrics(metrics: Metrics, sock: socket.socket) -> web.AppRunner:
+    """Serve `GET /metrics` (and nothing else) on `sock`; the caller cleans the runner up."""
+
+    async def handle(request: web.Request) -> web.Response:
+        body = await metrics.render()
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    app = web.Application()
+    app.router.add_get("/metrics", handle)
+    runner = web.AppRunner(app, access_log=None, handle_signals=False)
+    await runner.setup()
+    await web.SockSite(runner, sock).start()
+    metrics.loop_lag.start()
+    return runner
