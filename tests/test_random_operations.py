@@ -1,13 +1,26 @@
 """Seeded random operations against real gym-proxy processes, checked against a model.
 
 Each seed starts a participant with 1-3 workers and drives a random walk of: new
-sessions (a seed during a checkpoint waits at the door: this is a resources server),
-held requests (blockers), parked episodes, prepare, commit (sometimes scoped, sometimes
-with `stop`), resume, retire (in idle and in restored), forget, a late request of a
-retired attempt, kill -9 of a worker (its replacement held back), the late join of that
-replacement, a crash of everything followed by a restore onto 1-3 fresh workers (of all
-the committed episodes or some), and replacement `/run`s that claim restored episodes as
-attempt N+1 (or name a wrong attempt). After every step:
+sessions (a seed during a checkpoint waits at the door: this is a resources server; one
+waiting on a worker killed meanwhile fails 502), counter increments, held requests
+(blockers), parked episodes, prepare, commit (sometimes scoped, sometimes with `stop`),
+resume, retire (in idle and in restored), forget, a late request of a retired attempt,
+kill -9 of a worker (its replacement held back), the late join of that replacement, a
+crash of everything followed by a restore onto 1-3 fresh workers (of all the committed
+episodes or some), replacement `/run`s that claim restored episodes as attempt N+1 (or
+name a wrong attempt), and the live operations:
+
+- a move of some sessions to a slot (sometimes with a held request: reported, it stays
+  and serves; sometimes one already on the target, or one a kill took: not found);
+- a drain of a slot (its held sessions stay, reported; refused when no other worker
+  takes sessions) and an undrain;
+- a resize to 1-3 workers (grow at the end; shrink moves the last slots' sessions);
+- a rolling restart of some slots or all (each slot's worker a new process).
+
+They run when the model is idle, no replacement is held back and every slot is live (a
+restart or a shrink only of slots with no held request and no running episode, which
+would keep the old worker serving); while a checkpoint is open each is refused 409
+`operation_conflict` and changes nothing. After every step:
 
 - the phase is the model's, and admission is open on every live worker whenever idle;
 - the blockers (and their count) equal a fresh recount from the model;
@@ -16,7 +29,12 @@ attempt N+1 (or name a wrong attempt). After every step:
 - every commit exports exactly the model's running and unclaimed restored episodes within
   its scope, none of an attempt retired before it, and releases unclaimed ones outside it;
 - every manifest written so far verifies; after a restore, every session that was
-  committed has its committed value.
+  committed has its committed value;
+- the expected worker count is the model's (a resize changes it), no operation runs, and
+  the workers draining are the model's (a draining worker takes no new session);
+- after a live operation, its answer is the model's (what moved, what did not and why,
+  each slot's outcome), every session answers from the worker the model places it on,
+  with its token and its exact count, and every session a kill took answers 410.
 
 `GYM_PROXY_RANDOM_SEEDS` sets the number of seeds (default 100),
 `GYM_PROXY_RANDOM_FIRST_SEED` the first one (to replay a failing seed alone).
@@ -38,7 +56,8 @@ import pytest
 from coordinator import checkpoint_files as records
 from coordinator.contract import records as record_format
 from coordinator.contract.episodes import EpisodeId, parse_episode_key
-from tests.support import CONTROL_TOKEN, Control, ProxyProcess, wait_until
+from coordinator.contract.headers import MOVE_PATH, WORKERS_PATH
+from tests.support import CONTROL_TOKEN, Control, ProxyProcess, pid_alive, wait_until
 
 SEEDS = int(os.environ.get("GYM_PROXY_RANDOM_SEEDS", "100"))
 FIRST_SEED = int(os.environ.get("GYM_PROXY_RANDOM_FIRST_SEED", "0"))
@@ -46,19 +65,28 @@ STEPS = 16
 PARALLEL = 3
 TOKEN = "X-NeMo-Gym-Session-Token"
 OWNER = "x-ng-session-owner"
+AUTH = {"Authorization": f"Bearer {CONTROL_TOKEN}"}
+STILL_RUNNING = "a request of the session was still running at the timeout"
+NOT_FOUND = "not found on a source worker ("
+HELD_TIMEOUT = 1.0  # an operation's timeout when a held request will outlive it
+TIMEOUT = 20.0  # otherwise (it ends as soon as the sessions moved)
 
 
 @dataclass
 class Model:
     phase: str = "idle"
     sessions: dict[str, tuple[str, int]] = field(default_factory=dict)  # sid -> (token, count)
+    where: dict[str, str] = field(default_factory=dict)  # sid -> owner of the worker serving it
+    gone: dict[str, str] = field(default_factory=dict)  # sid -> token: a kill took its worker
+    draining: set[str] = field(default_factory=set)  # owners a drain took out of new sessions
     held: dict[str, asyncio.Task] = field(default_factory=dict)  # sid -> request task
-    held_owner: dict[str, str] = field(default_factory=dict)
+    held_owner: dict[str, tuple[str, str]] = field(default_factory=dict)  # sid -> (owner, tag)
     episodes: dict[str, str] = field(default_factory=dict)  # running: capture key -> owner
     pending: set[str] = field(default_factory=set)  # restored, awaiting a claim: N+1 keys
     tasks_of: dict[str, str] = field(default_factory=dict)  # rollout -> its task's gate
     marks: dict[str, int] = field(default_factory=dict)  # rollout -> highest retired attempt
     door_seeds: list[tuple[asyncio.Task, int]] = field(default_factory=list)
+    door_kill: bool = False  # a worker died while seeds waited at the door: some may fail
     tasks: list[asyncio.Task] = field(default_factory=list)
     lost: bool = False
     held_back: int = 0  # killed workers whose replacement is not allowed to register
@@ -70,6 +98,22 @@ class Model:
         if self.lost:
             head.append("resources-worker-lost")
         return head + sorted(f"session:{sid}" for sid in self.held)
+
+    def busy(self) -> set[str]:
+        """Owners a restart or a shrink would not empty: a held request or an episode runs."""
+        return {self.where[sid] for sid in self.held} | set(self.episodes.values())
+
+    def on(self, owner: str) -> list[str]:
+        """The sessions the model places on `owner`'s worker."""
+        return sorted(sid for sid, at in self.where.items() if at == owner)
+
+    def add(self, token: str, count: int) -> str:
+        """A new session: its worker is the one its token names."""
+        sid, owner = token.split(".")[-3:-1]
+        assert owner not in self.draining, (sid, owner, self.draining)
+        self.sessions[sid] = (token, count)
+        self.where[sid] = owner
+        return sid
 
     def retired(self, key: str) -> bool:
         ident = parse_episode_key(key)
@@ -115,12 +159,6 @@ class Walk:
         async with self.http.post(f"{self.proxy.url}{path}", **kwargs) as resp:
             return resp.status, resp.headers.copy(), await resp.json()
 
-    async def seen(self, owner: str, path: str) -> bool:
-        async with self.http.get(f"{self.proxy.url}/seen", headers={OWNER: owner}) as resp:
-            body = await resp.json()
-            assert resp.status == 200, (owner, body)
-            return path in body["paths"]
-
     # ---- operations -------------------------------------------------------------
     async def op_session(self) -> None:
         count = self.rng.randrange(100)
@@ -132,17 +170,37 @@ class Walk:
             return
         status, headers, body = await self.post("/seed_session", json={"initial_count": count})
         assert status == 200, body
-        token = headers[TOKEN]
-        self.model.sessions[token.split(".")[-3]] = (token, count)
+        self.model.add(headers[TOKEN], count)
 
     async def _seeds_after_resume(self) -> None:
-        """The seeds that waited at the door go on once the participant is open."""
+        """The seeds that waited at the door go on once the participant is open (one that
+        waited on a worker killed meanwhile fails: the model knows every session there is,
+        so that the live operations' counts are exact)."""
         for seed, count in self.model.door_seeds:
-            status, headers, body = await asyncio.wait_for(seed, 10)
+            try:
+                status, headers, body = await asyncio.wait_for(seed, 10)
+            except aiohttp.ClientError as exc:
+                assert self.model.door_kill, exc
+                continue
+            if status == 502 and self.model.door_kill:
+                assert body["error"]["code"] == "upstream_connection_lost", body
+                continue
             assert status == 200, body
-            token = headers[TOKEN]
-            self.model.sessions[token.split(".")[-3]] = (token, count)
+            self.model.add(headers[TOKEN], count)
         self.model.door_seeds = []
+        self.model.door_kill = False
+
+    async def op_increment(self) -> None:
+        if self.model.phase != "idle" or not self.model.sessions:
+            return
+        sid = self.rng.choice(sorted(self.model.sessions))
+        token, count = self.model.sessions[sid]
+        step = self.rng.randint(1, 9)
+        status, _, body = await self.post(
+            "/increment_counter", json={"count": step}, headers={TOKEN: token}
+        )
+        assert (status, body) == (200, {"count": count + step}), (sid, status, body)
+        self.model.sessions[sid] = (token, count + step)
 
     async def op_hold(self) -> None:
         if self.model.phase != "idle" or not self.model.sessions:
@@ -151,14 +209,23 @@ class Walk:
         if sid in self.model.held:
             return
         token = self.model.sessions[sid][0]
-        tag = f"hold-{sid}"
+        tag = f"hold-{sid}-{len(self.model.tasks)}"  # a session may be held again later
+        owner = self.model.where[sid]
+        before = await self._seen_count(owner, "/slow")
         task = asyncio.ensure_future(
-            self.http.get(f"{self.proxy.url}/slow?seconds=120&tag={tag}", headers={TOKEN: token})
+            self.http.get(
+                f"{self.proxy.url}/slow?seconds=120&tag={tag}",
+                headers={TOKEN: token},
+                timeout=aiohttp.ClientTimeout(total=None),  # held until the walk lets go
+            )
         )
-        owner = token.split(".")[-2]
-        await wait_until(lambda: self.seen(owner, "/slow"), 10, "the held request to arrive")
+
+        async def arrived() -> bool:  # routed and running: a move now must wait for it
+            return await self._seen_count(owner, "/slow") > before
+
+        await wait_until(arrived, 10, "the held request to arrive")
         self.model.held[sid] = task
-        self.model.held_owner[sid] = owner
+        self.model.held_owner[sid] = (owner, tag)
         self.model.tasks.append(task)
 
     async def op_unhold(self) -> None:
@@ -166,13 +233,13 @@ class Walk:
             return
         sid = self.rng.choice(sorted(self.model.held))
         self.model.held.pop(sid).cancel()
-        owner = self.model.held_owner.pop(sid)
+        owner, tag = self.model.held_owner.pop(sid)
 
         async def gone() -> bool:
             if self.model.phase != "idle":  # workers are closed: ask the coordinator
                 return f"session:{sid}" not in (await self.status())["report"]["blockers"]
             async with self.http.get(f"{self.proxy.url}/cancelled", headers={OWNER: owner}) as resp:
-                return f"hold-{sid}" in (await resp.json())["cancelled"]
+                return tag in (await resp.json())["cancelled"]
 
         await wait_until(gone, 10, "the held request to be cancelled")
 
@@ -207,8 +274,11 @@ class Walk:
         await wait_until(started, 10, "the episode to start")
 
     async def _runs_seen(self, owner: str) -> int:
+        return await self._seen_count(owner, "/run")
+
+    async def _seen_count(self, owner: str, path: str) -> int:
         async with self.http.get(f"{self.proxy.url}/seen", headers={OWNER: owner}) as resp:
-            return (await resp.json())["paths"].count("/run")
+            return (await resp.json())["paths"].count(path)
 
     async def op_claim(self) -> None:
         """A replacement /run continues a restored episode as attempt N+1 (exactly once);
@@ -334,18 +404,22 @@ class Walk:
         if len(workers) < 2 or self.model.held_back:
             return
         victim = self.rng.choice(workers)
+        if all(w is victim or w["owner"] in self.model.draining for w in workers):
+            return  # no worker would take new sessions until the replacement joins
         self.hold.write_text("held back")
         os.kill(victim["pid"], signal.SIGKILL)
         await wait_until(lambda: self._live_count(len(workers) - 1), 10, "the kill to be seen")
         self.model.held_back += 1
-        self.model.door_seeds = []  # a seed waiting on the killed worker fails: not modelled
+        self.model.door_kill |= bool(self.model.door_seeds)  # a seed waiting there fails
+        self.model.draining.discard(victim["owner"])  # its replacement takes sessions
         if self.model.phase != "idle":
             self.model.lost = True
         if self.model.phase == "prepared":
             self.model.phase = "preparing"  # a lost worker undoes a successful prepare
         owner = victim["owner"]
-        for sid in [s for s, (t, _) in self.model.sessions.items() if t.split(".")[-2] == owner]:
-            del self.model.sessions[sid]
+        for sid in self.model.on(owner):
+            self.model.gone[sid] = self.model.sessions.pop(sid)[0]
+            del self.model.where[sid]
             self.model.held.pop(sid, None)
             self.model.held_owner.pop(sid, None)
         for key in [k for k, o in self.model.episodes.items() if o == owner]:
@@ -403,12 +477,259 @@ class Walk:
             await self.op_retire()
         await self.control.ok("resume", checkpoint_id=cid)
         self.model.phase = "idle"
+        owners = {w["owner"] for w in await self.live()}
         for sid, (token, count) in snapshot.items():
             status, headers, body = await self.post("/get_counter_value", headers={TOKEN: token})
             assert status == 200, (sid, status, body)
             assert body["count"] == count, (sid, body)
             assert TOKEN not in headers  # tokens stay valid for life
             self.model.sessions[sid] = (token, count)
+            self.model.where[sid] = (await self.whoami(sid))["owner"]
+            assert self.model.where[sid] in owners, (sid, self.model.where[sid], owners)
+
+    # ---- live operations ----------------------------------------------------------
+    async def operate(self, path: str, **body) -> tuple[int, dict]:
+        async with self.http.post(f"{self.proxy.url}{path}", json=body, headers=AUTH) as resp:
+            return resp.status, await resp.json()
+
+    async def whoami(self, sid: str) -> dict:
+        token = self.model.sessions[sid][0]
+        async with self.http.get(f"{self.proxy.url}/whoami", headers={TOKEN: token}) as resp:
+            body = await resp.json()
+            assert resp.status == 200, (sid, resp.status, body)
+            assert TOKEN not in resp.headers  # a session keeps its token for life
+        assert body["session_id"] == sid, (sid, body)
+        return body
+
+    async def _operable(self, path: str, **body) -> list[dict] | None:
+        """The live workers, by slot, when a live operation may run: idle, no replacement
+        held back and every slot live. While a checkpoint is open, the operation is
+        refused (409) and changes nothing (the same workers; the next check sees the same
+        phase); None."""
+        if self.model.phase != "idle":
+            before = await self.live()
+            status, reply = await self.operate(path, **body)
+            assert status == 409, (path, status, reply)
+            assert reply["error"]["code"] == "operation_conflict", reply
+            assert f"checkpoint {self.open_id} is open" in reply["error"]["detail"], reply
+            after = await self.live()
+            assert [(w["owner"], w["state"] == "draining") for w in after] == [
+                (w["owner"], w["state"] == "draining") for w in before
+            ], (before, after)
+            self.trail[-1] += "(409)"
+            return None
+        if self.model.held_back:
+            return None
+        workers = await self.live()
+        if len(workers) != self.expected:
+            return None
+        assert [w["slot"] for w in workers] == list(range(self.expected)), workers
+        while len(self.model.sessions) < 2:  # something to move
+            await self.op_session()
+        return workers
+
+    async def _relocated(self, sids: list[str], owners: set[str]) -> None:
+        """`sids` moved to one of `owners` (which one is the operation's choice)."""
+        for sid in sids:
+            owner = (await self.whoami(sid))["owner"]
+            assert owner in owners, (sid, owner, owners)
+            self.model.where[sid] = owner
+
+    async def verify_sessions(self) -> None:
+        """Every session answers from the worker the model places it on, with its exact
+        count; every session whose worker a kill took answers 410."""
+        for sid, (token, count) in sorted(self.model.sessions.items()):
+            where = await self.whoami(sid)
+            assert where["owner"] == self.model.where[sid], (sid, where, self.model.where[sid])
+            status, _, body = await self.post("/get_counter_value", json={}, headers={TOKEN: token})
+            assert (status, body) == (200, {"count": count}), (sid, status, body, count)
+        for sid, token in sorted(self.model.gone.items()):
+            async with self.http.get(f"{self.proxy.url}/whoami", headers={TOKEN: token}) as resp:
+                body = await resp.json()
+                assert resp.status == 410, (sid, resp.status, body)
+                assert body["error"]["code"] == "session_owner_gone", (sid, body)
+
+    async def op_move(self) -> None:
+        """Move some sessions to a slot: a held one is reported and stays, one already
+        there is not found on a source, one a kill took is not found anywhere."""
+        body = {"session_ids": sorted(self.model.sessions) or ["none"], "to_slot": 0}
+        workers = await self._operable(MOVE_PATH, **body)
+        if workers is None:
+            return
+        sids = sorted(self.model.sessions)
+        sample = self.rng.sample(sids, self.rng.randint(1, min(3, len(sids))))
+        held = sorted(self.model.held)
+        if held and self.rng.random() < 0.6:
+            sample.append(self.rng.choice(held))
+        if self.model.gone and self.rng.random() < 0.3:
+            sample.append(self.rng.choice(sorted(self.model.gone)))
+        sample = list(dict.fromkeys(sample))
+        elsewhere = [w for w in workers if w["owner"] != self.model.where[sample[0]]]
+        target = self.rng.choice(elsewhere if elsewhere and self.rng.random() < 0.8 else workers)
+        busy = any(sid in self.model.held for sid in sample)
+        body = {
+            "session_ids": sample,
+            "to_slot": target["slot"],
+            "timeout_s": HELD_TIMEOUT if busy else TIMEOUT,
+        }
+        status, reply = await self.operate(MOVE_PATH, **body)
+        assert status == 200, reply
+        moved = sorted(
+            s
+            for s in sample
+            if s in self.model.sessions
+            and s not in self.model.held
+            and self.model.where[s] != target["owner"]
+        )
+        failed = {s: STILL_RUNNING for s in sample if s in self.model.held}
+        failed.update({s: NOT_FOUND for s in sample if s not in moved and s not in failed})
+        self.trail[-1] += f"(to {target['slot']}: {len(moved)} move, {len(failed)} not, "
+        self.trail[-1] += f"{sum(r == STILL_RUNNING for r in failed.values())} held)"
+        assert reply["to_slot"] == target["slot"] and reply["moved"] == moved, (reply, moved)
+        reasons = {f["session_id"]: f["reason"] for f in reply["failed"]}
+        assert sorted(reasons) == sorted(failed), (reply, failed)
+        for sid, reason in reasons.items():
+            assert reason.startswith(failed[sid]), (sid, reason, failed[sid])
+        for sid in moved:
+            self.model.where[sid] = target["owner"]
+        await self.verify_sessions()
+
+    async def op_drain(self) -> None:
+        """Drain a slot (its held sessions stay, reported; refused when no other worker
+        takes sessions), or undrain a draining one."""
+        name = "undrain" if self.model.draining and self.rng.random() < 0.4 else "drain"
+        body = {"slot": 0} if name == "undrain" else {"slot": 0, "timeout_s": TIMEOUT}
+        workers = await self._operable(f"{WORKERS_PATH}/{name}", **body)
+        if workers is None:
+            return
+        if name == "undrain":
+            worker = self.rng.choice([w for w in workers if w["owner"] in self.model.draining])
+            status, reply = await self.operate(f"{WORKERS_PATH}/undrain", slot=worker["slot"])
+            assert status == 200 and reply["complete"], reply
+            assert reply["slots"] == [
+                {"slot": worker["slot"], "owner": worker["owner"], "draining": False}
+            ], reply
+            self.model.draining.discard(worker["owner"])
+            self.trail[-1] += f"(undrain {worker['slot']})"
+            return
+        holding = [w for w in workers if self.model.on(w["owner"])]
+        held_on = {self.model.where[sid] for sid in self.model.held}
+        if held_on and self.rng.random() < 0.5:
+            holding = [w for w in workers if w["owner"] in held_on]
+        worker = self.rng.choice(holding if holding and self.rng.random() < 0.8 else workers)
+        slot, owner = worker["slot"], worker["owner"]
+        others = {
+            w["owner"] for w in workers if w is not worker and w["owner"] not in self.model.draining
+        }
+        held = [sid for sid in self.model.on(owner) if sid in self.model.held]
+        body = {"slot": slot, "timeout_s": HELD_TIMEOUT if held else TIMEOUT}
+        status, reply = await self.operate(f"{WORKERS_PATH}/drain", **body)
+        if not others:
+            self.trail[-1] += f"(slot {slot}: refused)"
+            assert status == 400 and reply["error"]["code"] == "invalid_request", reply
+            detail = reply["error"]["detail"]
+            assert "takes sessions" in detail and f"slot {slot}'s" in detail, reply
+            return
+        assert status == 200, reply
+        moving = [sid for sid in self.model.on(owner) if sid not in held]
+        self.trail[-1] += f"(slot {slot}: {len(moving)} move, {len(held)} held)"
+        assert reply["operation"] == "drain" and reply["moved"] == len(moving), (reply, moving)
+        assert reply["failed"] == [{"session_id": s, "reason": STILL_RUNNING} for s in held]
+        assert reply["complete"] == (not held) == (not reply["errors"]), reply
+        assert reply["slots"] == [
+            {"slot": slot, "owner": owner, "draining": True, "sessions_left": len(held)}
+        ], reply
+        self.model.draining.add(owner)
+        await self._relocated(moving, others)
+        await self.verify_sessions()
+        fresh = 0 if self.rng.random() < 0.5 else self.rng.randint(1, 2)
+        for _ in range(fresh):  # new sessions go elsewhere (Model.add checks)
+            await self.op_session()
+
+    async def op_resize(self) -> None:
+        """Grow (slots at the end) or shrink (the last slots, their sessions moved to the
+        rest) to 1-3 workers; only slots with no held request or episode are removed."""
+        workers_before = self.expected
+        sizes = [n for n in (1, 2, 3) if n != workers_before]
+        size = self.rng.choice(sizes) if self.rng.random() < 0.9 else workers_before
+        body = {"workers": size, "timeout_s": TIMEOUT}
+        workers = await self._operable(f"{WORKERS_PATH}/resize", **body)
+        if workers is None:
+            return
+        kept, removed = workers[:size], workers[size:]
+        busy = self.model.busy()
+        if any(w["owner"] in busy for w in removed) or all(
+            w["owner"] in self.model.draining for w in kept
+        ):
+            return
+        status, reply = await self.operate(f"{WORKERS_PATH}/resize", **body)
+        assert status == 200, reply
+        leaving = [sid for w in removed for sid in self.model.on(w["owner"])]
+        self.trail[-1] += f"({workers_before} -> {size}: {len(leaving)} move)"
+        assert reply["operation"] == "resize" and reply["workers"] == size, reply
+        assert reply["complete"] and reply["failed"] == [], reply
+        if len(removed) == 1:
+            assert reply["moved"] == len(leaving), (reply, leaving)
+        else:  # a session of the last slot may move twice, through the slot before it
+            last = len(self.model.on(removed[-1]["owner"])) if removed else 0
+            assert len(leaving) <= reply["moved"] <= len(leaving) + last, (reply, leaving)
+        if size > workers_before:
+            assert [(s["slot"], s["added"]) for s in reply["slots"]] == [
+                (slot, True) for slot in range(workers_before, size)
+            ], reply
+        else:
+            expect = [(w["slot"], w["owner"], True, "stopped") for w in reversed(removed)]
+            assert [
+                (s["slot"], s["owner"], s["removed"], s["outcome"]) for s in reply["slots"]
+            ] == expect, reply
+        self.expected = size
+        listed = await self.live()
+        assert [w["slot"] for w in listed] == list(range(size)), listed
+        assert [w["owner"] for w in listed[: len(kept)]] == [w["owner"] for w in kept]
+        added = [(s["slot"], s["owner"]) for s in reply["slots"] if s.get("added")]
+        assert added == [(w["slot"], w["owner"]) for w in listed[len(kept) :]], (reply, listed)
+        for worker in removed:
+            self.model.draining.discard(worker["owner"])
+            assert not pid_alive(worker["pid"]), worker
+        await self._relocated(leaving, {w["owner"] for w in kept})
+        await self.verify_sessions()
+
+    async def op_restart(self) -> None:
+        """Rolling restart of some slots (or all) with no held request or episode: each
+        slot's worker is a new process (a new owner) holding the old one's sessions."""
+        workers = await self._operable(f"{WORKERS_PATH}/restart", timeout_s=TIMEOUT)
+        if workers is None:
+            return
+        busy = self.model.busy()
+        free = [w for w in workers if w["owner"] not in busy]
+        if not free:
+            return
+        body: dict = {"timeout_s": TIMEOUT}
+        if len(free) == len(workers) and self.rng.random() < 0.3:
+            chosen = workers  # no slots: every slot, in order
+        else:
+            chosen = self.rng.sample(free, 1 if self.rng.random() < 0.7 else len(free))
+            body["slots"] = [w["slot"] for w in chosen]
+        status, reply = await self.operate(f"{WORKERS_PATH}/restart", **body)
+        assert status == 200, reply
+        moving = {w["owner"]: self.model.on(w["owner"]) for w in chosen}
+        total = sum(len(m) for m in moving.values())
+        self.trail[-1] += f"(slots {[w['slot'] for w in chosen]}: {total} move)"
+        assert reply["operation"] == "restart" and reply["complete"], reply
+        assert reply["failed"] == [] and reply["moved"] == total, (reply, moving)
+        assert [s["slot"] for s in reply["slots"]] == [w["slot"] for w in chosen], reply
+        listed = {w["slot"]: w for w in await self.live()}
+        assert sorted(listed) == list(range(self.expected)), listed
+        for old, entry in zip(chosen, reply["slots"], strict=True):
+            assert (entry["old_owner"], entry["old_pid"]) == (old["owner"], old["pid"]), entry
+            assert entry["outcome"] == "stopped", entry
+            new = listed[old["slot"]]
+            assert (new["owner"], new["pid"]) == (entry["new_owner"], entry["new_pid"]), entry
+            assert new["owner"] != old["owner"] and not pid_alive(old["pid"]), entry
+            self.model.draining.discard(old["owner"])
+            for sid in moving[old["owner"]]:
+                self.model.where[sid] = new["owner"]
+        await self.verify_sessions()
 
     # ---- invariants -------------------------------------------------------------
     async def check(self) -> None:
@@ -416,7 +737,11 @@ class Walk:
         assert status["phase"] == self.model.phase, (status["phase"], self.model.phase)
         assert status["restored_pending"] == sorted(self.model.pending), status
         assert status["retired_rollouts"] == len(self.model.marks), status
+        assert status["expected_workers"] == self.expected, (status, self.expected)
+        assert status["operations"]["running"] is None, status["operations"]
         live = status["workers"]
+        draining = {w["owner"] for w in live if w["state"] == "draining"}
+        assert draining == self.model.draining, (live, self.model.draining)
         if self.model.phase == "idle":
             for worker in live:  # admission is open on every live worker
                 code, _, body = await self.post("/whoami", headers={OWNER: worker["owner"]})
@@ -442,7 +767,12 @@ class Walk:
             (self.op_claim, 2),
             (self.op_kill, 1),
             (self.op_join, 1),
-            (self.op_restore, 1),
+            (self.op_restore, 3),
+            (self.op_increment, 2),
+            (self.op_move, 2),
+            (self.op_drain, 2),
+            (self.op_resize, 1),
+            (self.op_restart, 1),
         ]
         functions, weights = zip(*operations, strict=True)
         self.start(self.rng.randint(1, 3))
