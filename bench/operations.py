@@ -415,7 +415,13 @@ def per_slot(
     for k, slot in enumerate(slots):
         begin = first(f"slot {slot}: starting") or (call_from if k == 0 else None)
         moving = first(f"slot {slot}: moving")
-        end = (first(f"slot {slots[k + 1]}: starting") if k + 1 < len(slots) else None) or call_to
+        end = call_to
+        if k + 1 < len(slots):  # the pause before the next slot (pause_s) is neither
+            later = slots[k + 1]
+            end = next(
+                (t for t, step, _ in seen if step.endswith(f"before slot {later}")),
+                first(f"slot {later}: starting") or call_to,
+            )
         row: dict[str, Any] = {"slot": slot, "boot": None, "move_stop": None}
         if begin is not None and moving is not None:
             row["boot"] = load.window(begin, moving, overlap=True)
@@ -445,7 +451,8 @@ async def restart_run(control: aiohttp.ClientSession, opts: argparse.Namespace) 
             boot_cpu: dict[int, float] = {}
             done: list[bool] = []
             poller = asyncio.ensure_future(poll_progress(control, url, seen, boot_cpu, done))
-            code, reply, call_s = await operate(control, url, "restart", timeout_s=60)
+            pause = {} if opts.restart_pause is None else {"pause_s": opts.restart_pause}
+            code, reply, call_s = await operate(control, url, "restart", timeout_s=60, **pause)
             m2 = Mark.now(proc.pid)
             done.append(True)
             await poller
@@ -654,6 +661,9 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sessions", type=int, nargs="*", default=[1000, 10_000])
     parser.add_argument("--restart-sessions", type=int, default=2000)
+    parser.add_argument(
+        "--restart-pause", type=float, default=None, help="pause_s (default: the server's)"
+    )
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--clients", type=int, default=32)
     parser.add_argument("--window", type=float, default=5.0)

@@ -28,7 +28,7 @@ from coordinator.contract.headers import CHECKPOINT_PATH, MOVE_PATH, WORKERS_PAT
 from coordinator.contract.ids import is_valid_id
 from coordinator.contract.telemetry import ATTRIBUTE
 from coordinator.mover import Mover
-from coordinator.operations import Operations
+from coordinator.operations import RESTART_PAUSE, Operations
 
 __all__ = ["create_control_app", "PREFIX"]
 
@@ -263,13 +263,18 @@ async def _undrain(request: web.Request) -> web.Response:
 
 
 async def _restart(request: web.Request) -> web.Response:
-    body = await _json_object(request, {"slots", "timeout_s"})
+    body = await _json_object(request, {"slots", "timeout_s", "pause_s"})
     slots = body.get("slots")
     if slots is not None:
         if not isinstance(slots, list) or not slots:
             raise GymError("invalid_request", "slots must be a non-empty list of worker slots")
         slots = list(dict.fromkeys(_slot(s, "each of slots") for s in slots))
-    return _json(await request.app[OPERATIONS].restart(slots, _timeout(body, 60.0)))
+    pause = body.get("pause_s", RESTART_PAUSE)
+    if not isinstance(pause, int | float) or isinstance(pause, bool) or not 0 <= pause <= 600:
+        raise GymError("invalid_request", "pause_s must be a number of seconds, 0-600")
+    operations = request.app[OPERATIONS]
+    reply = await operations.restart(slots, _timeout(body, 60.0), pause=float(pause))
+    return _json(reply)
 
 
 MAX_WORKERS = 256

@@ -369,3 +369,16 @@ async def test_a_long_request_leaves_the_old_worker_serving_until_it_ends(start_
         await wait_until(lambda: old[0] not in proxy.worker_pids(), 30, "the old worker to stop")
         assert (await whoami(http, proxy.url, busy))["owner"] == slot["new_owner"]
         assert await count(http, proxy.url, busy) == 0
+
+
+async def test_restart_pause_is_checked_and_spaces_the_slots(start_proxy):
+    """pause_s outside 0-600 is refused; with a pause the slots are restarted apart."""
+    proxy = start_proxy(workers=2, control_token=CONTROL)
+    async with aiohttp.ClientSession() as http:
+        status, reply = await operate(http, proxy.url, "restart", pause_s=-1)
+        assert status == 400 and "pause_s must be" in reply["error"]["detail"], reply
+        status, reply = await operate(http, proxy.url, "restart", pause_s=0.5)
+        assert status == 200 and reply["complete"], reply
+        assert reply["seconds"] >= 0.5, reply
+        status, reply = await operate(http, proxy.url, "restart", slots=[1], pause_s=30)
+        assert status == 200 and reply["seconds"] < 30, reply  # one slot: nothing to wait for

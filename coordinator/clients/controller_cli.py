@@ -88,6 +88,7 @@ def _parser() -> argparse.ArgumentParser:
             operation.add_argument("slot", type=int)
         elif name == "restart":
             operation.add_argument("--slot", type=int, action="append", dest="slots")
+            operation.add_argument("--pause", type=float, help="seconds between slots")
         else:
             operation.add_argument("workers", type=int)
     forget = commands.add_parser("forget")
@@ -121,6 +122,8 @@ async def _run(args: argparse.Namespace) -> Any:
                 body["workers"] = args.workers
             if args.command == "restart" and args.slots:
                 body["slots"] = args.slots
+            if args.command == "restart" and args.pause is not None:
+                body["pause_s"] = args.pause
             if args.command != "undrain":
                 body["timeout_s"] = min(args.timeout, 3600.0)
             participant = Participant(args.server[0], args.token, http)
