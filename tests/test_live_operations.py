@@ -311,6 +311,12 @@ async def test_a_restore_onto_a_resized_server_places_every_session(start_proxy,
             assert await count(http, second.url, token) == i
         slots = {(await whoami(http, second.url, t))["slot"] for t in tokens}
         assert slots <= {0, 1, 2} and len(slots) >= 2, slots
+        # the restored sessions move like any other: drain slot 0 of the restored server
+        status, reply = await operate(http, second.url, "drain", slot=0)
+        assert status == 200 and reply["complete"] and reply["moved"] >= 1, reply
+        for i, token in enumerate(tokens):
+            assert await count(http, second.url, token) == i
+            assert (await whoami(http, second.url, token))["slot"] in (1, 2)
 
 
 async def test_a_replacement_that_cannot_boot_aborts_the_restart(start_proxy, tmp_path):
@@ -382,3 +388,22 @@ async def test_restart_pause_is_checked_and_spaces_the_slots(start_proxy):
         assert reply["seconds"] >= 0.5, reply
         status, reply = await operate(http, proxy.url, "restart", slots=[1], pause_s=30)
         assert status == 200 and reply["seconds"] < 30, reply  # one slot: nothing to wait for
+
+
+async def test_a_worker_over_the_memory_ceiling_is_recycled(start_proxy):
+    """--max-worker-memory below any worker's RSS: the supervisor asks for a recycle, a
+    rolling restart of that slot, and the session keeps its count across it."""
+    proxy = start_proxy("--max-worker-memory", "1", workers=1, control_token=CONTROL)
+    before = set(proxy.worker_pids())
+    async with aiohttp.ClientSession() as http:
+        token = await seed(http, proxy.url)
+
+        async def recycled() -> bool:
+            last = (await status_of(http, proxy.url))["operations"]["last"]
+            return last is not None and last["reason"].startswith("recycle: resident memory")
+
+        await wait_until(recycled, 30, "a recycle for memory")
+        await wait_until(
+            lambda: not set(proxy.worker_pids()) & before, 30, "the first worker replaced"
+        )
+        assert await count(http, proxy.url, token) == 0  # recycles go on: it moves each time
