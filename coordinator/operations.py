@@ -367,7 +367,16 @@ class Operations:
             await asyncio.sleep(RETRY_RETIRE)
             if self.checkpoints.busy is not None or self.checkpoints.open_checkpoint is not None:
                 continue
-            async with self._exclusive("retire", f"worker {worker.slot} left serving") as p:
+            # Only an attempt that can succeed takes the exclusion (checkpoints get 409
+            # meanwhile): none of its requests running, and nothing left that cannot move.
+            if worker.route.in_flight:
+                continue
+            listing = await self._listing(worker)
+            if listing is None or listing.requests or (listing.session_ids and not listing.movable):
+                continue
+            if self.checkpoints.busy is not None or self.checkpoints.open_checkpoint is not None:
+                continue  # one began while it listed
+            async with self._exclusive("worker_retire", f"worker {worker.slot} left serving") as p:
                 entry: dict[str, Any] = {"slot": worker.slot, "owner": worker.owner}
                 p.slots.append(entry)
                 deadline = time.monotonic() + RETRY_RETIRE

@@ -321,7 +321,7 @@ class _Gathered(Collector):
             labels=["operation"],
         )
         now = self.m.operations.running
-        for kind in ("drain", "undrain", "restart", "resize", "retire"):
+        for kind in ("drain", "undrain", "restart", "resize", "worker_retire"):
             running.add_metric([kind], 1 if now is not None and now.operation == kind else 0)
         yield running
 
