@@ -208,7 +208,7 @@ class Operations:
                 progress.slots.append(entry)
                 if old is not None:
                     entry["owner"] = old.owner
-                    await self._retire(old, lambda: self._serving(), within, progress, entry)
+                    await self._retire(old, self._heirs, within, progress, entry)
             return self._answer(progress, workers=len(self.pool.slots))
 
     def recycle(self, slot: int, reason: str) -> None:
@@ -415,8 +415,19 @@ class Operations:
         """Each slot's live worker."""
         return [w for i in range(len(self.pool.slots)) if (w := self.pool.current(i)) is not None]
 
+    def _heirs(self) -> list[Any]:
+        """Where a removed slot's sessions go: the workers taking sessions and answering,
+        else (all draining) any left."""
+        serving = self._serving()
+        return [w for w in serving if not w.route.draining and w.route.responsive] or serving
+
     def _others(self, worker: Any) -> list[Any]:
-        return [w for w in self._serving() if w is not worker and not w.route.draining]
+        """The workers a drained one's sessions may go to: taking sessions, answering."""
+        return [
+            w
+            for w in self._serving()
+            if w is not worker and not w.route.draining and w.route.responsive
+        ]
 
     def _slot_worker(self, slot: int) -> list[Any]:
         worker = self.pool.current(slot)

@@ -5,6 +5,7 @@ counters; every counter must come out exact and no request may fail."""
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import signal
 from collections.abc import Awaitable, Callable
@@ -407,3 +408,30 @@ async def test_a_worker_over_the_memory_ceiling_is_recycled(start_proxy):
             lambda: not set(proxy.worker_pids()) & before, 30, "the first worker replaced"
         )
         assert await count(http, proxy.url, token) == 0  # recycles go on: it moves each time
+
+
+async def test_a_drain_sends_no_session_to_a_worker_that_does_not_answer(start_proxy):
+    """Worker 2 is SIGSTOPped (its pings go unanswered): a drain of slot 0 moves every
+    session to worker 1, none to the silent one."""
+    proxy = start_proxy(workers=3, control_token=CONTROL)
+    async with aiohttp.ClientSession() as http:
+        tokens = [await seed(http, proxy.url) for _ in range(30)]
+        on_zero = [t for t in tokens if (await whoami(http, proxy.url, t))["slot"] == 0]
+        silent = next(
+            w["pid"] for w in (await status_of(http, proxy.url))["workers"] if w["slot"] == 2
+        )
+        os.kill(silent, signal.SIGSTOP)
+        try:
+
+            async def unresponsive() -> bool:
+                states = (await status_of(http, proxy.url))["operations"]["workers"]
+                return any(w["slot"] == 2 and w["state"] == "unresponsive" for w in states)
+
+            await wait_until(unresponsive, 20, "worker 2 to be unresponsive")
+            status, reply = await operate(http, proxy.url, "drain", slot=0, timeout_s=10)
+            assert status == 200 and reply["complete"], reply
+            assert reply["moved"] == len(on_zero), reply
+            for token in on_zero:
+                assert (await whoami(http, proxy.url, token))["slot"] == 1
+        finally:
+            os.kill(silent, signal.SIGCONT)
