@@ -8,9 +8,11 @@ import asyncio
 import os
 import random
 import signal
+import sys
 from collections.abc import Awaitable, Callable
 
 import aiohttp
+import orjson
 import pytest
 
 from tests.conftest import BOTH_APP_KINDS
@@ -435,3 +437,32 @@ async def test_a_drain_sends_no_session_to_a_worker_that_does_not_answer(start_p
                 assert (await whoami(http, proxy.url, token))["slot"] == 1
         finally:
             os.kill(silent, signal.SIGCONT)
+
+
+async def test_gym_proxy_ctl_runs_the_operations(start_proxy):
+    """`gym-proxy-ctl drain/undrain/restart/resize` print the operation's report."""
+    proxy = start_proxy(workers=2, control_token=CONTROL)
+
+    async def ctl(*words: str) -> dict:
+        command = [
+            sys.executable, "-c", "from coordinator.clients.controller_cli import main; main()",
+            "--server", proxy.url, "--token", CONTROL, "--timeout", "30", *words,
+        ]  # fmt: skip
+        done = await asyncio.create_subprocess_exec(*command, stdout=asyncio.subprocess.PIPE)
+        out, _ = await asyncio.wait_for(done.communicate(), 60)
+        assert done.returncode == 0, out
+        return orjson.loads(out)
+
+    async with aiohttp.ClientSession() as http:
+        token = await seed(http, proxy.url)
+        reply = await ctl("resize", "3")
+        assert reply["operation"] == "resize" and reply["workers"] == 3, reply
+        reply = await ctl("drain", "0")
+        assert reply["operation"] == "drain" and reply["slots"][0]["draining"], reply
+        reply = await ctl("undrain", "0")
+        assert reply["slots"] == [
+            {"slot": 0, "owner": reply["slots"][0]["owner"], "draining": False}
+        ]
+        reply = await ctl("restart", "--slot", "2", "--slot", "1", "--pause", "0")
+        assert [s["slot"] for s in reply["slots"]] == [2, 1] and reply["complete"], reply
+        assert await count(http, proxy.url, token) == 0
