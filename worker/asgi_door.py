@@ -119,6 +119,7 @@ class AsgiDoor:
         scope[SCOPE_KEY] = RequestContext(runtime, flight)
         status = 0
         app_session: str | None = None
+        answered: list[bool] = []  # the runtime was told the answer (at its last byte)
 
         async def watch(message: Message) -> None:
             nonlocal status, app_session
@@ -133,6 +134,11 @@ class AsgiDoor:
                 announce = _announcement(runtime, flight, app_session, status)
                 if announce is not None:
                     message["headers"] = [*message.get("headers", ()), announce]
+            elif message["type"] == "http.response.body" and not message.get("more_body"):
+                # Before the last byte leaves, as the aiohttp door does: a client that has
+                # the whole answer may send its next call (a prepare) at once.
+                answered.append(True)
+                runtime.answered(flight, status, app_session)
             await send(message)
 
         try:
@@ -147,7 +153,8 @@ class AsgiDoor:
                 raise
             await send_error(send, exc)
         else:
-            runtime.answered(flight, status, app_session)
+            if not answered:
+                runtime.answered(flight, status, app_session)
         finally:
             runtime.leave(flight)
 
