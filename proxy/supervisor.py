@@ -127,6 +127,7 @@ class Supervisor:
     _registered: asyncio.Event = field(default_factory=asyncio.Event)
     _timer: asyncio.TimerHandle | None = None
     _warned_restart_only: bool = False
+    _warned_ceiling: bool = False
     _leaving: set[WorkerProcess] = field(default_factory=set)
     _trial_slots: int = 0  # slots an operation is adding: their boot errors are not fatal
     # What a worker asks of its operator: recycle(slot, reason) (live operations set it).
@@ -389,7 +390,19 @@ class Supervisor:
             if worker.max_requests and worker.route.served >= worker.max_requests:
                 self.on_recycle(worker.slot, f"served {worker.route.served} requests")
             elif ceiling and (rss := resident_bytes(worker.pid)) > ceiling:
-                self.on_recycle(worker.slot, f"resident memory {rss / 2**20:.0f} MiB")
+                if time.monotonic() - worker.started_at >= STABLE_AFTER:
+                    self.on_recycle(worker.slot, f"resident memory {rss / 2**20:.0f} MiB")
+                elif not self._warned_ceiling:
+                    # Its replacement would be over it too: a recycle a few seconds apart,
+                    # for ever. It is still done (the ceiling is the operator's), but said.
+                    self._warned_ceiling = True
+                    log.warning(
+                        "--max-worker-memory %g MiB is below a fresh worker's resident "
+                        "memory (%.0f MiB): every worker will be recycled about every %g s",
+                        self.config.max_worker_memory,
+                        rss / 2**20,
+                        STABLE_AFTER,
+                    )
 
     async def _ping(self, worker: WorkerProcess, within: float) -> None:
         assert worker.channel is not None

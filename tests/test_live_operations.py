@@ -394,8 +394,9 @@ async def test_restart_pause_is_checked_and_spaces_the_slots(start_proxy):
 
 
 async def test_a_worker_over_the_memory_ceiling_is_recycled(start_proxy):
-    """--max-worker-memory below any worker's RSS: the supervisor asks for a recycle, a
-    rolling restart of that slot, and the session keeps its count across it."""
+    """--max-worker-memory below any worker's RSS: the supervisor says the ceiling is
+    below a fresh worker's, and recycles each worker once it has lived 10 s (a rolling
+    restart of that slot, not a restart a second); the session keeps its count."""
     proxy = start_proxy("--max-worker-memory", "1", workers=1, control_token=CONTROL)
     before = set(proxy.worker_pids())
     async with aiohttp.ClientSession() as http:
@@ -405,7 +406,8 @@ async def test_a_worker_over_the_memory_ceiling_is_recycled(start_proxy):
             last = (await status_of(http, proxy.url))["operations"]["last"]
             return last is not None and last["reason"].startswith("recycle: resident memory")
 
-        await wait_until(recycled, 30, "a recycle for memory")
+        await wait_until(recycled, 40, "a recycle for memory")
+        assert "is below a fresh worker's resident memory" in proxy.log()
         await wait_until(
             lambda: not set(proxy.worker_pids()) & before, 30, "the first worker replaced"
         )
