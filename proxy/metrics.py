@@ -33,7 +33,8 @@ from coordinator.operations import Operations
 from coordinator.phases import Phase
 from proxy.client_connection import ProxyState
 from proxy.routing import RULES
-from proxy.supervisor import Supervisor, WorkerProcess, resident_bytes
+from proxy.supervisor import Supervisor
+from proxy.worker_records import WorkerProcess, resident_bytes
 
 __all__ = ["Metrics", "serve_metrics", "STATES", "PHASES"]
 

@@ -31,7 +31,7 @@ import signal
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 from coordinator.checkpointer import LiveWorker
 from coordinator.contract.channel import Channel
@@ -43,9 +43,10 @@ from proxy.exchange import start_held, start_held_by_worker
 from proxy.routing import Router, WorkerRoute
 from proxy.session_tokens import new_owner_id
 from proxy.upstream import UpstreamPool
+from proxy.worker_records import Slot, WorkerProcess, resident_bytes
 from worker.options import worker_argv
 
-__all__ = ["WorkerProcess", "Supervisor", "WorkerBootError"]
+__all__ = ["WorkerProcess", "Supervisor", "WorkerBootError", "Slot"]
 
 log = logging.getLogger("gym_proxy.supervisor")
 
@@ -57,61 +58,8 @@ PING_INTERVAL = 1.0
 TEST_OWNERS_ENV = "GYM_PROXY_TEST_OWNERS"
 
 
-# starting -> live (registered) -> dead (exited, lost or killed)
-WorkerState = Literal["starting", "live", "dead"]
-
-
 class WorkerBootError(Exception):
     """A worker could not build the app; the server must stop."""
-
-
-@dataclass(eq=False)
-class WorkerProcess:
-    """One worker incarnation."""
-
-    slot: int
-    owner: str
-    socket_path: str
-    process: asyncio.subprocess.Process
-    started_at: float
-    state: WorkerState = "starting"
-    channel: Channel | None = None
-    route: WorkerRoute | None = None
-    answered_at: float = 0.0  # monotonic time of the last pong (or of registering)
-    ping: asyncio.Future[Any] | None = None
-    # Set when it registers, or failed with WorkerBootError when it exits before.
-    registered: asyncio.Future[None] = field(default_factory=lambda: _quiet_future())
-    on_trial: bool = False  # an operation started it: a boot failure fails only that
-    leaving: bool = False  # an operation stops it: its exit is expected, never restarted
-    max_requests: int = 0  # recycled after serving this many (0: never)
-    started_unix: float = 0.0
-    ping_seconds: float | None = None  # the last ping's round trip
-
-    @property
-    def pid(self) -> int:
-        return self.process.pid
-
-
-def _quiet_future() -> asyncio.Future[None]:
-    """A future whose exception nobody may ask for (a worker that exits before it
-    registers, with no operation waiting on it) without asyncio complaining."""
-    future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-    future.add_done_callback(lambda f: f.cancelled() or f.exception())
-    return future
-
-
-@dataclass
-class Slot:
-    worker: WorkerProcess | None = None
-    successor: WorkerProcess | None = None  # a rolling restart's replacement, booting
-    failures: int = 0
-    restart_at: float = 0.0
-    # For /metrics, over every incarnation of the slot: restarts after an exit, and
-    # replacements by an operation; the answers and connect errors of workers gone.
-    restarts: int = 0
-    replacements: int = 0
-    responses_gone: list[int] = field(default_factory=lambda: [0] * 6)
-    connect_errors_gone: int = 0
 
 
 @dataclass(eq=False)
@@ -637,12 +585,3 @@ class Supervisor:
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
-
-
-def resident_bytes(pid: int) -> int:
-    """The process's resident set size (Linux /proc; 0 when it cannot be read)."""
-    try:
-        with open(f"/proc/{pid}/statm", "rb") as statm:
-            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return 0

@@ -1,0 +1,80 @@
+"""What the supervisor keeps of each worker process and each slot (no I/O but /proc).
+
+A `WorkerProcess` is one incarnation: starting -> live (registered) -> dead. A `Slot`
+holds at most one worker and, during a rolling restart, its successor, plus what
+/metrics adds up over every incarnation of the slot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from coordinator.contract.channel import Channel
+from proxy.routing import WorkerRoute
+
+__all__ = ["WorkerState", "WorkerProcess", "Slot", "resident_bytes"]
+
+
+# starting -> live (registered) -> dead (exited, lost or killed)
+WorkerState = Literal["starting", "live", "dead"]
+
+
+@dataclass(eq=False)
+class WorkerProcess:
+    """One worker incarnation."""
+
+    slot: int
+    owner: str
+    socket_path: str
+    process: asyncio.subprocess.Process
+    started_at: float
+    state: WorkerState = "starting"
+    channel: Channel | None = None
+    route: WorkerRoute | None = None
+    answered_at: float = 0.0  # monotonic time of the last pong (or of registering)
+    ping: asyncio.Future[Any] | None = None
+    # Set when it registers, or failed with WorkerBootError when it exits before.
+    registered: asyncio.Future[None] = field(default_factory=lambda: _quiet_future())
+    on_trial: bool = False  # an operation started it: a boot failure fails only that
+    leaving: bool = False  # an operation stops it: its exit is expected, never restarted
+    max_requests: int = 0  # recycled after serving this many (0: never)
+    started_unix: float = 0.0
+    ping_seconds: float | None = None  # the last ping's round trip
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+
+def _quiet_future() -> asyncio.Future[None]:
+    """A future whose exception nobody may ask for (a worker that exits before it
+    registers, with no operation waiting on it) without asyncio complaining."""
+    future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    future.add_done_callback(lambda f: f.cancelled() or f.exception())
+    return future
+
+
+@dataclass
+class Slot:
+    worker: WorkerProcess | None = None
+    successor: WorkerProcess | None = None  # a rolling restart's replacement, booting
+    failures: int = 0
+    restart_at: float = 0.0
+    # For /metrics, over every incarnation of the slot: restarts after an exit, and
+    # replacements by an operation; the answers and connect errors of workers gone.
+    restarts: int = 0
+    replacements: int = 0
+    responses_gone: list[int] = field(default_factory=lambda: [0] * 6)
+    connect_errors_gone: int = 0
+
+
+def resident_bytes(pid: int) -> int:
+    """The process's resident set size (Linux /proc; 0 when it cannot be read)."""
+    try:
+        with open(f"/proc/{pid}/statm", "rb") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
