@@ -28,9 +28,10 @@ served by two workers. Moves and checkpoints exclude each other (409
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -47,7 +48,16 @@ from coordinator.contract.messages import (
     SessionRecords,
 )
 
-__all__ = ["Mover", "MoveTable", "Moved", "failures"]
+__all__ = [
+    "Mover",
+    "MoveTable",
+    "Moved",
+    "Checkpoints",
+    "exclusive",
+    "is_free",
+    "refuse_unless_free",
+    "failures",
+]
 
 log = logging.getLogger("gym_proxy.moves")
 
@@ -75,11 +85,40 @@ class MoveTable(Protocol):
     def place_session(self, session_id: str, owner: str) -> None: ...
 
 
-class _Checkpoints(Protocol):
-    busy: str | None
+class Checkpoints(Protocol):
+    """The one exclusion moves, live operations and checkpoints share."""
+
+    busy: str | None  # the move or operation running (a prepare or restore refuses)
 
     @property
     def open_checkpoint(self) -> str | None: ...
+
+
+def is_free(checkpoints: Checkpoints) -> bool:
+    """No checkpoint open and no move or operation running."""
+    return checkpoints.busy is None and checkpoints.open_checkpoint is None
+
+
+def refuse_unless_free(checkpoints: Checkpoints, kind: str) -> None:
+    """409 `operation_conflict` naming what is in the way of a `kind`."""
+    open_id = checkpoints.open_checkpoint
+    if open_id is not None:
+        raise GymError(
+            "operation_conflict", f"checkpoint {open_id} is open; a {kind} waits for its resume"
+        )
+    if checkpoints.busy is not None:
+        raise GymError("operation_conflict", f"a {checkpoints.busy} is running; retry after it")
+
+
+@contextlib.contextmanager
+def exclusive(checkpoints: Checkpoints, kind: str) -> Iterator[None]:
+    """Run a `kind` that excludes checkpoints and every other move or operation."""
+    refuse_unless_free(checkpoints, kind)
+    checkpoints.busy = kind
+    try:
+        yield
+    finally:
+        checkpoints.busy = None
 
 
 @dataclass
@@ -94,7 +133,7 @@ class Moved:
 @dataclass(eq=False)
 class Mover:
     table: MoveTable
-    checkpoints: _Checkpoints
+    checkpoints: Checkpoints
     holding: int = 0  # sessions whose new requests wait at the proxy now
     moved_total: int = 0  # sessions moved, and not moved, since start (/metrics)
     failed_total: int = 0
@@ -103,24 +142,15 @@ class Mover:
     async def move(self, session_ids: list[str], to_slot: int, within: float) -> dict[str, Any]:
         """Move `session_ids` to the worker in `to_slot`; answer what moved and what did
         not, and why (module docstring)."""
-        open_id = self.checkpoints.open_checkpoint
-        if open_id is not None:
-            raise GymError(
-                "operation_conflict", f"checkpoint {open_id} is open; a move waits for resume"
-            )
-        if self.checkpoints.busy is not None:
-            raise GymError("operation_conflict", f"a {self.checkpoints.busy} is running")
+        refuse_unless_free(self.checkpoints, "move")
         target = next((w for w in self.table.live() if w.slot == to_slot), None)
         if target is None:
             raise GymError("invalid_request", f"no live worker in slot {to_slot}")
         wanted = list(dict.fromkeys(session_ids))
         started = time.monotonic()
-        self.checkpoints.busy = "move"
-        try:
+        with exclusive(self.checkpoints, "move"):
             sources = [w for w in self.table.live() if w.owner != target.owner]
             result = await self.move_sessions({target.owner: wanted}, sources, started + within)
-        finally:
-            self.checkpoints.busy = None
         seconds = round(time.monotonic() - started, 6)
         log.info(
             "moved %d sessions to worker %d in %.3f s (%d not moved)",

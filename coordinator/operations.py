@@ -46,7 +46,7 @@ from typing import Any, Protocol
 from coordinator.contract.channel import ChannelClosed, ChannelTimeout, RemoteError
 from coordinator.contract.errors import GymError
 from coordinator.contract.messages import ListHeld
-from coordinator.mover import Mover, failures
+from coordinator.mover import Checkpoints, Mover, exclusive, failures, is_free
 
 __all__ = ["Operations", "WorkerPool", "Progress", "RESTART_PAUSE"]
 
@@ -89,13 +89,6 @@ class WorkerPool(Protocol):
     def retire_owner(self, old: str, heir: str) -> None: ...
 
 
-class _Checkpoints(Protocol):
-    busy: str | None
-
-    @property
-    def open_checkpoint(self) -> str | None: ...
-
-
 @dataclass
 class Progress:
     """One operation, as `status` shows it while it runs and after."""
@@ -121,7 +114,7 @@ class Progress:
 class Operations:
     pool: WorkerPool
     mover: Mover
-    checkpoints: _Checkpoints
+    checkpoints: Checkpoints
     running: Progress | None = None
     last: Progress | None = None
     _background: set[asyncio.Task[Any]] = field(default_factory=set)
@@ -215,8 +208,7 @@ class Operations:
         """The supervisor's ask: a rolling restart of one slot, when the server is free
         (it asks again every interval, so a deferred recycle happens later; one that
         failed is not tried again for RECYCLE_BACKOFF seconds)."""
-        cp = self.checkpoints
-        if cp.busy is not None or cp.open_checkpoint is not None:
+        if not is_free(self.checkpoints):
             return
         if self._recycle_not_before.get(slot, 0.0) > time.monotonic():
             return
@@ -365,7 +357,7 @@ class Operations:
         """Retire a worker left serving, as soon as its sessions let it."""
         while worker.state == "live":
             await asyncio.sleep(RETRY_RETIRE)
-            if self.checkpoints.busy is not None or self.checkpoints.open_checkpoint is not None:
+            if not is_free(self.checkpoints):
                 continue
             # Only an attempt that can succeed takes the exclusion (checkpoints get 409
             # meanwhile): none of its requests running, and nothing left that cannot move.
@@ -374,7 +366,7 @@ class Operations:
             listing = await self._listing(worker)
             if listing is None or listing.requests or (listing.session_ids and not listing.movable):
                 continue
-            if self.checkpoints.busy is not None or self.checkpoints.open_checkpoint is not None:
+            if not is_free(self.checkpoints):
                 continue  # one began while it listed
             async with self._exclusive("worker_retire", f"worker {worker.slot} left serving") as p:
                 entry: dict[str, Any] = {"slot": worker.slot, "owner": worker.owner}
@@ -436,15 +428,12 @@ class Operations:
     # ---- exclusion, progress, background ------------------------------------------
     @contextlib.asynccontextmanager
     async def _exclusive(self, kind: str, reason: str) -> AsyncIterator[Progress]:
-        cp = self.checkpoints
-        if cp.open_checkpoint is not None:
-            raise GymError(
-                "operation_conflict",
-                f"checkpoint {cp.open_checkpoint} is open; a {kind} waits for its resume",
-            )
-        if cp.busy is not None:
-            raise GymError("operation_conflict", f"a {cp.busy} is running; retry after it")
-        cp.busy = kind
+        with exclusive(self.checkpoints, kind):
+            async with self._progress(kind, reason) as progress:
+                yield progress
+
+    @contextlib.asynccontextmanager
+    async def _progress(self, kind: str, reason: str) -> AsyncIterator[Progress]:
         progress = self.running = Progress(kind, reason, time.time())
         started = time.monotonic()
         outcome = "error"
@@ -457,7 +446,6 @@ class Operations:
                 self.observe(kind, outcome, progress.seconds)
             progress.step = "done"
             self.running, self.last = None, progress
-            cp.busy = None
             log.info(
                 "%s (%s) done in %.3f s: %d sessions moved, %d not%s",
                 kind,
@@ -513,7 +501,7 @@ class Operations:
 
     async def _run_signals(self) -> None:
         while self._signals:
-            if self.checkpoints.busy is not None or self.checkpoints.open_checkpoint is not None:
+            if not is_free(self.checkpoints):
                 await asyncio.sleep(SIGNAL_POLL)
                 continue
             name = self._signals.pop(0)

@@ -49,7 +49,7 @@ from coordinator.contract.records import encode
 from worker.episodes import Episode
 from worker.identity import WorkerInfo
 from worker.participation import Participation
-from worker.sessions import SessionStore, session_record
+from worker.sessions import SessionEntry, SessionStore, session_record
 
 __all__ = [
     "InFlight",
@@ -422,13 +422,7 @@ class ParticipantRuntime:
         if participation.restart_only:
             return []  # its episodes are restarts (report.restarts), never continued
         elif participation.hooks is not None and participation.hooks.export is not None:
-            live = self.store.sessions_in(scope)
-            states = await participation.hooks.export(sorted(live))
-            records = [
-                session_record(sid, live[sid].episode, value, owner)
-                for sid, value in states.items()
-                if sid in live
-            ]
+            records = await self._hook_records(self.store.sessions_in(scope))
         else:
             records = self.store.export(owner, scope)
         for flight in self.flights:
@@ -436,6 +430,19 @@ class ParticipantRuntime:
             if ep is not None and ep.exported and (scope is None or ep.key in scope):
                 records.append(ep.export())
         return records
+
+    async def _hook_records(self, entries: dict[str, SessionEntry]) -> list[dict[str, Any]]:
+        """Records of these sessions with their state from the app's export hook (a
+        session the hook does not answer for is left out)."""
+        hooks = self.participation.hooks
+        assert hooks is not None and hooks.export is not None
+        states = await hooks.export(sorted(entries))
+        owner = self.info.owner
+        return [
+            session_record(sid, entries[sid].episode, value, owner)
+            for sid, value in states.items()
+            if sid in entries
+        ]
 
     async def install(self, records: list[dict[str, Any]], restored: bool = True) -> int:
         """Install restored sessions, or (not `restored`) live ones moved here: all or
@@ -463,12 +470,7 @@ class ParticipantRuntime:
             raise GymError("session_not_movable", f"sessions with a request running: {busy}")
         owner = self.info.owner
         if participation.hooks is not None and participation.hooks.export is not None:
-            states = await participation.hooks.export(sorted(held))
-            found = [
-                session_record(sid, held[sid].episode, value, owner)
-                for sid, value in states.items()
-                if sid in held
-            ]
+            found = await self._hook_records(held)
         else:
             found = [session_record(s, e.episode, e.value, owner) for s, e in held.items()]
         encode(found, self.kind)  # a state that is not JSON fails here, naming the session
