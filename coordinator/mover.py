@@ -84,6 +84,13 @@ class MoveTable(Protocol):
 
     def place_session(self, session_id: str, owner: str) -> None: ...
 
+    def expect_handoff(self, handoff_id: str, source: str, target: str) -> asyncio.Future[str]:
+        """The data path is to send the request `source` gives back under `handoff_id` on
+        to `target`; the future says how that went ("" once sent on, else why not)."""
+        ...
+
+    def forget_handoff(self, handoff_id: str) -> None: ...
+
 
 class Checkpoints(Protocol):
     """The one exclusion moves, live operations and checkpoints share."""
@@ -137,6 +144,8 @@ class Mover:
     holding: int = 0  # sessions whose new requests wait at the proxy now
     moved_total: int = 0  # sessions moved, and not moved, since start (/metrics)
     failed_total: int = 0
+    episodes_moved_total: int = 0  # running episodes handed over, and not (/metrics)
+    episodes_failed_total: int = 0
     _drops: set[asyncio.Future[None]] = field(default_factory=set)
 
     async def move(self, session_ids: list[str], to_slot: int, within: float) -> dict[str, Any]:
@@ -175,6 +184,8 @@ class Mover:
         end (until `deadline`), so one long request holds up only its own session. The
         caller excludes checkpoints and other moves."""
         target_of = {s: owner for owner, ids in plan.items() for s in ids}
+        if not target_of:
+            return Moved()
         links = await self._links(list(target_of), max(0.1, deadline - time.monotonic()))
         groups = {s: [s, *links.get(s, ())] for s in target_of}
         result = Moved()
@@ -294,7 +305,7 @@ class Mover:
                 by_source.setdefault(id(source), (source, []))[1].append(session_id)
         for source, ids in by_source.values():
             # It gets none of their requests any more: the held ones need not wait for it.
-            self._drop_later(source, ids)
+            self.drop_later(source, ids)
 
     async def _adopt(
         self,
@@ -313,7 +324,7 @@ class Mover:
                 result.failed[record["session_id"]] = f"worker {target.slot} did not take it: {exc}"
             # A target that answers late may still install them: it drops them after
             # (the channel serves its requests in order), so no stray copy stays.
-            self._drop_later(target, [r["session_id"] for r in records])
+            self.drop_later(target, [r["session_id"] for r in records])
             return
         failpoints.hit("move-adopted")
         for record in records:
@@ -322,14 +333,18 @@ class Mover:
                 self.table.place_session(placed, target.owner)
             result.moved[session_id] = target.owner
 
-    def _drop_later(self, worker: _Worker, session_ids: list[str]) -> None:
-        drop = asyncio.ensure_future(self._drop(worker, session_ids))
+    def drop_later(
+        self, worker: _Worker, session_ids: list[str], episode_keys: Sequence[str] = ()
+    ) -> None:
+        """Tell `worker`, in the background, to free these sessions (and handed-over
+        episodes whose request will not come)."""
+        drop = asyncio.ensure_future(self._drop(worker, session_ids, list(episode_keys)))
         self._drops.add(drop)
         drop.add_done_callback(self._drops.discard)
 
-    async def _drop(self, worker: _Worker, session_ids: list[str]) -> None:
+    async def _drop(self, worker: _Worker, session_ids: list[str], episode_keys: list[str]) -> None:
         try:
-            await worker.channel.request(Drop(session_ids), within=DROP_WAIT)
+            await worker.channel.request(Drop(session_ids, episode_keys), within=DROP_WAIT)
         except (ChannelClosed, ChannelTimeout, RemoteError) as exc:
             log.warning("worker %d kept %d sessions' state: %s", worker.slot, len(session_ids), exc)
 

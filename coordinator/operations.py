@@ -45,8 +45,9 @@ from typing import Any, Protocol
 
 from coordinator.contract.channel import ChannelClosed, ChannelTimeout, RemoteError
 from coordinator.contract.errors import GymError
-from coordinator.contract.messages import ListHeld
-from coordinator.mover import Checkpoints, Mover, exclusive, failures, is_free
+from coordinator.contract.messages import ListHeld, ParkEpisodes, ResumeEpisodes
+from coordinator.handovers import hand_over
+from coordinator.mover import Checkpoints, Moved, Mover, exclusive, failures, is_free
 
 __all__ = ["Operations", "WorkerPool", "Progress", "RESTART_PAUSE"]
 
@@ -58,6 +59,7 @@ RETRY_RETIRE = 1.0  # seconds between background attempts at a worker left servi
 SIGNAL_POLL = 0.5  # seconds between looks, for a queued signal, at whether it may run
 RECYCLE_BACKOFF = 60.0  # seconds before a failed recycle of a slot is tried again
 RESTART_PAUSE = 1.0  # seconds between the slots of a rolling restart (module docstring)
+PARK_AHEAD = 30.0  # seconds a left-serving worker's episodes get to reach a boundary
 
 
 class WorkerPool(Protocol):
@@ -99,6 +101,9 @@ class Progress:
     step: str = "starting"
     moved: int = 0
     failed: dict[str, str] = field(default_factory=dict)
+    episodes_moved: int = 0  # running /run episodes handed over (coordinator.handovers)
+    episodes_failed: dict[str, str] = field(default_factory=dict)
+    episodes_to: dict[str, str] = field(default_factory=dict)  # episode key -> its owner now
     slots: list[dict[str, Any]] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     seconds: float | None = None  # set when it ended
@@ -106,6 +111,13 @@ class Progress:
     def view(self, waiting: int) -> dict[str, Any]:
         view = asdict(self)
         view["failed"] = failures(self.failed)
+        view["episodes_failed"] = [
+            {"episode": key, "reason": why} for key, why in sorted(self.episodes_failed.items())
+        ]
+        view["episodes_handed_over"] = [
+            {"episode": key, "owner": owner}
+            for key, owner in sorted(view.pop("episodes_to").items())
+        ]
         view["waiting"] = waiting
         return view
 
@@ -272,13 +284,18 @@ class Operations:
         if worker.state == "dead":
             entry["outcome"] = "died while it was emptied"
             return
-        kept = await self._held_sessions(worker)
+        listing = await self._listing(worker)
+        kept = [] if listing is None else list(listing.session_ids)
+        running = [] if listing is None else [e.key for e in listing.episodes]
         entry["outcome"] = "left serving what it holds; retired when it can be"
         entry["sessions_left"] = len(kept)
-        progress.errors.append(
-            f"slot {worker.slot}: the old worker (pid {worker.pid}) keeps {len(kept)} sessions "
-            + self._why_left(kept, progress)
-        )
+        entry["episodes_left"] = len(running)
+        what = f"slot {worker.slot}: the old worker (pid {worker.pid}) keeps"
+        if kept or not running:
+            progress.errors.append(f"{what} {len(kept)} sessions {self._why_left(kept, progress)}")
+        if running:
+            reasons = sorted({progress.episodes_failed.get(k, "it runs on") for k in running})
+            progress.errors.append(f"{what} {len(running)} running episodes ({'; '.join(reasons)})")
         self._in_background(self._retire_later(worker, heirs))
 
     async def _empty(
@@ -298,25 +315,53 @@ class Operations:
             listing = await self._listing(worker)
             if listing is None:
                 return None
+            episodes = self._movable(listing.episodes, progress)
+            # A session an episode carries moves with it (a hand-over), not on its own.
+            riding = {s for e in episodes for s in (*e.sessions, e.session_id)}
             todo = [s for s in listing.session_ids if s not in moved]
-            if not todo or time.monotonic() >= deadline:
+            alone = [s for s in todo if s not in riding]
+            if not todo and not episodes or time.monotonic() >= deadline:
                 return todo
             targets = [h for h in heirs() if h is not worker]
             if not listing.movable or not targets:
                 await asyncio.sleep(POLL)  # restart-only: its sessions end where they are
                 continue
             plan: dict[str, list[str]] = {}
-            for i, session_id in enumerate(todo):
+            for i, session_id in enumerate(alone):
                 plan.setdefault(targets[i % len(targets)].owner, []).append(session_id)
-            result = await self.mover.move_sessions(plan, [worker], deadline)
+            # Side by side: a session's long request does not hold up an episode, nor back.
+            result, handed = await asyncio.gather(
+                self.mover.move_sessions(plan, [worker], deadline),
+                self._hand_over(worker, episodes, targets, deadline, progress),
+            )
             moved.update(result.moved)
             progress.moved += len(result.moved)
             for session_id in result.moved:
                 progress.failed.pop(session_id, None)
             progress.failed.update(result.failed)
-            if not result.moved:
+            if not result.moved and not handed:
                 await asyncio.sleep(POLL)
         return []
+
+    async def _hand_over(
+        self,
+        worker: Any,
+        episodes: list[Any],
+        targets: list[Any],
+        deadline: float,
+        progress: Progress,
+    ) -> int:
+        """Hand `worker`'s running episodes over to `targets`; answer how many went."""
+        if not episodes or not targets:
+            return 0
+        result = Moved()
+        await hand_over(self.mover, worker, episodes, targets, deadline, result)
+        progress.episodes_moved += len(result.moved)
+        progress.episodes_to.update(result.moved)
+        for key in result.moved:
+            progress.episodes_failed.pop(key, None)
+        progress.episodes_failed.update(result.failed)
+        return len(result.moved)
 
     async def _take_out(
         self,
@@ -342,7 +387,8 @@ class Operations:
                         break
                 if time.monotonic() >= final or worker.state != "live":
                     return False
-                await asyncio.sleep(POLL)
+                if not await self._hand_over_running(worker, heirs, final, progress):
+                    await asyncio.sleep(POLL)
             targets = [h for h in heirs() if h is not worker]
             if not targets:
                 return False
@@ -353,6 +399,25 @@ class Operations:
         finally:
             self.pool.release_worker(worker)
 
+    async def _hand_over_running(
+        self, worker: Any, heirs: Callable[[], list[Any]], deadline: float, progress: Progress
+    ) -> int:
+        """With `worker`'s requests held, hand over the episodes it still runs."""
+        listing = await self._listing(worker)
+        if listing is None:
+            return 0
+        episodes = self._movable(listing.episodes, progress)
+        targets = [h for h in heirs() if h is not worker]
+        return await self._hand_over(worker, episodes, targets, deadline, progress)
+
+    @staticmethod
+    def _movable(episodes: list[Any], progress: Progress) -> list[Any]:
+        """The episodes a hand-over may move; each other one is reported with why not."""
+        for episode in episodes:
+            if episode.unmovable:
+                progress.episodes_failed[episode.key] = episode.unmovable
+        return [e for e in episodes if not e.unmovable]
+
     async def _retire_later(self, worker: Any, heirs: Callable[[], list[Any]]) -> None:
         """Retire a worker left serving, as soon as its sessions let it."""
         while worker.state == "live":
@@ -361,10 +426,15 @@ class Operations:
                 continue
             # Only an attempt that can succeed takes the exclusion (checkpoints get 409
             # meanwhile): none of its requests running, and nothing left that cannot move.
-            if worker.route.in_flight:
-                continue
             listing = await self._listing(worker)
-            if listing is None or listing.requests or (listing.session_ids and not listing.movable):
+            if listing is None or (listing.session_ids and not listing.movable):
+                continue
+            # Running requests keep it, unless each is an episode it can hand over; those
+            # park at their boundary first, so the exclusion is taken only once they did.
+            movable = [e.key for e in listing.episodes if not e.unmovable]
+            if worker.route.in_flight > len(movable) or listing.requests > len(movable):
+                continue
+            if movable and not await self._park_ahead(worker, movable):
                 continue
             if not is_free(self.checkpoints):
                 continue  # one began while it listed
@@ -378,6 +448,22 @@ class Operations:
                     entry["outcome"] = "stopped"
                     await self.pool.stop_worker(worker, float(self.pool.config.graceful_timeout))
                     return
+
+    async def _park_ahead(self, worker: Any, keys: list[str]) -> bool:
+        """Park `worker`'s episodes at their next boundary (up to PARK_AHEAD seconds),
+        outside the exclusion: parked, an episode changes nothing a checkpoint would see.
+        True when all parked and the server is free; else they go on running."""
+        try:
+            within = PARK_AHEAD
+            parked = await worker.channel.request(ParkEpisodes(keys, within), within=within + 5)
+        except (ChannelClosed, ChannelTimeout, RemoteError) as exc:
+            log.warning("worker %d did not park its episodes: %s", worker.slot, exc)
+            return False
+        if not parked.not_parked and is_free(self.checkpoints):
+            return True
+        with contextlib.suppress(ChannelClosed, ChannelTimeout, RemoteError):
+            await worker.channel.request(ResumeEpisodes(keys), within=10.0)
+        return False
 
     async def _listing(self, worker: Any) -> Any:
         try:
@@ -442,6 +528,9 @@ class Operations:
             outcome = "incomplete" if progress.errors else "complete"
         finally:
             progress.seconds = round(time.monotonic() - started, 6)
+            # Counted once per operation (a retire asks again and again while it waits).
+            self.mover.episodes_moved_total += progress.episodes_moved
+            self.mover.episodes_failed_total += len(progress.episodes_failed)
             if self.observe is not None:
                 self.observe(kind, outcome, progress.seconds)
             progress.step = "done"

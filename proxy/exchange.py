@@ -15,6 +15,10 @@ States (one at a time; the request side's progress is `request_done`, orthogonal
     RESPONDING  response head sent; response body streams to the client body -> client
                 (the request body may still stream to the worker: full duplex)
     TUNNEL      after a 101: bytes pass both ways untouched             bytes -> both
+    HANDOVER    the worker gave the request back (its episode was       nothing
+                handed over, `worker.handoffs`): its answer, the
+                request's body, is read, then the request is sent on
+                to the target, unchanged
     ANSWERING   the proxy's own answer is decided; the rest of the      nothing, then the
                 request body is read and dropped first                  answer -> client
     DONE        answered (or cut); nothing more is written
@@ -25,6 +29,8 @@ Transitions:
     QUEUED     --start: refused-------------------> ANSWERING | DONE (answer written)
     CONNECTING --attach(worker connection)--------> SENDING
     SENDING    --response head (1xx but 101: dropped; 101: TUNNEL)--> RESPONDING | TUNNEL
+    SENDING    --the hand-over marker the mover expects------------> HANDOVER
+    HANDOVER   --its end: sent on to the target---------------------> CONNECTING
     RESPONDING --response end---------------------> DONE
     TUNNEL     --either side closes---------------> DONE
     any        --fail before a response byte------> ANSWERING (body still coming) | DONE
@@ -44,6 +50,8 @@ from coordinator.contract.errors import GymError, status_of
 from coordinator.contract.headers import (
     CONTROL_PREFIX,
     EMPTY_ROLLOUT_KEY,
+    HANDOFF,
+    HANDOFF_STATUS,
     ROLLOUT_PREFIX,
     split_rollout_url,
 )
@@ -53,7 +61,7 @@ from proxy.outbox import batch as write_batch
 from proxy.outbox import hold, release
 from proxy.request_head import RequestHead, rewrite_request_head
 from proxy.response_head import rewrite_response_head
-from proxy.routing import APP_TOKEN, Router, WorkerRoute
+from proxy.routing import APP_TOKEN, Handoff, Router, WorkerRoute
 from proxy.session_tokens import TokenError
 
 if TYPE_CHECKING:
@@ -69,6 +77,7 @@ __all__ = [
     "TUNNEL",
     "ANSWERING",
     "DONE",
+    "HANDOVER",
     "STATE_NAMES",
     "start_held",
     "start_held_by_worker",
@@ -83,6 +92,7 @@ RESPONDING: Final = 3
 TUNNEL: Final = 4
 ANSWERING: Final = 5
 DONE: Final = 6
+HANDOVER: Final = 7
 STATE_NAMES: Final = (
     "queued",
     "connecting",
@@ -91,11 +101,14 @@ STATE_NAMES: Final = (
     "tunnel",
     "answering",
     "done",
+    "handover",
 )
 # Bound here as Finals of this compiled module: read per request, never looked up in
 # the (uncompiled) contract module.
 _CONTROL_PREFIX: Final = CONTROL_PREFIX
 _ROLLOUT_PREFIX: Final = ROLLOUT_PREFIX
+_HANDOFF: Final = HANDOFF
+_HANDOFF_STATUS: Final = HANDOFF_STATUS
 # A request this large may not leave in one write; its connection keeps a spare descriptor.
 SPARE_AFTER_BYTES: Final = 65536
 
@@ -136,6 +149,7 @@ class Exchange:
         "session_id",
         "held_since",
         "span",
+        "handoff",
     )
 
     def __init__(self, client: ClientConnection) -> None:
@@ -171,6 +185,7 @@ class Exchange:
         self.held_since = 0.0  # monotonic time it began to wait for a move (0: never held)
         self.span: object = None  # its span, with --trace-requests (proxy.request_spans)
         self.session_id: str | None = None  # the session it was routed under, once routed
+        self.handoff: Handoff | None = None  # in HANDOVER: where it goes on to
 
     @property
     def finished(self) -> bool:
@@ -213,15 +228,19 @@ class Exchange:
         else:
             parts.append(b"\r\n")
         self.head = b"".join(parts)
+        self._routed_to(worker)
+        if self.expect_continue and not self.request_done:
+            self.client.outbox.write(wire.CONTINUE_100)
+        worker.pool.acquire(self)
+
+    def _routed_to(self, worker: WorkerRoute) -> None:
+        """-> CONNECTING, counted on `worker` (its pool is asked next)."""
         worker.in_flight += 1
         worker.served += 1
         self.worker = worker
         self.slot = worker.slot
         self.routed_at = self.client.proxy_state.now
         self.state = CONNECTING
-        if self.expect_continue and not self.request_done:
-            self.client.outbox.write(wire.CONTINUE_100)
-        worker.pool.acquire(self)
 
     def _route_session(self, parts: list[bytes], head: RequestHead) -> WorkerRoute | None:
         """Pick the worker and add the identity headers; None after answering an error."""
@@ -364,8 +383,15 @@ class Exchange:
         if status < 200 and status != 101:
             return  # 1xx: the proxy answered Expect itself; an interim answer is dropped
         self.upstream_keep_alive = keep_alive
-        self.status = status
         worker = self.worker
+        if status == _HANDOFF_STATUS and self.client.proxy_state.router.handoffs:
+            handoff = self._expected_handoff(headers)
+            if handoff is not None:
+                self.handoff = handoff
+                self.body_buffer = []
+                self.state = HANDOVER
+                return
+        self.status = status
         if worker is not None:
             worker.responses[status // 100 if status < 600 else 5] += 1
         client = self.client
@@ -419,7 +445,57 @@ class Exchange:
             if sessions.get(session_id) == worker.owner:
                 del sessions[session_id]
 
+    def _expected_handoff(self, headers: list[tuple[bytes, bytes]]) -> Handoff | None:
+        """The hand-over the marker in `headers` names, if the mover expects it from this
+        worker (any other answer, a forged marker included, is relayed as it is)."""
+        handoffs = self.client.proxy_state.router.handoffs
+        for name, value in headers:
+            if name.lower() == _HANDOFF:
+                handoff = handoffs.get(value)
+                if handoff is not None and handoff.source is self.worker:
+                    del handoffs[value]
+                    return handoff
+        return None
+
+    def _send_on(self, reusable: bool) -> None:
+        """HANDOVER -> CONNECTING: the request, its body as the worker gave it back, goes
+        to the hand-over's target; the client sees only the target's answer."""
+        handoff = self.handoff
+        assert handoff is not None
+        body = b"".join(self.body_buffer or ())
+        self.body_buffer = None
+        source = self.worker
+        conn = self.upstream
+        self.upstream = None
+        if conn is not None:
+            if reusable and self.upstream_keep_alive and source is not None:
+                source.pool.release(conn)
+            else:
+                conn.exchange = None
+                conn.close()
+        if source is not None:
+            source.in_flight -= 1
+        self.worker = None
+        target = handoff.target
+        if not self.request_done:
+            why = "the worker gave the request back before its body had all come"
+            handoff.settle(why)
+            self.fail("upstream_protocol_error", why)
+            return
+        if self.client.proxy_state.router.workers.get(target.owner) is not target:
+            handoff.settle("the target worker is gone")
+            self.fail("session_owner_gone", f"the worker {target.owner} is gone")
+            return
+        self.handoff = None
+        self.body_buffer = [body] if body else None
+        self._routed_to(target)
+        handoff.settle("")
+        target.pool.acquire(self)
+
     def response_body(self, body: bytes) -> None:
+        if self.state == HANDOVER:
+            self.body_buffer.append(body)  # type: ignore[union-attr]
+            return
         if self.state == RESPONDING:
             if self.chunked_response:
                 self.client.outbox.writelines(wire.chunk(body))
@@ -434,6 +510,9 @@ class Exchange:
         """The worker's response ended. `reusable`: the response side ended exactly at a
         message boundary (`proxy.upstream` judges that); the connection goes back to the
         pool only if the request side did too and the worker keeps it alive."""
+        if self.state == HANDOVER:
+            self._send_on(reusable)
+            return
         if self.state != RESPONDING:
             return
         if self.chunked_response:
@@ -501,6 +580,8 @@ class Exchange:
         state = self.state
         if state == DONE or state == ANSWERING:
             return
+        if self.handoff is not None:
+            self.handoff.settle(f"{code}: {detail}")
         if state == RESPONDING or state == TUNNEL:
             self.client.proxy_state.responses_cut += 1
             self.finish(reuse=False)
@@ -557,6 +638,9 @@ class Exchange:
         if self.state == DONE:
             return
         self.state = DONE
+        if self.handoff is not None:
+            self.handoff.settle(f"its request ended at the proxy ({STATE_NAMES[HANDOVER]})")
+            self.handoff = None
         slot = self.slot
         self._detach(reuse)
         if self.client.proxy_state.access_log is not None:
@@ -570,6 +654,9 @@ class Exchange:
         """The client went away: drop the worker connection (the app sees it go)."""
         if self.state != DONE:
             self.state = DONE
+            if self.handoff is not None:
+                self.handoff.settle("its client went away")
+                self.handoff = None
             self._detach(reuse=False)
             if self.client.proxy_state.access_log is not None:
                 self.status = self.status or 499  # nginx's "client closed request"

@@ -311,6 +311,16 @@ class _Gathered(Collector):
         yield counter(
             "gym_proxy_session_move_failures", "Sessions a move did not move", mover.failed_total
         )
+        yield counter(
+            "gym_proxy_episodes_handed_over",
+            "Running /run episodes handed over to another worker",
+            mover.episodes_moved_total,
+        )
+        yield counter(
+            "gym_proxy_episode_handover_failures",
+            "Running /run episodes an operation could not hand over",
+            mover.episodes_failed_total,
+        )
         yield gauge(
             "gym_proxy_moving_sessions",
             "Sessions whose requests wait for a move now",

@@ -46,6 +46,7 @@ from proxy.session_tokens import SessionIdentity, TokenCodec, TokenError, new_se
 
 __all__ = [
     "WorkerRoute",
+    "Handoff",
     "Route",
     "Router",
     "APP_TOKEN",
@@ -85,6 +86,23 @@ class WorkerRoute:
     responses: list[int] = field(default_factory=lambda: [0] * 6)
 
 
+class Handoff:
+    """A request the mover expects `source` to give back (its episode handed over, in
+    `worker.handoffs`): the data path sends it on to `target`, and `settle` tells the
+    mover how that went ("" once it is on its way to the target, else why not)."""
+
+    __slots__ = ("source", "target", "arrived")
+
+    def __init__(self, source: WorkerRoute, target: WorkerRoute, arrived: Any) -> None:
+        self.source = source
+        self.target = target
+        self.arrived = arrived  # an asyncio.Future[str], resolved once
+
+    def settle(self, why_not: str) -> None:
+        if not self.arrived.done():
+            self.arrived.set_result(why_not)
+
+
 @dataclass(slots=True)
 class Route:
     """The decision for one request, and the rule that made it. `new`: the session ID was
@@ -118,6 +136,8 @@ class Router:
     # requests held while their session moves (exchanges, started again after the move).
     active: dict[str, int] = field(default_factory=dict)
     holding: dict[str, list[Any]] = field(default_factory=dict)
+    # Hand-over id (the marker a worker answers with) -> the hand-over the mover expects.
+    handoffs: dict[bytes, Handoff] = field(default_factory=dict)
     # Counted for /metrics: decisions by rule, and foreign tokens passed to the app.
     decisions: dict[str, int] = field(default_factory=lambda: dict.fromkeys(RULES, 0))
     foreign_tokens: int = 0

@@ -40,7 +40,7 @@ from coordinator.contract.messages import Ping, Register
 from coordinator.worker_channels import RegistrationRefused
 from proxy.config import Config
 from proxy.exchange import start_held, start_held_by_worker
-from proxy.routing import Router, WorkerRoute
+from proxy.routing import Handoff, Router, WorkerRoute
 from proxy.session_tokens import new_owner_id
 from proxy.upstream import UpstreamPool
 from proxy.worker_records import Slot, WorkerProcess, resident_bytes
@@ -545,6 +545,19 @@ class Supervisor:
 
     def place_session(self, session_id: str, owner: str) -> None:
         self.router.sessions[session_id] = owner
+
+    def expect_handoff(self, handoff_id: str, source: str, target: str) -> asyncio.Future[str]:
+        arrived: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        routes = self.router.workers
+        if source not in routes or target not in routes:
+            arrived.set_result("the source or the target worker is gone")
+        else:
+            handoff = Handoff(routes[source], routes[target], arrived)
+            self.router.handoffs[handoff_id.encode()] = handoff
+        return arrived
+
+    def forget_handoff(self, handoff_id: str) -> None:
+        self.router.handoffs.pop(handoff_id.encode(), None)
 
     # ---- stopping -----------------------------------------------------------------
     def workers(self) -> list[WorkerProcess]:

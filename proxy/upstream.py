@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING
 import httptools
 
 from proxy import outbox
-from proxy.exchange import RESPONDING
+from proxy.exchange import HANDOVER, RESPONDING
 from proxy.outbox import Outbox
 
 if TYPE_CHECKING:
@@ -228,7 +228,7 @@ class UpstreamConnection(asyncio.Protocol):
         if self.bodiless or self.ended:
             return  # a "body" to a HEAD, or a second message: spoiled already
         exchange = self.exchange
-        if exchange is not None and exchange.state == RESPONDING:
+        if exchange is not None and (exchange.state == RESPONDING or exchange.state == HANDOVER):
             self.ended = True  # acted on once the whole read is parsed (_parse)
 
     # flow control and lifecycle

@@ -123,7 +123,8 @@ async def slow(request: web.Request) -> web.Response:
 
 async def run(request: web.Request) -> web.Response:
     """A test episode: `steps` steps, each a replay step that waits for gate
-    `<gate>-<step>` (when `gate` is given), then a boundary with the new state."""
+    `<gate>-<step>` (when `gate` is given) and runs `pause` seconds, then a boundary with the
+    new state."""
     body = await request.json()
     ep = episode(request)
     state = ep.restored_state or {"step": 0, "log": []}
@@ -131,6 +132,8 @@ async def run(request: web.Request) -> web.Response:
     while state["step"] < body.get("steps", 3):
         if gate:
             await ep.replay(_gate(request, f"{gate}-{state['step']}").wait())
+        if body.get("pause"):
+            await asyncio.sleep(body["pause"])  # a step that runs (not parked) a while
         state = {"step": state["step"] + 1, "log": [*state["log"], f"{ep.key}:{state['step']}"]}
         request.app[PROGRESS][ep.key] = state["step"]
         await ep.boundary(state)

@@ -164,6 +164,8 @@ async def run(request: Request) -> Response:
     while state["step"] < body.get("steps", 3):
         if gate:
             await ep.replay(_gate(f"{gate}-{state['step']}").wait())
+        if body.get("pause"):
+            await asyncio.sleep(body["pause"])  # a step that runs (not parked) a while
         state = {"step": state["step"] + 1, "log": [*state["log"], f"{ep.key}:{state['step']}"]}
         STATE["progress"][ep.key] = state["step"]
         await ep.boundary(state)

@@ -34,6 +34,8 @@ SAMPLES: dict[str, Any] = {
     "list[str] | None": ["k"],
     "dict[str, int]": {"a": 1},
     "dict[str, list[str]]": {"a": ["b"]},
+    "dict[str, str]": {"k": "v"},
+    "list[RunningEpisode]": [messages.RunningEpisode("k", None, ["s"], "")],
     "list[dict[str, Any]]": [{"session_id": "s"}],
     "list[EpisodeRef]": [messages.EpisodeRef("r", 1)],
     "Literal['aiohttp', 'asgi']": "asgi",

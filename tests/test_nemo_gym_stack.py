@@ -5,11 +5,14 @@ rollout collection (tests/nemo_gym_stack.py). It runs in the Python 3.13 virtual
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 pytest.importorskip("nemo_gym", reason="the NeMo Gym tier runs in tests/nemo_gym/install.sh's venv")
 
 from tests.nemo_gym_stack import NemoStack, counter_rows  # noqa: E402
+from tests.support import CONTROL_TOKEN, wait_until  # noqa: E402
 
 ROLLOUTS = 200
 CONCURRENCY = 32
@@ -47,5 +50,66 @@ async def test_the_reference_one_uvicorn_process_per_server(http, tmp_path):
     stack = NemoStack(tmp_path / "stack", workers=None)
     try:
         await every_rollout_right(stack, http)
+    finally:
+        stack.stop()
+
+
+async def test_a_rolling_restart_of_every_server_mid_collection_loses_no_rollout(http, tmp_path):
+    """NeMo Gym's rollout collection runs 100 rollouts; with 32 of them waiting for their
+    last model turn, every server of the stack is restarted, worker by worker, at once.
+    The counter's sessions (it declares its session dict) move to the replacements while
+    they wait; the environment's, the agent's and the model's requests (restart-only
+    servers: NeMo Gym's `/run` is not handed over) end where they run once the model
+    answers, and their old workers stop then. Every rollout finishes with reward 1.0 and
+    no old worker is left."""
+    stack = NemoStack(
+        tmp_path / "stack",
+        workers={"env": 2, "agent": 2, "resources": 2, "model": 2},
+        gym_proxy_args={"resources": ["--session-state", "session_id_to_counter"]},
+    )
+    backend = stack.url("backend")
+    auth = {"Authorization": f"Bearer {CONTROL_TOKEN}"}
+
+    async def status(role: str) -> dict:
+        url = f"{stack.url(role)}/ng-control/v1/checkpoint/status"
+        async with http.get(url, headers=auth) as response:
+            return await response.json()
+
+    async def restart(role: str) -> dict:
+        url = f"{stack.url(role)}/ng-control/v1/gym-proxy/workers/restart"
+        async with http.post(url, json={"timeout_s": 60, "pause_s": 0}, headers=auth) as r:
+            assert r.status == 200, await r.text()
+            return await r.json()
+
+    async def held() -> bool:
+        async with http.get(f"{backend}/control/held") as response:
+            return (await response.json())["held"] == CONCURRENCY
+
+    try:
+        stack.start()
+        await stack.wait_serving(http)
+        async with http.post(f"{backend}/control/hold") as response:
+            assert response.status == 200
+        rollouts = stack.start_rollouts(counter_rows(100), CONCURRENCY)
+        await wait_until(held, 60, "32 rollouts to wait for their last turn")
+        roles = ("env", "agent", "resources", "model")
+        restarts = {role: asyncio.ensure_future(restart(role)) for role in roles}
+        counter = await asyncio.wait_for(restarts["resources"], 120)  # while they wait
+        assert counter["complete"] and counter["failed"] == [], counter
+        assert counter["moved"] >= CONCURRENCY, counter  # each waiting rollout's session
+        async with http.post(f"{backend}/control/release") as response:
+            assert response.status == 200
+        for role in ("env", "agent", "model"):
+            reply = await asyncio.wait_for(restarts[role], 120)
+            assert reply["complete"], (role, reply)
+            assert [s["outcome"] for s in reply["slots"]] == ["stopped", "stopped"], reply
+            for failed in reply["episodes_failed"]:  # restart-only: NeMo Gym's /run ends
+                assert failed["reason"].endswith("its episodes run where they are"), failed
+        run = rollouts.result()
+        assert run.failures == [], run.failures[:3]
+        assert (run.finished, run.right) == (100, 100), run.rewards
+        for role in roles:
+            states = [w["state"] for w in (await status(role))["operations"]["workers"]]
+            assert states == ["ready", "ready"], (role, states)
     finally:
         stack.stop()

@@ -3,7 +3,7 @@
 Each seed starts a participant with 1-3 workers and drives a random walk of: new
 sessions (a seed during a checkpoint waits at the door: this is a resources server; one
 waiting on a worker killed meanwhile fails 502), counter increments, held requests
-(blockers), parked episodes, prepare, commit (sometimes scoped, sometimes with `stop`),
+(blockers), running episodes, prepare, commit (sometimes scoped, sometimes with `stop`),
 resume, retire (in idle and in restored), forget, a late request of a retired attempt,
 kill -9 of a worker (its replacement held back), the late join of that replacement, a
 crash of everything followed by a restore onto 1-3 fresh workers (of all the committed
@@ -17,10 +17,12 @@ name a wrong attempt), and the live operations:
 - a resize to 1-3 workers (grow at the end; shrink moves the last slots' sessions);
 - a rolling restart of some slots or all (each slot's worker a new process).
 
+Each hands the running episodes of the workers it empties over to the workers taking
+over (an episode runs a 50 ms step at a time: it is handed over at its next boundary).
 They run when the model is idle, no replacement is held back and every slot is live (a
-restart or a shrink only of slots with no held request and no running episode, which
-would keep the old worker serving); while a checkpoint is open each is refused 409
-`operation_conflict` and changes nothing. After every step:
+restart or a shrink only of slots with no held request, which would keep the old worker
+serving); while a checkpoint is open each is refused 409 `operation_conflict` and changes
+nothing. After every step:
 
 - the phase is the model's, and admission is open on every live worker whenever idle;
 - the blockers (and their count) equal a fresh recount from the model;
@@ -83,7 +85,7 @@ class Model:
     held_owner: dict[str, tuple[str, str]] = field(default_factory=dict)  # sid -> (owner, tag)
     episodes: dict[str, str] = field(default_factory=dict)  # running: capture key -> owner
     pending: set[str] = field(default_factory=set)  # restored, awaiting a claim: N+1 keys
-    tasks_of: dict[str, str] = field(default_factory=dict)  # rollout -> its task's gate
+    tasks_of: dict[str, str] = field(default_factory=dict)  # rollout -> its task (in the body)
     marks: dict[str, int] = field(default_factory=dict)  # rollout -> highest retired attempt
     door_seeds: list[tuple[asyncio.Task, int]] = field(default_factory=list)
     door_kill: bool = False  # a worker died while seeds waited at the door: some may fail
@@ -100,8 +102,20 @@ class Model:
         return head + sorted(f"session:{sid}" for sid in self.held)
 
     def busy(self) -> set[str]:
-        """Owners a restart or a shrink would not empty: a held request or an episode runs."""
-        return {self.where[sid] for sid in self.held} | set(self.episodes.values())
+        """Owners a restart or a shrink would not empty: a held request runs (a running
+        episode is handed over, at its replay step, to the worker that takes over)."""
+        return {self.where[sid] for sid in self.held}
+
+    def hand_over(self, reply: dict, emptied: dict[str, set[str]]) -> None:
+        """The operation handed every episode on an `emptied` owner over to one of the
+        owners it maps to, and no other episode."""
+        handed = {e["episode"]: e["owner"] for e in reply["episodes_handed_over"]}
+        assert reply["episodes_failed"] == [], reply
+        expect = {key for key, owner in self.episodes.items() if owner in emptied}
+        assert set(handed) == expect, (reply, expect)
+        for key, owner in handed.items():
+            assert owner in emptied[self.episodes[key]], (key, owner, emptied)
+        self.episodes.update(handed)
 
     def on(self, owner: str) -> list[str]:
         """The sessions the model places on `owner`'s worker."""
@@ -250,19 +264,14 @@ class Walk:
         owner = self.rng.choice(workers)["owner"]
         self.model.serial += 1
         key = f"ep{self.seed}x{self.model.serial}"
-        self.model.tasks_of[key] = f"{key}-gate"
+        self.model.tasks_of[key] = f"{key}-task"
         await self._start_run(EpisodeId(key, 0), owner)
         self.model.episodes[key] = owner
 
     async def _start_run(self, episode: EpisodeId, owner: str) -> None:
         """POST /run for `episode` on `owner`'s worker; return once it runs there."""
         before = await self._runs_seen(owner)
-        body = {
-            "_ng_rollout_id": episode.rollout_id,
-            "_ng_attempt_index": episode.attempt,
-            "steps": 2,
-            "gate": self.model.tasks_of[episode.rollout_id],
-        }
+        body = self._run_body(episode)
         task = asyncio.ensure_future(
             self.http.post(f"{self.proxy.url}/run", headers={OWNER: owner}, json=body)
         )
@@ -272,6 +281,18 @@ class Walk:
             return await self._runs_seen(owner) > before
 
         await wait_until(started, 10, "the episode to start")
+
+    def _run_body(self, episode: EpisodeId) -> dict:
+        """A /run that outlives the seed: a step every 50 ms, each ending at a boundary
+        (where a checkpoint parks it and an operation hands it over); `task` names its
+        rollout's task (a claim with another task is refused)."""
+        return {
+            "_ng_rollout_id": episode.rollout_id,
+            "_ng_attempt_index": episode.attempt,
+            "steps": 100_000,
+            "pause": 0.05,
+            "task": self.model.tasks_of[episode.rollout_id],
+        }
 
     async def _runs_seen(self, owner: str) -> int:
         return await self._seen_count(owner, "/run")
@@ -291,13 +312,7 @@ class Walk:
         if self.rng.random() < 0.3:
             wrong = episode.attempt + 1
             status, _, body = await self.post(
-                "/run",
-                json={
-                    "_ng_rollout_id": episode.rollout_id,
-                    "_ng_attempt_index": wrong,
-                    "steps": 2,
-                    "gate": self.model.tasks_of[episode.rollout_id],
-                },
+                "/run", json=self._run_body(EpisodeId(episode.rollout_id, wrong))
             )
             assert (status, body["error"]["code"]) == (409, "stale_attempt"), body
         owner = self.rng.choice(workers)["owner"]
@@ -639,6 +654,7 @@ class Walk:
         assert reply["slots"] == [
             {"slot": slot, "owner": owner, "draining": True, "sessions_left": len(held)}
         ], reply
+        self.model.hand_over(reply, {owner: others})
         self.model.draining.add(owner)
         await self._relocated(moving, others)
         await self.verify_sessions()
@@ -688,6 +704,8 @@ class Walk:
         assert [w["owner"] for w in listed[: len(kept)]] == [w["owner"] for w in kept]
         added = [(s["slot"], s["owner"]) for s in reply["slots"] if s.get("added")]
         assert added == [(w["slot"], w["owner"]) for w in listed[len(kept) :]], (reply, listed)
+        heirs = {w["owner"] for w in kept}
+        self.model.hand_over(reply, {w["owner"]: heirs for w in removed})
         for worker in removed:
             self.model.draining.discard(worker["owner"])
             assert not pid_alive(worker["pid"]), worker
@@ -720,6 +738,7 @@ class Walk:
         assert [s["slot"] for s in reply["slots"]] == [w["slot"] for w in chosen], reply
         listed = {w["slot"]: w for w in await self.live()}
         assert sorted(listed) == list(range(self.expected)), listed
+        self.model.hand_over(reply, {w["owner"]: {listed[w["slot"]]["owner"]} for w in chosen})
         for old, entry in zip(chosen, reply["slots"], strict=True):
             assert (entry["old_owner"], entry["old_pid"]) == (old["owner"], old["pid"]), entry
             assert entry["outcome"] == "stopped", entry

@@ -250,3 +250,40 @@ async def test_mcp_style_tool_calls_wait_out_a_checkpoint_and_keep_their_session
         ) as resp:
             assert (await resp.json())["tool_calls"] == 3  # two before the crash, one after
     await run.nothing_left_behind()
+
+
+async def test_a_rolling_restart_of_the_environment_hands_its_episodes_over(stacks, http, tmp_path):
+    """Rollouts held at the model mid-turn: the environment's episodes wait inside their
+    agent-turn replay step. A rolling restart of the environment waits for each step to
+    end (the hold lifted), hands the episodes over at the boundary after it, and the new
+    workers finish them: every rollout scores, answered once, no step run twice past a
+    boundary (the agent answers the repeated turn from its session)."""
+    hold = hold_file(tmp_path)
+    run = StackRun(stacks({"env": 2}, env=HOLD_SECOND_CALL(hold)), http)
+    rollouts = run.rollouts(ROLLOUTS)
+    running = asyncio.ensure_future(run.driver.run(rollouts))
+    await run.wait_held("model", len(rollouts), running=running)
+    env = run.stack.urls["env"]
+    headers = {"Authorization": f"Bearer {run.stack.control_token}"}
+    body = {"timeout_s": 60, "pause_s": 0}
+
+    async def restart() -> dict:
+        url = f"{env}/ng-control/v1/gym-proxy/workers/restart"
+        async with http.post(url, json=body, headers=headers) as response:
+            assert response.status == 200
+            return await response.json()
+
+    restarting = asyncio.ensure_future(restart())
+
+    async def handing_over() -> bool:
+        return (await run.status("env"))["moving_sessions"] > 0
+
+    await wait_until(handing_over, 30, "the environment's hand-over to begin")
+    os.unlink(hold)  # the model answers: each turn ends, and its episode parks after it
+    reply = await restarting
+    assert reply["complete"] and reply["episodes_failed"] == [], reply
+    assert reply["episodes_moved"] >= 1, reply
+    await asyncio.wait_for(running, 120)
+    all_scored(rollouts)
+    assert all(len(r.history) == 1 for r in rollouts), [r.history for r in rollouts]
+    await run.nothing_left_behind()

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from aiohttp import web
+from aiohttp import hdrs, web
 
 from coordinator.contract import headers as names
 from coordinator.contract.errors import RETRY_AFTER, GymError
@@ -66,6 +66,8 @@ def install_door(app: web.Application) -> None:
 
 async def _note_tunnel(request: web.Request, response: web.StreamResponse) -> None:
     flight = request.get(FLIGHT)
+    if flight is not None:
+        flight.responding = True
     if flight is not None and isinstance(response, web.WebSocketResponse):
 
         def close() -> None:
@@ -73,6 +75,15 @@ async def _note_tunnel(request: web.Request, response: web.StreamResponse) -> No
             asyncio.ensure_future(response.close(code=1012, message=b"checkpoint"))
 
         request.app[RUNTIME].tunnel_opened(flight, close)
+
+
+async def _handoff_marker(request: web.Request, flight: Any) -> web.Response:
+    """The answer that gives the request back to the proxy (worker.handoffs): the
+    marker and the request's own body, read again (aiohttp keeps what it read)."""
+    body = await request.read()
+    flight.handoff.sent = True
+    marker = {names.text(names.HANDOFF): flight.handoff.id}
+    return web.Response(status=names.HANDOFF_STATUS, body=body, headers=marker)
 
 
 @web.middleware
@@ -93,6 +104,7 @@ async def participant_middleware(request: web.Request, handler: Any) -> web.Stre
     except GymError as exc:
         return error_response(exc)
     request[FLIGHT] = flight
+    flight.replayable = hdrs.CONTENT_ENCODING not in headers  # aiohttp decodes such a body
     try:
         response = await handler(request)
         runtime.answered(flight, response.status)
@@ -100,6 +112,8 @@ async def participant_middleware(request: web.Request, handler: Any) -> web.Stre
         return response
     except asyncio.CancelledError:
         if own_cancellation(flight):
+            if flight.handoff is not None and flight.handoff.id is not None:
+                return await _handoff_marker(request, flight)
             return error_response(GymError("stale_attempt", "this attempt was retired"))
         raise
     except GymError as exc:

@@ -27,12 +27,15 @@ from coordinator.contract.headers import (
     APP_SESSION,
     APP_SESSION_END,
     APP_TOKEN,
+    HANDOFF,
+    HANDOFF_STATUS,
     SESSION_ID,
     SESSION_NEW,
     SESSION_TOKEN,
     split_rollout_path,
 )
 from worker.app_sessions import app_session_cookie, starlette_app
+from worker.handoffs import hands_over
 from worker.request_context import RequestContext
 from worker.runtime import (
     RUN_BODY_LIMIT,
@@ -119,11 +122,18 @@ class AsgiDoor:
         scope[SCOPE_KEY] = RequestContext(runtime, flight)
         status = 0
         app_session: str | None = None
+        app_receive = replay if buffered else receive
+        body: _KeptBody | None = None
+        if flight.episode is not None and flight.episode.exported and hands_over(runtime):
+            # A /run may be handed over to another worker with its body (worker.handoffs).
+            body = _KeptBody(app_receive)
+            app_receive = body.receive
         answered: list[bool] = []  # the runtime was told the answer (at its last byte)
 
         async def watch(message: Message) -> None:
             nonlocal status, app_session
             if message["type"] == "http.response.start":
+                flight.responding = True
                 await runtime.hold_answer(flight)
                 status = message["status"]
                 if proxy_token or session_id is None:  # else routed by the app's own token
@@ -142,11 +152,14 @@ class AsgiDoor:
             await send(message)
 
         try:
-            await self.app(scope, replay if buffered else receive, watch)
+            await self.app(scope, app_receive, watch)
         except asyncio.CancelledError:
             if not own_cancellation(flight):
                 raise
-            if not status:
+            handoff = flight.handoff
+            if handoff is not None and handoff.id is not None and body is not None:
+                await _send_handoff_marker(send, handoff, await body.whole())
+            elif not status:
                 await send_error(send, GymError("stale_attempt", "this attempt was retired"))
         except GymError as exc:
             if status:
@@ -199,6 +212,44 @@ class AsgiDoor:
 
 async def _no_body() -> bytes:
     return b""
+
+
+class _KeptBody:
+    """The request body as the app received it, kept for a hand-over: `whole()` is all
+    of it (what the app has not read yet is read then)."""
+
+    __slots__ = ("_receive", "_chunks", "_complete")
+
+    def __init__(self, receive: Receive) -> None:
+        self._receive = receive
+        self._chunks: list[bytes] = []
+        self._complete = False
+
+    async def receive(self) -> Message:
+        message = await self._receive()
+        self._keep(message)
+        return message
+
+    def _keep(self, message: Message) -> None:
+        if message["type"] != "http.request":
+            self._complete = True
+            return
+        self._chunks.append(message.get("body", b""))
+        if not message.get("more_body"):
+            self._complete = True
+
+    async def whole(self) -> bytes:
+        while not self._complete:
+            self._keep(await self._receive())
+        return b"".join(self._chunks)
+
+
+async def _send_handoff_marker(send: Send, handoff: Any, body: bytes) -> None:
+    """The answer that gives the request back to the proxy (worker.handoffs)."""
+    headers = [(HANDOFF, handoff.id.encode("latin-1")), (b"content-length", b"%d" % len(body))]
+    handoff.sent = True
+    await send({"type": "http.response.start", "status": HANDOFF_STATUS, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
 
 
 async def _refuse_websocket(scope: Scope, send: Send, error: GymError) -> None:

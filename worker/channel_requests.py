@@ -19,6 +19,7 @@ from coordinator.contract.messages import (
     ExportReply,
     Forget,
     Forgotten,
+    GiveUp,
     HeldSessions,
     Install,
     Installed,
@@ -27,9 +28,11 @@ from coordinator.contract.messages import (
     ListHeld,
     Message,
     MoveOut,
+    ParkEpisodes,
     Release,
     Released,
     Reopen,
+    ResumeEpisodes,
     Retire,
     Retired,
     SessionRecords,
@@ -41,6 +44,7 @@ from coordinator.contract.messages import (
     WorkerStats,
 )
 from coordinator.contract.telemetry import ATTRIBUTE
+from worker import handoffs
 from worker.runtime import ParticipantRuntime
 
 __all__ = ["handle_coordinator_message", "apply_tables"]
@@ -129,10 +133,22 @@ async def _handle(runtime: ParticipantRuntime, message: Message) -> Message:
             return SessionRecords(moving)
         case Adopt():
             installed = await runtime.install(message.sessions, restored=False)
+            handoffs.adopt_episodes(runtime, message.episodes)
             failpoints.hit("worker-adopted")  # the target dies after installing
             return Installed(installed)
         case Drop():
+            for key in message.episode_keys:
+                runtime.arrivals.pop(key, None)
             return Released(await runtime.drop_sessions(message.session_ids))
+        case ParkEpisodes():
+            return await handoffs.park_episodes(runtime, message.keys, message.within)
+        case GiveUp():
+            gave_up = await handoffs.give_up(runtime, message.handoffs)
+            failpoints.hit("worker-gave-up")  # the source dies after answering the markers
+            return gave_up
+        case ResumeEpisodes():
+            handoffs.resume_episodes(runtime, message.keys)
+            return Done()
         case CloseTunnels():
             runtime.close_tunnels(set(message.session_ids))
             return Done()
@@ -144,6 +160,7 @@ async def _handle(runtime: ParticipantRuntime, message: Message) -> Message:
                 runtime.store.session_ids(),
                 not runtime.participation.restart_only,
                 len(runtime.flights),
+                handoffs.running_episodes(runtime),
             )
     raise GymError("invalid_request", f"{message.TYPE} is not a message for a worker")
 

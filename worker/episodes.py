@@ -61,12 +61,20 @@ class Episode:
         self.parked_seconds += await self._runtime.park(self._flight, "parked")
 
     async def replay(self, step: Awaitable[T]) -> T:
-        """Run a repeatable step; the episode stays parked at its last boundary meanwhile."""
+        """Run a repeatable step; the episode stays parked at its last boundary meanwhile.
+        Its outcome, a result or an exception, waits while parked (a checkpoint open, a
+        hand-over under way), so the app runs nothing past the boundary meanwhile."""
         self._runtime.set_position(self._flight, "replay")
         try:
             result = await step
-        finally:
+        except Exception:
             self._runtime.set_position(self._flight, "running")
+            self.parked_seconds += await self._runtime.park(self._flight, "parked")
+            raise
+        except BaseException:  # cancelled: it leaves
+            self._runtime.set_position(self._flight, "running")
+            raise
+        self._runtime.set_position(self._flight, "running")
         self.parked_seconds += await self._runtime.park(self._flight, "parked")
         return result
 

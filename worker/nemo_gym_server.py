@@ -202,7 +202,8 @@ def nemo_gym_participation(cls: type, app: Any, session_state: str | None) -> Pa
             f"--session-state {session_state}: {cls.__name__}.{session_state} is {found}, "
             "not a dict keyed by session ID"
         )
-    return Participation(kind=kind, session_state=states)
+    # Its /run never calls ep.boundary: a running episode ends where it runs.
+    return Participation(kind=kind, session_state=states, episode_boundaries=False)
 
 
 def launcher_app() -> tuple[str, str] | None:

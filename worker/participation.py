@@ -12,6 +12,11 @@ Four ways, as in NeMo Gym:
   a checkpoint, exports nothing, and reports the episodes of its live sessions under
   `report.restarts`, so the controller starts those rollouts over.
 
+An app whose `/run` episodes never call `ep.boundary` declares `episode_boundaries=False`
+(NeMo Gym's servers do, through `worker.nemo_gym_server`): an operation that empties a
+worker then does not wait for a boundary to hand an episode over; it waits for the
+episode to end.
+
 A WebSocket (any upgraded connection) is a *tunnel*: it cannot park at a boundary, so
 `tunnels` says what a checkpoint does with one: `"close"` (the default) closes it when
 the checkpoint closes admission (WebSocket close code 1012, "service restart"; the
@@ -73,6 +78,10 @@ class Participation:
     # A dict of the app's holding each session's state (keyed by the app's session IDs);
     # declaring it stands for hooks (`worker.session_dicts`).
     session_state: MutableMapping[str, Any] | None = None
+    # Its `/run` episodes mark boundaries (`ep.boundary`), where an operation that empties
+    # a worker can hand one over (`worker.handoffs`); False: they run where they are
+    # (NeMo Gym's own servers know nothing of gym-proxy's episode API).
+    episode_boundaries: bool = True
 
     def __post_init__(self) -> None:
         if self.session_state is not None:

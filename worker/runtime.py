@@ -47,6 +47,7 @@ from coordinator.contract.marks import RestoredClaims, RetireMarks
 from coordinator.contract.messages import Claim, Ready, Report, SessionsEnded
 from coordinator.contract.records import encode
 from worker.episodes import Episode
+from worker.handoffs import Handoff
 from worker.identity import WorkerInfo
 from worker.participation import Participation
 from worker.sessions import SessionEntry, SessionStore, session_record
@@ -108,6 +109,9 @@ class InFlight:
     episode: Episode | None = None
     retired: bool = False
     close_tunnel: Callable[[], None] | None = None  # set once it became a tunnel
+    handoff: Handoff | None = None  # its episode is being handed over (worker.handoffs)
+    responding: bool = False  # its answer has begun (a hand-over can no longer replay it)
+    replayable: bool = True  # False: its body cannot be handed back as it came
 
     def blocker(self) -> str:
         if self.identity is not None:
@@ -136,6 +140,9 @@ class ParticipantRuntime:
     retired_sessions: dict[str, str] = field(default_factory=dict)
     # An app session -> the gym-proxy sessions its requests came under (moved with it).
     links: dict[str, set[str]] = field(default_factory=dict)
+    # Episode key -> the record of an episode handed over to this worker, until its
+    # request (replayed by the proxy) takes it (worker.handoffs).
+    arrivals: dict[str, dict[str, Any]] = field(default_factory=dict)
     opened: asyncio.Event = field(default_factory=asyncio.Event)
     loop_lag: LoopLag = field(default_factory=LoopLag)  # sampled once serving (process)
     seq: int = 0
@@ -191,6 +198,9 @@ class ParticipantRuntime:
                 restored, state = False, None
                 if new_episode and identity.rollout_id in self.claims:
                     state = await self._claim(identity, digest)
+                    restored = True
+                elif new_episode and identity.key in self.arrivals:
+                    state = self.arrivals.pop(identity.key)["boundary"]  # handed over
                     restored = True
                 flight.episode = Episode(
                     self, flight, identity, restored, state, digest, exported=new_episode
@@ -271,19 +281,29 @@ class ParticipantRuntime:
         self.changed()
 
     async def park(self, flight: InFlight, position: Position) -> float:
-        """Wait while the gate is closed; return the seconds spent parked."""
-        if self.is_open:
+        """Wait while the gate is closed, or while the flight's episode is held for a
+        hand-over; return the seconds spent parked."""
+        if self.is_open and flight.handoff is None:
             return 0.0
         started = time.monotonic()
         self.set_position(flight, position)
         try:
-            await self.opened.wait()
+            while True:
+                handoff = flight.handoff
+                if handoff is not None:
+                    await handoff.go_on.wait()  # or cancelled, when it is handed over
+                elif not self.is_open:
+                    await self.opened.wait()
+                else:
+                    break
         finally:
             self.set_position(flight, "running")
         return time.monotonic() - started
 
     def set_position(self, flight: InFlight, position: Position) -> None:
         flight.position = position
+        if flight.handoff is not None and position == "parked":
+            flight.handoff.parked.set()
         self.changed()
 
     async def hold_answer(self, flight: InFlight) -> None:
@@ -429,6 +449,8 @@ class ParticipantRuntime:
             ep = flight.episode
             if ep is not None and ep.exported and (scope is None or ep.key in scope):
                 records.append(ep.export())
+        # Handed over to this worker, its request not here yet: it is this worker's now.
+        records += [r for key, r in self.arrivals.items() if scope is None or key in scope]
         return records
 
     async def _hook_records(self, entries: dict[str, SessionEntry]) -> list[dict[str, Any]]:
@@ -468,7 +490,13 @@ class ParticipantRuntime:
         busy = sorted({f.session_id for f in self.flights if f.session_id in held})
         if busy:
             raise GymError("session_not_movable", f"sessions with a request running: {busy}")
+        return await self.session_records(held)
+
+    async def session_records(self, held: dict[str, SessionEntry]) -> list[dict[str, Any]]:
+        """The records of these live sessions, for a move (the store's values, or the
+        app's export hook's)."""
         owner = self.info.owner
+        participation = self.participation
         if participation.hooks is not None and participation.hooks.export is not None:
             found = await self._hook_records(held)
         else:
@@ -507,6 +535,8 @@ class ParticipantRuntime:
             self.retired_sessions[session_id] = parse_episode_key(key).rollout_id
         freed = self.store.release_episodes(keys)
         self.claims.drop_retired(self.marks)
+        for key in [k for k in self.arrivals if covered(parse_episode_key(k))]:
+            del self.arrivals[key]
         return await self.forget_sessions(freed) + len(doomed)
 
     def forget(self, rollout_ids: list[str]) -> list[str]:
@@ -526,10 +556,12 @@ class ParticipantRuntime:
 
 
 def own_cancellation(flight: InFlight) -> bool:
-    """True when the runtime's retire cancelled the current task (and nothing else did);
-    the cancellation is then taken back so the front door can answer `stale_attempt`."""
+    """True when the runtime cancelled the current task (a retire, or a hand-over giving
+    its episode up) and nothing else did; the cancellation is then taken back so the
+    front door can answer (`stale_attempt`, or the hand-over marker)."""
     task = asyncio.current_task()
-    if flight.retired and task is not None and task.cancelling() == 1:
+    stopped = flight.retired or (flight.handoff is not None and flight.handoff.id is not None)
+    if stopped and task is not None and task.cancelling() == 1:
         task.uncancel()
         return True
     return False

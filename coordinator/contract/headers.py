@@ -24,6 +24,8 @@ __all__ = [
     "APP_TOKEN",
     "APP_SESSION",
     "APP_SESSION_END",
+    "HANDOFF",
+    "HANDOFF_STATUS",
     "IDENTITY_HEADERS",
     "CONTROL_PREFIX",
     "CHECKPOINT_PATH",
@@ -50,6 +52,12 @@ APP_TOKEN: Final = b"x-nemo-gym-session-token"
 # Sent by a worker's runtime, stripped by the proxy: an app session it now holds, or ended.
 APP_SESSION: Final = b"x-ng-app-session"
 APP_SESSION_END: Final = b"x-ng-app-session-end"
+# A worker's answer to a request whose episode it handed over: the status, this header
+# (the hand-over id a move gave it) and, as the body, the request's body. The proxy sends
+# the request on to the target and the client never sees this answer; should it ever be
+# relayed (no move asked for it), 503 tells the client it was not served.
+HANDOFF: Final = b"x-ng-handoff"
+HANDOFF_STATUS: Final = 503
 
 # The control plane: NeMo Gym's Gen-2 checkpoint calls, and gym-proxy's own operations
 # (a path that cannot collide with NeMo Gym's). The proxy answers these itself.

@@ -24,6 +24,9 @@ with `MalformedMessage` naming the message and the key, before a handler sees it
                                      held       -> HeldSessions
                                      close_tunnels -> Done
                                      stats      -> WorkerStats
+                                     park_episodes -> ParkedEpisodes
+                                     give_up    -> GaveUp
+                                     resume_episodes -> Done
 """
 
 from __future__ import annotations
@@ -79,6 +82,13 @@ __all__ = [
     "CloseTunnels",
     "Stats",
     "WorkerStats",
+    "RunningEpisode",
+    "EPISODE_ENDED",
+    "ParkEpisodes",
+    "ParkedEpisodes",
+    "GiveUp",
+    "GaveUp",
+    "ResumeEpisodes",
 ]
 
 M = TypeVar("M", bound="Message")
@@ -438,16 +448,31 @@ class MoveOut(Message):
 @message("adopt", Installed)
 class Adopt(Message):
     """Take these live sessions over (all or none); unlike a restore's, they are not
-    restored state a scoped commit may release."""
+    restored state a scoped commit may release. `episodes`: records of parked `/run`
+    episodes handed over; each continues here when its request arrives (replayed by the
+    proxy), and counts as this worker's until then (a checkpoint exports it)."""
 
     sessions: list[dict[str, Any]]
+    episodes: list[dict[str, Any]] = dataclasses.field(default_factory=list)
 
 
 @message("drop", Released)
 class Drop(Message):
-    """These sessions moved away: free their state here (their requests go elsewhere)."""
+    """These sessions moved away: free their state here (their requests go elsewhere);
+    `episode_keys`: handed-over episodes whose request will not come (forget them)."""
 
     session_ids: list[str]
+    episode_keys: list[str] = dataclasses.field(default_factory=list)
+
+
+@message()
+class RunningEpisode(Message):
+    """A `/run` episode running on a worker, as an operation that empties it sees it."""
+
+    key: str
+    session_id: str | None  # the gym-proxy session its request came under
+    sessions: list[str]  # the worker's sessions that move with it (its own, bound to it)
+    unmovable: str  # "": it can be handed over at a boundary; else why not
 
 
 @message()
@@ -455,6 +480,7 @@ class HeldSessions(Message):
     session_ids: list[str]  # every live session of the worker's store, app sessions too
     movable: bool  # False: restart-only, its sessions end where they are
     requests: int  # requests the worker is running now
+    episodes: list[RunningEpisode] = dataclasses.field(default_factory=list)
 
 
 @message("held", HeldSessions)
@@ -468,6 +494,52 @@ class CloseTunnels(Message):
     `tunnels` choice is "close"; with "block", a move waits for them to end."""
 
     session_ids: list[str]
+
+
+# ---- a hand-over of parked episodes (coordinator -> the source, then the target) ----
+# The reason a source gives for an episode that is not there to hand over: it ended on
+# its own (answered, or its client left). Nothing is lost; a mover does not count it.
+EPISODE_ENDED = "it is no longer running here (it ended, or its client left)"
+
+
+@message()
+class ParkedEpisodes(Message):
+    episodes: list[dict[str, Any]]  # the parked episodes' records (at their boundary)
+    sessions: list[dict[str, Any]]  # records of the sessions that move with them
+    links: dict[str, list[str]]  # of those sessions: the gym-proxy sessions they came under
+    not_parked: dict[str, str]  # episode key -> why it is not parked for a hand-over
+
+
+@message("park_episodes", ParkedEpisodes)
+class ParkEpisodes(Message):
+    """Park these `/run` episodes at their next boundary (or replay step), within
+    `within` seconds, and answer their records; each waits there, parked, until
+    `give_up` or `resume_episodes`. One that does not park in time goes on running."""
+
+    keys: list[str]
+    within: float
+
+
+@message()
+class GaveUp(Message):
+    handed: list[str]  # episode keys whose request was answered with its hand-over marker
+    kept: dict[str, str]  # episode key -> why it was not handed over (it runs or ended here)
+
+
+@message("give_up", GaveUp)
+class GiveUp(Message):
+    """Stop these parked episodes and answer each one's request with the hand-over
+    marker carrying this id (the proxy sends the request on to the target); the sessions
+    that moved with them end here."""
+
+    handoffs: dict[str, str]  # episode key -> hand-over id
+
+
+@message("resume_episodes", Done)
+class ResumeEpisodes(Message):
+    """A hand-over of these parked episodes was given up: they go on here."""
+
+    keys: list[str]
 
 
 @message()

@@ -1,0 +1,262 @@
+"""Handing running `/run` episodes over from a worker an operation empties to others.
+
+An episode's client keeps its one HTTP request open; the request moves with the
+episode (`worker.handoffs` has the worker's side). For the episodes of one source:
+
+1. hold: new requests of the sessions that ride along (the episode's request's session,
+   the worker's sessions bound to the episode) wait at the proxy, and the move waits
+   until only the episode's own request of them is running;
+2. `park_episodes` on the source: each episode parks at its next boundary (a replay
+   step in progress ends first) and the source answers its record and its riders'
+   records; one that does not park by the deadline goes on running there, and is
+   reported;
+3. `adopt` on its target: the riders and the episode's record, all or none (the record
+   waits there as an arrival for the request);
+4. the proxy expects each episode's request back from the source, under a fresh id;
+5. `give_up` on the source: it answers each request with the marker and that id; the
+   proxy sends the request, byte for byte, to the target (`proxy.exchange`, HANDOVER),
+   whose admission takes the arrival and continues the episode from its boundary;
+6. the session table sends the riders to the target and the held requests go on.
+
+A failure before step 5 leaves each episode where it was, running (`resume_episodes`),
+and the target forgets what it took. From step 5 on, an episode is in one place only:
+the source gave its request back, or answered it itself (then the target forgets the
+arrival). One whose given-back request does not reach the target (its client left, the
+target died) is reported, with the reason; the client of a dead target sees the 502 or
+410 it would have seen had the episode been running there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from coordinator.contract import failpoints
+from coordinator.contract.channel import ChannelClosed, ChannelTimeout, RemoteError
+from coordinator.contract.episodes import episode_key
+from coordinator.contract.messages import (
+    EPISODE_ENDED,
+    Adopt,
+    GaveUp,
+    GiveUp,
+    ParkedEpisodes,
+    ParkEpisodes,
+    ResumeEpisodes,
+    RunningEpisode,
+)
+
+if TYPE_CHECKING:
+    from coordinator.mover import Moved, Mover, _Worker
+
+__all__ = ["hand_over", "ARRIVAL_WAIT"]
+
+log = logging.getLogger("gym_proxy.moves")
+
+ARRIVAL_WAIT = 10.0  # seconds a given-back request gets to reach its target
+ADOPT_WAIT = 5.0  # seconds a target gets at least to take parked episodes
+GIVE_UP_WAIT = 20.0  # seconds the source gets to answer give_up (it waits 10 for the app)
+BOUNDARY_POLL = 0.01
+_CHANNEL_ERRORS = (ChannelClosed, ChannelTimeout, RemoteError)
+
+
+async def hand_over(
+    mover: Mover,
+    source: _Worker,
+    episodes: Sequence[RunningEpisode],
+    targets: Sequence[_Worker],
+    deadline: float,
+    result: Moved,
+) -> None:
+    """Hand `episodes` (running on `source`) over to `targets`, by the steps of the module
+    docstring; `result` gets each episode key and the owner it went to, or why not. The
+    caller excludes checkpoints and other moves."""
+    movable = []
+    for episode in episodes:
+        if episode.unmovable:
+            result.failed[episode.key] = episode.unmovable
+        elif not targets:
+            result.failed[episode.key] = "no worker to hand it over to"
+        else:
+            movable.append(episode)
+    if not movable:
+        return
+    target_of = {e.key: targets[i % len(targets)] for i, e in enumerate(movable)}
+    own = {e.key: e for e in movable}
+    held = sorted({s for e in movable for s in _riders(e)})
+    mover.table.hold_sessions(held)
+    mover.holding += len(held)
+    given_up: list[str] = []
+    try:
+        if not await _only_episodes_running(mover, movable, held, deadline):
+            for episode in movable:
+                result.failed[episode.key] = "a request of a session it carries was still running"
+            return
+        parked = await _park(source, list(own), deadline, result)
+        if parked is None:
+            return
+        adopted = await _adopt(mover, source, parked, own, target_of, deadline, result)
+        if adopted:
+            given_up = adopted
+            await _give_up(mover, source, adopted, parked, own, target_of, result)
+    finally:
+        mover.table.release_sessions(held)
+        mover.holding -= len(held)
+        # Whatever was not given up goes on where it is (parked by this call or before).
+        _resume_later(source, [key for key in own if key not in given_up])
+
+
+def _riders(episode: RunningEpisode) -> list[str]:
+    """The sessions that move with an episode: its request's, and the worker's bound to it."""
+    riders = list(episode.sessions)
+    if episode.session_id is not None and episode.session_id not in riders:
+        riders.append(episode.session_id)
+    return riders
+
+
+async def _only_episodes_running(
+    mover: Mover, movable: list[RunningEpisode], held: list[str], deadline: float
+) -> bool:
+    """Step 1's wait: of the riders' requests, only the episodes' own still run."""
+    own_requests: dict[str, int] = {}
+    for episode in movable:
+        if episode.session_id is not None:
+            own_requests[episode.session_id] = own_requests.get(episode.session_id, 0) + 1
+    running = mover.table.running_requests
+    while any(running(s) > own_requests.get(s, 0) for s in held):
+        if time.monotonic() >= deadline:
+            return False
+        await asyncio.sleep(BOUNDARY_POLL)
+    return True
+
+
+async def _park(
+    source: _Worker, keys: list[str], deadline: float, result: Moved
+) -> ParkedEpisodes | None:
+    """Step 2."""
+    within = max(0.1, deadline - time.monotonic())
+    try:
+        parked = await source.channel.request(ParkEpisodes(keys, within), within=within + 5.0)
+    except _CHANNEL_ERRORS as exc:
+        for key in keys:
+            result.failed[key] = f"worker {source.slot} did not park it: {exc}"
+        return None
+    result.failed.update({k: why for k, why in parked.not_parked.items() if why != EPISODE_ENDED})
+    return parked
+
+
+async def _adopt(
+    mover: Mover,
+    source: _Worker,
+    parked: ParkedEpisodes,
+    own: dict[str, RunningEpisode],
+    target_of: dict[str, _Worker],
+    deadline: float,
+    result: Moved,
+) -> list[str]:
+    """Step 3, per target; answers the keys of the episodes their targets took."""
+    rider_of = {s: key for key, e in own.items() for s in _riders(e)}
+    by_target: dict[int, tuple[_Worker, list[dict[str, Any]], list[dict[str, Any]]]] = {}
+    for record in parked.episodes:
+        target = target_of[_key(record)]
+        by_target.setdefault(id(target), (target, [], []))[1].append(record)
+    for record in parked.sessions:
+        target = target_of[rider_of[record["session_id"]]]
+        by_target.setdefault(id(target), (target, [], []))[2].append(record)
+    failpoints.hit("handover-before-adopt")
+    # The episodes wait parked meanwhile: the deadline bounded the wait for boundaries.
+    within = max(ADOPT_WAIT, deadline - time.monotonic())
+
+    async def adopt(target: _Worker, episodes: list[dict[str, Any]], sessions: list) -> list[str]:
+        keys = [_key(r) for r in episodes]
+        try:
+            await target.channel.request(Adopt(sessions, episodes), within=within)
+        except _CHANNEL_ERRORS as exc:
+            for key in keys:
+                result.failed[key] = f"worker {target.slot} did not take it: {exc}"
+            mover.drop_later(target, [r["session_id"] for r in sessions], keys)
+            return []
+        return keys
+
+    taken = await asyncio.gather(*(adopt(*entry) for entry in by_target.values()))
+    return [key for keys in taken for key in keys]
+
+
+async def _give_up(
+    mover: Mover,
+    source: _Worker,
+    keys: list[str],
+    parked: ParkedEpisodes,
+    own: dict[str, RunningEpisode],
+    target_of: dict[str, _Worker],
+    result: Moved,
+) -> None:
+    """Steps 4-6."""
+    table = mover.table
+    ids = {key: secrets.token_hex(16) for key in keys}
+    arrivals = {
+        key: table.expect_handoff(ids[key], source.owner, target_of[key].owner) for key in keys
+    }
+    gave: GaveUp | None = None
+    try:
+        gave = await source.channel.request(GiveUp(ids), within=GIVE_UP_WAIT)
+    except _CHANNEL_ERRORS as exc:
+        log.warning("worker %d did not say which episodes it gave up: %s", source.slot, exc)
+    failpoints.hit("handover-given-up")
+    # What the source gave back is on its way; without its word, each arrival tells.
+    coming = [arrivals[k] for k in keys if gave is None or k in gave.handed]
+    if coming:
+        await asyncio.wait(coming, timeout=ARRIVAL_WAIT)
+    for key in keys:
+        target, arrival = target_of[key], arrivals[key]
+        why = arrival.result() if arrival.done() else None
+        table.forget_handoff(ids[key])
+        if gave is not None and key not in gave.handed:
+            why_kept = gave.kept.get(key, EPISODE_ENDED)
+            if why_kept != EPISODE_ENDED:
+                result.failed[key] = f"worker {source.slot} kept it: {why_kept}"
+            mover.drop_later(target, list(own[key].sessions), [key])
+            continue
+        if why is None and gave is None:
+            # The source never said: it may still hold the episode. Its sessions stay.
+            result.failed[key] = f"worker {source.slot} did not give it up in time"
+            mover.drop_later(target, list(own[key].sessions), [key])
+            continue
+        # Given up: the source ended its riders; the target holds them now.
+        for session_id in _riders(own[key]):
+            for placed in (session_id, *parked.links.get(session_id, ())):
+                table.place_session(placed, target.owner)
+        if why:
+            result.failed[key] = f"its request did not reach worker {target.slot}: {why}"
+            mover.drop_later(target, [], [key])
+        elif why is None:
+            result.failed[key] = f"its request did not reach worker {target.slot} in time"
+            mover.drop_later(target, [], [key])
+        else:
+            result.moved[key] = target.owner
+
+
+def _resume_later(source: _Worker, keys: list[str]) -> None:
+    if not keys:
+        return
+
+    async def resume() -> None:
+        try:
+            await source.channel.request(ResumeEpisodes(keys), within=30.0)
+        except _CHANNEL_ERRORS as exc:
+            log.warning("worker %d did not resume %d episodes: %s", source.slot, len(keys), exc)
+
+    task = asyncio.ensure_future(resume())
+    _RESUMES.add(task)
+    task.add_done_callback(_RESUMES.discard)
+
+
+_RESUMES: set[asyncio.Future[None]] = set()
+
+
+def _key(record: dict[str, Any]) -> str:
+    identity = record["episode_id"]
+    return episode_key(identity["rollout_id"], identity["attempt"])
