@@ -91,9 +91,10 @@ async def hand_over(
     mover.holding += len(held)
     given_up: list[str] = []
     try:
-        if not await _only_episodes_running(mover, movable, held, deadline):
-            for episode in movable:
-                result.failed[episode.key] = "a request of a session it carries was still running"
+        for key in await _busy_riders(mover, movable, deadline):
+            result.failed[key] = "a request of a session it carries was still running"
+            del own[key]
+        if not own:
             return
         parked = await _park(source, list(own), deadline, result)
         if parked is None:
@@ -110,27 +111,31 @@ async def hand_over(
 
 
 def _riders(episode: RunningEpisode) -> list[str]:
-    """The sessions that move with an episode: its request's, and the worker's bound to it."""
-    riders = list(episode.sessions)
-    if episode.session_id is not None and episode.session_id not in riders:
-        riders.append(episode.session_id)
-    return riders
+    """The worker's sessions that move with an episode: its request's (when the worker
+    keeps it: a session minted for the `/run` alone has no state, and a later request
+    of it routes to the source's heir), and those bound to the episode."""
+    return list(episode.sessions)
 
 
-async def _only_episodes_running(
-    mover: Mover, movable: list[RunningEpisode], held: list[str], deadline: float
-) -> bool:
-    """Step 1's wait: of the riders' requests, only the episodes' own still run."""
+async def _busy_riders(mover: Mover, movable: list[RunningEpisode], deadline: float) -> list[str]:
+    """Step 1's wait, until of each episode's riders' requests only its own still runs
+    (or `deadline`); answers the episodes whose riders are still busy then."""
     own_requests: dict[str, int] = {}
     for episode in movable:
         if episode.session_id is not None:
             own_requests[episode.session_id] = own_requests.get(episode.session_id, 0) + 1
     running = mover.table.running_requests
-    while any(running(s) > own_requests.get(s, 0) for s in held):
-        if time.monotonic() >= deadline:
-            return False
+
+    def busy() -> list[str]:
+        return [
+            e.key for e in movable if any(running(s) > own_requests.get(s, 0) for s in _riders(e))
+        ]
+
+    while True:
+        still = busy()
+        if not still or time.monotonic() >= deadline:
+            return still
         await asyncio.sleep(BOUNDARY_POLL)
-    return True
 
 
 async def _park(

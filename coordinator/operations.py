@@ -6,16 +6,17 @@ every other operation (409 `operation_conflict`, both ways), reports its progres
 
 - **drain** a slot: its worker takes no new sessions and its sessions move to the other
   workers (a restart-only app's sessions cannot move: they are waited for until they
-  end, up to the timeout, then reported). The worker stays up, draining, until
-  `undrain`.
+  end, up to the timeout, then reported); its running `/run` episodes are handed over
+  beside them, each at its next boundary (`coordinator.handovers`). The worker stays
+  up, draining, until `undrain`.
 - **retire** a worker (the step a restart and a shrink share): drain it into its heirs,
   then hold every request still routed to it at the proxy, wait for its running
-  requests to end, move what they left, send whatever still names its owner to an heir
-  (`Router.retire_owner`), start the held requests again, and stop it. A worker that
-  cannot be emptied by the timeout (a session whose request runs on, a restart-only
-  session that does not end) is not stopped: it keeps serving what it holds, taking
-  nothing new, and is retired in the background as soon as it can be; the answer names
-  what it kept.
+  requests to end (handing over the episodes among them), move what they left, send
+  whatever still names its owner to an heir (`Router.retire_owner`), start the held
+  requests again, and stop it. A worker that cannot be emptied by the timeout (a session
+  whose request runs on, an episode that reaches no boundary, a restart-only session
+  that does not end) is not stopped: it keeps serving what it holds, taking nothing new,
+  and is retired in the background as soon as it can be; the answer names what it kept.
 - **rolling restart**, one slot at a time: start the replacement (new code: a fresh
   `python -m worker`), wait until it registers, make it the slot's worker, retire the
   old one into it. A replacement that does not boot aborts the restart: the old worker
@@ -39,87 +40,21 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import asdict, dataclass, field
-from typing import Any, Protocol
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
 
-from coordinator.contract.channel import ChannelClosed, ChannelTimeout, RemoteError
 from coordinator.contract.errors import GymError
-from coordinator.contract.messages import ListHeld, ParkEpisodes, ResumeEpisodes
-from coordinator.handovers import hand_over
-from coordinator.mover import Checkpoints, Moved, Mover, exclusive, failures, is_free
+from coordinator.mover import Checkpoints, Mover, exclusive, is_free
+from coordinator.retiring import Progress, Retirer, WorkerPool
 
 __all__ = ["Operations", "WorkerPool", "Progress", "RESTART_PAUSE"]
 
 log = logging.getLogger("gym_proxy.operations")
 
-POLL = 0.05  # seconds between looks at a worker being emptied
-FINAL_SWEEP = 5.0  # seconds the last step of a retire gets even past the timeout
-RETRY_RETIRE = 1.0  # seconds between background attempts at a worker left serving
 SIGNAL_POLL = 0.5  # seconds between looks, for a queued signal, at whether it may run
 RECYCLE_BACKOFF = 60.0  # seconds before a failed recycle of a slot is tried again
 RESTART_PAUSE = 1.0  # seconds between the slots of a rolling restart (module docstring)
-PARK_AHEAD = 30.0  # seconds a left-serving worker's episodes get to reach a boundary
-
-
-class WorkerPool(Protocol):
-    """What operations need from the supervisor."""
-
-    slots: list[Any]
-    config: Any
-
-    def current(self, slot_index: int) -> Any: ...
-
-    def workers(self) -> Sequence[Any]: ...
-
-    async def start_successor(self, slot_index: int, within: float) -> Any: ...
-
-    async def add_slot(self, within: float) -> Any: ...
-
-    def promote(self, successor: Any) -> Any: ...
-
-    def remove_last_slot(self) -> Any: ...
-
-    def take_out_of_service(self, worker: Any) -> None: ...
-
-    async def stop_worker(self, worker: Any, grace: float) -> int | None: ...
-
-    def hold_worker(self, worker: Any) -> None: ...
-
-    def release_worker(self, worker: Any) -> None: ...
-
-    def retire_owner(self, old: str, heir: str) -> None: ...
-
-
-@dataclass
-class Progress:
-    """One operation, as `status` shows it while it runs and after."""
-
-    operation: str
-    reason: str
-    started_at: float  # Unix seconds
-    step: str = "starting"
-    moved: int = 0
-    failed: dict[str, str] = field(default_factory=dict)
-    episodes_moved: int = 0  # running /run episodes handed over (coordinator.handovers)
-    episodes_failed: dict[str, str] = field(default_factory=dict)
-    episodes_to: dict[str, str] = field(default_factory=dict)  # episode key -> its owner now
-    slots: list[dict[str, Any]] = field(default_factory=list)
-    errors: list[str] = field(default_factory=list)
-    seconds: float | None = None  # set when it ended
-
-    def view(self, waiting: int) -> dict[str, Any]:
-        view = asdict(self)
-        view["failed"] = failures(self.failed)
-        view["episodes_failed"] = [
-            {"episode": key, "reason": why} for key, why in sorted(self.episodes_failed.items())
-        ]
-        view["episodes_handed_over"] = [
-            {"episode": key, "owner": owner}
-            for key, owner in sorted(view.pop("episodes_to").items())
-        ]
-        view["waiting"] = waiting
-        return view
 
 
 @dataclass(eq=False)
@@ -135,6 +70,12 @@ class Operations:
     _recycle_not_before: dict[int, float] = field(default_factory=dict)
     # Told each operation's kind, outcome (complete, incomplete, error) and seconds.
     observe: Callable[[str, str, float], None] | None = None
+    retirer: Retirer = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.retirer = Retirer(
+            self.pool, self.mover, self.checkpoints, self._exclusive, self._in_background
+        )
 
     # ---- the operations -------------------------------------------------------------
     async def drain(self, slot: int, within: float) -> dict[str, Any]:
@@ -147,9 +88,11 @@ class Operations:
                 )
             deadline = time.monotonic() + within
             progress.step = f"slot {slot}: moving its sessions to the other workers"
-            left = await self._empty(worker, lambda: self._others(worker), deadline, progress)
+            left = await self.retirer.empty(
+                worker, lambda: self._others(worker), deadline, progress
+            )
             if left is None:
-                left = await self._held_sessions(worker)
+                left = await self.retirer.held_sessions(worker)
                 progress.errors.append(f"slot {slot} did not list its sessions")
             progress.slots.append(
                 {"slot": slot, "owner": worker.owner, "draining": True, "sessions_left": len(left)}
@@ -157,7 +100,7 @@ class Operations:
             if left:
                 progress.errors.append(
                     f"slot {slot} still holds {len(left)} sessions at the timeout "
-                    + self._why_left(left, progress)
+                    + self.retirer.why_left(left, progress)
                 )
             return self._answer(progress)
 
@@ -213,7 +156,7 @@ class Operations:
                 progress.slots.append(entry)
                 if old is not None:
                     entry["owner"] = old.owner
-                    await self._retire(old, self._heirs, within, progress, entry)
+                    await self.retirer.retire(old, self._heirs, within, progress, entry)
             return self._answer(progress, workers=len(self.pool.slots))
 
     def recycle(self, slot: int, reason: str) -> None:
@@ -262,227 +205,9 @@ class Operations:
         entry.update(new_owner=new.owner, new_pid=new.pid)
         self.pool.promote(new)
         progress.step = f"slot {slot}: moving its sessions to the replacement"
-        await self._retire(old, lambda: self._slot_worker(slot), within, progress, entry)
+        await self.retirer.retire(old, lambda: self._slot_worker(slot), within, progress, entry)
         return True
 
-    async def _retire(
-        self,
-        worker: Any,
-        heirs: Callable[[], list[Any]],
-        within: float,
-        progress: Progress,
-        entry: dict[str, Any],
-    ) -> None:
-        """Empty `worker` into `heirs` and stop it (module docstring); one that cannot be
-        emptied in `within` seconds keeps serving and is retired in the background."""
-        deadline = time.monotonic() + within
-        left = await self._empty(worker, heirs, deadline, progress)
-        if left == [] and await self._take_out(worker, heirs, deadline, progress):
-            entry["outcome"] = "stopped"
-            await self.pool.stop_worker(worker, float(self.pool.config.graceful_timeout))
-            return
-        if worker.state == "dead":
-            entry["outcome"] = "died while it was emptied"
-            return
-        listing = await self._listing(worker)
-        kept = [] if listing is None else list(listing.session_ids)
-        running = [] if listing is None else [e.key for e in listing.episodes]
-        entry["outcome"] = "left serving what it holds; retired when it can be"
-        entry["sessions_left"] = len(kept)
-        entry["episodes_left"] = len(running)
-        what = f"slot {worker.slot}: the old worker (pid {worker.pid}) keeps"
-        if kept or not running:
-            progress.errors.append(f"{what} {len(kept)} sessions {self._why_left(kept, progress)}")
-        if running:
-            reasons = sorted({progress.episodes_failed.get(k, "it runs on") for k in running})
-            progress.errors.append(f"{what} {len(running)} running episodes ({'; '.join(reasons)})")
-        self._in_background(self._retire_later(worker, heirs))
-
-    async def _empty(
-        self,
-        worker: Any,
-        heirs: Callable[[], list[Any]],
-        deadline: float,
-        progress: Progress,
-    ) -> list[str] | None:
-        """Take `worker` out of new sessions and move its sessions to `heirs` until none
-        is left or `deadline`; answer the sessions it still holds (None: it did not say,
-        so it is not empty as far as anyone knows)."""
-        worker.route.draining = True
-        moved: set[str] = set()
-        while worker.state == "live":
-            await self.mover.drops_done()  # a moved session must not be listed again
-            listing = await self._listing(worker)
-            if listing is None:
-                return None
-            episodes = self._movable(listing.episodes, progress)
-            # A session an episode carries moves with it (a hand-over), not on its own.
-            riding = {s for e in episodes for s in (*e.sessions, e.session_id)}
-            todo = [s for s in listing.session_ids if s not in moved]
-            alone = [s for s in todo if s not in riding]
-            if not todo and not episodes or time.monotonic() >= deadline:
-                return todo
-            targets = [h for h in heirs() if h is not worker]
-            if not listing.movable or not targets:
-                await asyncio.sleep(POLL)  # restart-only: its sessions end where they are
-                continue
-            plan: dict[str, list[str]] = {}
-            for i, session_id in enumerate(alone):
-                plan.setdefault(targets[i % len(targets)].owner, []).append(session_id)
-            # Side by side: a session's long request does not hold up an episode, nor back.
-            result, handed = await asyncio.gather(
-                self.mover.move_sessions(plan, [worker], deadline),
-                self._hand_over(worker, episodes, targets, deadline, progress),
-            )
-            moved.update(result.moved)
-            progress.moved += len(result.moved)
-            for session_id in result.moved:
-                progress.failed.pop(session_id, None)
-            progress.failed.update(result.failed)
-            if not result.moved and not handed:
-                await asyncio.sleep(POLL)
-        return []
-
-    async def _hand_over(
-        self,
-        worker: Any,
-        episodes: list[Any],
-        targets: list[Any],
-        deadline: float,
-        progress: Progress,
-    ) -> int:
-        """Hand `worker`'s running episodes over to `targets`; answer how many went."""
-        if not episodes or not targets:
-            return 0
-        result = Moved()
-        await hand_over(self.mover, worker, episodes, targets, deadline, result)
-        progress.episodes_moved += len(result.moved)
-        progress.episodes_to.update(result.moved)
-        for key in result.moved:
-            progress.episodes_failed.pop(key, None)
-        progress.episodes_failed.update(result.failed)
-        return len(result.moved)
-
-    async def _take_out(
-        self,
-        worker: Any,
-        heirs: Callable[[], list[Any]],
-        deadline: float,
-        progress: Progress,
-    ) -> bool:
-        """The last step of a retire: with every request for `worker` held at the proxy,
-        wait for its running ones, move what they left, and send what still names its
-        owner to an heir. False (nothing changed, it serves on) when it is not empty."""
-        final = max(deadline, time.monotonic() + FINAL_SWEEP)
-        self.pool.hold_worker(worker)
-        try:
-            while True:
-                if not worker.route.in_flight:
-                    if await self._empty(worker, heirs, final, progress) != []:
-                        return False
-                    listing = await self._listing(worker)
-                    if listing is None or listing.session_ids:
-                        return False
-                    if not listing.requests:  # a request its client left may still run
-                        break
-                if time.monotonic() >= final or worker.state != "live":
-                    return False
-                if not await self._hand_over_running(worker, heirs, final, progress):
-                    await asyncio.sleep(POLL)
-            targets = [h for h in heirs() if h is not worker]
-            if not targets:
-                return False
-            heir = min(targets, key=lambda h: h.route.in_flight)
-            self.pool.retire_owner(worker.owner, heir.owner)
-            self.pool.take_out_of_service(worker)
-            return True
-        finally:
-            self.pool.release_worker(worker)
-
-    async def _hand_over_running(
-        self, worker: Any, heirs: Callable[[], list[Any]], deadline: float, progress: Progress
-    ) -> int:
-        """With `worker`'s requests held, hand over the episodes it still runs."""
-        listing = await self._listing(worker)
-        if listing is None:
-            return 0
-        episodes = self._movable(listing.episodes, progress)
-        targets = [h for h in heirs() if h is not worker]
-        return await self._hand_over(worker, episodes, targets, deadline, progress)
-
-    @staticmethod
-    def _movable(episodes: list[Any], progress: Progress) -> list[Any]:
-        """The episodes a hand-over may move; each other one is reported with why not."""
-        for episode in episodes:
-            if episode.unmovable:
-                progress.episodes_failed[episode.key] = episode.unmovable
-        return [e for e in episodes if not e.unmovable]
-
-    async def _retire_later(self, worker: Any, heirs: Callable[[], list[Any]]) -> None:
-        """Retire a worker left serving, as soon as its sessions let it."""
-        while worker.state == "live":
-            await asyncio.sleep(RETRY_RETIRE)
-            if not is_free(self.checkpoints):
-                continue
-            # Only an attempt that can succeed takes the exclusion (checkpoints get 409
-            # meanwhile): none of its requests running, and nothing left that cannot move.
-            listing = await self._listing(worker)
-            if listing is None or (listing.session_ids and not listing.movable):
-                continue
-            # Running requests keep it, unless each is an episode it can hand over; those
-            # park at their boundary first, so the exclusion is taken only once they did.
-            movable = [e.key for e in listing.episodes if not e.unmovable]
-            if worker.route.in_flight > len(movable) or listing.requests > len(movable):
-                continue
-            if movable and not await self._park_ahead(worker, movable):
-                continue
-            if not is_free(self.checkpoints):
-                continue  # one began while it listed
-            async with self._exclusive("worker_retire", f"worker {worker.slot} left serving") as p:
-                entry: dict[str, Any] = {"slot": worker.slot, "owner": worker.owner}
-                p.slots.append(entry)
-                deadline = time.monotonic() + RETRY_RETIRE
-                if await self._empty(worker, heirs, deadline, p) == [] and await self._take_out(
-                    worker, heirs, deadline, p
-                ):
-                    entry["outcome"] = "stopped"
-                    await self.pool.stop_worker(worker, float(self.pool.config.graceful_timeout))
-                    return
-
-    async def _park_ahead(self, worker: Any, keys: list[str]) -> bool:
-        """Park `worker`'s episodes at their next boundary (up to PARK_AHEAD seconds),
-        outside the exclusion: parked, an episode changes nothing a checkpoint would see.
-        True when all parked and the server is free; else they go on running."""
-        try:
-            within = PARK_AHEAD
-            parked = await worker.channel.request(ParkEpisodes(keys, within), within=within + 5)
-        except (ChannelClosed, ChannelTimeout, RemoteError) as exc:
-            log.warning("worker %d did not park its episodes: %s", worker.slot, exc)
-            return False
-        if not parked.not_parked and is_free(self.checkpoints):
-            return True
-        with contextlib.suppress(ChannelClosed, ChannelTimeout, RemoteError):
-            await worker.channel.request(ResumeEpisodes(keys), within=10.0)
-        return False
-
-    async def _listing(self, worker: Any) -> Any:
-        try:
-            return await worker.channel.request(ListHeld(), within=10.0)
-        except (ChannelClosed, ChannelTimeout, RemoteError) as exc:
-            log.warning("worker %d did not list its sessions: %s", worker.slot, exc)
-            return None
-
-    async def _held_sessions(self, worker: Any) -> list[str]:
-        listing = await self._listing(worker)
-        return [] if listing is None else list(listing.session_ids)
-
-    def _why_left(self, left: list[str], progress: Progress) -> str:
-        reasons = {progress.failed[s] for s in left if s in progress.failed}
-        if reasons:
-            return "(" + "; ".join(sorted(reasons)) + ")"
-        return "(they could not move: a restart-only app's sessions end where they are)"
-
-    # ---- workers ----------------------------------------------------------------
     def _live_in(self, slot: int) -> Any:
         worker = self.pool.current(slot) if isinstance(slot, int) else None
         if worker is None:

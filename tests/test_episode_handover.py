@@ -14,6 +14,7 @@ from tests.conftest import BOTH_APP_KINDS
 from tests.support import CONTROL_TOKEN as CONTROL
 from tests.support import Control, wait_until
 from tests.test_live_operations import TOKEN_HEADER, operate, seed, status_of, whoami
+from tests.test_metrics import metrics_url
 from tests.test_move_crashes import failpoint
 
 OWNER_HEADER = "x-ng-session-owner"
@@ -59,7 +60,7 @@ async def test_a_restart_hands_a_running_episode_to_the_replacement(start_proxy)
     """One worker, an episode of 40 steps of 50 ms running: the restart parks it at its
     next boundary, the replacement continues it, the client's request is answered once,
     by the replacement, with each step done once; the old worker stops at once."""
-    proxy = start_proxy(workers=1, control_token=CONTROL)
+    proxy = start_proxy("--metrics", "127.0.0.1:0", workers=1, control_token=CONTROL)
     (old,) = proxy.worker_pids()
     async with aiohttp.ClientSession() as http:
         run = await start_run(http, proxy.url, run_body("ep-r", 40, pause=0.05))
@@ -75,6 +76,10 @@ async def test_a_restart_hands_a_running_episode_to_the_replacement(start_proxy)
         assert answer["pid"] == slot["new_pid"] and answer["pid"] != old, answer
         assert answer["restored"] is True and answer["state"]["log"] == log_of("ep-r", 40)
         assert old not in proxy.worker_pids()
+        async with http.get(metrics_url(proxy)) as response:
+            text = await response.text()
+        assert "gym_proxy_episodes_handed_over_total 1.0" in text
+        assert "gym_proxy_episode_handover_failures_total 0.0" in text
 
 
 @BOTH_APP_KINDS
@@ -90,9 +95,8 @@ async def test_an_episode_in_a_replay_step_moves_as_the_step_ends(start_proxy):
         run = await start_run(http, proxy.url, run_body("ep-g", 3, gate="g"))
         await until_step(http, proxy.url, "ep-g", 0)
         restart = asyncio.ensure_future(operate(http, proxy.url, "restart", timeout_s=20))
-        # The hand-over holds the episode's session at the proxy once it asked the old
-        # worker to park the episode.
-        await wait_until(lambda: _holding(http, proxy.url), 20, "the hand-over to begin")
+        # The step says so once the old worker was asked to park the episode.
+        await wait_until(lambda: _handing_over(http, proxy.url), 20, "the hand-over to begin")
         assert not restart.done()  # the episode is still inside its step
         await release(http, proxy.url, "g-0", old_owner)  # the step ends on the old worker
         status, reply = await restart
@@ -106,8 +110,9 @@ async def test_an_episode_in_a_replay_step_moves_as_the_step_ends(start_proxy):
         assert answer["state"]["log"] == log_of("ep-g", 3), answer
 
 
-async def _holding(http: aiohttp.ClientSession, url: str) -> bool:
-    return (await status_of(http, url))["moving_sessions"] == 1
+async def _handing_over(http: aiohttp.ClientSession, url: str) -> bool:
+    running = (await status_of(http, url))["operations"]["running"]
+    return running is not None and "handing over 1 running episodes" in running["step"]
 
 
 @BOTH_APP_KINDS
