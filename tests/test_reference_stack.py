@@ -275,8 +275,9 @@ async def test_a_rolling_restart_of_the_environment_hands_its_episodes_over(stac
 
     restarting = asyncio.ensure_future(restart())
 
-    async def handing_over() -> bool:
-        return (await run.status("env"))["moving_sessions"] > 0
+    async def handing_over() -> bool:  # the workers were asked to park their episodes
+        running = (await run.status("env"))["operations"]["running"]
+        return running is not None and "handing over" in running["step"]
 
     await wait_until(handing_over, 30, "the environment's hand-over to begin")
     os.unlink(hold)  # the model answers: each turn ends, and its episode parks after it
