@@ -237,6 +237,8 @@ def read(base: Path, *, kind: str, instance: str) -> tuple[dict[str, Any], list[
         manifest["session_owners"] = {owner: owner for owner in owners}
     manifest["session_owners"] = _id_map(manifest, "session_owners", "owner")
     manifest["placed_sessions"] = _id_map(manifest, "placed_sessions", "session")
+    if "placed_app_sessions" in manifest:  # a checkpoint from before it was written has none
+        _id_map(manifest, "placed_app_sessions", "session")
     data = _read_regular(base / name)
     if hashlib.sha256(data).hexdigest() != digest:
         raise InvalidCheckpoint(f"{name} does not match records_sha256")

@@ -55,7 +55,7 @@ from coordinator.contract.messages import (
 from coordinator.contract.records import EncodedRecords, is_session, record_key
 from coordinator.contract.telemetry import ATTRIBUTE
 from coordinator.phases import PhaseMachine
-from coordinator.placement import place
+from coordinator.placement import Placement, place
 from coordinator.readiness import Readiness
 
 __all__ = ["LiveWorker", "WorkerView", "Checkpointer"]
@@ -86,9 +86,20 @@ class WorkerView(Protocol):
 
     def aliases(self) -> dict[str, str]: ...
 
-    def placed_sessions(self) -> dict[str, str]: ...
+    def placed_sessions(self) -> dict[str, str]:
+        """gym-proxy's sessions the session table places."""
+        ...
 
-    def set_tables(self, aliases: dict[str, str], sessions: dict[str, str]) -> None: ...
+    def placed_app_sessions(self) -> dict[str, str]:
+        """The app's own sessions the app session table places."""
+        ...
+
+    @property
+    def keeps_app_sessions(self) -> bool:
+        """The workers key their sessions (and records) by the app's own session IDs."""
+        ...
+
+    def set_tables(self, placement: Placement) -> None: ...
 
     def sessions_ended(self, owner: str, session_ids: list[str]) -> None: ...
 
@@ -201,7 +212,8 @@ class Checkpointer:
             ],
             "expected_workers": self.workers.expected,
             "session_aliases": self.workers.aliases(),
-            "routed_sessions": len(self.workers.placed_sessions()),
+            "routed_sessions": len(self.workers.placed_sessions())
+            + len(self.workers.placed_app_sessions()),
             "restored_pending": self.claims.keys(),
             "retired_rollouts": len(self.marks),
             "operation": self.busy,
@@ -400,6 +412,7 @@ class Checkpointer:
             {old: new for old, new in self.workers.aliases().items() if new in owners}
         )
         placed = {s: o for s, o in self.workers.placed_sessions().items() if o in owners}
+        placed_app = {s: o for s, o in self.workers.placed_app_sessions().items() if o in owners}
         abort = threading.Event()
         task = asyncio.ensure_future(
             asyncio.to_thread(
@@ -409,7 +422,11 @@ class Checkpointer:
                 instance=self.instance,
                 checkpoint_id=checkpoint_id,
                 records=records,
-                extras={"session_owners": session_owners, "placed_sessions": placed},
+                extras={
+                    "session_owners": session_owners,
+                    "placed_sessions": placed,
+                    "placed_app_sessions": placed_app,
+                },
                 abort=abort,
                 encoded=encoded,
             )
@@ -477,6 +494,8 @@ class Checkpointer:
             manifest["session_owners"],
             manifest["placed_sessions"],
             [w.owner for w in live],
+            manifest.get("placed_app_sessions", {}),
+            self.workers.keeps_app_sessions,
         )
         claims = RestoredClaims(
             {r["episode_id"]["rollout_id"]: (r["episode_id"]["attempt"] + 1, r) for r in episodes}
@@ -496,7 +515,7 @@ class Checkpointer:
         except BaseException:
             await self._rollback(live)  # cancelled by a resume: undo, then let it go on
             raise
-        self.workers.set_tables(placement.aliases, placement.sessions)
+        self.workers.set_tables(placement)
         self.claims = claims
         self.restored_once = True
         continued = set(claims.keys())

@@ -232,8 +232,9 @@ async def _give_up(
             continue
         # Given up: the source ended its riders; the target holds them now.
         for session_id in _riders(own[key]):
-            for placed in (session_id, *parked.links.get(session_id, ())):
-                table.place_session(placed, target.owner)
+            table.place_session(session_id, target.owner, kept=True)
+            for linked in parked.links.get(session_id, ()):
+                table.place_session(linked, target.owner, kept=False)
         if why:
             result.failed[key] = f"its request did not reach worker {target.slot}: {why}"
             mover.drop_later(target, [], [key])

@@ -82,7 +82,10 @@ class MoveTable(Protocol):
 
     def running_requests(self, session_id: str) -> int: ...
 
-    def place_session(self, session_id: str, owner: str) -> None: ...
+    def place_session(self, session_id: str, owner: str, kept: bool) -> None:
+        """The session table sends `session_id` to `owner`: a session ID as the workers
+        keep it (`kept`: a record's), or a gym-proxy session linked to one."""
+        ...
 
     def expect_handoff(self, handoff_id: str, source: str, target: str) -> asyncio.Future[str]:
         """The data path is to send the request `source` gives back under `handoff_id` on
@@ -329,8 +332,9 @@ class Mover:
         failpoints.hit("move-adopted")
         for record in records:
             session_id = record["session_id"]
-            for placed in (session_id, *links.get(session_id, ())):
-                self.table.place_session(placed, target.owner)
+            self.table.place_session(session_id, target.owner, kept=True)
+            for linked in links.get(session_id, ()):
+                self.table.place_session(linked, target.owner, kept=False)
             result.moved[session_id] = target.owner
 
     def drop_later(

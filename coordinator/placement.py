@@ -9,8 +9,11 @@ name to its holder. Placement:
 - every owner in `session_owners` is aliased to where its holder went, even with no
   records (its cookies still need a worker);
 - ownerless records are placed one by one on the worker with the fewest records, and
-  recorded in the session table; so are `placed_sessions` (ownerless cookies placed
-  before the commit), which follow their holder.
+  recorded in the session table of the IDs the workers keep (the app's own session table
+  when the app keeps its own sessions, else gym-proxy's: `proxy.routing`, "Identity");
+- `placed_sessions` (gym-proxy sessions the table placed before the commit) and
+  `placed_app_sessions` (the app's own sessions it placed) follow their holder, each back
+  into its own table: the two never mix.
 """
 
 from __future__ import annotations
@@ -24,11 +27,13 @@ __all__ = ["Placement", "place"]
 
 @dataclass
 class Placement:
-    """The outcome: records per worker owner, the alias table and the session table."""
+    """The outcome: records per worker owner, the alias table and the two session
+    tables (gym-proxy's, and the app's own)."""
 
     records: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
     aliases: dict[str, str] = field(default_factory=dict)
     sessions: dict[str, str] = field(default_factory=dict)
+    app_sessions: dict[str, str] = field(default_factory=dict)
 
 
 def place(
@@ -36,8 +41,11 @@ def place(
     session_owners: dict[str, str],
     placed_sessions: dict[str, str],
     workers: list[str],
+    placed_app_sessions: dict[str, str] | None = None,
+    app_keyed: bool = False,
 ) -> Placement:
-    """Assign restored session records to `workers` (live owner IDs, in slot order)."""
+    """Assign restored session records to `workers` (live owner IDs, in slot order).
+    `app_keyed`: the records' session IDs are the app's own (module docstring)."""
     if not workers:
         raise ValueError("no live worker to restore onto")
     result = Placement(records={w: [] for w in workers})
@@ -58,16 +66,21 @@ def place(
         result.aliases[owner] = where[holder]
     for holder, target in where.items():
         result.aliases.setdefault(holder, target)
+    kept = result.app_sessions if app_keyed else result.sessions
     for record in records:
         holder = record.get("owner")
         if holder is None:
             target = lightest()
             load[target] += 1
-            result.sessions[record["session_id"]] = target
+            kept[record["session_id"]] = target
         else:
             target = where[holder]
         result.records[target].append(record)
-    for session_id, holder in placed_sessions.items():
-        if holder in where:
-            result.sessions.setdefault(session_id, where[holder])
+    for table, placed in (
+        (result.sessions, placed_sessions),
+        (result.app_sessions, placed_app_sessions or {}),
+    ):
+        for session_id, holder in placed.items():
+            if holder in where:
+                table.setdefault(session_id, where[holder])
     return result

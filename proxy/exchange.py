@@ -9,7 +9,8 @@ States (one at a time; the request side's progress is `request_done`, orthogonal
 
     QUEUED      head parsed, behind another request of the pipeline     writes nothing
                 (or its session is moving, or its worker leaves service: held
-                until that ends, then routed anew)
+                until that ends, then routed anew; reading pauses once a
+                body chunk is kept, as in CONNECTING)
     CONNECTING  routed; waiting for a worker connection (body buffered) may write 100-continue
     SENDING     head sent to the worker; request body streams to it     body -> worker
     RESPONDING  response head sent; response body streams to the client body -> client
@@ -61,7 +62,7 @@ from proxy.outbox import batch as write_batch
 from proxy.outbox import hold, release
 from proxy.request_head import RequestHead, rewrite_request_head
 from proxy.response_head import rewrite_response_head
-from proxy.routing import APP_TOKEN, Handoff, Router, WorkerRoute
+from proxy.routing import APP_COOKIE, APP_TOKEN, Handoff, Router, WorkerRoute
 from proxy.session_tokens import TokenError
 
 if TYPE_CHECKING:
@@ -208,8 +209,11 @@ class Exchange:
                 self.method, self.url, self.version, self.headers, self.upgrade, proxy.token_prefix
             )
         except GymError as exc:
-            self.keep_alive = False
+            self.keep_alive = False  # the bytes are not a request we forward
             self.fail(exc.code, exc.detail)
+            return
+        except TokenError as damaged:  # (mypyc types each `as` name once per function)
+            self.fail("invalid_session_token", str(damaged))
             return
         self.chunked_request = head.chunked
         self.expect_continue = head.expect_continue
@@ -264,8 +268,8 @@ class Exchange:
                 head.owner_hint,
                 head.app_token,
             )
-        except (TokenError, UnicodeDecodeError) as exc:
-            self.fail("invalid_session_token", str(exc))
+        except TokenError as damaged:  # (mypyc types each `as` name once per function)
+            self.fail("invalid_session_token", str(damaged))
             return None
         except GymError as exc:
             self.fail(exc.code, exc.detail)
@@ -290,8 +294,10 @@ class Exchange:
             # aiohttp routes before any middleware: the app sees /rest, the runtime the key.
             parts[2] = rest
             parts += (wire.EPISODE_KEY_LINE, key, b"\r\n")
-        if route.rule == APP_TOKEN:
-            parts += (wire.SESSION_ID_LINE, route.session_id.encode(), b"\r\n")
+        if route.rule == APP_TOKEN or route.rule == APP_COOKIE:
+            # Only the worker was picked by what the client wrote: the app verifies its own
+            # token or cookie, and the request has no gym-proxy session (proxy.routing).
+            parts += (wire.APP_SESSION_CLAIM_LINE, route.session_id.encode(), b"\r\n")
             return worker
         token = route.token
         if route.new:
@@ -306,7 +312,7 @@ class Exchange:
             self.cookie_token = token
             self.cookie_name = route.cookie
         parts += (wire.SESSION_ID_LINE, route.session_id.encode(), b"\r\n")
-        if token is not None:  # None: routed by the app's own session cookie
+        if token is not None:
             parts += (wire.SESSION_TOKEN_LINE, token, b"\r\n")
         return worker
 
@@ -329,11 +335,13 @@ class Exchange:
             else:
                 conn.outbox.write(body)
         elif state == CONNECTING or state == QUEUED:
+            # Not sent yet (no worker connection, or held while its session moves): keep
+            # what came and let the client wait, so the proxy's memory does not grow with
+            # the body; reading resumes once it goes out (attach) or is answered (fail).
             if self.body_buffer is None:
                 self.body_buffer = []
             self.body_buffer.append(body)
-            if state == CONNECTING:
-                self.client.pause_reading_for_upstream()
+            self.client.pause_reading_for_upstream()
         # ANSWERING, DONE: the answer is decided; the body is read and dropped
 
     def request_end(self) -> None:
@@ -435,7 +443,7 @@ class Exchange:
         worker = self.worker
         if worker is None:
             return
-        sessions = self.client.proxy_state.router.sessions
+        sessions = self.client.proxy_state.router.app_sessions
         if started is not None:
             session_id = started.decode("latin-1")
             if is_valid_id(session_id):

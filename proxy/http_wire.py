@@ -17,8 +17,8 @@ __all__ = [
     "LEGACY_COOKIE_NAME",
     "CONTINUE_100",
     "error_response",
-    "cookie_value",
-    "session_cookie",
+    "cookie_values",
+    "session_cookies",
     "set_cookie_headers",
     "refresh_cookie_header",
     "reason_phrase",
@@ -49,6 +49,7 @@ SESSION_ID_LINE: Final = names.SESSION_ID + b": "
 SESSION_TOKEN_LINE: Final = names.SESSION_TOKEN + b": "
 SESSION_NEW_LINE: Final = names.SESSION_NEW + b": 1\r\n"
 EPISODE_KEY_LINE: Final = names.EPISODE_KEY + b": "
+APP_SESSION_CLAIM_LINE: Final = names.APP_SESSION_CLAIM + b": "
 CONTINUE_100 = b"HTTP/1.1 100 Continue\r\n\r\n"
 LAST_CHUNK = b"0\r\n\r\n"
 
@@ -80,30 +81,31 @@ def error_response(code: str, detail: str, *, close: bool, head_only: bool = Fal
     return b"".join(lines)
 
 
-def cookie_value(cookie_header: bytes, name: bytes) -> bytes | None:
-    """The value of the cookie `name` in a Cookie header, if present."""
+def cookie_values(cookie_header: bytes, name: bytes) -> list[bytes]:
+    """Every value of the cookie `name` in a Cookie header (a client may send it twice)."""
     needle = name + b"="
+    values: list[bytes] = []
     start = 0
     while True:
         at = cookie_header.find(needle, start)
         if at < 0:
-            return None
+            return values
         if at == 0 or cookie_header[at - 1] in b"; \t":
             begin = at + len(needle)
             end = cookie_header.find(b";", begin)
             value = cookie_header[begin:] if end < 0 else cookie_header[begin:end]
-            return value.strip().strip(b'"')
+            values.append(value.strip().strip(b'"'))
         start = at + 1
 
 
-def session_cookie(cookie_header: bytes, name: bytes) -> tuple[bytes | None, bytes | None]:
-    """(value, name) of this instance's session cookie `name`, else of the legacy
-    `ng_session` cookie; (None, None) when neither is there."""
-    value = cookie_value(cookie_header, name)
-    if value is not None:
-        return value, name
-    value = cookie_value(cookie_header, LEGACY_COOKIE_NAME)
-    return (value, LEGACY_COOKIE_NAME) if value is not None else (None, None)
+def session_cookies(cookie_header: bytes, name: bytes) -> tuple[list[bytes], bytes | None]:
+    """(values, name) of this instance's session cookie `name`, else of the legacy
+    `ng_session` cookie; ([], None) when neither is there."""
+    values = cookie_values(cookie_header, name)
+    if values:
+        return values, name
+    values = cookie_values(cookie_header, LEGACY_COOKIE_NAME)
+    return (values, LEGACY_COOKIE_NAME) if values else ([], None)
 
 
 def set_cookie_headers(name: bytes, token: bytes) -> bytes:

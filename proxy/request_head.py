@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from coordinator.contract import headers as names
 from coordinator.contract.errors import GymError
 from proxy import http_wire as wire
+from proxy.session_tokens import TokenError
 
 __all__ = ["RequestHead", "rewrite_request_head", "PROTECTED"]
 
@@ -53,7 +54,7 @@ class RequestHead:
 
     parts: list[bytes]
     token: bytes | None = None  # this instance's token from the header
-    app_token: bytes | None = None  # any other token in the same header (the app's)
+    app_token: bytes | None = None  # the first other token in that header (the app's)
     cookie: bytes | None = None
     owner_hint: bytes | None = None
     content_length: int | None = None
@@ -69,7 +70,8 @@ def rewrite_request_head(
     upgrade: bool = False,
     token_prefix: bytes = b"v2.",
 ) -> RequestHead:
-    """The head to forward for a request llhttp accepted; raise GymError otherwise.
+    """The head to forward for a request llhttp accepted; raise GymError otherwise
+    (TokenError for two different tokens of this instance in the token header).
     `upgrade`: llhttp saw a protocol switch asked for (WebSocket); `Upgrade` then
     passes, with `Connection: upgrade`, and is dropped otherwise (hop-by-hop).
     `token_prefix`: how this instance's tokens start.
@@ -95,9 +97,16 @@ def rewrite_request_head(
             parts += (name, b": ", value, b"\r\n")
         elif kind == _TOKEN:
             if value.startswith(token_prefix):
-                head.token, head.app_token = value, None
+                if head.token is not None and head.token != value:
+                    # Nothing tells which one the client meant (proxy.routing, "Copies").
+                    raise TokenError(
+                        "two X-NeMo-Gym-Session-Token headers carry different tokens of "
+                        "this instance"
+                    )
+                head.token = value
             else:
-                head.app_token, head.token = value, None
+                if head.app_token is None:
+                    head.app_token = value  # the first routes; every one reaches the app
                 parts += (name, b": ", value, b"\r\n")
         elif kind == _OWNER:
             head.owner_hint = value

@@ -4,8 +4,8 @@ tables (no I/O).
 `Router.route_request` is the whole order, written once; the data path (`proxy.exchange`)
 hands it the request's identity headers and writes the headers its `Route` says:
 
-1. an app's own `X-NeMo-Gym-Session-Token` (NeMo Gym's MCP token) naming a session a
-   worker announced: that worker (rule `app_token`); naming none, it reaches the app
+1. an app's own `X-NeMo-Gym-Session-Token` (NeMo Gym's MCP token) naming a session in the
+   app session table: that worker (rule `app_token`); naming none, it reaches the app
    untouched and the request goes on down this list without it;
 2. this instance's token, from `X-NeMo-Gym-Session-Token`, else from this instance's
    cookie (`--cookie-name`), else from the legacy `ng_session` cookie (rule `token`):
@@ -15,17 +15,41 @@ hands it the request's identity headers and writes the headers its `Route` says:
    c. naming any other owner: 410 `session_owner_gone`;
    d. naming no owner: the session table, else placed like new work;
 3. no token of this instance's, the app's own session cookie (NeMo Gym's Starlette
-   session) naming a session a worker announced: that worker (rule `app_cookie`);
+   session) naming a session in the app session table: that worker (rule `app_cookie`);
 4. `x-ng-session-owner`: that worker (or its alias), as a new session there (rule `owner`);
 5. nothing: a new session on the live, responsive worker with the fewest requests in
    flight, ties broken round-robin (rule `new`); a worker not answering the supervisor's
    pings gets no new sessions, nor does one an operation is draining.
+
+**Identity comes only from a verified token.** There are two session tables, and nothing
+crosses between them:
+
+- `sessions`, gym-proxy's own sessions the table places (moved, restored without an
+  owner, or an ownerless token placed on first use). Only rule 2 reads it, so only a
+  token this instance signed reaches one, and only such a route carries a gym-proxy
+  session (`x-ng-session-id`) to the worker;
+- `app_sessions`, the app's own sessions (NeMo Gym's Starlette session and MCP token
+  session IDs) that workers announced, moves placed or a restore placed. Only rules 1
+  and 3 read it. Those carry values a client writes and the proxy cannot verify (the
+  secret is the app's), so they only pick the worker: the request carries the claimed
+  ID as `x-ng-app-session-claim`, never as a gym-proxy session, and the app verifies its
+  own token or cookie.
+
+Which table a worker's session IDs belong in (its records, the sessions it ends) follows
+what the workers keep: the app's own session IDs when the app has its own session
+cookie (`app_cookie`, registered by the workers), else gym-proxy's (`Router.kept`).
 
 A token that is not this instance's (another server's, or the app's own) is taken as
 absent. A legacy token (minted before tokens named their instance) is this instance's only
 when it names an owner this instance has had, or one its restored checkpoint aliased (or,
 without an owner, a session of the session table): with a secret shared between
 instances, it may be another instance's.
+
+**Copies.** Every copy of this instance's token a request carries must verify, whichever
+carrier it is in: each `X-NeMo-Gym-Session-Token` header and each cookie of this
+instance's name (`invalid_session_token` otherwise). Within one carrier every copy must
+name the same session (two headers, or two cookies, that disagree are refused: nothing
+tells which one the client meant); across carriers the header wins over the cookie.
 
 Only a new session gets a token. An existing session keeps its token for life, even
 when an alias or the session table routes it: a client that keeps an old cookie must
@@ -41,7 +65,7 @@ from typing import Any, Final
 from coordinator.contract.app_sessions import app_token_session, session_in_headers
 from coordinator.contract.errors import GymError
 from coordinator.contract.ids import is_valid_id
-from proxy.http_wire import session_cookie
+from proxy.http_wire import session_cookies
 from proxy.session_tokens import SessionIdentity, TokenCodec, TokenError, new_session_id
 
 __all__ = [
@@ -128,7 +152,10 @@ class Router:
 
     workers: dict[str, WorkerRoute] = field(default_factory=dict)
     aliases: dict[str, str] = field(default_factory=dict)
+    # The two session tables (module docstring): gym-proxy's sessions, reached only by a
+    # verified token, and the app's own, reached only by the app's token or cookie.
     sessions: dict[str, str] = field(default_factory=dict)
+    app_sessions: dict[str, str] = field(default_factory=dict)
     # Every owner this process has had a worker for (a few per slot and restart).
     past_owners: set[str] = field(default_factory=set)
     app_cookie: bytes | None = None  # the app's own session cookie (workers say it)
@@ -156,14 +183,27 @@ class Router:
         self._live = sorted(self.workers.values(), key=lambda w: w.slot)
         return worker
 
-    def set_tables(self, aliases: dict[str, str], sessions: dict[str, str]) -> None:
+    @property
+    def kept(self) -> dict[str, str]:
+        """The table of the session IDs the workers keep (their records, the sessions
+        they end): the app's own when the app has its own session cookie, else
+        gym-proxy's (module docstring)."""
+        return self.app_sessions if self.app_cookie is not None else self.sessions
+
+    def set_tables(
+        self,
+        aliases: dict[str, str],
+        sessions: dict[str, str],
+        app_sessions: dict[str, str] | None = None,
+    ) -> None:
         """Replace the alias and session tables (restore pushes them)."""
         self.aliases = dict(aliases)
         self.sessions = dict(sessions)
+        self.app_sessions = dict(app_sessions or {})
 
     def forget_sessions(self, owner: str, session_ids: list[str]) -> None:
         """`owner`'s worker ended these sessions: drop those the table sends to it."""
-        sessions, aliases = self.sessions, self.aliases
+        sessions, aliases = self.kept, self.aliases
         for session_id in session_ids:
             holder = sessions.get(session_id)
             if holder is not None and (holder == owner or aliases.get(holder) == owner):
@@ -178,10 +218,10 @@ class Router:
             if target == old:
                 aliases[owner] = heir
         aliases[old] = heir
-        sessions = self.sessions
-        for session_id, holder in sessions.items():
-            if holder == old:
-                sessions[session_id] = heir
+        for table in (self.sessions, self.app_sessions):
+            for session_id, holder in table.items():
+                if holder == old:
+                    table[session_id] = heir
 
     def resolve_owner(self, owner: str) -> WorkerRoute | None:
         """The live worker that holds `owner`'s sessions, directly or through an alias."""
@@ -224,13 +264,20 @@ class Router:
         """Where one request goes, by the precedence in the module docstring: `token` is
         `X-NeMo-Gym-Session-Token` when it is this instance's, `app_token` when it is not,
         `cookie` the Cookie header, `owner_hint` `x-ng-session-owner`. Raises TokenError
-        (or UnicodeDecodeError) for a malformed token of this instance's or owner hint,
-        GymError when the request may go nowhere."""
+        for a malformed token of this instance's or owner hint, GymError when the request
+        may go nowhere."""
         owner = None
         if owner_hint is not None:
-            owner = owner_hint.decode("ascii")
+            owner = owner_hint.decode("latin-1")
             if not is_valid_id(owner):
                 raise TokenError("x-ng-session-owner is not a valid owner ID")
+        # Every copy of this instance's token is checked before any rule is applied: a
+        # damaged one is refused whatever else the request carries (module docstring).
+        identity = codec.read_bytes(token) if token is not None else None
+        carried_in = None
+        from_cookie = None
+        if cookie is not None:
+            from_cookie, carried_in = self._cookie_identity(codec, cookie, cookie_name)
         if app_token is not None:
             app_session = app_token_session(app_token)
             if app_session is not None:
@@ -238,16 +285,16 @@ class Router:
                 if route is not None:
                     return route
             self.foreign_tokens += 1  # it reaches the app untouched
-        carried_in = None
-        if token is None and cookie is not None:
-            token, carried_in = session_cookie(cookie, cookie_name)
-        identity = codec.read(token.decode("ascii")) if token else None
+        if identity is None and from_cookie is not None:
+            identity, token = from_cookie  # the header, when it has one, wins
+        else:
+            carried_in = None  # not routed by the cookie: it is not set again
         if identity is not None:
             route = self.route(identity, owner)
             route.token = token
             route.cookie = carried_in
             return route
-        if cookie is not None and self.sessions:
+        if cookie is not None and self.app_sessions:
             cookie_session = session_in_headers([(b"cookie", cookie)], False, self.app_cookie)
             if cookie_session is not None:
                 route = self.route_app_session(cookie_session, APP_COOKIE)
@@ -255,10 +302,27 @@ class Router:
                     return route
         return self.route(None, owner)
 
+    @staticmethod
+    def _cookie_identity(
+        codec: TokenCodec, cookie: bytes, cookie_name: bytes
+    ) -> tuple[tuple[SessionIdentity, bytes] | None, bytes | None]:
+        """The identity this instance's cookie names, with its token, and the cookie's
+        name; every copy must verify and name one session (module docstring)."""
+        values, carried_in = session_cookies(cookie, cookie_name)
+        found: tuple[SessionIdentity, bytes] | None = None
+        for value in values:
+            identity = codec.read_bytes(value)
+            if identity is None:
+                continue  # not this instance's: the app's, or another server's
+            if found is not None and found[0].session_id != identity.session_id:
+                raise TokenError("two session cookies of this instance name different sessions")
+            found = (identity, value)
+        return found, carried_in
+
     def route_app_session(self, session_id: str, rule: str = APP_TOKEN) -> Route | None:
-        """Where an app's own session goes: the worker that announced it (None when no
-        worker did; such a session is never remembered)."""
-        holder = self.sessions.get(session_id)
+        """Where an app's own session goes: the worker its table names (None when it
+        names none; the proxy never remembers a session it learned from a client)."""
+        holder = self.app_sessions.get(session_id)
         if holder is None:
             return None
         worker = self.resolve_owner(holder)

@@ -110,6 +110,17 @@ class TokenCodec:
         body = f"{self.prefix}{session_id}.{owner or NO_OWNER}"
         return f"{body}.{self._mac(body)}"
 
+    def read_bytes(self, token: bytes) -> SessionIdentity | None:
+        """`read` for a token as it came off the wire: one that is not ASCII is not this
+        instance's unless it carries this instance's prefix, and then it is damaged."""
+        try:
+            text = token.decode("ascii")
+        except UnicodeDecodeError:
+            if token.startswith(self.prefix.encode()):
+                raise TokenError("session token is not ASCII") from None
+            return None
+        return self.read(text)
+
     def read(self, token: str) -> SessionIdentity | None:
         """The identity this instance's token names; None for a token that is not this
         instance's (another instance's or the app's: pass it on); TokenError for one that

@@ -37,6 +37,7 @@ from coordinator.checkpointer import LiveWorker
 from coordinator.contract.channel import Channel
 from coordinator.contract.exit_codes import BOOT_ERROR
 from coordinator.contract.messages import Ping, Register
+from coordinator.placement import Placement
 from coordinator.worker_channels import RegistrationRefused
 from proxy.config import Config
 from proxy.exchange import start_held, start_held_by_worker
@@ -402,8 +403,15 @@ class Supervisor:
     def placed_sessions(self) -> dict[str, str]:
         return dict(self.router.sessions)
 
-    def set_tables(self, aliases: dict[str, str], sessions: dict[str, str]) -> None:
-        self.router.set_tables(aliases, sessions)
+    def placed_app_sessions(self) -> dict[str, str]:
+        return dict(self.router.app_sessions)
+
+    @property
+    def keeps_app_sessions(self) -> bool:
+        return self.router.app_cookie is not None
+
+    def set_tables(self, placement: Placement) -> None:
+        self.router.set_tables(placement.aliases, placement.sessions, placement.app_sessions)
 
     def sessions_ended(self, owner: str, session_ids: list[str]) -> None:
         self.router.forget_sessions(owner, session_ids)
@@ -543,8 +551,11 @@ class Supervisor:
     def running_requests(self, session_id: str) -> int:
         return self.router.active.get(session_id, 0)
 
-    def place_session(self, session_id: str, owner: str) -> None:
-        self.router.sessions[session_id] = owner
+    def place_session(self, session_id: str, owner: str, kept: bool) -> None:
+        """`kept`: a session ID as the workers keep it (a record's); else a gym-proxy
+        session that rides along with one (`proxy.routing`, "Identity")."""
+        table = self.router.kept if kept else self.router.sessions
+        table[session_id] = owner
 
     def expect_handoff(self, handoff_id: str, source: str, target: str) -> asyncio.Future[str]:
         arrived: asyncio.Future[str] = asyncio.get_running_loop().create_future()

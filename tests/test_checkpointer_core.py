@@ -122,6 +122,7 @@ class FakeView:
     changed: asyncio.Event
     alias_table: dict = field(default_factory=dict)
     session_table: dict = field(default_factory=dict)
+    app_session_table: dict = field(default_factory=dict)
     ended: list = field(default_factory=list)
 
     def live(self):
@@ -135,8 +136,14 @@ class FakeView:
     def placed_sessions(self):
         return dict(self.session_table)
 
-    def set_tables(self, aliases, sessions):
-        self.alias_table, self.session_table = dict(aliases), dict(sessions)
+    def placed_app_sessions(self):
+        return dict(self.app_session_table)
+
+    keeps_app_sessions = False
+
+    def set_tables(self, placement):
+        self.alias_table, self.session_table = dict(placement.aliases), dict(placement.sessions)
+        self.app_session_table = dict(placement.app_sessions)
 
     def sessions_ended(self, owner, session_ids):
         self.ended.append((owner, session_ids))

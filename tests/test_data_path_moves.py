@@ -52,3 +52,22 @@ async def test_other_sessions_pass_and_a_held_request_whose_client_left_is_skipp
     await rig.settle()
     assert [r[3] for r in upstream.requests()] == [b"y"] and len(rig.upstreams) == 1
     assert rig.router.active == {"free": 1}
+
+
+async def test_a_held_request_body_is_under_flow_control():
+    """A held request keeps what came of its body and reads no more until it is sent on
+    (as in CONNECTING): the client waits, the proxy's memory does not grow with it."""
+    rig = Rig(workers=1)
+    token = rig.codec.sign("sess1", "owner0").encode()
+    rig.router.holding["sess1"] = []
+    client = rig.client()
+    head = b"POST /x HTTP/1.1\r\nHost: t\r\n%s: %s\r\ncontent-length: 6\r\n\r\n" % (TOKEN, token)
+    client.send(head + b"abc")
+    await rig.settle()
+    assert not client.transport.reading and rig.upstreams == []
+    client.send(b"def")  # what the kernel already had: kept, still paused
+    start_held(rig.router, ["sess1"])
+    upstream = await rig.upstream()
+    assert client.transport.reading  # sent on: the rest may come
+    [(_, _, _, body)] = upstream.requests()
+    assert body == b"abcdef"

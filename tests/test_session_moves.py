@@ -6,6 +6,7 @@ outlives the move's timeout stays where it was, serving."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import os
 import random
 import signal
@@ -16,9 +17,10 @@ import aiohttp
 import orjson
 import pytest
 
+from tests.apps import pattern_block
 from tests.conftest import BOTH_APP_KINDS
 from tests.support import CONTROL_TOKEN as CONTROL
-from tests.support import Control
+from tests.support import Control, wait_until
 
 MOVE = "/ng-control/v1/gym-proxy/sessions/move"
 TOKEN_HEADER = "X-NeMo-Gym-Session-Token"
@@ -283,3 +285,68 @@ async def test_a_target_that_does_not_answer_leaves_the_sessions_serving_where_t
         for n, (token, _) in enumerate(mine):
             assert (await whoami(http, url, token))["slot"] == source
             assert await count(http, url, token) == n + 1
+
+
+def resident_mib(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    raise AssertionError(f"no VmRSS for {pid}")
+
+
+async def test_a_held_upload_waits_at_the_client_not_in_the_proxys_memory(proxy):
+    """A 64 MiB upload on a session whose move waits for its running request: the proxy
+    keeps reading paused while it is held (the client gets no further than the socket
+    buffers), its RSS does not grow with the body, and once the move ends the upload
+    reaches the target whole."""
+    url = proxy.url
+    size = 64 << 20
+    block = pattern_block(7)
+    async with aiohttp.ClientSession(cookie_jar=aiohttp.DummyCookieJar()) as http:
+        token, sid, slot = await seed(http, url)
+        owner = (await whoami(http, url, token))["owner"]
+        headers = {TOKEN_HEADER: token}
+        # A request of the session that runs until the test releases it (its event 1).
+        stream = await http.get(f"{url}/sse?name=hold&n=2", headers=headers)
+        assert (await stream.content.readline()).startswith(b"data: event-0")
+        moving = asyncio.ensure_future(
+            move(http, url, {"session_ids": [sid], "to_slot": 1 - slot, "timeout_s": 60})
+        )
+        for _ in range(500):  # bounded: the move is holding the session
+            if (await status_of(http, url))["moving_sessions"]:
+                break
+        else:
+            raise AssertionError("the move never started")
+        before = resident_mib(proxy.pid)
+        sent = 0
+
+        async def body():
+            nonlocal sent
+            while sent < size:
+                yield block
+                sent += len(block)
+
+        upload = asyncio.ensure_future(http.post(f"{url}/upload", data=body(), headers=headers))
+        await wait_until(lambda: sent >= 1 << 20, 10, "the upload to begin")
+        # What must not happen, looked for over 3 s: the proxy reading the body on.
+        deadline = time.monotonic() + 3
+        grown = 0.0
+        while time.monotonic() < deadline:
+            grown = max(grown, resident_mib(proxy.pid) - before)
+            assert sent < size // 2 and grown < 16, (sent, grown)
+            await asyncio.sleep(0.1)
+        release = {"x-ng-session-owner": owner}  # a new session on that worker: not held
+        async with http.get(f"{url}/release?name=hold-0", headers=release) as response:
+            assert response.status == 200
+        await stream.read()
+        stream.release()
+        status, reply = await asyncio.wait_for(moving, 30)
+        assert status == 200 and reply["moved"] == [sid], reply
+        async with await asyncio.wait_for(upload, 60) as response:
+            assert response.status == 200
+            answer = await response.json()
+    whole = hashlib.sha256()
+    for _ in range(size // len(block)):
+        whole.update(block)
+    assert answer == {"sha256": whole.hexdigest(), "size": size}

@@ -37,6 +37,7 @@ _SESSION_ID = names.text(names.SESSION_ID)
 _SESSION_NEW = names.text(names.SESSION_NEW)
 _EPISODE_KEY = names.text(names.EPISODE_KEY)
 _APP_TOKEN = names.text(names.APP_TOKEN)
+_APP_SESSION_CLAIM = names.text(names.APP_SESSION_CLAIM)
 
 
 def participation_of(app: web.Application) -> Participation:
@@ -98,6 +99,7 @@ async def participant_middleware(request: web.Request, handler: Any) -> web.Stre
         headers.get(_SESSION_NEW) == "1",
         headers.get(_EPISODE_KEY),
         _APP_TOKEN in headers,
+        headers.get(_APP_SESSION_CLAIM),
     )
     try:
         flight = await runtime.admit(facts, request.read)

@@ -7,12 +7,14 @@ it, as NeMo Gym's own middleware does. The path reaches the app as the client se
 learns the key.
 
 An app with a Starlette session (NeMo Gym's SessionMiddleware keeps `session_id` in it)
-is tracked by its own session ID, read from the session cookie (`worker.app_sessions`):
-a 2xx `/seed_session` starts tracking it, and its response carries
-`x-ng-app-session: <id>`, which the proxy strips and records, so MCP calls that carry
-only the app's token route to this worker; the answer that ends it (a 2xx `/verify` on
-resources, or `/close_session`) carries `x-ng-app-session-end: <id>`. A request the
-proxy routed by the app's token arrives with that session ID and no `x-ng-session-token`.
+is tracked by its own session ID (`ParticipantRuntime.app_keyed`), read from the session
+cookie its answer sets (`worker.app_sessions`; the app signed it, while the cookie a
+request carries is the client's word): a 2xx `/seed_session` starts tracking it, and its
+response carries `x-ng-app-session: <id>`, which the proxy strips and records, so MCP
+calls that carry only the app's token route to this worker; the answer that ends it (a
+2xx `/verify` on resources, or `/close_session`) carries `x-ng-app-session-end: <id>`. A
+request the proxy routed by the app's token or cookie arrives with the session it claims
+in `x-ng-app-session-claim` and no gym-proxy session.
 """
 
 from __future__ import annotations
@@ -25,13 +27,13 @@ from coordinator.contract.app_sessions import session_in_headers
 from coordinator.contract.errors import RETRY_AFTER, GymError
 from coordinator.contract.headers import (
     APP_SESSION,
+    APP_SESSION_CLAIM,
     APP_SESSION_END,
     APP_TOKEN,
     HANDOFF,
     HANDOFF_STATUS,
     SESSION_ID,
     SESSION_NEW,
-    SESSION_TOKEN,
     split_rollout_path,
 )
 from worker.app_sessions import app_session_cookie, starlette_app
@@ -77,14 +79,14 @@ class AsgiDoor:
             await self.app(scope, receive, send)  # lifespan (and anything else) passes
             return
         runtime = self.runtime
-        session_id = new_session = proxy_token = app_token = None
+        session_id = new_session = app_token = claim = None
         for name, value in scope["headers"]:
             if name == SESSION_ID:
                 session_id = value.decode("latin-1")
             elif name == SESSION_NEW:
                 new_session = value == b"1"
-            elif name == SESSION_TOKEN:
-                proxy_token = True
+            elif name == APP_SESSION_CLAIM:
+                claim = value.decode("latin-1")
             elif name == APP_TOKEN:  # only an app's own gets this far
                 app_token = True
         buffered: list[bytes] = []
@@ -113,7 +115,7 @@ class AsgiDoor:
         try:
             key, path = split_rollout_path(scope["path"])
             facts = RequestFacts(
-                scope["method"], path, session_id, bool(new_session), key, bool(app_token)
+                scope["method"], path, session_id, bool(new_session), key, bool(app_token), claim
             )
             flight = await runtime.admit(facts, read_body)
         except GymError as exc:
@@ -136,11 +138,10 @@ class AsgiDoor:
                 flight.responding = True
                 await runtime.hold_answer(flight)
                 status = message["status"]
-                if proxy_token or session_id is None:  # else routed by the app's own token
-                    cookie = self.app_cookie
+                if runtime.app_keyed:
                     app_session = session_in_headers(
-                        message.get("headers", ()), True, cookie
-                    ) or session_in_headers(scope["headers"], False, cookie)
+                        message.get("headers", ()), True, self.app_cookie
+                    )
                 announce = _announcement(runtime, flight, app_session, status)
                 if announce is not None:
                     message["headers"] = [*message.get("headers", ()), announce]
@@ -174,13 +175,15 @@ class AsgiDoor:
     async def _tunnel(self, scope: Scope, receive: Receive, send: Send) -> None:
         """A WebSocket: admitted like a request, a tunnel once the app accepts it."""
         runtime = self.runtime
-        session_id = None
+        session_id = claim = None
         for name, value in scope["headers"]:
             if name == SESSION_ID:
                 session_id = value.decode("latin-1")
+            elif name == APP_SESSION_CLAIM:
+                claim = value.decode("latin-1")
         try:
             key, path = split_rollout_path(scope["path"])
-            facts = RequestFacts("GET", path, session_id, False, key)
+            facts = RequestFacts("GET", path, session_id, False, key, app_session=claim)
             flight = await runtime.admit(facts, _no_body)
         except GymError as exc:
             await _refuse_websocket(scope, send, exc)

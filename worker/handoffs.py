@@ -75,8 +75,8 @@ def _riders(runtime: ParticipantRuntime, flight: InFlight) -> set[str]:
     store = runtime.store
     assert flight.identity is not None
     riders = set(store.bound_to({flight.identity.key}))
-    if flight.session_id is not None and flight.session_id in store:
-        riders.add(flight.session_id)
+    if flight.key is not None and flight.key in store:
+        riders.add(flight.key)
     return riders
 
 
@@ -139,9 +139,7 @@ async def park_episodes(
             not_parked[key] = EPISODE_ENDED
         elif handoff is None or not handoff.parked.is_set():
             not_parked[key] = "it did not reach a boundary in time"
-        elif any(
-            f is not flight and f.session_id in _riders(runtime, flight) for f in runtime.flights
-        ):
+        elif any(f is not flight and f.key in _riders(runtime, flight) for f in runtime.flights):
             not_parked[key] = "another request of its session is running"
         else:
             continue

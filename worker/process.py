@@ -87,7 +87,10 @@ def _host(
         return runtime, AiohttpWorkerServer(app, args.socket, args.graceful_timeout)
     participation = declared(app) or Participation(restart_only=True)
     runtime = ParticipantRuntime(
-        info, participation.with_kind(args.kind), access_log=args.access_log
+        info,
+        participation.with_kind(args.kind),
+        app_keyed=app_session_cookie(app) is not None,
+        access_log=args.access_log,
     )
     answer_runtime_errors(app)
     server = AsgiWorkerServer(

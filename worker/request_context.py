@@ -51,6 +51,14 @@ class RequestContext:
 
     @property
     def session(self) -> RequestSession:
+        if self.runtime.app_keyed:
+            # One namespace per store: this app's sessions are its own (ParticipantRuntime).
+            raise GymError(
+                "invalid_request",
+                "this app keeps its own sessions (a Starlette session cookie), so the "
+                "runtime's session store holds those; declare them with "
+                "Participation(session_state=...) or hooks instead of current_session",
+            )
         session_id = self.flight.session_id
         if session_id is None:
             if self.flight.app_token:

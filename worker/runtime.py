@@ -88,11 +88,14 @@ class RequestFacts:
 
     method: str
     path: str  # without the /ng-rollout/<key> prefix
-    session_id: str | None  # x-ng-session-id from the proxy
+    session_id: str | None  # x-ng-session-id: the gym-proxy session of a verified token
     new_session: bool  # x-ng-session-new: the proxy minted the session for this request
     episode_key: str | None  # from the /ng-rollout/<key>/ prefix
     # The request carries an app's own X-NeMo-Gym-Session-Token (the proxy passes those on)
     app_token: bool = False
+    # x-ng-app-session-claim: the app session the request's own token or cookie names,
+    # when the proxy routed it by that (unverified: the app checks its own token)
+    app_session: str | None = None
 
 
 @dataclass(slots=True, eq=False)
@@ -100,11 +103,14 @@ class InFlight:
     """One request being handled: what it is and where it stands."""
 
     task: asyncio.Task[Any] | None
-    session_id: str | None
+    session_id: str | None  # its gym-proxy session (from a token the proxy verified)
     identity: EpisodeId | None
     path: str
     new_session: bool = False
     app_token: bool = False  # routed by (or carrying) an app's own session token
+    # The session as the store keys it (`ParticipantRuntime.app_keyed`): the gym-proxy
+    # session, or the app session its own token or cookie claims (None until known)
+    key: str | None = None
     position: Position = "running"
     episode: Episode | None = None
     retired: bool = False
@@ -116,10 +122,11 @@ class InFlight:
     def blocker(self) -> str:
         if self.identity is not None:
             return self.identity.key
+        session = self.key or self.session_id
         if self.position == "tunnel":
-            return f"tunnel:{self.session_id or self.path}"
-        if self.session_id is not None:
-            return f"session:{self.session_id}"
+            return f"tunnel:{session or self.path}"
+        if session is not None:
+            return f"session:{session}"
         return f"request:{self.path}"
 
 
@@ -129,6 +136,10 @@ class ParticipantRuntime:
 
     info: WorkerInfo
     participation: Participation = field(default_factory=Participation)
+    # The app keeps its own sessions (a Starlette session cookie, as NeMo Gym's servers):
+    # the store, the records and the sessions told to the proxy are the app's session IDs,
+    # never gym-proxy's; else they are gym-proxy's, never the app's (`answered`).
+    app_keyed: bool = False
     store: SessionStore = field(default_factory=SessionStore)
     flights: set[InFlight] = field(default_factory=set)
     channel: Channel | None = None
@@ -187,6 +198,7 @@ class ParticipantRuntime:
             facts.path,
             facts.new_session,
             facts.app_token,
+            key=self._key(facts),
         )
         self.flights.add(flight)
         try:
@@ -215,14 +227,18 @@ class ParticipantRuntime:
             raise
         return flight
 
+    def _key(self, facts: RequestFacts) -> str | None:
+        """The request's session in the store's namespace, as far as its head says."""
+        return facts.app_session if self.app_keyed else facts.session_id
+
     def _refuse_retired(self, identity: EpisodeId | None, facts: RequestFacts) -> None:
         """A retired attempt (or an earlier one) is refused until its rollout is forgotten;
         so is a session of one (MCP calls name only their session), except its close."""
         if identity is not None and self.marks.covers(identity):
             raise GymError("stale_attempt", f"attempt {identity.key} was retired")
-        if facts.session_id in self.retired_sessions and facts.path != "/close_session":
-            detail = f"session {facts.session_id} belongs to a retired attempt"
-            raise GymError("stale_attempt", detail)
+        key = self._key(facts)
+        if key in self.retired_sessions and facts.path != "/close_session":
+            raise GymError("stale_attempt", f"session {key} belongs to a retired attempt")
 
     async def _claim(self, identity: EpisodeId, digest: str) -> Any:
         self.claims.check(identity)
@@ -246,31 +262,43 @@ class ParticipantRuntime:
     def answered(self, flight: InFlight, status: int, app_session: str | None = None) -> None:
         """The app answered `status`: track the request's session.
 
-        The session is the proxy's (`x-ng-session-id`), or the app's own when the front
-        door learned one. A proxy session is tracked once its token comes back (a client
-        that never returns its cookie does not grow the store); an app session from its
-        first 2xx `/seed_session`. A 2xx `/close_session` (or a resources `/verify`) ends
-        the session (NeMo Gym's lifecycle); a request sent under an episode binds it."""
-        sid = app_session or flight.session_id
+        Which session is the store's namespace's (`app_keyed`), and is taken only from a
+        verified source: gym-proxy's from the token the proxy verified (tracked once its
+        token comes back, so a client that never returns its cookie does not grow the
+        store); the app's from the session cookie the app itself set in this answer
+        (`app_session`: the app signed it), tracked from its first 2xx `/seed_session`. A
+        2xx `/close_session` (or a resources `/verify`) ends the session (NeMo Gym's
+        lifecycle); a request sent under an episode binds it. What a request's own app
+        token claims (`flight.key` without a cookie, an MCP call) only keeps a session it
+        names in use: nobody verified it here, so it never binds or ends one."""
+        if self.app_keyed:
+            sid = app_session
+            tracked = sid is not None and (flight.path == "/seed_session" or sid in self.store)
+        else:
+            sid = flight.session_id
+            tracked = not flight.new_session
         if self.access_log:
-            access.info("worker %d %s %d session=%s", self.info.slot, flight.path, status, sid)
-        if sid is None or not 200 <= status < 300:
+            shown = flight.key or sid  # an MCP call's answer sets a cookie of no session
+            access.info("worker %d %s %d session=%s", self.info.slot, flight.path, status, shown)
+        if not 200 <= status < 300:
             return
+        if sid is None or not tracked:
+            claimed = flight.key
+            if claimed is not None and claimed in self.store:
+                self.store.touch(claimed)
+            if sid is None:
+                return
         if self.ends_session(flight.path):
             self.store.delete(sid)
             return
         episode = flight.identity.key if flight.identity is not None else None
-        if app_session is not None:
-            tracked = flight.path == "/seed_session" or app_session in self.store
-        else:
-            tracked = not flight.new_session
         if tracked:
             self.store.touch(sid, episode)
             proxy_session = flight.session_id
-            if app_session is not None and proxy_session not in (None, app_session):
-                self.links.setdefault(app_session, set()).add(proxy_session)
-        if episode is not None:
-            self.store.bind(sid, episode)
+            if self.app_keyed and proxy_session is not None:
+                self.links.setdefault(sid, set()).add(proxy_session)
+            if episode is not None:
+                self.store.bind(sid, episode)
 
     def ends_session(self, path: str) -> bool:
         """Whether a 2xx answer to `path` ends its session."""
@@ -322,7 +350,9 @@ class ParticipantRuntime:
     def close_tunnels(self, session_ids: set[str]) -> None:
         """Close these sessions' tunnels, as a checkpoint would (they are moving)."""
         for flight in list(self.flights):
-            if flight.position == "tunnel" and flight.session_id in session_ids:
+            if flight.position == "tunnel" and (
+                flight.session_id in session_ids or flight.key in session_ids
+            ):
                 self._close_tunnel(flight)
 
     def _close_tunnel(self, flight: InFlight) -> None:
@@ -336,7 +366,7 @@ class ParticipantRuntime:
         while True:
             await asyncio.sleep(min(ttl / 4, 10.0))
             if self.is_open:
-                busy = {f.session_id for f in self.flights if f.session_id is not None}
+                busy = {f.key for f in self.flights if f.key is not None}
                 self.store.expire(time.monotonic() - ttl, busy)
 
     # ---- readiness --------------------------------------------------------------
@@ -487,7 +517,7 @@ class ParticipantRuntime:
                 "session_not_movable",
                 "the app declares no session state (restart-only): its sessions cannot move",
             )
-        busy = sorted({f.session_id for f in self.flights if f.session_id in held})
+        busy = sorted({f.key for f in self.flights if f.key in held})
         if busy:
             raise GymError("session_not_movable", f"sessions with a request running: {busy}")
         return await self.session_records(held)

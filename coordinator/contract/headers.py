@@ -20,6 +20,7 @@ __all__ = [
     "SESSION_TOKEN",
     "SESSION_NEW",
     "EPISODE_KEY",
+    "APP_SESSION_CLAIM",
     "SESSION_OWNER",
     "APP_TOKEN",
     "APP_SESSION",
@@ -44,7 +45,12 @@ SESSION_ID: Final = b"x-ng-session-id"  # the request's gym-proxy session
 SESSION_TOKEN: Final = b"x-ng-session-token"  # that session's signed token
 SESSION_NEW: Final = b"x-ng-session-new"  # "1": the proxy minted the session for it
 EPISODE_KEY: Final = b"x-ng-episode-key"  # the /ng-rollout/<key>/ an aiohttp app lost
-IDENTITY_HEADERS: Final = frozenset({SESSION_ID, SESSION_TOKEN, SESSION_NEW, EPISODE_KEY})
+# The app session a request's own token or cookie names, when the proxy routed it by that
+# (unverified: the app checks its own token; it is never a gym-proxy session).
+APP_SESSION_CLAIM: Final = b"x-ng-app-session-claim"
+IDENTITY_HEADERS: Final = frozenset(
+    {SESSION_ID, SESSION_TOKEN, SESSION_NEW, EPISODE_KEY, APP_SESSION_CLAIM}
+)
 # Sent by clients: a new session on this owner's worker (an agent's own calls).
 SESSION_OWNER: Final = b"x-ng-session-owner"
 # NeMo Gym's session token header: gym-proxy's tokens and an app's own MCP tokens.
