@@ -255,5 +255,24 @@ def create_app() -> web.Application:
     return app
 
 
+async def hold(request: web.Request) -> web.Response:
+    """Stays in flight until `/release?name=<name>` on the same worker."""
+    await _gate(request, request.query["name"]).wait()
+    return web.json_response({**_info(request), "held": request.query["name"]})
+
+
+def create_restart_only_app() -> web.Application:
+    """The counter app declared restart-only (`Participation(restart_only=True)`), as a
+    server that declares no state is: it exports nothing and names as restarts the
+    episodes of its live sessions and of its requests in flight; `/hold` keeps a request
+    in flight until `/release`."""
+    app = create_counter_app()
+    declare(app, Participation(restart_only=True))
+    app[GATES] = {}
+    app.router.add_route("*", "/hold", hold)
+    app.router.add_route("*", "/release", release)
+    return app
+
+
 def broken_factory() -> web.Application:
     raise RuntimeError("this app cannot be built")

@@ -12,7 +12,9 @@ servers can be driven together.
   resources together.
 - `checkpoint` is prepare, commit, resume; with `stragglers="retire"`, a prepare that
   misses its deadline resumes, retires its blocking episodes (bare capture keys), and
-  prepares again once.
+  prepares again once. It answers a `CheckpointResult`: the commit replies, and by
+  participant the episodes it named in `report.restarts` (left out of the commit scope;
+  the controller starts them over after a crash), so a partial checkpoint says it is one.
 """
 
 from __future__ import annotations
@@ -24,10 +26,12 @@ from typing import Any
 
 import aiohttp
 
+from coordinator.clients.checkpoint_result import CheckpointResult
 from coordinator.contract.episodes import EpisodeId, parse_episode_key
 from coordinator.contract.headers import CHECKPOINT_PATH, MOVE_PATH, WORKERS_PATH
 
 __all__ = [
+    "CheckpointResult",
     "KIND_ORDER",
     "RETIRE_ORDER",
     "ControlFailed",
@@ -152,6 +156,13 @@ class PrepareResult:
         """Episodes some participant cannot capture: a rollout restarts if any part does."""
         return {key for r in self.replies.values() for key in r["report"].get("restarts", [])}
 
+    def restarts_by_participant(self) -> dict[str, set[EpisodeId]]:
+        """By participant URL (every one that replied), the episodes it named as restarts."""
+        return {
+            url: {parse_episode_key(key) for key in reply["report"].get("restarts", [])}
+            for url, reply in self.replies.items()
+        }
+
     def continued(self, episode_ids: list[EpisodeId]) -> list[EpisodeId]:
         """The commit scope: `episode_ids` without the restarts."""
         restarts = self.restarts()
@@ -244,25 +255,37 @@ class Controller:
         *,
         stop: bool = False,
         stragglers: str = "fail",
-    ) -> dict[str, dict[str, Any]]:
+        keep_open: bool = False,
+    ) -> CheckpointResult:
         """prepare, commit, then resume (resume after a failure too, and raise).
 
         `stragglers="retire"`: a prepare that is not ready resumes, retires the blocking
-        episodes (they start over), and prepares once more."""
+        episodes (they start over), and prepares once more. `keep_open`: leave the
+        checkpoint open after a successful commit (the caller resumes). The result names,
+        by participant, the restarts the prepare reported: they are not in the checkpoint
+        (`CheckpointResult.complete` is False)."""
+        retired: list[EpisodeId] = []
         result = await self.prepare(checkpoint_id)
         if not result.prepared and stragglers == "retire" and result.blocking_episodes():
+            retired = result.blocking_episodes()
             await self.resume(checkpoint_id)
-            await self.retire(checkpoint_id, result.blocking_episodes())
+            await self.retire(checkpoint_id, retired)
             checkpoint_id = f"{checkpoint_id}.r"
             result = await self.prepare(checkpoint_id)
+        committed = False
         try:
             if not result.prepared:
                 blockers = {url: b[:5] for url, b in result.blockers().items()}
                 raise ControlFailed("prepare", {"not ready": (409, "not_ready", str(blockers))})
             scope = None if episode_ids is None else result.continued(episode_ids)
-            return await self.commit(checkpoint_id, checkpoint_dir, scope, stop)
+            replies = await self.commit(checkpoint_id, checkpoint_dir, scope, stop)
+            committed = True
         finally:
-            await self.resume(checkpoint_id)
+            if not (committed and keep_open):
+                await self.resume(checkpoint_id)
+        return CheckpointResult.of(
+            checkpoint_id, replies, result.restarts_by_participant(), retired
+        )
 
     async def restore(
         self, checkpoint_id: str, checkpoint_dir: str, episode_ids: list[EpisodeId]

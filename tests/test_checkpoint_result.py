@@ -1,0 +1,157 @@
+"""The controller's account of a checkpoint, in process: restarts by participant, a partial
+checkpoint that says so, gym-proxy-ctl's exit status, --server and --help."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from coordinator.clients.checkpoint_result import CheckpointResult
+from coordinator.clients.controller import Controller, Participant, PrepareResult
+from coordinator.clients.controller_cli import (
+    EXIT_PARTIAL,
+    _parser,
+    _server,
+    exit_status,
+)
+from coordinator.contract.episodes import EpisodeId
+
+
+def prepared(restarts: dict[str, list[str]]) -> PrepareResult:
+    return PrepareResult(
+        True,
+        {
+            url: {"phase": "prepared", "report": {"blockers": [], "restarts": keys}}
+            for url, keys in restarts.items()
+        },
+    )
+
+
+def test_restarts_are_named_by_participant_rollout_and_attempt():
+    result = prepared({"http://env": ["3-0", "r9-a1"], "http://agent": ["3-0"], "http://m": []})
+    assert result.restarts_by_participant() == {
+        "http://env": {EpisodeId("3-0", 0), EpisodeId("r9", 1)},
+        "http://agent": {EpisodeId("3-0", 0)},
+        "http://m": set(),
+    }
+    committed = {url: {"phase": "committed", "episode_ids": []} for url in result.replies}
+    outcome = CheckpointResult.of("ck3", committed, result.restarts_by_participant())
+    assert not outcome.complete
+    assert outcome.restart_episodes() == (EpisodeId("3-0", 0), EpisodeId("r9", 1))  # once each
+    document = outcome.as_json()
+    assert document["complete"] is False and document["restart_count"] == 2
+    assert document["restarts"] == {
+        "http://agent": [{"rollout_id": "3-0", "attempt": 0}],
+        "http://env": [{"rollout_id": "3-0", "attempt": 0}, {"rollout_id": "r9", "attempt": 1}],
+        "http://m": [],
+    }
+    assert document["committed"] == committed and document["retired"] == []
+    assert "partial: 2 rollout(s) in flight are not in it" in document["summary"]
+    assert "http://env (2), http://agent (1)" not in document["summary"]  # sorted by URL
+    assert "http://agent (1), http://env (2)" in document["summary"]
+    assert exit_status(outcome, allow_restarts=False) == EXIT_PARTIAL
+    assert exit_status(outcome, allow_restarts=True) == 0
+
+
+def test_a_checkpoint_without_restarts_is_complete():
+    outcome = CheckpointResult.of("ck", {"http://a": {}}, {"http://a": set()})
+    assert outcome.complete and outcome.as_json()["summary"].endswith("; complete")
+    assert exit_status(outcome, allow_restarts=False) == 0
+    assert exit_status({"resumed": "ck"}, allow_restarts=False) == 0  # other commands
+
+
+def test_retired_stragglers_make_it_partial_too():
+    outcome = CheckpointResult.of("ck.r", {}, {"http://a": set()}, [EpisodeId("s", 2)])
+    assert not outcome.complete
+    assert outcome.as_json()["retired"] == [{"rollout_id": "s", "attempt": 2}]
+    assert "1 straggler(s) were retired" in outcome.summary()
+
+
+@pytest.mark.parametrize(
+    ("text", "url"),
+    [
+        ("127.0.0.1:8000", "http://127.0.0.1:8000"),
+        ("localhost:8000/", "http://localhost:8000"),
+        ("http://h:1", "http://h:1"),
+        ("https://h/gym/", "https://h/gym"),
+    ],
+)
+def test_server_urls_without_a_scheme_are_http(text, url):
+    assert _server(text) == url
+
+
+@pytest.mark.parametrize(
+    ("text", "why"),
+    [("ftp://h:1", "http:// or https://"), ("http://h:x", "port"), ("http://:80", "no host")],
+)
+def test_bad_server_urls_say_why(text, why):
+    with pytest.raises(argparse.ArgumentTypeError, match=why):
+        _server(text)
+
+
+def test_help_is_whole_and_names_the_token_variable_and_exit_statuses():
+    parser = _parser()
+    text = parser.format_help()
+    assert "GYM_PROXY_CONTROL_TOKEN" in text
+    assert parser.description is not None and parser.description.endswith("on stderr.")
+    assert "  3  checkpoint committed but partial" in text
+    subcommands = parser._subparsers._group_actions[0]  # type: ignore[union-attr]
+    helps = {action.dest: action.help for action in subcommands._choices_actions}
+    assert set(helps) == set(subcommands.choices) and all(helps.values()), helps
+    assert "--allow-restarts" in subcommands.choices["checkpoint"].format_help()
+
+
+class FakeParticipant:
+    """A participant's control plane in process: canned prepare replies by checkpoint ID,
+    every call recorded."""
+
+    def __init__(self, prepare: dict[str, dict[str, Any]]) -> None:
+        self.prepare = prepare
+        self.calls: list[tuple[str, dict[str, Any]]] = []
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_route("*", "/ng-control/v1/checkpoint/{op}", self.handle)
+        return app
+
+    async def handle(self, request: web.Request) -> web.Response:
+        op = request.match_info["op"]
+        body = await request.json() if request.method == "POST" else {}
+        self.calls.append((op, body))
+        if op == "status":
+            return web.json_response({"kind": "agent"})
+        if op == "prepare":
+            return web.json_response(self.prepare[body["checkpoint_id"]])
+        if op == "commit":
+            return web.json_response({"phase": "committed", "episode_ids": []})
+        return web.json_response({"phase": "idle"})
+
+
+def report(phase: str, blockers: list[str], restarts: list[str]) -> dict[str, Any]:
+    ready = phase == "prepared"
+    return {"phase": phase, "report": {"ready": ready, "blockers": blockers, "restarts": restarts}}
+
+
+async def test_checkpoint_result_carries_the_restarts_and_the_retired(aiohttp_server):
+    fake = FakeParticipant(
+        {
+            "ck": report("preparing", ["slow-a2"], ["x"]),
+            "ck.r": report("prepared", [], ["r1", "r2-a3"]),
+        }
+    )
+    server = await aiohttp_server(fake.app())
+    url = str(server.make_url("")).rstrip("/")
+    async with aiohttp.ClientSession() as http:
+        controller = Controller([Participant(url, "t", http)], timeout=10)
+        await controller.learn_kinds()
+        outcome = await controller.checkpoint("ck", "/d", stragglers="retire", keep_open=True)
+    assert outcome.checkpoint_id == "ck.r"
+    assert outcome.restarts == {url: (EpisodeId("r1", 0), EpisodeId("r2", 3))}
+    assert outcome.retired == (EpisodeId("slow", 2),) and not outcome.complete
+    ops = [op for op, _ in fake.calls]
+    # resumed before the retire, never after the commit (kept open)
+    assert ops == ["status", "prepare", "resume", "retire", "prepare", "commit"], ops
