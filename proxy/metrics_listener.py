@@ -7,9 +7,9 @@ descriptors the data path's `--max-connections` counts on (proxy.descriptor_budg
 
 - At most `max_connections` are open (METRICS_CONNECTIONS): one more is answered 503
   `too_many_connections` at once and closed.
-- A request, head and any body (at most MAX_REQUEST bytes, else 431), must arrive within
-  the header timeout of its first byte, or of the connection's start: 408
-  `request_timeout`, or a silent close if nothing came.
+- A request, head and any body, is at most MAX_REQUEST bytes (431 for a longer head, 413
+  for a body) and must arrive within the header timeout of its first byte, or of the
+  connection's start: 408 `request_timeout`, or a silent close if nothing came.
 - A connection idle between requests is closed after the keep-alive timeout (and one
   whose client stopped reading its answer is cut then).
 - One request at a time: reading pauses while a scrape renders. A request pipelined
@@ -63,7 +63,6 @@ class MetricsListener:
         self.keepalive_timeout = keepalive_timeout
         self.max_connections = max_connections
         self.connections: set[_Connection] = set()
-        self.refused = 0
         self._server: asyncio.AbstractServer | None = None
 
     async def start(self, sock: socket.socket) -> None:
@@ -103,7 +102,6 @@ class _Connection(asyncio.Protocol):
         self.transport = transport  # type: ignore[assignment]
         listener = self.listener
         if len(listener.connections) >= listener.max_connections:
-            listener.refused += 1
             detail = "the metrics port is at its connection cap"
             self.transport.write(error_response("too_many_connections", detail, close=True))
             self.transport.close()
@@ -125,7 +123,8 @@ class _Connection(asyncio.Protocol):
             self._arm(self.listener.header_timeout, self._head_timed_out)
         self.received += len(data)
         if self.received > MAX_REQUEST:
-            self._answer_error("headers_too_large", "the request is larger than a scrape's")
+            code = "request_too_large" if self.method else "headers_too_large"
+            self._answer_error(code, "the request is larger than a scrape's")
             return
         try:
             self.parser.feed_data(data)
@@ -196,7 +195,7 @@ class _Connection(asyncio.Protocol):
         self.complete = False
         self.idle = True
         self.received = 0
-        self.url = b""
+        self.url = self.method = b""
         self._arm(self.listener.keepalive_timeout, self._idle_timed_out)
         self.transport.resume_reading()
 
