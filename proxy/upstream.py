@@ -33,8 +33,8 @@ backlog too).
 
 A pool may have a `limit` (the control app's: proxy.descriptor_budget): connections
 open or connecting never exceed it, and an exchange that finds none free waits in line,
-in order, for one to be released or closed. Worker pools have none: their connections
-are bounded by the client connections, one in flight each.
+in order, for one to be released or closed. Worker pools have none: the connections
+they have in use are bounded by the client connections, one in flight each.
 """
 
 from __future__ import annotations
