@@ -6,6 +6,14 @@ registrar (the proxy's supervisor, with the checkpointer) accepts or refuses it 
 supplies the reply (the pending claims and retire marks, an open checkpoint). From then on
 the channel stays open for coordinator requests; when it ends, the registrar hears that
 the owner is lost.
+
+Only workers the supervisor started connect here, but the socket must not let anything
+else take the proxy's descriptors: with a `limit` (the workers the supervisor has, plus
+a margin: proxy.descriptor_budget), a connection over it first makes room by closing the
+oldest connection that has not registered yet (a worker registers at once), and is
+itself closed when every one has. A connection that does not register within
+REGISTER_TIMEOUT is closed too. Dropped connections are logged at most every LOG_EVERY
+seconds.
 """
 
 from __future__ import annotations
@@ -13,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Awaitable, Callable
 
 from coordinator.contract.channel import Channel
@@ -24,6 +33,7 @@ __all__ = ["WorkerChannels", "RegistrationRefused"]
 log = logging.getLogger("gym_proxy.coordinator")
 
 REGISTER_TIMEOUT = 10.0
+LOG_EVERY = 10.0  # seconds between log lines about dropped connections
 
 
 class RegistrationRefused(Exception):
@@ -38,27 +48,58 @@ class WorkerChannels:
     """Holds one channel per registered worker owner."""
 
     def __init__(
-        self, on_register: Registrar, on_lost: Callable[[str], None], on_message: MessageHandler
+        self,
+        on_register: Registrar,
+        on_lost: Callable[[str], None],
+        on_message: MessageHandler,
+        limit: Callable[[], int] | None = None,
     ) -> None:
         self._on_register = on_register
         self._on_lost = on_lost
         self._on_message = on_message
+        self._limit = limit
         self.channels: dict[str, Channel] = {}
+        self.dropped = 0  # connections closed before they registered
         self._server: asyncio.AbstractServer | None = None
         self._connections: set[asyncio.Task[None]] = set()
+        self._unregistered: dict[asyncio.StreamWriter, None] = {}  # oldest first
+        self._quiet_until = 0.0
+        self._quiet_drops = 0
 
     async def start(self, socket_path: str) -> None:
         """Listen on `socket_path` (inside the 0700 runtime directory)."""
         self._server = await asyncio.start_unix_server(self._accept, socket_path)
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self._limit is not None and len(self._connections) >= self._limit():
+            if not self._unregistered:
+                self._drop(writer, "over the cap, and every connection registered")
+                return
+            oldest = next(iter(self._unregistered))
+            del self._unregistered[oldest]
+            oldest.transport.abort()  # its task reads the end and drops it
         task = asyncio.current_task()
         assert task is not None
         self._connections.add(task)
+        self._unregistered[writer] = None
         try:
             await self._run_connection(reader, writer)
         finally:
             self._connections.discard(task)
+            self._unregistered.pop(writer, None)
+
+    def _drop(self, writer: asyncio.StreamWriter, why: str) -> None:
+        """Close a connection that did not register; log it unless a flood is on."""
+        writer.close()
+        self.dropped += 1
+        now = time.monotonic()
+        if now < self._quiet_until:
+            self._quiet_drops += 1
+            return
+        more = f" (and {self._quiet_drops} more since the last)" if self._quiet_drops else ""
+        log.error("coordinator connection dropped before registering: %s%s", why, more)
+        self._quiet_until = now + LOG_EVERY
+        self._quiet_drops = 0
 
     async def _run_connection(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
@@ -66,19 +107,17 @@ class WorkerChannels:
         try:
             first = await asyncio.wait_for(read_frame(reader), REGISTER_TIMEOUT)
         except (FramingError, TimeoutError, ConnectionError) as exc:
-            log.error("coordinator connection dropped before registering: %s", exc)
-            writer.close()
+            self._drop(writer, str(exc) or type(exc).__name__)
             return
         if first is None or first["type"] != Register.TYPE or not isinstance(first.get("id"), int):
-            log.error("coordinator connection did not open with register")
-            writer.close()
+            self._drop(writer, "it did not open with register")
             return
         try:
             registration = Register.decode(first)
         except MalformedMessage as exc:
-            log.error("coordinator connection dropped: %s", exc)
-            writer.close()
+            self._drop(writer, str(exc))
             return
+        self._unregistered.pop(writer, None)
         owner = registration.owner
 
         async def handle(message: Message) -> Message | None:

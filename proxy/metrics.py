@@ -8,18 +8,17 @@ held, requests running, its event-loop lag; one second at most), and renders. Se
 are labelled by worker slot, rule, code or operation, never by session or rollout. A
 slot's counters add up every incarnation of the slot, so they never go backwards across
 a restart; `gym_proxy_worker_restarts_total` and `gym_proxy_worker_start_time_seconds`
-say that one happened. The families are listed in the README ("Metrics").
+say that one happened. The families are listed in the README ("Metrics"); the port they
+are served on, and its bounds, is proxy.metrics_listener.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import socket
 from collections.abc import Iterator
 
-from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
@@ -36,7 +35,7 @@ from proxy.routing import RULES
 from proxy.supervisor import Supervisor
 from proxy.worker_records import WorkerProcess, resident_bytes
 
-__all__ = ["Metrics", "serve_metrics", "STATES", "PHASES"]
+__all__ = ["Metrics", "STATES", "PHASES"]
 
 log = logging.getLogger("gym_proxy.metrics")
 
@@ -343,19 +342,3 @@ def gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
 
 def counter(name: str, documentation: str, value: float) -> CounterMetricFamily:
     return CounterMetricFamily(name, documentation, value=value)
-
-
-async def serve_metrics(metrics: Metrics, sock: socket.socket) -> web.AppRunner:
-    """Serve `GET /metrics` (and nothing else) on `sock`; the caller cleans the runner up."""
-
-    async def handle(request: web.Request) -> web.Response:
-        body = await metrics.render()
-        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
-
-    app = web.Application()
-    app.router.add_get("/metrics", handle)
-    runner = web.AppRunner(app, access_log=None, handle_signals=False)
-    await runner.setup()
-    await web.SockSite(runner, sock).start()
-    metrics.loop_lag.start()
-    return runner

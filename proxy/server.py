@@ -13,9 +13,7 @@ Once ready, HUP restarts the workers one by one, TTIN adds one and TTOU removes 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import resource
 import signal
 import socket
 import time
@@ -36,7 +34,9 @@ from proxy import data_path
 from proxy.client_connection import DISCARDING, LINGERING, TUNNELING, ClientConnection, ProxyState
 from proxy.config import Config, metrics_address
 from proxy.control_app import create_control_app
-from proxy.metrics import Metrics, serve_metrics
+from proxy.descriptor_budget import CHANNEL_MARGIN, CONTROL_CONNECTIONS, connection_cap, reserve
+from proxy.metrics import Metrics
+from proxy.metrics_listener import MetricsListener
 from proxy.request_spans import RequestSpans
 from proxy.routing import Router, WorkerRoute
 from proxy.runtime_dir import RuntimeDir, remove_stale
@@ -49,8 +49,6 @@ __all__ = ["run"]
 log = logging.getLogger("gym_proxy")
 
 SWEEP_INTERVAL = 1.0
-FD_RESERVE = 64  # descriptors for workers' channels, the control app, logs
-DEFAULT_MAX_CONNECTIONS = 10000
 LINGER = 2.0  # a refused client gets this long (since its last byte) to stop sending
 
 
@@ -80,14 +78,17 @@ async def run(config: Config, listen_sock: socket.socket, secret: bytes) -> int:
         loop.add_signal_handler(sig, on_operation_signal, sig.name.removeprefix("SIG"))
 
     telemetry.start(config.instance, f"{config.instance}-proxy", **{"gym_proxy.role": "proxy"})
-    max_connections = _connection_cap(config.max_connections)
+    reserved = reserve(config.workers, metrics=config.metrics is not None)
+    max_connections = connection_cap(config.max_connections, reserved)
     for stale in remove_stale(config.runtime_dir):
         log.info("removed the runtime directory of a dead instance: %s", stale)
     runtime = RuntimeDir(config.runtime_dir)
     coordinator_socket = runtime.join("coordinator.sock")
     control_socket = runtime.join("control.sock")
     router = Router()
-    control = WorkerRoute("control", -1, control_socket, pool=UpstreamPool(control_socket))
+    control = WorkerRoute(
+        "control", -1, control_socket, pool=UpstreamPool(control_socket, limit=CONTROL_CONNECTIONS)
+    )
     state = ProxyState(
         router=router,
         codec=TokenCodec(secret, config.instance),
@@ -119,7 +120,12 @@ async def run(config: Config, listen_sock: socket.socket, secret: bytes) -> int:
         supervisor.on_lost(owner)
         checkpointer.on_lost(owner)
 
-    worker_channels = WorkerChannels(on_register, on_lost, checkpointer.on_message)
+    worker_channels = WorkerChannels(
+        on_register,
+        on_lost,
+        checkpointer.on_message,
+        limit=lambda: len(supervisor.workers()) + CHANNEL_MARGIN,
+    )
     mover = Mover(supervisor, checkpointer)
     operations = Operations(supervisor, mover, checkpointer)
     supervisor.on_recycle = operations.recycle
@@ -131,7 +137,7 @@ async def run(config: Config, listen_sock: socket.socket, secret: bytes) -> int:
         access_log=None,
         handle_signals=False,
     )
-    metrics_runner: web.AppRunner | None = None
+    metrics_listener: MetricsListener | None = None
     server: asyncio.AbstractServer | None = None
     timers: list[asyncio.Task[None]] = []
     code = 0
@@ -141,7 +147,11 @@ async def run(config: Config, listen_sock: socket.socket, secret: bytes) -> int:
         await web.UnixSite(control_runner, control_socket).start()
         if config.metrics is not None:
             metrics_sock = _bind(*metrics_address(config.metrics, config.host))
-            metrics_runner = await serve_metrics(metrics, metrics_sock)
+            metrics_listener = MetricsListener(
+                metrics.render, config.header_timeout, config.keepalive_timeout
+            )
+            await metrics_listener.start(metrics_sock)
+            metrics.loop_lag.start()
             host, port = metrics_sock.getsockname()[:2]
             log.info("metrics on http://%s:%d/metrics", host, port)
         await worker_channels.start(coordinator_socket)
@@ -205,8 +215,8 @@ async def run(config: Config, listen_sock: socket.socket, secret: bytes) -> int:
             loop.remove_signal_handler(sig)
         operations.close()
         metrics.loop_lag.stop()
-        if metrics_runner is not None:
-            await metrics_runner.cleanup()
+        if metrics_listener is not None:
+            await metrics_listener.close()
         for timer in timers:
             timer.cancel()
         if server is not None:
@@ -251,34 +261,6 @@ def _access_logger(name: str) -> logging.Logger:
     logger = logging.getLogger(name)
     logger.setLevel(logging.INFO)
     return logger
-
-
-def _connection_cap(asked: int | None) -> int:
-    """Raise the soft descriptor limit toward what the cap needs (a client connection
-    plus, while it has a request in flight, one to a worker) and return the cap. Without
-    `--max-connections` the cap is DEFAULT_MAX_CONNECTIONS or what the limit allows; an
-    explicit cap is kept, with a warning when the limit is too low (as HAProxy does)."""
-    wanted = asked or DEFAULT_MAX_CONNECTIONS
-    needed = 2 * wanted + FD_RESERVE
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft == resource.RLIM_INFINITY or soft >= needed:
-        return wanted
-    target = needed if hard == resource.RLIM_INFINITY else min(needed, hard)
-    with contextlib.suppress(ValueError, OSError):
-        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
-        soft = target
-    if soft >= needed:
-        return wanted
-    if asked is None:
-        return max(1, (soft - FD_RESERVE) // 2)
-    log.warning(
-        "the descriptor limit (%d) is below the %d that --max-connections %d can need; "
-        "raise it (ulimit -n) or lower --max-connections",
-        soft,
-        needed,
-        wanted,
-    )
-    return wanted
 
 
 async def _drain(state: ProxyState, grace: float, force: asyncio.Event) -> None:

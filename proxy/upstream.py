@@ -30,6 +30,11 @@ A burst of new connections can fill a worker's accept queue; a Unix socket then 
 with EAGAIN at once. Such a connect is retried with a short backoff for up to
 `CONNECT_RETRY_SECONDS` instead of failing the request (workers listen with a deep
 backlog too).
+
+A pool may have a `limit` (the control app's: proxy.descriptor_budget): connections
+open or connecting never exceed it, and an exchange that finds none free waits in line,
+in order, for one to be released or closed. Worker pools have none: the connections
+they have in use are bounded by the client connections, one in flight each.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ import asyncio
 import contextlib
 import os
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
@@ -78,6 +84,7 @@ class UpstreamConnection(asyncio.Protocol):
         "ended",
         "spoiled",
         "tunnel",
+        "counted",
     )
 
     def __init__(self, pool: UpstreamPool) -> None:
@@ -98,6 +105,7 @@ class UpstreamConnection(asyncio.Protocol):
         self.ended = False  # the final response's message ended in this read
         self.spoiled = False  # ... and bytes followed its end
         self.tunnel = False  # after a 101: no more HTTP on this connection
+        self.counted = False  # in its pool's `open` count (a pool with a limit)
 
     # asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -255,7 +263,11 @@ class UpstreamPool:
     """Idle keep-alive connections to one worker socket, plus connection setup."""
 
     def __init__(
-        self, socket_path: str, max_idle: int = 512, connect: Connector | None = None
+        self,
+        socket_path: str,
+        max_idle: int = 512,
+        connect: Connector | None = None,
+        limit: int = 0,
     ) -> None:
         self.socket_path = socket_path
         self.max_idle = max_idle
@@ -265,6 +277,10 @@ class UpstreamPool:
         self.connecting: dict[asyncio.Task[None], Exchange] = {}
         self.closed = False
         self.connect_errors = 0  # for /metrics
+        self.limit = limit  # most connections open or connecting at once (0: no limit)
+        self.open = 0  # ... counted only with a limit
+        self.waiting: deque[Exchange] = deque()  # for a connection, at the limit
+        self._wake_soon = False
 
     def acquire(self, exchange: Exchange) -> None:
         """Attach `exchange` to an idle connection now, or to a new one when it connects."""
@@ -278,6 +294,11 @@ class UpstreamPool:
         if self.closed:
             exchange.upstream_failed(ConnectionRefusedError("worker is gone"))
             return
+        if self.limit:
+            if self.open >= self.limit:
+                self.waiting.append(exchange)
+                return
+            self.open += 1
         task = asyncio.get_running_loop().create_task(self._connect(exchange))
         self.connecting[task] = exchange
         task.add_done_callback(self._connected)
@@ -295,14 +316,21 @@ class UpstreamPool:
                 # for the worker to accept, briefly, rather than fail the request.
                 if exchange.finished or time.monotonic() + delay > give_up:
                     self.connect_errors += 1
+                    self._uncount()
                     exchange.upstream_failed(exc)
                     return
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 0.1)
             except OSError as exc:
                 self.connect_errors += 1
+                self._uncount()
                 exchange.upstream_failed(exc)
                 return
+            except asyncio.CancelledError:
+                self._uncount()
+                raise
+        if self.limit:
+            conn.counted = True
         if exchange.finished:
             self.release(conn)
             return
@@ -328,9 +356,14 @@ class UpstreamPool:
             conn.resume_reading()
         self.idle.append(conn)
         self.idle_since[conn] = time.monotonic()
+        if self.waiting:
+            self._wake()
 
     def forget(self, conn: UpstreamConnection) -> None:
         """A connection closed: make sure it is never handed out again."""
+        if conn.counted:
+            conn.counted = False
+            self._uncount()
         if self.idle_since.pop(conn, None) is not None:
             try:
                 self.idle.remove(conn)
@@ -352,8 +385,33 @@ class UpstreamPool:
             task.cancel()
             exchange.upstream_failed(ConnectionAbortedError("worker is gone"))
         self.connecting.clear()
+        waiting, self.waiting = self.waiting, deque()
+        for exchange in waiting:
+            exchange.upstream_failed(ConnectionAbortedError("worker is gone"))
         for conn in list(self.idle):
             conn.close()
+
+    def _uncount(self) -> None:
+        """A connection of a pool with a limit closed, or never opened."""
+        if self.limit:
+            self.open -= 1
+            if self.waiting:
+                self._wake()
+
+    def _wake(self) -> None:
+        # Soon, not now: this runs inside another exchange's ending, or a connection's.
+        if not self._wake_soon:
+            self._wake_soon = True
+            asyncio.get_running_loop().call_soon(self._serve_waiting)
+
+    def _serve_waiting(self) -> None:
+        """Hand idle connections, then room for new ones, to exchanges in line."""
+        self._wake_soon = False
+        waiting = self.waiting
+        while waiting and not self.closed and (self.idle or self.open < self.limit):
+            exchange = waiting.popleft()
+            if not exchange.finished:
+                self.acquire(exchange)
 
 
 async def _connect_unix(factory: Callable[[], UpstreamConnection], path: str) -> UpstreamConnection:

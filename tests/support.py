@@ -8,6 +8,7 @@ import contextlib
 import hashlib
 import hmac
 import os
+import resource
 import shutil
 import signal
 import socket
@@ -87,7 +88,9 @@ class ProxyProcess:
         env: dict[str, str] | None = None,
         control_token: str | None = None,
         cwd: str | Path = REPO,
+        nofile: int | None = None,
     ) -> None:
+        """`nofile`: the process's descriptor limit, soft and hard (`ulimit -n`)."""
         self.runtime_parent = tempfile.mkdtemp(prefix="gpt-", dir="/tmp")
         self.log_path = Path(self.runtime_parent) / "proxy.log"
         self.listener = socket.socket()
@@ -134,6 +137,7 @@ class ProxyProcess:
             pass_fds=[self.listener.fileno()],
             env={**os.environ, **(env or {})},
             stdin=subprocess.DEVNULL,
+            preexec_fn=None if nofile is None else lambda: _limit_descriptors(nofile),
         )
         self.seen_pids: set[int] = set()
 
@@ -206,6 +210,10 @@ class ProxyProcess:
         self.listener.close()
         self._log.close()
         shutil.rmtree(self.runtime_parent, ignore_errors=True)
+
+
+def _limit_descriptors(limit: int) -> None:
+    resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))
 
 
 class Control:
