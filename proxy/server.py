@@ -7,7 +7,8 @@ inherited, listening socket (--fd) serves from the start, answering 503
 (SIGTERM/SIGINT; a second signal skips the drain): stop accepting, let in-flight requests
 finish within the grace period, cut the rest, stop workers, remove the runtime directory.
 Once ready, HUP restarts the workers one by one, TTIN adds one and TTOU removes one
-(`coordinator.operations`), their sessions moved, never dropped.
+(`coordinator.operations`), their sessions moved, never dropped; before ready and while
+stopping each is logged as ignored (held from the process's start: `proxy.cli`).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from coordinator.mover import Mover
 from coordinator.operations import Operations
 from coordinator.worker_channels import WorkerChannels
 from proxy import data_path
+from proxy.cli import OPERATION_SIGNALS, hold_operation_signals, release_operation_signals
 from proxy.client_connection import DISCARDING, LINGERING, TUNNELING, ClientConnection, ProxyState
 from proxy.config import Config, metrics_address
 from proxy.control_app import create_control_app
@@ -75,9 +77,10 @@ async def run(config: Config, listen_sock: socket.socket, secret: bytes) -> int:
         else:
             log.warning("SIG%s ignored: gym-proxy is not serving (starting or stopping)", name)
 
-    # gunicorn's and uvicorn's: HUP rolling restart, TTIN/TTOU one worker more or less.
-    for sig in (signal.SIGHUP, signal.SIGTTIN, signal.SIGTTOU):
+    for sig in OPERATION_SIGNALS:
         loop.add_signal_handler(sig, on_operation_signal, sig.name.removeprefix("SIG"))
+    # Held since the process began (proxy.cli): one that came meanwhile is logged now.
+    release_operation_signals()
 
     telemetry.start(config.instance, f"{config.instance}-proxy", **{"gym_proxy.role": "proxy"})
     max_connections = _connection_cap(config.max_connections)
@@ -201,8 +204,7 @@ async def run(config: Config, listen_sock: socket.socket, secret: bytes) -> int:
         await _drain(state, config.graceful_timeout, force)
         return code
     finally:
-        for sig in (signal.SIGHUP, signal.SIGTTIN, signal.SIGTTOU):
-            loop.remove_signal_handler(sig)
+        accepting_signals = False  # the handlers stay: a signal while stopping is logged
         operations.close()
         metrics.loop_lag.stop()
         if metrics_runner is not None:
@@ -222,6 +224,11 @@ async def run(config: Config, listen_sock: socket.socket, secret: bytes) -> int:
         runtime.remove()
         listen_sock.close()
         telemetry.shutdown()
+        # Held again before the loop closes and takes the handlers away: until the
+        # process exits, a late one stays pending instead of ending it.
+        hold_operation_signals()
+        for sig in OPERATION_SIGNALS:
+            loop.remove_signal_handler(sig)
         log.info("stopped")
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.gated_app import GATE_ENV
 from tests.support import REPO, pid_alive, wait_until, wait_until_sync
 
 OWNER = "x-ng-session-owner"
@@ -298,3 +299,41 @@ async def test_sessions_end_on_close_verify_and_idle_ttl(start_proxy, http):
         return await store_size() == 0
 
     await wait_until(expired, 10, "the idle session to expire")
+
+
+OPERATION_SIGNALS = (signal.SIGHUP, signal.SIGTTIN, signal.SIGTTOU)
+
+
+def blocked_signals(pid: int) -> set[int]:
+    """The signals `pid` blocks (its SigBlk mask, from /proc)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("SigBlk:"):
+            mask = int(line.split()[1], 16)
+            return {n for n in range(1, 65) if mask >> (n - 1) & 1}
+    raise AssertionError("no SigBlk")
+
+
+def test_operation_signals_during_start_are_held_not_fatal(start_proxy, tmp_path):
+    """HUP, TTIN and TTOU sent while gym-proxy imports APP (before its handlers exist)
+    neither end it nor run: once its handlers are in place each is logged as ignored,
+    and it starts; its workers do not inherit the blocked signals."""
+    gate = tmp_path / "gate"
+    gate.mkdir()
+    proxy = start_proxy(
+        workers=1, app="tests.gated_app:create_app", env={GATE_ENV: str(gate)}, ready=False
+    )
+    wait_until_sync(
+        lambda: (gate / "importing").exists() or proxy.popen.poll() is not None,
+        30,
+        "gym-proxy to import APP",
+    )
+    for sig in OPERATION_SIGNALS:
+        proxy.signal(sig)
+    (gate / "go").touch()
+    proxy.wait_ready()
+    log = proxy.log()
+    for sig in OPERATION_SIGNALS:
+        assert f"{sig.name} ignored: gym-proxy is not serving" in log, log
+    assert "worker 0 started" in log
+    for pid in proxy.worker_pids():
+        assert not blocked_signals(pid) & set(OPERATION_SIGNALS), pid
