@@ -30,6 +30,9 @@ every other operation (409 `operation_conflict`, both ways), reports its progres
   its jitter) or `--max-worker-memory`; it is a rolling restart of that slot, deferred
   while a checkpoint or another operation runs.
 
+One rule holds across them all: none may leave no live worker taking new sessions (a
+drain of the last one, or a shrink that keeps only draining ones, is refused first).
+
 Signals (gunicorn's and uvicorn's): HUP restarts every slot, TTIN adds a worker, TTOU
 removes one; they queue and run one after the other when the server is free.
 """
@@ -82,10 +85,7 @@ class Operations:
         """No new sessions on the slot's worker; move its sessions to the others."""
         async with self._exclusive("drain", "operator") as progress:
             worker = self._live_in(slot)
-            if not self._others(worker):
-                raise GymError(
-                    "invalid_request", f"no other worker takes sessions than slot {slot}'s"
-                )
+            self._keep_one_taking_sessions([worker], f"draining slot {slot}")
             deadline = time.monotonic() + within
             progress.step = f"slot {slot}: moving its sessions to the other workers"
             left = await self.retirer.empty(
@@ -147,6 +147,10 @@ class Operations:
                     progress.errors.append(f"grow stopped at {len(self.pool.slots)} workers: {exc}")
                     break
                 progress.slots.append({"slot": worker.slot, "owner": worker.owner, "added": True})
+            if workers < len(self.pool.slots):
+                removed = range(workers, len(self.pool.slots))
+                leaving = [w for i in removed if (w := self.pool.current(i)) is not None]
+                self._keep_one_taking_sessions(leaving, f"resizing to {_workers(workers)}")
             while len(self.pool.slots) > workers:
                 slot = len(self.pool.slots) - 1
                 progress.step = f"removing slot {slot}"
@@ -231,6 +235,24 @@ class Operations:
             for w in self._serving()
             if w is not worker and not w.route.draining and w.route.responsive
         ]
+
+    def _keep_one_taking_sessions(self, leaving: list[Any], what: str) -> None:
+        """The rule every operation that takes workers out of new sessions keeps, here
+        and nowhere else: a live worker outside `leaving` that is not draining stays, so
+        new sessions always have somewhere to go. Refused (400) before anything changes."""
+        staying = [w for w in self._serving() if w not in leaving]
+        if any(not w.route.draining for w in staying):
+            return
+        if not staying:
+            why = "no other live worker"
+        elif len(staying) == 1:
+            why = f"slot {staying[0].slot} is draining: undrain it first"
+        else:
+            slots = ", ".join(str(w.slot) for w in staying)
+            why = f"slots {slots} are draining: undrain one first"
+        raise GymError(
+            "invalid_request", f"{what} would leave no worker taking new sessions ({why})"
+        )
 
     def _slot_worker(self, slot: int) -> list[Any]:
         worker = self.pool.current(slot)
@@ -347,3 +369,7 @@ class Operations:
             task.cancel()
         if self._signal_task is not None:
             self._signal_task.cancel()
+
+
+def _workers(count: int) -> str:
+    return f"{count} worker" if count == 1 else f"{count} workers"

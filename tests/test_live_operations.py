@@ -189,6 +189,31 @@ async def test_drain_moves_a_thousand_sessions_and_takes_no_new_ones(start_proxy
         assert 0 in {(await whoami(http, proxy.url, t))["slot"] for t in fresh}
 
 
+async def test_a_shrink_after_a_drain_keeps_a_worker_taking_sessions(start_proxy):
+    """Drain slot 0, then resize to one worker: refused (it would remove slot 1, the only
+    worker taking sessions), nothing changes, and new sessions still reach slot 1; once
+    slot 0 is undrained the same resize runs."""
+    proxy = start_proxy(workers=2, control_token=CONTROL)
+    async with aiohttp.ClientSession() as http:
+        status, reply = await operate(http, proxy.url, "drain", slot=0)
+        assert status == 200 and reply["complete"], reply
+        status, reply = await operate(http, proxy.url, "resize", workers=1)
+        assert status == 400 and reply["error"]["code"] == "invalid_request", reply
+        assert reply["error"]["detail"] == (
+            "resizing to 1 worker would leave no worker taking new sessions "
+            "(slot 0 is draining: undrain it first)"
+        ), reply
+        assert (await status_of(http, proxy.url))["expected_workers"] == 2
+        fresh = [await seed(http, proxy.url) for _ in range(4)]
+        assert {(await whoami(http, proxy.url, t))["slot"] for t in fresh} == {1}
+        status, reply = await operate(http, proxy.url, "undrain", slot=0)
+        assert status == 200, reply
+        status, reply = await operate(http, proxy.url, "resize", workers=1)
+        assert status == 200 and reply["complete"] and reply["workers"] == 1, reply
+        for token in [*fresh, await seed(http, proxy.url)]:
+            assert (await whoami(http, proxy.url, token))["slot"] == 0
+
+
 async def test_a_worker_is_recycled_after_max_requests(start_proxy):
     proxy = start_proxy(
         "--max-requests", "150", "--max-requests-jitter", "20", workers=2, control_token=CONTROL
