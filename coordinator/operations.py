@@ -148,9 +148,7 @@ class Operations:
                     break
                 progress.slots.append({"slot": worker.slot, "owner": worker.owner, "added": True})
             if workers < len(self.pool.slots):
-                removed = range(workers, len(self.pool.slots))
-                leaving = [w for i in removed if (w := self.pool.current(i)) is not None]
-                self._keep_one_taking_sessions(leaving, f"resizing to {_workers(workers)}")
+                self._check_shrink(workers)
             while len(self.pool.slots) > workers:
                 slot = len(self.pool.slots) - 1
                 progress.step = f"removing slot {slot}"
@@ -235,6 +233,12 @@ class Operations:
             for w in self._serving()
             if w is not worker and not w.route.draining and w.route.responsive
         ]
+
+    def _check_shrink(self, workers: int) -> None:
+        """A shrink to `workers` slots keeps the rule below (refused first otherwise)."""
+        removed = range(workers, len(self.pool.slots))
+        leaving = [w for i in removed if (w := self.pool.current(i)) is not None]
+        self._keep_one_taking_sessions(leaving, f"resizing to {_workers(workers)}")
 
     def _keep_one_taking_sessions(self, leaving: list[Any], what: str) -> None:
         """The rule every operation that takes workers out of new sessions keeps, here
@@ -343,20 +347,30 @@ class Operations:
             name = self._signals.pop(0)
             within = float(self.pool.config.graceful_timeout or 30.0)
             count = len(self.pool.slots)
+            # One line per signal taken, saying what it does: signals of one kind that
+            # come faster than they are taken merge in the kernel (README, "Live operations").
             if name == "HUP":
-                await self._quietly(self.restart(None, within, "SIGHUP"))
+                log.info("SIGHUP: rolling restart of %s", _workers(count))
+                await self._quietly("SIGHUP", self.restart(None, within, "SIGHUP"))
             elif name == "TTIN":
-                await self._quietly(self.resize(count + 1, within, "SIGTTIN"))
+                log.info("SIGTTIN: resizing %d -> %s", count, _workers(count + 1))
+                await self._quietly("SIGTTIN", self.resize(count + 1, within, "SIGTTIN"))
             elif name == "TTOU" and count > 1:
-                await self._quietly(self.resize(count - 1, within, "SIGTTOU"))
+                try:
+                    self._check_shrink(count - 1)
+                except GymError as exc:
+                    log.warning("SIGTTOU not run: %s", exc.detail)
+                    continue
+                log.info("SIGTTOU: resizing %d -> %s", count, _workers(count - 1))
+                await self._quietly("SIGTTOU", self.resize(count - 1, within, "SIGTTOU"))
             elif name == "TTOU":
                 log.warning("SIGTTOU ignored: the server has one worker left")
 
-    async def _quietly(self, operation: Any) -> None:
+    async def _quietly(self, name: str, operation: Any) -> None:
         try:
             await operation
         except GymError as exc:
-            log.warning("operation not run: %s", exc.detail)
+            log.warning("%s not run: %s", name, exc.detail)
 
     def _in_background(self, coro: Any) -> None:
         task = asyncio.ensure_future(coro)

@@ -235,6 +235,8 @@ async def test_a_worker_is_recycled_after_max_requests(start_proxy):
 
 
 async def test_signals_restart_grow_and_shrink(start_proxy):
+    """TTIN, TTOU and HUP under load; each signal taken logs one line saying what it
+    does, and a TTOU that would leave no worker taking sessions logs why it did not run."""
     proxy = start_proxy(workers=2, control_token=CONTROL)
 
     async def signals(http: aiohttp.ClientSession, load: Load) -> None:
@@ -251,8 +253,21 @@ async def test_signals_restart_grow_and_shrink(start_proxy):
             "both workers replaced",
         )
         assert not set(proxy.worker_pids()) & before
+        status, reply = await operate(http, proxy.url, "drain", slot=0, timeout_s=30)
+        assert status == 200 and reply["complete"], reply
+        proxy.signal(signal.SIGTTOU)
+        await wait_until(lambda: "SIGTTOU not run" in proxy.log(), 30, "the TTOU refused")
+        assert len(proxy.worker_pids()) == 2
 
     await under_load(proxy, 20, signals)
+    taken = [line.split(" gym-proxy ")[-1] for line in proxy.log().splitlines() if " SIG" in line]
+    assert taken == [
+        "INFO SIGTTIN: resizing 2 -> 3 workers",
+        "INFO SIGTTOU: resizing 3 -> 2 workers",
+        "INFO SIGHUP: rolling restart of 2 workers",
+        "WARNING SIGTTOU not run: resizing to 1 worker would leave no worker taking new "
+        "sessions (slot 0 is draining: undrain it first)",
+    ], taken
 
 
 async def test_operations_and_checkpoints_exclude_each_other(start_proxy, tmp_path):
