@@ -34,6 +34,7 @@ from worker.app_sessions import app_session_cookie
 from worker.asgi_door import AsgiDoor, answer_runtime_errors
 from worker.asgi_server import AsgiWorkerServer
 from worker.channel_requests import apply_tables, handle_coordinator_message
+from worker.head_limits import HeadLimits, head_limits
 from worker.identity import WORKER_BACKLOG, WORKER_INFO, WorkerInfo
 from worker.options import parse_worker_args
 from worker.participation import Participation, declared
@@ -55,7 +56,9 @@ class WorkerServer(Protocol):
 class AiohttpWorkerServer:
     """An aiohttp app on the worker socket (runner + Unix site)."""
 
-    def __init__(self, app: web.Application, socket_path: str, graceful_timeout: float):
+    def __init__(
+        self, app: web.Application, socket_path: str, graceful_timeout: float, limits: HeadLimits
+    ):
         self.runner = web.AppRunner(
             app,
             handle_signals=False,
@@ -63,6 +66,7 @@ class AiohttpWorkerServer:
             handler_cancellation=True,  # a client that goes away cancels its handler
             keepalive_timeout=WORKER_KEEPALIVE,
             shutdown_timeout=graceful_timeout,
+            **limits.aiohttp(),
         )
         self.socket_path = socket_path
 
@@ -84,7 +88,8 @@ def _host(
         app[WORKER_INFO] = info
         app[RUNTIME] = runtime
         install_door(app)
-        return runtime, AiohttpWorkerServer(app, args.socket, args.graceful_timeout)
+        limits = head_limits(args.limit_request_line, args.limit_request_headers)
+        return runtime, AiohttpWorkerServer(app, args.socket, args.graceful_timeout, limits)
     participation = declared(app) or Participation(restart_only=True)
     runtime = ParticipantRuntime(
         info, participation.with_kind(args.kind), access_log=args.access_log
@@ -170,6 +175,8 @@ async def serve(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_worker_args(argv)
+    # Before anything imports websockets (uvicorn, or the app itself).
+    head_limits(args.limit_request_line, args.limit_request_headers).raise_websockets_limits()
     logging.basicConfig(
         level=args.log_level.upper(),
         format=f"%(asctime)s worker[{args.slot}:{os.getpid()}] %(levelname)s %(message)s",
