@@ -62,9 +62,13 @@ async def run(config: Config, listen_sock: socket.socket, secret: bytes) -> int:
     stop = asyncio.Event()
     force = asyncio.Event()
 
+    stopping_since = 0.0  # monotonic time of the first SIGTERM/SIGINT (or of a fatal error)
+
     def on_signal() -> None:
+        nonlocal stopping_since
         if stop.is_set():
             force.set()
+        stopping_since = stopping_since or time.monotonic()
         stop.set()
 
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -198,13 +202,12 @@ async def run(config: Config, listen_sock: socket.socket, secret: bytes) -> int:
         if supervisor.fatal.done():
             log.error("%s; stopping", supervisor.fatal.exception())
             code = BOOT_ERROR
-        else:
-            log.info("shutting down: finishing in-flight requests (%g s)", config.graceful_timeout)
         server.close()
         await _drain(state, config.graceful_timeout, force)
         return code
     finally:
         accepting_signals = False  # the handlers stay: a signal while stopping is logged
+        stopping_since = stopping_since or time.monotonic()
         operations.close()
         metrics.loop_lag.stop()
         if metrics_runner is not None:
@@ -229,7 +232,7 @@ async def run(config: Config, listen_sock: socket.socket, secret: bytes) -> int:
         hold_operation_signals()
         for sig in OPERATION_SIGNALS:
             loop.remove_signal_handler(sig)
-        log.info("stopped")
+        log.info("stopped in %.2f s", time.monotonic() - stopping_since)
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -296,7 +299,13 @@ async def _drain(state: ProxyState, grace: float, force: asyncio.Event) -> None:
         if not client.pipeline:
             client.close()
     if not state.clients:
+        log.info("shutting down: no request in flight")
         return
+    log.info(
+        "shutting down: waiting up to %g s for %d connections with requests in flight",
+        grace,
+        len(state.clients),
+    )
     waits = {asyncio.ensure_future(state.drained.wait()), asyncio.ensure_future(force.wait())}
     _, pending = await asyncio.wait(waits, timeout=grace, return_when=asyncio.FIRST_COMPLETED)
     for task in pending:

@@ -22,6 +22,7 @@ from typing import Any
 
 import uvloop
 
+from coordinator.contract.exit_codes import exit_process
 from proxy.config import (
     SECRET_ENV,
     Config,
@@ -143,4 +144,4 @@ def start(argv: Sequence[str] | None = None) -> None:
         _fail(f"cannot listen on {where}: {exc.strerror or exc}")
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         code = runner.run(run(config, sock, secret))
-    sys.exit(code)
+    exit_process(code)

@@ -78,6 +78,7 @@ class Supervisor:
     _warned_ceiling: bool = False
     _leaving: set[WorkerProcess] = field(default_factory=set)
     _trial_slots: int = 0  # slots an operation is adding: their boot errors are not fatal
+    _stop_began: float = 0.0  # monotonic time stop() sent SIGTERM
     # What a worker asks of its operator: recycle(slot, reason) (live operations set it).
     on_recycle: Any = None
     on_held: Any = None  # called with how long released held requests waited (/metrics)
@@ -211,6 +212,13 @@ class Supervisor:
         current = replaced_slot is not None and replaced_slot.worker is worker
         self._vacate(worker)
         if self.stopping:
+            log.info(
+                "worker %d (pid %d) exited with code %s, %.2f s after SIGTERM",
+                worker.slot,
+                worker.pid,
+                code,
+                time.monotonic() - self._stop_began,
+            )
             return
         if not current:  # a successor that died before its promotion: its operation says so
             log.warning("replacement worker %d exited with code %s", worker.slot, code)
@@ -573,6 +581,15 @@ class Supervisor:
         running = [
             w for w in self.workers() if w.process is not None and w.process.returncode is None
         ]
+        if running:
+            log.info(
+                "stopping %d worker%s: SIGTERM sent; each finishes its requests and its "
+                "app's shutdown, SIGKILL for any still running in %g s",
+                len(running),
+                "" if len(running) == 1 else "s",
+                grace,
+            )
+        self._stop_began = time.monotonic()
         for worker in running:
             with contextlib.suppress(ProcessLookupError):
                 worker.process.send_signal(signal.SIGTERM)

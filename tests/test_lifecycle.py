@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import re
 import shutil
 import signal
 import socket
@@ -12,6 +13,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -337,3 +339,37 @@ def test_operation_signals_during_start_are_held_not_fatal(start_proxy, tmp_path
     assert "worker 0 started" in log
     for pid in proxy.worker_pids():
         assert not blocked_signals(pid) & set(OPERATION_SIGNALS), pid
+
+
+def test_a_stop_says_what_it_waits_for_and_lasts_as_long_as_its_workers(start_proxy):
+    """SIGTERM to an idle server: the log says there is no request in flight, that the
+    workers got SIGTERM (and when they would be killed), when each exited, and that the
+    proxy stopped right after the last one (not seconds later)."""
+    proxy = start_proxy(workers=2)
+    began = time.monotonic()
+    proxy.signal(signal.SIGTERM)
+    assert proxy.wait_exit(30) == 0
+    took = time.monotonic() - began
+    log = proxy.log()
+    assert "shutting down: no request in flight" in log, log
+    assert "stopping 2 workers: SIGTERM sent; " in log and "still running in 30 s" in log, log
+    exits = re.findall(r"worker \d \(pid \d+\) exited with code 0, ([0-9.]+) s after SIGTERM", log)
+    assert len(exits) == 2, log
+    stopped = float(re.findall(r"stopped in ([0-9.]+) s", log)[-1])
+    assert stopped - max(map(float, exits)) < 1.0, log
+    assert took < 10, (took, log)
+
+
+def test_a_process_exits_without_the_final_collections(tmp_path):
+    """exit_process: the exit code and atexit handlers as sys.exit's, with every object
+    frozen first (the teardown's collections skip them)."""
+    script = (
+        "import atexit, gc\n"
+        "from coordinator.contract.exit_codes import exit_process\n"
+        "atexit.register(lambda: print('frozen', gc.get_freeze_count() > 0, flush=True))\n"
+        "exit_process(3)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=60
+    )
+    assert (result.returncode, result.stdout) == (3, "frozen True\n"), result

@@ -25,7 +25,7 @@ from aiohttp import web
 
 from coordinator.contract import telemetry
 from coordinator.contract.channel import Channel, ChannelClosed, ChannelTimeout, RemoteError
-from coordinator.contract.exit_codes import BOOT_ERROR, LOST_COORDINATOR
+from coordinator.contract.exit_codes import BOOT_ERROR, LOST_COORDINATOR, exit_process
 from coordinator.contract.keepalive import WORKER_KEEPALIVE
 from coordinator.contract.messages import Message, Register, RegisterReply
 from worker.aiohttp_door import RUNTIME, install_door, participation_of
@@ -185,4 +185,4 @@ def main(argv: Sequence[str] | None = None) -> None:
         logging.getLogger("gym_proxy.worker.access").setLevel(logging.INFO)
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         code = runner.run(serve(args))
-    sys.exit(code)
+    exit_process(code)
