@@ -87,6 +87,7 @@ class ProxyProcess:
         env: dict[str, str] | None = None,
         control_token: str | None = None,
         cwd: str | Path = REPO,
+        new_session: bool = False,
     ) -> None:
         self.runtime_parent = tempfile.mkdtemp(prefix="gpt-", dir="/tmp")
         self.log_path = Path(self.runtime_parent) / "proxy.log"
@@ -134,6 +135,7 @@ class ProxyProcess:
             pass_fds=[self.listener.fileno()],
             env={**os.environ, **(env or {})},
             stdin=subprocess.DEVNULL,
+            start_new_session=new_session,  # a process group of its own, as a shell job's
         )
         self.seen_pids: set[int] = set()
 

@@ -373,3 +373,18 @@ def test_a_process_exits_without_the_final_collections(tmp_path):
         [sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=60
     )
     assert (result.returncode, result.stdout) == (3, "frozen True\n"), result
+
+
+def test_killing_the_process_group_kills_this_instance_and_its_workers(start_proxy):
+    """The README's crash: gym-proxy's workers are in its process group, so `kill -9 --
+    -PGID` (a shell job's group) ends this instance whole and nothing else."""
+    proxy = start_proxy(workers=2, new_session=True)
+    bystander = start_proxy(workers=1)
+    group = os.getpgid(proxy.pid)
+    assert group == proxy.pid
+    workers = proxy.worker_pids()
+    assert len(workers) == 2 and {os.getpgid(pid) for pid in workers} == {group}
+    os.killpg(group, signal.SIGKILL)
+    proxy.popen.wait(10)
+    wait_until_sync(lambda: not any(pid_alive(p) for p in workers), 10, "the workers to die")
+    assert bystander.popen.poll() is None and all(map(pid_alive, bystander.worker_pids()))
