@@ -304,18 +304,12 @@ class Operations:
         return view
 
     def status(self) -> dict[str, Any]:
-        """The running operation's progress, the last one's outcome, and every worker
-        process with its state (a booting replacement and a leaving worker too)."""
+        """The running operation's progress and the last one's outcome (each worker's
+        state is in status' one `workers` list: `worker_states`)."""
         waiting = self.mover.holding
-        states = self.worker_states()
         return {
             "running": None if self.running is None else self.running.view(waiting),
             "last": None if self.last is None else self.last.view(0),
-            "workers": [
-                {"slot": w.slot, "owner": w.owner, "pid": w.pid, **states[w.owner]}
-                for w in self.pool.workers()
-                if w.process is not None
-            ],
         }
 
     def worker_states(self) -> dict[str, dict[str, Any]]:

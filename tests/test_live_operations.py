@@ -214,6 +214,20 @@ async def test_a_shrink_after_a_drain_keeps_a_worker_taking_sessions(start_proxy
             assert (await whoami(http, proxy.url, token))["slot"] == 0
 
 
+async def test_status_lists_each_worker_once_with_its_state(start_proxy):
+    """`status` has one list of workers: each registered worker, with the checkpoint
+    fields and the operations' state and count; `operations` lists none again."""
+    proxy = start_proxy(workers=2, control_token=CONTROL)
+    async with aiohttp.ClientSession() as http:
+        await whoami(http, proxy.url, await seed(http, proxy.url))
+        status = await status_of(http, proxy.url)
+    assert sorted(status["operations"]) == ["last", "running"], status["operations"]
+    fields = {"slot", "owner", "pid", "in_flight", "ready", "state", "requests_served"}
+    assert [sorted(w) for w in status["workers"]] == [sorted(fields)] * 2, status["workers"]
+    assert [(w["slot"], w["state"]) for w in status["workers"]] == [(0, "ready"), (1, "ready")]
+    assert sum(w["requests_served"] for w in status["workers"]) == 2, status["workers"]
+
+
 async def test_a_worker_is_recycled_after_max_requests(start_proxy):
     proxy = start_proxy(
         "--max-requests", "150", "--max-requests-jitter", "20", workers=2, control_token=CONTROL
@@ -407,10 +421,7 @@ async def test_a_long_request_leaves_the_old_worker_serving_until_it_ends(start_
         (slot,) = reply["slots"]
         assert slot["outcome"] == "left serving what it holds; retired when it can be", slot
         assert slot["sessions_left"] == 1 and reply["moved"] == 1, reply
-        states = {
-            w["pid"]: w["state"]
-            for w in (await status_of(http, proxy.url))["operations"]["workers"]
-        }
+        states = {w["pid"]: w["state"] for w in (await status_of(http, proxy.url))["workers"]}
         assert states[old[0]] == "leaving" and list(states.values()).count("ready") == 1, states
         assert (await whoami(http, proxy.url, idle))["owner"] == slot["new_owner"]
         async with await slow as response:
@@ -468,7 +479,7 @@ async def test_a_drain_sends_no_session_to_a_worker_that_does_not_answer(start_p
         try:
 
             async def unresponsive() -> bool:
-                states = (await status_of(http, proxy.url))["operations"]["workers"]
+                states = (await status_of(http, proxy.url))["workers"]
                 return any(w["slot"] == 2 and w["state"] == "unresponsive" for w in states)
 
             await wait_until(unresponsive, 20, "worker 2 to be unresponsive")
