@@ -315,6 +315,11 @@ class Supervisor:
             for worker in self.workers():
                 if worker.state != "live" or worker.channel is None or worker.route is None:
                     continue
+                if worker.ping is None:
+                    # Silence counts from its first ping, not from its registering: it
+                    # may have registered seconds before the last worker did (a busy
+                    # machine) and had nothing to answer since.
+                    worker.answered_at = now
                 if worker.ping is None or worker.ping.done():
                     worker.ping = asyncio.ensure_future(self._ping(worker, timeout))
                 silent = now - worker.answered_at
