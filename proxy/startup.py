@@ -35,6 +35,7 @@ from proxy.server import run
 from worker.app_loading import AppLoadError, import_app_target
 from worker.nemo_gym_server import (
     NemoGymConfigError,
+    check_session_state,
     is_server_class,
     launcher_app,
     resolve_instance,
@@ -122,6 +123,8 @@ def start(argv: Sequence[str] | None = None) -> None:
         target = import_app_target(config.app, config.app_dir)
         if is_server_class(target):
             config = _from_nemo_gym_config(config, target)
+            if config.session_state is not None:
+                check_session_state(target, config.session_state)
         elif config.session_state is not None:
             raise ConfigError("--session-state names an attribute of a NeMo Gym server class")
     except (AppLoadError, ConfigError, NemoGymConfigError) as exc:

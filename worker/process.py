@@ -36,6 +36,7 @@ from worker.asgi_server import AsgiWorkerServer
 from worker.channel_requests import apply_tables, handle_coordinator_message
 from worker.head_limits import HeadLimits, head_limits
 from worker.identity import WORKER_BACKLOG, WORKER_INFO, WorkerInfo
+from worker.nemo_gym_server import NemoGymConfigError
 from worker.options import parse_worker_args
 from worker.participation import Participation, declared
 from worker.runtime import ParticipantRuntime
@@ -108,6 +109,9 @@ async def serve(args: argparse.Namespace) -> int:
         app = await build_app(args.app, args.app_dir, args.workers, args.session_state)
         runtime, server = _host(app, info, args)
         await server.start()
+    except NemoGymConfigError as exc:  # a mistake in the flags or config: no traceback
+        print(f"gym-proxy worker {args.slot}: cannot start app {args.app}: {exc}", file=sys.stderr)
+        return BOOT_ERROR
     except Exception:
         traceback.print_exc()
         print(f"gym-proxy worker {args.slot}: cannot start app {args.app}", file=sys.stderr)
