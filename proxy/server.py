@@ -191,7 +191,8 @@ async def run(config: Config, listen_sock: socket.socket, secret: bytes) -> int:
         if server is None:
             server = await serve()
         host, port = listen_sock.getsockname()[:2]
-        log.info("ready on http://%s:%d with %d workers", host, port, config.workers)
+        workers = f"{config.workers} worker{'s' if config.workers != 1 else ''}"
+        log.info("ready on http://%s:%d with %s", host, port, workers)
         log.info("data path: %s (%s)", *data_path.mode())
         timers.append(asyncio.ensure_future(supervisor.watch_liveness()))
         accepting_signals = True

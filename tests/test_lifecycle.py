@@ -99,11 +99,13 @@ def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
         (["worker.counter:nothing"], "has no attribute 'nothing'"),
         (["worker.counter"], "APP must look like module:attr"),
         (["--port", "70000"], "--port must be between 0 and 65535"),
+        (["--no-such-flag"], "unrecognized arguments: --no-such-flag (see gym-proxy --help)"),
+        (["--workers", "two"], "argument --workers: invalid int value: 'two' (see gym-proxy"),
     ],
 )
 def test_bad_flags_exit_with_one_line(args, message, tmp_path):
     result = run_cli(*args, "--runtime-dir", str(tmp_path))
-    assert result.returncode != 0
+    assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], result.stderr
     assert list(tmp_path.iterdir()) == []  # nothing started, no runtime directory
@@ -157,6 +159,7 @@ def test_default_app_is_counter(tmp_path):
     try:
         wait_until_sync(lambda: "ready on" in log.read_text(), 30, "default server")
         assert "no --secret" in log.read_text()
+        assert re.search(r"ready on http://\S+ with 1 worker$", log.read_text(), re.M)
         with socket.create_connection(("127.0.0.1", port)) as conn:
             body = b'{"initial_count": 4}'
             conn.sendall(
