@@ -309,8 +309,7 @@ class Supervisor:
         """Ping every live worker; stop placing on silent ones, kill the ones that stay so."""
         timeout = self.config.worker_timeout
         interval = min(PING_INTERVAL, timeout / 4)
-        while True:
-            await asyncio.sleep(interval)
+        while True:  # pings first: the workers' first pings go out as soon as it starts
             now = time.monotonic()
             for worker in self.workers():
                 if worker.state != "live" or worker.channel is None or worker.route is None:
@@ -337,6 +336,7 @@ class Supervisor:
                     log.warning("worker %d is not answering; no new sessions go to it", worker.slot)
                     worker.route.responsive = False
             self._check_recycling()
+            await asyncio.sleep(interval)
 
     def _check_recycling(self) -> None:
         """Ask for a recycle of each slot's worker past --max-requests or the memory
