@@ -30,6 +30,9 @@ every other operation (409 `operation_conflict`, both ways), reports its progres
   its jitter) or `--max-worker-memory`; it is a rolling restart of that slot, deferred
   while a checkpoint or another operation runs.
 
+One rule holds across them all: none may leave no live worker taking new sessions (a
+drain of the last one, or a shrink that keeps only draining ones, is refused first).
+
 Signals (gunicorn's and uvicorn's): HUP restarts every slot, TTIN adds a worker, TTOU
 removes one; they queue and run one after the other when the server is free.
 """
@@ -82,10 +85,7 @@ class Operations:
         """No new sessions on the slot's worker; move its sessions to the others."""
         async with self._exclusive("drain", "operator") as progress:
             worker = self._live_in(slot)
-            if not self._others(worker):
-                raise GymError(
-                    "invalid_request", f"no other worker takes sessions than slot {slot}'s"
-                )
+            self._keep_one_taking_sessions([worker], f"draining slot {slot}")
             deadline = time.monotonic() + within
             progress.step = f"slot {slot}: moving its sessions to the other workers"
             left = await self.retirer.empty(
@@ -147,6 +147,8 @@ class Operations:
                     progress.errors.append(f"grow stopped at {len(self.pool.slots)} workers: {exc}")
                     break
                 progress.slots.append({"slot": worker.slot, "owner": worker.owner, "added": True})
+            if workers < len(self.pool.slots):
+                self._check_shrink(workers)
             while len(self.pool.slots) > workers:
                 slot = len(self.pool.slots) - 1
                 progress.step = f"removing slot {slot}"
@@ -232,6 +234,30 @@ class Operations:
             if w is not worker and not w.route.draining and w.route.responsive
         ]
 
+    def _check_shrink(self, workers: int) -> None:
+        """A shrink to `workers` slots keeps the rule below (refused first otherwise)."""
+        removed = range(workers, len(self.pool.slots))
+        leaving = [w for i in removed if (w := self.pool.current(i)) is not None]
+        self._keep_one_taking_sessions(leaving, f"resizing to {_workers(workers)}")
+
+    def _keep_one_taking_sessions(self, leaving: list[Any], what: str) -> None:
+        """The rule every operation that takes workers out of new sessions keeps, here
+        and nowhere else: a live worker outside `leaving` that is not draining stays, so
+        new sessions always have somewhere to go. Refused (400) before anything changes."""
+        staying = [w for w in self._serving() if w not in leaving]
+        if any(not w.route.draining for w in staying):
+            return
+        if not staying:
+            why = "no other live worker"
+        elif len(staying) == 1:
+            why = f"slot {staying[0].slot} is draining: undrain it first"
+        else:
+            slots = ", ".join(str(w.slot) for w in staying)
+            why = f"slots {slots} are draining: undrain one first"
+        raise GymError(
+            "invalid_request", f"{what} would leave no worker taking new sessions ({why})"
+        )
+
     def _slot_worker(self, slot: int) -> list[Any]:
         worker = self.pool.current(slot)
         return [] if worker is None else [worker]
@@ -278,18 +304,12 @@ class Operations:
         return view
 
     def status(self) -> dict[str, Any]:
-        """The running operation's progress, the last one's outcome, and every worker
-        process with its state (a booting replacement and a leaving worker too)."""
+        """The running operation's progress and the last one's outcome (each worker's
+        state is in status' one `workers` list: `worker_states`)."""
         waiting = self.mover.holding
-        states = self.worker_states()
         return {
             "running": None if self.running is None else self.running.view(waiting),
             "last": None if self.last is None else self.last.view(0),
-            "workers": [
-                {"slot": w.slot, "owner": w.owner, "pid": w.pid, **states[w.owner]}
-                for w in self.pool.workers()
-                if w.process is not None
-            ],
         }
 
     def worker_states(self) -> dict[str, dict[str, Any]]:
@@ -321,20 +341,30 @@ class Operations:
             name = self._signals.pop(0)
             within = float(self.pool.config.graceful_timeout or 30.0)
             count = len(self.pool.slots)
+            # One line per signal taken, saying what it does: signals of one kind that
+            # come faster than they are taken merge in the kernel (README, "Live operations").
             if name == "HUP":
-                await self._quietly(self.restart(None, within, "SIGHUP"))
+                log.info("SIGHUP: rolling restart of %s", _workers(count))
+                await self._quietly("SIGHUP", self.restart(None, within, "SIGHUP"))
             elif name == "TTIN":
-                await self._quietly(self.resize(count + 1, within, "SIGTTIN"))
+                log.info("SIGTTIN: resizing %d -> %s", count, _workers(count + 1))
+                await self._quietly("SIGTTIN", self.resize(count + 1, within, "SIGTTIN"))
             elif name == "TTOU" and count > 1:
-                await self._quietly(self.resize(count - 1, within, "SIGTTOU"))
+                try:
+                    self._check_shrink(count - 1)
+                except GymError as exc:
+                    log.warning("SIGTTOU not run: %s", exc.detail)
+                    continue
+                log.info("SIGTTOU: resizing %d -> %s", count, _workers(count - 1))
+                await self._quietly("SIGTTOU", self.resize(count - 1, within, "SIGTTOU"))
             elif name == "TTOU":
                 log.warning("SIGTTOU ignored: the server has one worker left")
 
-    async def _quietly(self, operation: Any) -> None:
+    async def _quietly(self, name: str, operation: Any) -> None:
         try:
             await operation
         except GymError as exc:
-            log.warning("operation not run: %s", exc.detail)
+            log.warning("%s not run: %s", name, exc.detail)
 
     def _in_background(self, coro: Any) -> None:
         task = asyncio.ensure_future(coro)
@@ -347,3 +377,7 @@ class Operations:
             task.cancel()
         if self._signal_task is not None:
             self._signal_task.cancel()
+
+
+def _workers(count: int) -> str:
+    return f"{count} worker" if count == 1 else f"{count} workers"

@@ -1,7 +1,8 @@
-from proxy.own_packages import claim
+from proxy.cli import hold_operation_signals, main
 
-claim()  # before proxy.cli imports them: a user directory must not shadow them
+hold_operation_signals()  # first: until the server handles them, they must not end it
 
-from proxy.cli import main  # noqa: E402
+from proxy.own_packages import claim  # noqa: E402
 
+claim()  # before proxy.startup imports them: a user directory must not shadow them
 main()

@@ -8,7 +8,7 @@ import os
 import re
 from collections.abc import Sequence
 from dataclasses import MISSING, dataclass, field, fields, replace
-from typing import Any
+from typing import Any, NoReturn
 
 from coordinator.contract.ids import is_checkpoint_id
 
@@ -291,9 +291,17 @@ def _version() -> str:
         return "unknown (not installed)"
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, with a mistake said in one line: its usage is 28 lines, the one
+    that matters last (`--help` shows the usage)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """An argument parser with one option per Config field."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="gym-proxy",
         description="Run one stateful environment server as N workers behind one port.",
     )

@@ -296,6 +296,7 @@ async def _status(request: web.Request) -> web.Response:
     operations = request.app.get(OPERATIONS)
     if operations is not None:
         status["operations"] = operations.status()
+        # One list of workers: the registered ones, each with its state and count.
         states = operations.worker_states()
         for worker in status["workers"]:
             worker.update(states.get(worker["owner"], {}))

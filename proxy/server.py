@@ -7,7 +7,8 @@ inherited, listening socket (--fd) serves from the start, answering 503
 (SIGTERM/SIGINT; a second signal skips the drain): stop accepting, let in-flight requests
 finish within the grace period, cut the rest, stop workers, remove the runtime directory.
 Once ready, HUP restarts the workers one by one, TTIN adds one and TTOU removes one
-(`coordinator.operations`), their sessions moved, never dropped.
+(`coordinator.operations`), their sessions moved, never dropped; before ready and while
+stopping each is logged as ignored (held from the process's start: `proxy.cli`).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from coordinator.mover import Mover
 from coordinator.operations import Operations
 from coordinator.worker_channels import WorkerChannels
 from proxy import data_path
+from proxy.cli import OPERATION_SIGNALS, hold_operation_signals, release_operation_signals
 from proxy.client_connection import DISCARDING, LINGERING, TUNNELING, ClientConnection, ProxyState
 from proxy.config import Config, metrics_address
 from proxy.control_app import create_control_app
@@ -58,9 +60,13 @@ async def run(config: Config, listen_sock: socket.socket, secret: bytes) -> int:
     stop = asyncio.Event()
     force = asyncio.Event()
 
+    stopping_since = 0.0  # monotonic time of the first SIGTERM/SIGINT (or of a fatal error)
+
     def on_signal() -> None:
+        nonlocal stopping_since
         if stop.is_set():
             force.set()
+        stopping_since = stopping_since or time.monotonic()
         stop.set()
 
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -73,9 +79,10 @@ async def run(config: Config, listen_sock: socket.socket, secret: bytes) -> int:
         else:
             log.warning("SIG%s ignored: gym-proxy is not serving (starting or stopping)", name)
 
-    # gunicorn's and uvicorn's: HUP rolling restart, TTIN/TTOU one worker more or less.
-    for sig in (signal.SIGHUP, signal.SIGTTIN, signal.SIGTTOU):
+    for sig in OPERATION_SIGNALS:
         loop.add_signal_handler(sig, on_operation_signal, sig.name.removeprefix("SIG"))
+    # Held since the process began (proxy.cli): one that came meanwhile is logged now.
+    release_operation_signals()
 
     telemetry.start(config.instance, f"{config.instance}-proxy", **{"gym_proxy.role": "proxy"})
     reserved = reserve(config.workers, metrics=config.metrics is not None)
@@ -194,7 +201,8 @@ async def run(config: Config, listen_sock: socket.socket, secret: bytes) -> int:
         if server is None:
             server = await serve()
         host, port = listen_sock.getsockname()[:2]
-        log.info("ready on http://%s:%d with %d workers", host, port, config.workers)
+        workers = f"{config.workers} worker{'s' if config.workers != 1 else ''}"
+        log.info("ready on http://%s:%d with %s", host, port, workers)
         log.info("data path: %s (%s)", *data_path.mode())
         timers.append(asyncio.ensure_future(supervisor.watch_liveness()))
         accepting_signals = True
@@ -205,14 +213,12 @@ async def run(config: Config, listen_sock: socket.socket, secret: bytes) -> int:
         if supervisor.fatal.done():
             log.error("%s; stopping", supervisor.fatal.exception())
             code = BOOT_ERROR
-        else:
-            log.info("shutting down: finishing in-flight requests (%g s)", config.graceful_timeout)
         server.close()
         await _drain(state, config.graceful_timeout, force)
         return code
     finally:
-        for sig in (signal.SIGHUP, signal.SIGTTIN, signal.SIGTTOU):
-            loop.remove_signal_handler(sig)
+        accepting_signals = False  # the handlers stay: a signal while stopping is logged
+        stopping_since = stopping_since or time.monotonic()
         operations.close()
         metrics.loop_lag.stop()
         if metrics_listener is not None:
@@ -232,7 +238,12 @@ async def run(config: Config, listen_sock: socket.socket, secret: bytes) -> int:
         runtime.remove()
         listen_sock.close()
         telemetry.shutdown()
-        log.info("stopped")
+        # Held again before the loop closes and takes the handlers away: until the
+        # process exits, a late one stays pending instead of ending it.
+        hold_operation_signals()
+        for sig in OPERATION_SIGNALS:
+            loop.remove_signal_handler(sig)
+        log.info("stopped in %.2f s", time.monotonic() - stopping_since)
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -271,7 +282,13 @@ async def _drain(state: ProxyState, grace: float, force: asyncio.Event) -> None:
         if not client.pipeline:
             client.close()
     if not state.clients:
+        log.info("shutting down: no request in flight")
         return
+    log.info(
+        "shutting down: waiting up to %g s for %d connections with requests in flight",
+        grace,
+        len(state.clients),
+    )
     waits = {asyncio.ensure_future(state.drained.wait()), asyncio.ensure_future(force.wait())}
     _, pending = await asyncio.wait(waits, timeout=grace, return_when=asyncio.FIRST_COMPLETED)
     for task in pending:

@@ -79,6 +79,7 @@ class Supervisor:
     _warned_ceiling: bool = False
     _leaving: set[WorkerProcess] = field(default_factory=set)
     _trial_slots: int = 0  # slots an operation is adding: their boot errors are not fatal
+    _stop_began: float = 0.0  # monotonic time stop() sent SIGTERM
     # What a worker asks of its operator: recycle(slot, reason) (live operations set it).
     on_recycle: Any = None
     on_held: Any = None  # called with how long released held requests waited (/metrics)
@@ -212,6 +213,13 @@ class Supervisor:
         current = replaced_slot is not None and replaced_slot.worker is worker
         self._vacate(worker)
         if self.stopping:
+            log.info(
+                "worker %d (pid %d) exited with code %s, %.2f s after SIGTERM",
+                worker.slot,
+                worker.pid,
+                code,
+                time.monotonic() - self._stop_began,
+            )
             return
         if not current:  # a successor that died before its promotion: its operation says so
             log.warning("replacement worker %d exited with code %s", worker.slot, code)
@@ -302,12 +310,16 @@ class Supervisor:
         """Ping every live worker; stop placing on silent ones, kill the ones that stay so."""
         timeout = self.config.worker_timeout
         interval = min(PING_INTERVAL, timeout / 4)
-        while True:
-            await asyncio.sleep(interval)
+        while True:  # pings first: the workers' first pings go out as soon as it starts
             now = time.monotonic()
             for worker in self.workers():
                 if worker.state != "live" or worker.channel is None or worker.route is None:
                     continue
+                if worker.ping is None:
+                    # Silence counts from its first ping, not from its registering: it
+                    # may have registered seconds before the last worker did (a busy
+                    # machine) and had nothing to answer since.
+                    worker.answered_at = now
                 if worker.ping is None or worker.ping.done():
                     worker.ping = asyncio.ensure_future(self._ping(worker, timeout))
                 silent = now - worker.answered_at
@@ -325,6 +337,7 @@ class Supervisor:
                     log.warning("worker %d is not answering; no new sessions go to it", worker.slot)
                     worker.route.responsive = False
             self._check_recycling()
+            await asyncio.sleep(interval)
 
     def _check_recycling(self) -> None:
         """Ask for a recycle of each slot's worker past --max-requests or the memory
@@ -584,6 +597,15 @@ class Supervisor:
         running = [
             w for w in self.workers() if w.process is not None and w.process.returncode is None
         ]
+        if running:
+            log.info(
+                "stopping %d worker%s: SIGTERM sent; each finishes its requests and its "
+                "app's shutdown, SIGKILL for any still running in %g s",
+                len(running),
+                "" if len(running) == 1 else "s",
+                grace,
+            )
+        self._stop_began = time.monotonic()
         for worker in running:
             with contextlib.suppress(ProcessLookupError):
                 worker.process.send_signal(signal.SIGTERM)

@@ -34,7 +34,7 @@ class WorkerProcess:
     state: WorkerState = "starting"
     channel: Channel | None = None
     route: WorkerRoute | None = None
-    answered_at: float = 0.0  # monotonic time of the last pong (or of registering)
+    answered_at: float = 0.0  # monotonic time of the last pong (or of its first ping)
     ping: asyncio.Future[Any] | None = None
     # Set when it registers, or failed with WorkerBootError when it exits before.
     registered: asyncio.Future[None] = field(default_factory=lambda: _quiet_future())

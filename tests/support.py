@@ -89,6 +89,7 @@ class ProxyProcess:
         control_token: str | None = None,
         cwd: str | Path = REPO,
         nofile: int | None = None,
+        new_session: bool = False,
     ) -> None:
         """`nofile`: the process's descriptor limit, soft and hard (`ulimit -n`)."""
         self.runtime_parent = tempfile.mkdtemp(prefix="gpt-", dir="/tmp")
@@ -138,6 +139,7 @@ class ProxyProcess:
             env={**os.environ, **(env or {})},
             stdin=subprocess.DEVNULL,
             preexec_fn=None if nofile is None else lambda: _limit_descriptors(nofile),
+            start_new_session=new_session,  # a process group of its own, as a shell job's
         )
         self.seen_pids: set[int] = set()
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import orjson
 
+from tests.conftest import BOTH_APP_KINDS
 from tests.raw_http import close, open_raw, read_responses
 from tests.support import wait_until
 
@@ -66,6 +67,30 @@ async def test_heads_within_the_limits_pass(start_proxy, http):
     async with http.get(f"{proxy.url}/whoami", headers=headers) as resp:
         assert resp.status == 200
         assert (await resp.json())["headers"]["x-h19"] == "v" * 3000
+
+
+@BOTH_APP_KINDS
+async def test_a_worker_takes_every_head_the_proxy_takes(start_proxy, http):
+    """What the proxy's limits let through, the worker parses too (aiohttp's own limits
+    are 8,190 bytes a header line and 128 headers; websockets' 8,192 and 128): one
+    60 KB header, 500 headers, an 8 KB target, and a WebSocket upgrade with all three;
+    with larger flags, a 120 KB header."""
+    proxy = start_proxy(workers=1)
+    one_big = {"X-Big": "v" * 60000}
+    many = {f"X-H{i}": "v" for i in range(500)}
+    target = "/whoami?" + "q" * 8000
+    for path, headers in (("/whoami", one_big), ("/whoami", many), (target, {})):
+        async with http.get(f"{proxy.url}{path}", headers=headers) as resp:
+            assert resp.status == 200, await resp.text()
+            seen = (await resp.json())["headers"]
+            assert all(seen[name.lower()] == value for name, value in headers.items())
+    ws_headers = {**one_big, **{f"X-H{i}": "v" for i in range(200)}}
+    async with http.ws_connect(f"{proxy.url}/ws?{'q' * 8000}", headers=ws_headers) as ws:
+        await ws.send_str("hello")
+        assert (await ws.receive_json(timeout=10))["echo"] == "hello"
+    bigger = start_proxy("--limit-request-headers", "131072", workers=1)
+    async with http.get(f"{bigger.url}/whoami", headers={"X-Big": "v" * 120000}) as resp:
+        assert resp.status == 200, await resp.text()
 
 
 async def test_limits_are_flags(start_proxy, http):
@@ -178,18 +203,15 @@ async def test_connection_cap(start_proxy):
 
 
 async def test_early_worker_answer_is_relayed_not_502(start_proxy):
-    """aiohttp answers 400 to a header over its 8190-byte field limit before reading the
-    body and closes; the upload is still being written (it announces 64 MiB and sends at
-    most 8: were the whole body sent, the answer could rightly keep the connection)."""
+    """aiohttp answers 413 to a body over its client_max_size (1 MiB) once it has read
+    that much, and closes; the upload is still being written (it announces 64 MiB and
+    sends at most 8: were the whole body sent, the answer could rightly keep the
+    connection)."""
     proxy = start_proxy(workers=1)
     statuses = []
     for _ in range(30):
         reader, writer = await open_raw(proxy)
-        writer.write(
-            b"POST /echo HTTP/1.1\r\nHost: t\r\nX-Big: "
-            + b"a" * 9000
-            + b"\r\nContent-Length: %d\r\n\r\n" % (64 << 20)
-        )
+        writer.write(b"POST /echo HTTP/1.1\r\nHost: t\r\nContent-Length: %d\r\n\r\n" % (64 << 20))
 
         async def upload(writer=writer):
             try:
@@ -205,4 +227,4 @@ async def test_early_worker_answer_is_relayed_not_502(start_proxy):
         assert responses[0][1][b"connection"] == b"close"
         sending.cancel()
         await close(writer)
-    assert statuses == [400] * 30
+    assert statuses == [413] * 30

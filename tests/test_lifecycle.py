@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import re
 import shutil
 import signal
 import socket
@@ -12,10 +13,12 @@ import stat
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
 
+from tests.gated_app import GATE_ENV
 from tests.support import REPO, pid_alive, wait_until, wait_until_sync
 
 OWNER = "x-ng-session-owner"
@@ -96,11 +99,13 @@ def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
         (["worker.counter:nothing"], "has no attribute 'nothing'"),
         (["worker.counter"], "APP must look like module:attr"),
         (["--port", "70000"], "--port must be between 0 and 65535"),
+        (["--no-such-flag"], "unrecognized arguments: --no-such-flag (see gym-proxy --help)"),
+        (["--workers", "two"], "argument --workers: invalid int value: 'two' (see gym-proxy"),
     ],
 )
 def test_bad_flags_exit_with_one_line(args, message, tmp_path):
     result = run_cli(*args, "--runtime-dir", str(tmp_path))
-    assert result.returncode != 0
+    assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], result.stderr
     assert list(tmp_path.iterdir()) == []  # nothing started, no runtime directory
@@ -154,6 +159,7 @@ def test_default_app_is_counter(tmp_path):
     try:
         wait_until_sync(lambda: "ready on" in log.read_text(), 30, "default server")
         assert "no --secret" in log.read_text()
+        assert re.search(r"ready on http://\S+ with 1 worker$", log.read_text(), re.M)
         with socket.create_connection(("127.0.0.1", port)) as conn:
             body = b'{"initial_count": 4}'
             conn.sendall(
@@ -298,3 +304,90 @@ async def test_sessions_end_on_close_verify_and_idle_ttl(start_proxy, http):
         return await store_size() == 0
 
     await wait_until(expired, 10, "the idle session to expire")
+
+
+OPERATION_SIGNALS = (signal.SIGHUP, signal.SIGTTIN, signal.SIGTTOU)
+
+
+def blocked_signals(pid: int) -> set[int]:
+    """The signals `pid` blocks (its SigBlk mask, from /proc)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("SigBlk:"):
+            mask = int(line.split()[1], 16)
+            return {n for n in range(1, 65) if mask >> (n - 1) & 1}
+    raise AssertionError("no SigBlk")
+
+
+def test_operation_signals_during_start_are_held_not_fatal(start_proxy, tmp_path):
+    """HUP, TTIN and TTOU sent while gym-proxy imports APP (before its handlers exist)
+    neither end it nor run: once its handlers are in place each is logged as ignored,
+    and it starts; its workers do not inherit the blocked signals."""
+    gate = tmp_path / "gate"
+    gate.mkdir()
+    proxy = start_proxy(
+        workers=1, app="tests.gated_app:create_app", env={GATE_ENV: str(gate)}, ready=False
+    )
+    wait_until_sync(
+        lambda: (gate / "importing").exists() or proxy.popen.poll() is not None,
+        30,
+        "gym-proxy to import APP",
+    )
+    for sig in OPERATION_SIGNALS:
+        proxy.signal(sig)
+    (gate / "go").touch()
+    proxy.wait_ready()
+    log = proxy.log()
+    for sig in OPERATION_SIGNALS:
+        assert f"{sig.name} ignored: gym-proxy is not serving" in log, log
+    assert "worker 0 started" in log
+    for pid in proxy.worker_pids():
+        assert not blocked_signals(pid) & set(OPERATION_SIGNALS), pid
+
+
+def test_a_stop_says_what_it_waits_for_and_lasts_as_long_as_its_workers(start_proxy):
+    """SIGTERM to an idle server: the log says there is no request in flight, that the
+    workers got SIGTERM (and when they would be killed), when each exited, and that the
+    proxy stopped right after the last one (not seconds later)."""
+    proxy = start_proxy(workers=2)
+    began = time.monotonic()
+    proxy.signal(signal.SIGTERM)
+    assert proxy.wait_exit(30) == 0
+    took = time.monotonic() - began
+    log = proxy.log()
+    assert "shutting down: no request in flight" in log, log
+    assert "stopping 2 workers: SIGTERM sent; " in log and "still running in 30 s" in log, log
+    exits = re.findall(r"worker \d \(pid \d+\) exited with code 0, ([0-9.]+) s after SIGTERM", log)
+    assert len(exits) == 2, log
+    stopped = float(re.findall(r"stopped in ([0-9.]+) s", log)[-1])
+    assert stopped - max(map(float, exits)) < 1.0, log
+    assert took < 10, (took, log)
+
+
+def test_a_process_exits_without_the_final_collections(tmp_path):
+    """exit_process: the exit code and atexit handlers as sys.exit's, with every object
+    frozen first (the teardown's collections skip them)."""
+    script = (
+        "import atexit, gc\n"
+        "from coordinator.contract.exit_codes import exit_process\n"
+        "atexit.register(lambda: print('frozen', gc.get_freeze_count() > 0, flush=True))\n"
+        "exit_process(3)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=60
+    )
+    assert (result.returncode, result.stdout) == (3, "frozen True\n"), result
+
+
+def test_killing_the_process_group_kills_this_instance_and_its_workers(start_proxy):
+    """The README's crash: gym-proxy's workers are in its process group, so `kill -9 --
+    -PGID` (a shell job's group) ends this instance whole and nothing else."""
+    proxy = start_proxy(workers=2, new_session=True)
+    bystander = start_proxy(workers=1)
+    group = os.getpgid(proxy.pid)
+    assert group == proxy.pid
+    workers = proxy.worker_pids()
+    assert len(workers) == 2 and {os.getpgid(pid) for pid in workers} == {group}
+    os.killpg(group, signal.SIGKILL)
+    proxy.popen.wait(10)
+    wait_until_sync(lambda: not any(pid_alive(p) for p in workers), 10, "the workers to die")
+    assert bystander.popen.poll() is None and all(map(pid_alive, bystander.worker_pids()))

@@ -189,6 +189,45 @@ async def test_drain_moves_a_thousand_sessions_and_takes_no_new_ones(start_proxy
         assert 0 in {(await whoami(http, proxy.url, t))["slot"] for t in fresh}
 
 
+async def test_a_shrink_after_a_drain_keeps_a_worker_taking_sessions(start_proxy):
+    """Drain slot 0, then resize to one worker: refused (it would remove slot 1, the only
+    worker taking sessions), nothing changes, and new sessions still reach slot 1; once
+    slot 0 is undrained the same resize runs."""
+    proxy = start_proxy(workers=2, control_token=CONTROL)
+    async with aiohttp.ClientSession() as http:
+        status, reply = await operate(http, proxy.url, "drain", slot=0)
+        assert status == 200 and reply["complete"], reply
+        status, reply = await operate(http, proxy.url, "resize", workers=1)
+        assert status == 400 and reply["error"]["code"] == "invalid_request", reply
+        assert reply["error"]["detail"] == (
+            "resizing to 1 worker would leave no worker taking new sessions "
+            "(slot 0 is draining: undrain it first)"
+        ), reply
+        assert (await status_of(http, proxy.url))["expected_workers"] == 2
+        fresh = [await seed(http, proxy.url) for _ in range(4)]
+        assert {(await whoami(http, proxy.url, t))["slot"] for t in fresh} == {1}
+        status, reply = await operate(http, proxy.url, "undrain", slot=0)
+        assert status == 200, reply
+        status, reply = await operate(http, proxy.url, "resize", workers=1)
+        assert status == 200 and reply["complete"] and reply["workers"] == 1, reply
+        for token in [*fresh, await seed(http, proxy.url)]:
+            assert (await whoami(http, proxy.url, token))["slot"] == 0
+
+
+async def test_status_lists_each_worker_once_with_its_state(start_proxy):
+    """`status` has one list of workers: each registered worker, with the checkpoint
+    fields and the operations' state and count; `operations` lists none again."""
+    proxy = start_proxy(workers=2, control_token=CONTROL)
+    async with aiohttp.ClientSession() as http:
+        await whoami(http, proxy.url, await seed(http, proxy.url))
+        status = await status_of(http, proxy.url)
+    assert sorted(status["operations"]) == ["last", "running"], status["operations"]
+    fields = {"slot", "owner", "pid", "in_flight", "ready", "state", "requests_served"}
+    assert [sorted(w) for w in status["workers"]] == [sorted(fields)] * 2, status["workers"]
+    assert [(w["slot"], w["state"]) for w in status["workers"]] == [(0, "ready"), (1, "ready")]
+    assert sum(w["requests_served"] for w in status["workers"]) == 2, status["workers"]
+
+
 async def test_a_worker_is_recycled_after_max_requests(start_proxy):
     proxy = start_proxy(
         "--max-requests", "150", "--max-requests-jitter", "20", workers=2, control_token=CONTROL
@@ -210,6 +249,8 @@ async def test_a_worker_is_recycled_after_max_requests(start_proxy):
 
 
 async def test_signals_restart_grow_and_shrink(start_proxy):
+    """TTIN, TTOU and HUP under load; each signal taken logs one line saying what it
+    does, and a TTOU that would leave no worker taking sessions logs why it did not run."""
     proxy = start_proxy(workers=2, control_token=CONTROL)
 
     async def signals(http: aiohttp.ClientSession, load: Load) -> None:
@@ -226,8 +267,21 @@ async def test_signals_restart_grow_and_shrink(start_proxy):
             "both workers replaced",
         )
         assert not set(proxy.worker_pids()) & before
+        status, reply = await operate(http, proxy.url, "drain", slot=0, timeout_s=30)
+        assert status == 200 and reply["complete"], reply
+        proxy.signal(signal.SIGTTOU)
+        await wait_until(lambda: "SIGTTOU not run" in proxy.log(), 30, "the TTOU refused")
+        assert len(proxy.worker_pids()) == 2
 
     await under_load(proxy, 20, signals)
+    taken = [line.split(" gym-proxy ")[-1] for line in proxy.log().splitlines() if " SIG" in line]
+    assert taken == [
+        "INFO SIGTTIN: resizing 2 -> 3 workers",
+        "INFO SIGTTOU: resizing 3 -> 2 workers",
+        "INFO SIGHUP: rolling restart of 2 workers",
+        "WARNING SIGTTOU not run: resizing to 1 worker would leave no worker taking new "
+        "sessions (slot 0 is draining: undrain it first)",
+    ], taken
 
 
 async def test_operations_and_checkpoints_exclude_each_other(start_proxy, tmp_path):
@@ -367,10 +421,7 @@ async def test_a_long_request_leaves_the_old_worker_serving_until_it_ends(start_
         (slot,) = reply["slots"]
         assert slot["outcome"] == "left serving what it holds; retired when it can be", slot
         assert slot["sessions_left"] == 1 and reply["moved"] == 1, reply
-        states = {
-            w["pid"]: w["state"]
-            for w in (await status_of(http, proxy.url))["operations"]["workers"]
-        }
+        states = {w["pid"]: w["state"] for w in (await status_of(http, proxy.url))["workers"]}
         assert states[old[0]] == "leaving" and list(states.values()).count("ready") == 1, states
         assert (await whoami(http, proxy.url, idle))["owner"] == slot["new_owner"]
         async with await slow as response:
@@ -428,7 +479,7 @@ async def test_a_drain_sends_no_session_to_a_worker_that_does_not_answer(start_p
         try:
 
             async def unresponsive() -> bool:
-                states = (await status_of(http, proxy.url))["operations"]["workers"]
+                states = (await status_of(http, proxy.url))["workers"]
                 return any(w["slot"] == 2 and w["state"] == "unresponsive" for w in states)
 
             await wait_until(unresponsive, 20, "worker 2 to be unresponsive")

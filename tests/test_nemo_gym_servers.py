@@ -156,3 +156,25 @@ def test_a_session_state_that_is_no_dict_stops_the_boot(tmp_path):
     assert proc.wait(60) == 3  # a boot error: not respawned
     log = (tmp_path / "proxy.log").read_text()
     assert "--session-state config: StatefulCounterResourcesServer.config is a" in log, log
+    assert "Traceback" not in log, log  # a mistake in the flags, not in the app
+
+
+def test_a_mistyped_session_state_is_one_line_before_any_worker(tmp_path):
+    """An attribute the class does not have: exit 2 with one line naming its dicts."""
+    config = tmp_path / "config.yaml"
+    config.write_text(json.dumps(counter_config(free_port())))
+    proc = gym_proxy(
+        tmp_path,
+        COUNTER,
+        "--nemo-gym-config",
+        str(config),
+        "--session-state",
+        "session_id_to_countr",
+    )
+    assert proc.wait(60) == 2
+    lines = (tmp_path / "proxy.log").read_text().strip().splitlines()
+    assert lines == [
+        "gym-proxy: error: --session-state session_id_to_countr: StatefulCounterResources"
+        "Server has no attribute 'session_id_to_countr' (its dict fields: "
+        "session_id_to_counter)"
+    ], lines

@@ -109,7 +109,7 @@ async def test_a_rolling_restart_of_every_server_mid_collection_loses_no_rollout
         assert run.failures == [], run.failures[:3]
         assert (run.finished, run.right) == (100, 100), run.rewards
         for role in roles:
-            states = [w["state"] for w in (await status(role))["operations"]["workers"]]
+            states = [w["state"] for w in (await status(role))["workers"]]
             assert states == ["ready", "ready"], (role, states)
     finally:
         stack.stop()

@@ -14,7 +14,8 @@ name a wrong attempt), and the live operations:
   and serves; sometimes one already on the target, or one a kill took: not found);
 - a drain of a slot (its held sessions stay, reported; refused when no other worker
   takes sessions) and an undrain;
-- a resize to 1-3 workers (grow at the end; shrink moves the last slots' sessions);
+- a resize to 1-3 workers (grow at the end; shrink moves the last slots' sessions;
+  refused when every slot it keeps is draining);
 - a rolling restart of some slots or all (each slot's worker a new process).
 
 Each hands the running episodes of the workers it empties over to the workers taking
@@ -643,7 +644,9 @@ class Walk:
             self.trail[-1] += f"(slot {slot}: refused)"
             assert status == 400 and reply["error"]["code"] == "invalid_request", reply
             detail = reply["error"]["detail"]
-            assert "takes sessions" in detail and f"slot {slot}'s" in detail, reply
+            assert detail.startswith(
+                f"draining slot {slot} would leave no worker taking new sessions"
+            ), reply
             return
         assert status == 200, reply
         moving = [sid for sid in self.model.on(owner) if sid not in held]
@@ -674,9 +677,13 @@ class Walk:
             return
         kept, removed = workers[:size], workers[size:]
         busy = self.model.busy()
-        if any(w["owner"] in busy for w in removed) or all(
-            w["owner"] in self.model.draining for w in kept
-        ):
+        if any(w["owner"] in busy for w in removed):
+            return
+        if removed and all(w["owner"] in self.model.draining for w in kept):
+            status, reply = await self.operate(f"{WORKERS_PATH}/resize", **body)
+            self.trail[-1] += f"({workers_before} -> {size}: refused, the rest draining)"
+            assert status == 400 and reply["error"]["code"] == "invalid_request", reply
+            assert "would leave no worker taking new sessions" in reply["error"]["detail"], reply
             return
         status, reply = await self.operate(f"{WORKERS_PATH}/resize", **body)
         assert status == 200, reply

@@ -358,3 +358,19 @@ async def test_stop_reaps_a_worker_whose_spawn_was_in_flight(rig, monkeypatch):
     await stopping
     # Never started, or started and reaped: either way no worker outlives stop().
     assert respawn.process is None or reaped(respawn.process), "the respawn outlived stop()"
+
+
+async def test_no_worker_is_called_silent_before_its_first_ping(rig, caplog):
+    """Workers that registered long before liveness began (the last one booted slowly on
+    a busy machine) are not called unresponsive before they had a ping to answer."""
+    r = await rig()
+    await r.supervisor.start()
+    workers = r.supervisor.workers()
+    for worker in workers:
+        worker.answered_at -= 10.0  # registered 10 s ago, far past 2 ping intervals
+    r.liveness = asyncio.ensure_future(r.supervisor.watch_liveness())
+    await eventually(
+        lambda: all(w.ping_seconds is not None for w in workers), "every worker to answer"
+    )
+    assert all(w.route.responsive for w in workers)
+    assert "is not answering" not in caplog.text, caplog.text

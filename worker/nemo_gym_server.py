@@ -25,7 +25,8 @@ import importlib
 import inspect
 import os
 import sys
-from collections.abc import MutableMapping
+import typing
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +36,7 @@ __all__ = [
     "NemoGymConfigError",
     "NemoGymInstance",
     "build_server_app",
+    "check_session_state",
     "nemo_gym_participation",
     "is_server_class",
     "launcher_app",
@@ -198,12 +200,34 @@ def nemo_gym_participation(cls: type, app: Any, session_state: str | None) -> Pa
     states = getattr(server, session_state, None)
     if not isinstance(states, MutableMapping):
         found = "no such attribute" if states is None else f"a {type(states).__name__}"
-        raise RuntimeError(
+        raise NemoGymConfigError(
             f"--session-state {session_state}: {cls.__name__}.{session_state} is {found}, "
             "not a dict keyed by session ID"
         )
     # Its /run never calls ep.boundary: a running episode ends where it runs.
     return Participation(kind=kind, session_state=states, episode_boundaries=False)
+
+
+def check_session_state(cls: type, name: str) -> None:
+    """NemoGymConfigError unless the server class has an attribute `name` (a field, a
+    private attribute or any other), so a mistyped `--session-state` fails before any
+    worker starts; whether it holds a dict, only a built server shows (in the worker:
+    `nemo_gym_participation`)."""
+    fields = getattr(cls, "model_fields", {})
+    if name in fields or name in getattr(cls, "__private_attributes__", {}) or hasattr(cls, name):
+        return
+    dicts = sorted(
+        f for f, info in fields.items() if _is_mapping(getattr(info, "annotation", None))
+    )
+    hint = f" (its dict fields: {', '.join(dicts)})" if dicts else ""
+    raise NemoGymConfigError(
+        f"--session-state {name}: {cls.__name__} has no attribute {name!r}{hint}"
+    )
+
+
+def _is_mapping(annotation: Any) -> bool:
+    origin = typing.get_origin(annotation) or annotation
+    return isinstance(origin, type) and issubclass(origin, Mapping)
 
 
 def launcher_app() -> tuple[str, str] | None:

@@ -38,6 +38,8 @@ FROM_CONFIG = (
     WorkerOption("session_state"),
     WorkerOption("kind"),
     WorkerOption("graceful_timeout", float),
+    WorkerOption("limit_request_line", int),  # the worker parses what the proxy lets through
+    WorkerOption("limit_request_headers", int),
     WorkerOption("session_idle_ttl", float),
     WorkerOption("log_level"),
     WorkerOption("access_log", flag=True),

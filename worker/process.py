@@ -25,7 +25,7 @@ from aiohttp import web
 
 from coordinator.contract import telemetry
 from coordinator.contract.channel import Channel, ChannelClosed, ChannelTimeout, RemoteError
-from coordinator.contract.exit_codes import BOOT_ERROR, LOST_COORDINATOR
+from coordinator.contract.exit_codes import BOOT_ERROR, LOST_COORDINATOR, exit_process
 from coordinator.contract.keepalive import WORKER_KEEPALIVE
 from coordinator.contract.messages import Message, Register, RegisterReply
 from worker.aiohttp_door import RUNTIME, install_door, participation_of
@@ -34,7 +34,9 @@ from worker.app_sessions import app_session_cookie
 from worker.asgi_door import AsgiDoor, answer_runtime_errors
 from worker.asgi_server import AsgiWorkerServer
 from worker.channel_requests import apply_tables, handle_coordinator_message
+from worker.head_limits import HeadLimits, head_limits
 from worker.identity import WORKER_BACKLOG, WORKER_INFO, WorkerInfo
+from worker.nemo_gym_server import NemoGymConfigError
 from worker.options import parse_worker_args
 from worker.participation import Participation, declared
 from worker.runtime import ParticipantRuntime
@@ -55,7 +57,9 @@ class WorkerServer(Protocol):
 class AiohttpWorkerServer:
     """An aiohttp app on the worker socket (runner + Unix site)."""
 
-    def __init__(self, app: web.Application, socket_path: str, graceful_timeout: float):
+    def __init__(
+        self, app: web.Application, socket_path: str, graceful_timeout: float, limits: HeadLimits
+    ):
         self.runner = web.AppRunner(
             app,
             handle_signals=False,
@@ -63,6 +67,7 @@ class AiohttpWorkerServer:
             handler_cancellation=True,  # a client that goes away cancels its handler
             keepalive_timeout=WORKER_KEEPALIVE,
             shutdown_timeout=graceful_timeout,
+            **limits.aiohttp(),
         )
         self.socket_path = socket_path
 
@@ -84,7 +89,8 @@ def _host(
         app[WORKER_INFO] = info
         app[RUNTIME] = runtime
         install_door(app)
-        return runtime, AiohttpWorkerServer(app, args.socket, args.graceful_timeout)
+        limits = head_limits(args.limit_request_line, args.limit_request_headers)
+        return runtime, AiohttpWorkerServer(app, args.socket, args.graceful_timeout, limits)
     participation = declared(app) or Participation(restart_only=True)
     runtime = ParticipantRuntime(
         info,
@@ -106,6 +112,9 @@ async def serve(args: argparse.Namespace) -> int:
         app = await build_app(args.app, args.app_dir, args.workers, args.session_state)
         runtime, server = _host(app, info, args)
         await server.start()
+    except NemoGymConfigError as exc:  # a mistake in the flags or config: no traceback
+        print(f"gym-proxy worker {args.slot}: cannot start app {args.app}: {exc}", file=sys.stderr)
+        return BOOT_ERROR
     except Exception:
         traceback.print_exc()
         print(f"gym-proxy worker {args.slot}: cannot start app {args.app}", file=sys.stderr)
@@ -173,6 +182,8 @@ async def serve(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_worker_args(argv)
+    # Before anything imports websockets (uvicorn, or the app itself).
+    head_limits(args.limit_request_line, args.limit_request_headers).raise_websockets_limits()
     logging.basicConfig(
         level=args.log_level.upper(),
         format=f"%(asctime)s worker[{args.slot}:{os.getpid()}] %(levelname)s %(message)s",
@@ -181,4 +192,4 @@ def main(argv: Sequence[str] | None = None) -> None:
         logging.getLogger("gym_proxy.worker.access").setLevel(logging.INFO)
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         code = runner.run(serve(args))
-    sys.exit(code)
+    exit_process(code)

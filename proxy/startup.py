@@ -1,0 +1,150 @@
+"""Starting gym-proxy (`proxy.cli` calls `start`): validate everything, bind the port,
+then run the server.
+
+Every mistake a user can make on the command line (bad flags, an APP that does not
+import, a port in use) ends here with one line on stderr and a non-zero exit, before
+any worker starts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import secrets
+import socket
+import stat
+import sys
+import tempfile
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any
+
+import uvloop
+
+from coordinator.contract.exit_codes import exit_process
+from proxy.config import (
+    SECRET_ENV,
+    Config,
+    ConfigError,
+    config_from_args,
+    secrets_on_command_line,
+)
+from proxy.runtime_dir import ensure_parent
+from proxy.server import run
+from worker.app_loading import AppLoadError, import_app_target
+from worker.nemo_gym_server import (
+    NemoGymConfigError,
+    check_session_state,
+    is_server_class,
+    launcher_app,
+    resolve_instance,
+)
+
+__all__ = ["start", "bind_listener"]
+
+EXIT_USAGE = 2
+
+
+def bind_listener(config: Config) -> socket.socket:
+    """The public socket: an inherited `--fd` (listening), or `--host`/`--port` bound now
+    (a port in use fails here, before any worker starts) and listened on once every
+    worker has registered (`proxy.server`)."""
+    if config.fd is not None:
+        sock = socket.socket(fileno=config.fd)
+        if not stat.S_ISSOCK(os.fstat(config.fd).st_mode) or sock.type != socket.SOCK_STREAM:
+            raise OSError(f"--fd {config.fd} is not a stream socket")
+        # Passed down to us inheritable; our workers must not hold the public port.
+        os.set_inheritable(config.fd, False)
+        sock.listen(config.backlog)
+    else:
+        infos = socket.getaddrinfo(
+            config.host, config.port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )
+        family, kind, proto, _, address = infos[0]
+        sock = socket.socket(family, kind, proto)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(address)
+        except OSError:
+            sock.close()
+            raise
+    sock.setblocking(False)
+    return sock
+
+
+def _from_nemo_gym_config(config: Config, cls: type) -> Config:
+    """A NeMo Gym server class: its instance in the global config gives the name, host,
+    port and worker count not given on the command line; the workers get the config."""
+    instance = resolve_instance(cls, config.nemo_gym_config, config.name)
+    given = config.given
+    values: dict[str, Any] = {"name": instance.name}
+    if instance.host is not None and "host" not in given and "fd" not in given:
+        values["host"] = instance.host
+    if instance.port is not None and "port" not in given and "fd" not in given:
+        values["port"] = instance.port
+    if instance.num_workers is not None and "workers" not in given:
+        values["workers"] = instance.num_workers
+    config = replace(config, **values)
+    config.validate()
+    os.environ.update(instance.environment(config.workers))
+    return config
+
+
+def _fail(message: str) -> None:
+    print(f"gym-proxy: error: {message}", file=sys.stderr)
+    sys.exit(EXIT_USAGE)
+
+
+def start(argv: Sequence[str] | None = None) -> None:
+    """Check the command line, bind the port and run the server until it stops; exits."""
+    try:
+        config = config_from_args(argv)
+    except ConfigError as exc:
+        _fail(str(exc))
+    logging.basicConfig(
+        level=config.log_level.upper(),
+        format="%(asctime)s gym-proxy %(levelname)s %(message)s",
+    )
+    log = logging.getLogger("gym_proxy")
+    for flag in secrets_on_command_line(sys.argv[1:] if argv is None else argv):
+        log.warning(
+            "%s on the command line is visible to every local user; use %s-file", flag, flag
+        )
+    # Read once; workers never see them (they do not need them) and neither does anyone
+    # reading this process's environment later.
+    for name in SECRET_ENV:
+        os.environ.pop(name, None)
+    try:
+        if "app" not in config.given:
+            launched = launcher_app()  # started by NeMo Gym's launcher in a server's place
+            if launched is not None:
+                config = replace(config, app=launched[0], app_dir=launched[1])
+        target = import_app_target(config.app, config.app_dir)
+        if is_server_class(target):
+            config = _from_nemo_gym_config(config, target)
+            if config.session_state is not None:
+                check_session_state(target, config.session_state)
+        elif config.session_state is not None:
+            raise ConfigError("--session-state names an attribute of a NeMo Gym server class")
+    except (AppLoadError, ConfigError, NemoGymConfigError) as exc:
+        _fail(str(exc))
+    try:
+        ensure_parent(config.runtime_dir or tempfile.gettempdir())
+    except ValueError as exc:
+        _fail(f"--runtime-dir {config.runtime_dir or tempfile.gettempdir()} {exc}")
+    except OSError as exc:
+        _fail(f"--runtime-dir {config.runtime_dir}: {exc.strerror or exc}")
+    if config.secret is None:
+        log.warning("no --secret: using a random one, so session cookies do not survive a restart")
+        secret = secrets.token_bytes(32)
+    else:
+        secret = config.secret.encode()
+    try:
+        sock = bind_listener(config)
+    except OSError as exc:
+        where = f"fd {config.fd}" if config.fd is not None else f"{config.host}:{config.port}"
+        _fail(f"cannot listen on {where}: {exc.strerror or exc}")
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        code = runner.run(run(config, sock, secret))
+    exit_process(code)
