@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import socket
 import time
@@ -39,12 +40,14 @@ from proxy.control_app import create_control_app
 from proxy.descriptor_budget import CHANNEL_MARGIN, CONTROL_CONNECTIONS, connection_cap, reserve
 from proxy.metrics import Metrics
 from proxy.metrics_listener import MetricsListener
+from proxy.ray_cluster import RAY_ERROR, RayCluster, RayError, RayPlan
 from proxy.request_spans import RequestSpans
 from proxy.routing import Router, WorkerRoute
 from proxy.runtime_dir import RuntimeDir, remove_stale
 from proxy.session_tokens import TokenCodec
 from proxy.supervisor import Supervisor, WorkerBootError
 from proxy.upstream import UpstreamPool
+from worker.nemo_gym_server import CONFIG_DICT_ENV, with_ray_address
 
 __all__ = ["run"]
 
@@ -54,8 +57,11 @@ SWEEP_INTERVAL = 1.0
 LINGER = 2.0  # a refused client gets this long (since its last byte) to stop sending
 
 
-async def run(config: Config, listen_sock: socket.socket, secret: bytes) -> int:
-    """Serve until a signal or a fatal worker error; return the process exit code."""
+async def run(
+    config: Config, listen_sock: socket.socket, secret: bytes, ray_plan: RayPlan | None = None
+) -> int:
+    """Serve until a signal or a fatal worker error; return the process exit code.
+    `ray_plan`: the Ray cluster the workers join (`proxy.ray_cluster`), if they use Ray."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     force = asyncio.Event()
@@ -145,6 +151,7 @@ async def run(config: Config, listen_sock: socket.socket, secret: bytes) -> int:
         handle_signals=False,
     )
     metrics_listener: MetricsListener | None = None
+    cluster: RayCluster | None = None
     server: asyncio.AbstractServer | None = None
     timers: list[asyncio.Task[None]] = []
     code = 0
@@ -183,7 +190,8 @@ async def run(config: Config, listen_sock: socket.socket, secret: bytes) -> int:
             asyncio.ensure_future(_sweep(state, supervisor)),
             asyncio.ensure_future(_expire_leases(checkpointer)),
         ]
-        boot = asyncio.ensure_future(supervisor.start())
+        cluster = RayCluster(ray_plan) if ray_plan is not None else None
+        boot = asyncio.ensure_future(_boot(supervisor, cluster))
         stopped = asyncio.ensure_future(stop.wait())
         await asyncio.wait({boot, stopped}, return_when=asyncio.FIRST_COMPLETED)
         stopped.cancel()
@@ -196,6 +204,10 @@ async def run(config: Config, listen_sock: socket.socket, secret: bytes) -> int:
         except WorkerBootError as exc:
             log.error("%s; stopping", exc)
             code = BOOT_ERROR
+            return code
+        except RayError as exc:
+            log.error("%s; stopping", exc)
+            code = RAY_ERROR
             return code
         state.booting = False
         if server is None:
@@ -232,6 +244,8 @@ async def run(config: Config, listen_sock: socket.socket, secret: bytes) -> int:
         await supervisor.stop(config.graceful_timeout)
         if supervisor.fatal is not None and supervisor.fatal.done():
             supervisor.fatal.exception()  # retrieved: it was reported above
+        if cluster is not None:
+            await cluster.stop()  # after the workers: they were its drivers
         await worker_channels.close()
         control.pool.close()
         await control_runner.cleanup()
@@ -244,6 +258,16 @@ async def run(config: Config, listen_sock: socket.socket, secret: bytes) -> int:
         for sig in OPERATION_SIGNALS:
             loop.remove_signal_handler(sig)
         log.info("stopped in %.2f s", time.monotonic() - stopping_since)
+
+
+async def _boot(supervisor: Supervisor, cluster: RayCluster | None) -> None:
+    """Start the workers, joined to the server's one Ray cluster when they use Ray: it is
+    started or checked first, and named in the config every worker is given."""
+    if cluster is not None:
+        await cluster.start()
+        os.environ[CONFIG_DICT_ENV] = with_ray_address(os.environ[CONFIG_DICT_ENV], cluster.address)
+        os.environ.update(cluster.environment)
+    await supervisor.start()
 
 
 def _bind(host: str, port: int) -> socket.socket:

@@ -30,6 +30,7 @@ from proxy.config import (
     config_from_args,
     secrets_on_command_line,
 )
+from proxy.ray_cluster import RayPlan
 from proxy.runtime_dir import ensure_parent
 from proxy.server import run
 from worker.app_loading import AppLoadError, import_app_target
@@ -39,6 +40,7 @@ from worker.nemo_gym_server import (
     is_server_class,
     launcher_app,
     resolve_instance,
+    uses_ray,
 )
 
 __all__ = ["start", "bind_listener"]
@@ -73,9 +75,10 @@ def bind_listener(config: Config) -> socket.socket:
     return sock
 
 
-def _from_nemo_gym_config(config: Config, cls: type) -> Config:
+def _from_nemo_gym_config(config: Config, cls: type) -> tuple[Config, RayPlan | None]:
     """A NeMo Gym server class: its instance in the global config gives the name, host,
-    port and worker count not given on the command line; the workers get the config."""
+    port and worker count not given on the command line; the workers get the config.
+    A class that uses Ray (NeMo Gym's rule) gets the plan of its one cluster."""
     instance = resolve_instance(cls, config.nemo_gym_config, config.name)
     given = config.given
     values: dict[str, Any] = {"name": instance.name}
@@ -88,7 +91,13 @@ def _from_nemo_gym_config(config: Config, cls: type) -> Config:
     config = replace(config, **values)
     config.validate()
     os.environ.update(instance.environment(config.workers))
-    return config
+    if not uses_ray(cls):
+        return config, None
+    if instance.ray_address is not None:
+        return config, RayPlan(instance.ray_address, "ray_head_node_address in the NeMo Gym config")
+    if os.environ.get("RAY_ADDRESS"):
+        return config, RayPlan(os.environ["RAY_ADDRESS"], "RAY_ADDRESS")
+    return config, RayPlan(None)
 
 
 def _fail(message: str) -> None:
@@ -121,8 +130,9 @@ def start(argv: Sequence[str] | None = None) -> None:
             if launched is not None:
                 config = replace(config, app=launched[0], app_dir=launched[1])
         target = import_app_target(config.app, config.app_dir)
+        ray_plan = None
         if is_server_class(target):
-            config = _from_nemo_gym_config(config, target)
+            config, ray_plan = _from_nemo_gym_config(config, target)
             if config.session_state is not None:
                 check_session_state(target, config.session_state)
         elif config.session_state is not None:
@@ -146,5 +156,5 @@ def start(argv: Sequence[str] | None = None) -> None:
         where = f"fd {config.fd}" if config.fd is not None else f"{config.host}:{config.port}"
         _fail(f"cannot listen on {where}: {exc.strerror or exc}")
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        code = runner.run(run(config, sock, secret))
+        code = runner.run(run(config, sock, secret, ray_plan))
     exit_process(code)

@@ -11,13 +11,20 @@ NeMo Gym server class.
 
 The two callables are told apart by their signature (three required positional
 parameters, or none), so no `--factory` flag is needed.
+
+A module named `app` inside a package (NeMo Gym's server entrypoint,
+`<type>/<name>/app.py`) is imported with its own directory first on the import path, as
+NeMo Gym's launcher runs it (`cd <server dir>`, the directory on `PYTHONPATH`): its
+servers import their sibling modules by bare name (code_gen: `lcb_integration`).
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import inspect
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -79,6 +86,21 @@ def _warn_shadowed(app_dir: str) -> None:
                 )
 
 
+def entrypoint_directory(module_name: str) -> str | None:
+    """The directory of `<package>.app`, a NeMo Gym server's entrypoint (module
+    docstring), without importing the module itself; None for any other module."""
+    package, _, last = module_name.rpartition(".")
+    if last != "app" or not package:
+        return None
+    try:
+        spec = importlib.util.find_spec(module_name)
+    except (ImportError, ValueError):
+        return None  # reported by the import itself
+    if spec is None or not spec.origin or not os.path.isfile(spec.origin):
+        return None
+    return os.path.dirname(spec.origin)
+
+
 def import_app_target(spec: str, app_dir: str = ".") -> Any:
     """Import `module:attr` and return the attribute (an app or a factory).
 
@@ -90,6 +112,10 @@ def import_app_target(spec: str, app_dir: str = ".") -> Any:
     if app_dir and app_dir not in sys.path:
         _warn_shadowed(app_dir)
         sys.path.insert(0, app_dir)
+    own = entrypoint_directory(module_name)
+    if own is not None and own not in sys.path:
+        _warn_shadowed(own)
+        sys.path.insert(0, own)
     try:
         module = importlib.import_module(module_name)
     except Exception as exc:

@@ -43,9 +43,12 @@ __all__ = [
     "resolve_instance",
     "server_kind",
     "server_of",
+    "uses_ray",
+    "with_ray_address",
 ]
 
 CONFIG_DICT_ENV = "NEMO_GYM_CONFIG_DICT"
+RAY_ADDRESS_KEY = "ray_head_node_address"  # NeMo Gym's RAY_HEAD_NODE_ADDRESS_KEY_NAME
 CONFIG_PATH_ENV = "NEMO_GYM_CONFIG_PATH"
 WORKER_ENV = "IS_NEMO_GYM_FASTAPI_WORKER"
 NUM_WORKERS_ENV = "NEMO_GYM_FASTAPI_NUM_WORKERS"
@@ -90,6 +93,12 @@ class NemoGymInstance:
     num_workers: int | None
     config: Any  # the whole global config (an OmegaConf DictConfig)
 
+    @property
+    def ray_address(self) -> str | None:
+        """The Ray cluster the global config names (NeMo Gym's launcher sets it), if any."""
+        address = self.config.get(RAY_ADDRESS_KEY)
+        return str(address) if address else None
+
     def environment(self, workers: int) -> dict[str, str]:
         """What the workers get: the global config, with this instance's `num_workers`
         set to gym-proxy's worker count (NeMo Gym sizes each process's connection pool
@@ -99,6 +108,27 @@ class NemoGymInstance:
         config = self.config.copy()
         _server_block(config, self.name)[1]["num_workers"] = workers
         return {CONFIG_DICT_ENV: OmegaConf.to_yaml(config), CONFIG_PATH_ENV: self.name}
+
+
+def uses_ray(cls: type) -> bool:
+    """Whether NeMo Gym's `run_webserver()` initializes Ray for `cls`: NeMo Gym's own rule
+    (`ray_enabled`, else on, with NeMo Gym's warning), asked of NeMo Gym itself."""
+    from nemo_gym import server_utils
+
+    rule = getattr(server_utils, "_server_uses_ray", None)
+    if rule is None:  # a NeMo Gym before the rule had a name: every server used Ray
+        return getattr(cls, "ray_enabled", None) is not False
+    return bool(rule(cls))
+
+
+def with_ray_address(config_text: str, address: str) -> str:
+    """The global config (YAML, as the workers get it) naming the Ray cluster to join, as
+    NeMo Gym's `initialize_ray()` hands it to the processes it starts."""
+    from omegaconf import OmegaConf
+
+    config = OmegaConf.create(config_text)
+    config[RAY_ADDRESS_KEY] = address
+    return OmegaConf.to_yaml(config)
 
 
 def resolve_instance(cls: type, config_file: str | None, name: str | None) -> NemoGymInstance:
@@ -112,9 +142,15 @@ def resolve_instance(cls: type, config_file: str | None, name: str | None) -> Ne
             raw = OmegaConf.load(config_file)
         except (OSError, ValueError) as exc:
             raise NemoGymConfigError(f"--nemo-gym-config {config_file}: {exc}") from exc
-        config = GlobalConfigDictParser().parse(
-            GlobalConfigDictParserConfig(initial_global_config_dict=raw, skip_load_from_cli=True)
-        )
+        try:
+            config = GlobalConfigDictParser().parse(
+                GlobalConfigDictParserConfig(
+                    initial_global_config_dict=raw, skip_load_from_cli=True
+                )
+            )
+        except Exception as exc:  # NeMo Gym's parser refuses it (its report is above)
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise NemoGymConfigError(f"--nemo-gym-config {config_file}: {first}") from exc
     elif os.environ.get(CONFIG_DICT_ENV):
         config = OmegaConf.create(os.environ[CONFIG_DICT_ENV])
     else:

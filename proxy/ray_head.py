@@ -1,0 +1,101 @@
+"""The Ray process of one gym-proxy: it starts the server's one local Ray cluster, or
+checks that a named one can be joined, and says so in one JSON line on stdout.
+
+Run by `proxy.ray_cluster` as `python -m proxy.ray_head start|check [ADDRESS]`; it
+imports Ray, so the proxy process never does (its data path stays as it is, and Ray's
+driver threads and signal handlers stay out of its event loop).
+
+- `start`: `ray.init(address="local")`, a new cluster whatever the host runs (never one
+  found by a session file: gym-proxy attaches to no cluster nobody named), with Ray's own
+  defaults as NeMo Gym's `initialize_ray()` has them, token authentication included;
+  prints `{"address", "auth_mode"}`, then holds the cluster until its stdin ends (the
+  proxy stops it, or died) or it is sent SIGTERM/SIGINT, and shuts it down. Should this
+  process be killed, Ray's own reaper stops the cluster.
+- `check ADDRESS`: joins the cluster as a driver, prints `{"address", "auth_mode"}` and
+  leaves; a cluster that cannot be joined prints `{"error": "<one line>"}` and exits 1.
+
+Ray's own chatter goes to stderr (the proxy's log).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import sys
+import threading
+from typing import Any
+
+__all__ = ["main"]
+
+AUTH_MODE = "RAY_AUTH_MODE"
+CONNECT_TIMEOUT = 5.0  # seconds for the TCP probe of a named cluster's GCS address
+
+
+def _say(**fields: Any) -> None:
+    sys.stdout.write(json.dumps(fields) + "\n")
+    sys.stdout.flush()
+
+
+def _start() -> int:
+    import ray
+
+    ray.init(address="local", include_dashboard=False, log_to_driver=False)
+    _say(address=ray.get_runtime_context().gcs_address, auth_mode=os.environ.get(AUTH_MODE))
+    done = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: done.set())
+    threading.Thread(target=lambda: (sys.stdin.read(), done.set()), daemon=True).start()
+    done.wait()
+    ray.shutdown()
+    return 0
+
+
+def _probe(address: str) -> str | None:
+    """Why nothing answers at `address` (host:port), or None when something does."""
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        return f"the Ray address {address!r} is not HOST:PORT"
+    try:
+        with socket.create_connection((host, int(port)), timeout=CONNECT_TIMEOUT):
+            return None
+    except OSError as exc:
+        return f"nothing answers at the Ray address {address}: {exc.strerror or exc}"
+
+
+def _check(address: str) -> int:
+    why = _probe(address)
+    if why is not None:
+        _say(error=why)
+        return 1
+    import ray
+    from ray.exceptions import AuthenticationError
+
+    try:
+        ray.init(address=address, log_to_driver=False)
+    except AuthenticationError as exc:
+        first = str(exc).strip().splitlines()[0]
+        _say(error=f"the Ray cluster at {address} refused this process: {first}", auth=True)
+        return 1
+    except (ConnectionError, RuntimeError, ValueError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        _say(error=f"cannot join the Ray cluster at {address}: {first}")
+        return 1
+    _say(address=ray.get_runtime_context().gcs_address, auth_mode=os.environ.get(AUTH_MODE))
+    ray.shutdown()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if args == ["start"]:
+        return _start()
+    if len(args) == 2 and args[0] == "check":
+        return _check(args[1])
+    print("usage: python -m proxy.ray_head start | check HOST:PORT", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
