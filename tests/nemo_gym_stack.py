@@ -15,6 +15,7 @@ model (`tests/nemo_gym/scripted_model.py`) stands where an LLM would.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import os
@@ -124,6 +125,44 @@ TOOLS = [
 ]
 
 
+class SharedRay:
+    """One real Ray cluster for every stack of a test run, named in each stack's global
+    config as NeMo Gym's launcher names its own (`ray_head_node_address`): the stack's
+    servers that use Ray (`legacy_agent` does not set `ray_enabled`) join it rather than
+    each starting one. Held by gym-proxy's own Ray process (`proxy.ray_head`), started on
+    first use and stopped when the test process exits."""
+
+    head: subprocess.Popen[bytes] | None = None
+    reply: dict[str, str] = {}
+
+    @classmethod
+    def get(cls) -> dict[str, str]:
+        """{"address", "auth_mode"} of the cluster, started now if it is not yet."""
+        if cls.head is None or cls.head.poll() is not None:
+            cls.head = subprocess.Popen(
+                [sys.executable, "-P", "-m", "proxy.ray_head", "start"],
+                cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL, env={**os.environ, "PYTHONPATH": str(REPO)},
+            )  # fmt: skip
+            assert cls.head.stdout is not None
+            cls.reply = json.loads(cls.head.stdout.readline() or b"{}")
+            assert "address" in cls.reply, "the shared Ray cluster did not start"
+            atexit.register(cls.stop)
+        return cls.reply
+
+    @classmethod
+    def stop(cls) -> None:
+        head, cls.head = cls.head, None
+        if head is not None and head.poll() is None:
+            assert head.stdin is not None
+            head.stdin.close()
+            try:
+                head.wait(30)
+            except subprocess.TimeoutExpired:
+                head.kill()
+                head.wait()
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -205,6 +244,7 @@ class NemoStack:
             "policy_base_url": f"{self.url('backend')}/v1",
             "policy_api_key": "unused",
             "policy_model_name": "scripted-policy",
+            "ray_head_node_address": SharedRay.get()["address"],
         }
         for spec in SPECS:
             block = {"entrypoint": "app.py", "host": "127.0.0.1", "port": self.ports[spec.role]}
@@ -220,6 +260,8 @@ class NemoStack:
             **os.environ,
             "NEMO_GYM_CONFIG_DICT": self.config_path.read_text(),
             "NEMO_GYM_CONFIG_PATH": spec.instance,
+            # What the launcher's children inherit from its own ray.init().
+            "RAY_AUTH_MODE": SharedRay.get()["auth_mode"] or "disabled",
             "BENCH_NEMO_GYM_APP": spec.app,  # for bench/nemo_gym_uvicorn.py
         }
 

@@ -19,5 +19,5 @@ done
 # the tested path runs (the suite checks it), hence --ignore-requires-python. --no-deps:
 # requirements.txt is the whole closure, pinned, without the heavy unused dependencies.
 "$venv/bin/pip" install --quiet --no-deps --ignore-requires-python \
-    -r "$here/requirements.txt" "$here/ray_substitute"
+    -r "$here/requirements.txt"
 "$venv/bin/pip" install --quiet -e "$repo[test]"
