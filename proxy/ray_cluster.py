@@ -9,10 +9,12 @@ uses Ray (NeMo Gym's own rule, `_server_uses_ray`): before any worker starts,
 - it joins the cluster the config names (`ray_head_node_address`, as NeMo Gym's launcher
   passes it), else the one `RAY_ADDRESS` names, after checking that it can be joined
   (`proxy.ray_head check`): nothing answering, an address that is not one, or an
-  authentication mode that does not fit is one line and exit status RAY_ERROR within
-  seconds, not a worker hanging until the boot timeout. A cluster that turns on token
-  authentication is joined with `RAY_AUTH_MODE=token`, which Ray 2.60 turns on by itself
-  only for a cluster it starts or finds, never for a named one;
+  authentication that does not fit is one line and exit status RAY_ERROR within
+  seconds, not a worker hanging until the boot timeout. It is joined the way
+  `ray start --address` joins one: with token authentication when a token is at hand and
+  `RAY_AUTH_MODE` is unset (Ray 2.60 turns it on by itself only for a cluster `ray.init()`
+  starts or finds, so NeMo Gym's `initialize_ray()` in a worker would not), and the
+  workers get the mode the check joined with;
 - else it starts one local cluster (`proxy.ray_head start`), never attaching to one found
   on the host by a session file, and stops it when gym-proxy stops (its process holds it;
   if that process dies, Ray's reaper stops it).
@@ -28,7 +30,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import os
 import sys
 from dataclasses import dataclass
 
@@ -82,10 +83,7 @@ class RayCluster:
                 self.address,
             )
             return
-        reply = await self._check(self.plan.address, {})
-        if reply.get("auth") and AUTH_MODE not in os.environ:
-            # A cluster with token authentication: Ray joins one only with the mode set.
-            reply = await self._check(self.plan.address, {AUTH_MODE: "token"})
+        reply = await self._check(self.plan.address)
         if "error" in reply:
             raise RayError(f"{reply['error']} (named by {self.plan.named_by})")
         self.address, self.auth_mode = reply["address"], reply.get("auth_mode")
@@ -96,7 +94,7 @@ class RayCluster:
             f" (authentication: {self.auth_mode})" if self.auth_mode else "",
         )
 
-    async def _spawn(self, *args: str, env: dict[str, str]) -> asyncio.subprocess.Process:
+    async def _spawn(self, *args: str) -> asyncio.subprocess.Process:
         return await asyncio.create_subprocess_exec(
             sys.executable,
             "-P",  # the user's working directory must not shadow the packages it imports
@@ -105,11 +103,10 @@ class RayCluster:
             *args,
             stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE,
-            env={**os.environ, **env},
         )
 
     async def _start_head(self) -> dict[str, str]:
-        head = self._head = await self._spawn("start", env={})
+        head = self._head = await self._spawn("start")
         assert head.stdout is not None
         try:
             line = await asyncio.wait_for(head.stdout.readline(), START_WAIT)
@@ -123,8 +120,8 @@ class RayCluster:
             raise RayError(f"Ray could not start a local cluster: {why}")
         return reply
 
-    async def _check(self, address: str, env: dict[str, str]) -> dict[str, str]:
-        check = await self._spawn("check", address, env=env)
+    async def _check(self, address: str) -> dict[str, str]:
+        check = await self._spawn("check", address)
         try:
             out, _ = await asyncio.wait_for(check.communicate(), CHECK_WAIT)
         except TimeoutError:

@@ -11,8 +11,10 @@ driver threads and signal handlers stay out of its event loop).
   prints `{"address", "auth_mode"}`, then holds the cluster until its stdin ends (the
   proxy stops it, or died) or it is sent SIGTERM/SIGINT, and shuts it down. Should this
   process be killed, Ray's own reaper stops the cluster.
-- `check ADDRESS`: joins the cluster as a driver, prints `{"address", "auth_mode"}` and
-  leaves; a cluster that cannot be joined prints `{"error": "<one line>"}` and exits 1.
+- `check ADDRESS`: joins the cluster as a driver, the way `ray start --address` joins one
+  (token authentication when a token is at hand and RAY_AUTH_MODE is unset), prints
+  `{"address", "auth_mode"}` and leaves; a cluster that cannot be joined prints
+  `{"error": "<one line>"}` and exits 1, within seconds.
 
 Ray's own chatter goes to stderr (the proxy's log).
 """
@@ -31,6 +33,7 @@ __all__ = ["main"]
 
 AUTH_MODE = "RAY_AUTH_MODE"
 CONNECT_TIMEOUT = 5.0  # seconds for the TCP probe of a named cluster's GCS address
+GCS_WAIT = 4  # seconds Ray may retry a named cluster's GCS when joining it
 
 
 def _say(**fields: Any) -> None:
@@ -64,23 +67,49 @@ def _probe(address: str) -> str | None:
         return f"nothing answers at the Ray address {address}: {exc.strerror or exc}"
 
 
+def _join_as_ray_start_does() -> None:
+    """Ray 2.60 turns token authentication on by itself only for a cluster `ray.init()`
+    starts or finds; `ray start --address` (joining a named one) turns it on when
+    RAY_AUTH_MODE is unset and a token is at hand. A named cluster is joined that way."""
+    try:
+        from ray._private.authentication.authentication_token_setup import (
+            maybe_enable_token_auth_if_token_available,
+        )
+    except ImportError:  # a Ray without token authentication
+        return
+    maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
+
+
+def _why(exc: BaseException) -> str:
+    """The one line that says why a join failed: Ray wraps the cause in a generic
+    ConnectionError, and an authentication refusal only shows in the cause's text."""
+    text = "".join(str(e) for e in (exc, exc.__cause__, exc.__context__) if e is not None)
+    if "Unauthenticated" in text or "InvalidAuthToken" in text:
+        mode = os.environ.get(AUTH_MODE) or "unset"
+        return (
+            f"it refused this process's authentication (RAY_AUTH_MODE {mode}; a cluster with "
+            "token authentication needs its token: RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or "
+            "~/.ray/auth_token)"
+        )
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return first
+
+
 def _check(address: str) -> int:
     why = _probe(address)
     if why is not None:
         _say(error=why)
         return 1
+    # Ray retries a GCS that does not answer for about 20 s; something listens there, so
+    # a few seconds tell (an authentication refusal is answered at once, and retried).
+    os.environ.setdefault("RAY_gcs_server_port_wait_time_s", str(GCS_WAIT))
+    _join_as_ray_start_does()
     import ray
-    from ray.exceptions import AuthenticationError
 
     try:
         ray.init(address=address, log_to_driver=False)
-    except AuthenticationError as exc:
-        first = str(exc).strip().splitlines()[0]
-        _say(error=f"the Ray cluster at {address} refused this process: {first}", auth=True)
-        return 1
-    except (ConnectionError, RuntimeError, ValueError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        _say(error=f"cannot join the Ray cluster at {address}: {first}")
+    except Exception as exc:  # Ray raises ConnectionError, RuntimeError, ValueError, ...
+        _say(error=f"cannot join the Ray cluster at {address}: {_why(exc)}")
         return 1
     _say(address=ray.get_runtime_context().gcs_address, auth_mode=os.environ.get(AUTH_MODE))
     ray.shutdown()
