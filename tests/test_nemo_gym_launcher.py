@@ -8,7 +8,8 @@ tests/test_nemo_gym_stack.py). The config change is one line, the entrypoint:
 The launcher runs `<venv python> <entrypoint>` in the server's directory, so the server's
 venv (which has gym-proxy installed) runs `python -mproxy`; gym-proxy finds the server
 class in that directory's `app.py`, and its instance, host, port and worker count in the
-config the launcher passes. The launcher's Ray is the tier's substitute (its README)."""
+config the launcher passes. The launcher initializes the real Ray once and hands every
+server its address; a server that uses Ray (code_gen) joins that one cluster."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ import pytest
 
 pytest.importorskip("nemo_gym", reason="the NeMo Gym tier runs in tests/nemo_gym/install.sh's venv")
 
+from tests.nemo_gym import code_gen  # noqa: E402
 from tests.nemo_gym_stack import CounterClient, free_port  # noqa: E402
 from tests.support import CONTROL_TOKEN, REPO, TEST_SECRET, Control, wait_until  # noqa: E402
 
@@ -99,3 +101,84 @@ async def test_nemo_gyms_launcher_starts_a_server_under_gym_proxy(tmp_path):
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(launcher.pid, signal.SIGKILL)
     assert "NeMo Gym finished!" in (tmp_path / "launcher.log").read_text()
+
+
+def group_alive(pgid: int) -> list[int]:
+    """Processes of process group `pgid` still alive (not zombies)."""
+    alive = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                alive.append(int(entry.name))
+    return alive
+
+
+@pytest.mark.timeout(600)  # the launcher's Ray cluster and three NeMo Gym workers on 2 cores
+async def test_a_ray_server_under_the_launcher_shares_its_cluster_and_stops_in_its_second(
+    tmp_path,
+):
+    """code_gen (its verify runs as a Ray task) started by NeMo Gym's launcher under
+    gym-proxy with 3 workers: they join the launcher's one Ray cluster (the address the
+    launcher hands down), score right and wrong programs on every worker, and on Ctrl-C
+    gym-proxy stops within the one second the launcher gives a server
+    (`_GRACEFUL_SHUTDOWN_TIMEOUT_SEC`), leaving no process and no runtime directory."""
+    from nemo_gym.cli import env as launcher_module
+
+    psutil = pytest.importorskip("psutil")
+    grace = launcher_module._GRACEFUL_SHUTDOWN_TIMEOUT_SEC
+    assert grace == 1  # what this test holds gym-proxy to
+    port, head = free_port(), free_port()
+    venv = tmp_path / "venvs" / "resources_servers" / "code_gen" / ".venv"
+    venv.parent.mkdir(parents=True)
+    venv.symlink_to(sys.prefix)  # the server's venv: this one, where gym-proxy is installed
+    config = code_gen.config(port, head, uv_venv_dir=str(tmp_path / "venvs"))
+    config["skip_venv_if_present"] = True
+    block = config[code_gen.INSTANCE]["resources_servers"]["code_gen"]
+    block.update({"entrypoint": "-mproxy", "num_workers": 3})
+    (tmp_path / "config.yaml").write_text(json.dumps(config))
+    runtime = tmp_path / "rt"
+    env = {
+        **os.environ,
+        "GYM_PROXY_SECRET": TEST_SECRET,
+        "GYM_PROXY_CONTROL_TOKEN": CONTROL_TOKEN,
+        "GYM_PROXY_RUNTIME_DIR": str(runtime),
+        "PYTHONPATH": str(REPO),
+    }
+    launcher = start_launcher(tmp_path, env)
+    url = f"http://127.0.0.1:{port}"
+    log = tmp_path / "launcher.log"
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as http:
+
+            async def ready() -> bool:
+                assert launcher.poll() is None, log.read_text()
+                return "All 1 / 1 servers ready" in log.read_text()
+
+            await wait_until(ready, 300, "the launcher to report its server ready")
+            tree = psutil.Process(launcher.pid).children(recursive=True)
+            assert sum(p.name() == "gcs_server" for p in tree) == 1  # the launcher's, only
+            calls = [(code_gen.RIGHT if i % 2 else code_gen.WRONG, i + 2) for i in range(12)]
+
+            async def verify(code: str, n: int) -> float:
+                async with http.post(f"{url}/verify", json=code_gen.verify_body(code, n)) as r:
+                    assert r.status == 200, await r.text()
+                    return (await r.json())["reward"]
+
+            rewards = await asyncio.gather(*(verify(code, n) for code, n in calls))
+            assert rewards == [1.0 if code == code_gen.RIGHT else 0.0 for code, _ in calls]
+            status = await Control(http, url).ok("status")
+            assert [w["requests_served"] > 0 for w in status["workers"]] == [True] * 3
+        os.kill(launcher.pid, signal.SIGINT)  # Ctrl-C: the launcher stops its servers
+        launcher.wait(60)
+        text = log.read_text()
+        assert "NeMo Gym finished!" in text
+        assert "didn't shutdown within" not in text, text[-2000:]  # not killed: it stopped
+        assert group_alive(launcher.pid) == []
+        assert list(runtime.iterdir()) == []
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(launcher.pid, signal.SIGKILL)
