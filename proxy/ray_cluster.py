@@ -10,11 +10,11 @@ uses Ray (NeMo Gym's own rule, `_server_uses_ray`): before any worker starts,
   passes it), else the one `RAY_ADDRESS` names, after checking that it can be joined
   (`proxy.ray_head check`): nothing answering, an address that is not one, or an
   authentication that does not fit is one line and exit status RAY_ERROR within
-  seconds, not a worker hanging until the boot timeout. It is joined the way
-  `ray start --address` joins one: with token authentication when a token is at hand and
-  `RAY_AUTH_MODE` is unset (Ray 2.60 turns it on by itself only for a cluster `ray.init()`
-  starts or finds, so NeMo Gym's `initialize_ray()` in a worker would not), and the
-  workers get the mode the check joined with;
+  seconds, not a worker hanging until the boot timeout. It is joined with token
+  authentication when a token is at hand and `RAY_AUTH_MODE` is unset, as
+  `ray start --head` decides it (Ray 2.60 turns it on by itself only for a cluster
+  `ray.init()` starts or finds, so NeMo Gym's `initialize_ray()` in a worker would not,
+  nor would `ray start --address`), and the workers get the mode the check joined with;
 - else it starts one local cluster (`proxy.ray_head start`), never attaching to one found
   on the host by a session file, and stops it when gym-proxy stops (its process holds it;
   if that process dies, Ray's reaper stops it).

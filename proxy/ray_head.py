@@ -11,8 +11,8 @@ driver threads and signal handlers stay out of its event loop).
   prints `{"address", "auth_mode"}`, then holds the cluster until its stdin ends (the
   proxy stops it, or died) or it is sent SIGTERM/SIGINT, and shuts it down. Should this
   process be killed, Ray's own reaper stops the cluster.
-- `check ADDRESS`: joins the cluster as a driver, the way `ray start --address` joins one
-  (token authentication when a token is at hand and RAY_AUTH_MODE is unset), prints
+- `check ADDRESS`: joins the cluster as a driver, with token authentication when a token
+  is at hand and RAY_AUTH_MODE is unset (as `ray start --head` decides it), prints
   `{"address", "auth_mode"}` and leaves; a cluster that cannot be joined prints
   `{"error": "<one line>"}` and exits 1, within seconds.
 
@@ -69,8 +69,9 @@ def _probe(address: str) -> str | None:
 
 def _join_as_ray_start_does() -> None:
     """Ray 2.60 turns token authentication on by itself only for a cluster `ray.init()`
-    starts or finds; `ray start --address` (joining a named one) turns it on when
-    RAY_AUTH_MODE is unset and a token is at hand. A named cluster is joined that way."""
+    starts or finds, and `ray start --head` when RAY_AUTH_MODE is unset and a token is at
+    hand; `ray start --address` never does (a token cluster refuses it without
+    RAY_AUTH_MODE=token). A named cluster is joined as `ray start --head` decides."""
     try:
         from ray._private.authentication.authentication_token_setup import (
             maybe_enable_token_auth_if_token_available,
