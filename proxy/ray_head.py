@@ -67,7 +67,7 @@ def _probe(address: str) -> str | None:
         return f"nothing answers at the Ray address {address}: {exc.strerror or exc}"
 
 
-def _join_as_ray_start_does() -> None:
+def _join_with_a_token_at_hand() -> None:
     """Ray 2.60 turns token authentication on by itself only for a cluster `ray.init()`
     starts or finds, and `ray start --head` when RAY_AUTH_MODE is unset and a token is at
     hand; `ray start --address` never does (a token cluster refuses it without
@@ -104,7 +104,7 @@ def _check(address: str) -> int:
     # Ray retries a GCS that does not answer for about 20 s; something listens there, so
     # a few seconds tell (an authentication refusal is answered at once, and retried).
     os.environ.setdefault("RAY_gcs_server_port_wait_time_s", str(GCS_WAIT))
-    _join_as_ray_start_does()
+    _join_with_a_token_at_hand()
     import ray
 
     try:

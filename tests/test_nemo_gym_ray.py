@@ -199,10 +199,10 @@ def test_an_authentication_that_does_not_fit_is_one_line_within_seconds(start, t
 
 
 @pytest.mark.timeout(300)
-def test_a_named_cluster_is_joined_with_the_authentication_ray_start_uses(start, tmp_path):
+def test_a_named_token_cluster_is_joined_with_the_token_at_hand(start, tmp_path):
     """No RAY_AUTH_MODE in the environment (as in a shell, unlike under the launcher):
-    gym-proxy joins the named token cluster as `ray start --address` would, and so do
-    its workers, which Ray alone would not let in."""
+    gym-proxy joins the named token cluster with the token at hand, and so do its
+    workers, which Ray alone would not let in."""
     assert "RAY_AUTH_MODE" not in os.environ
     config = write_config(tmp_path, ray_head_node_address=SharedRay.get()["address"])
     proxy = start(config, workers=2)
