@@ -191,7 +191,8 @@ async def test_blockers_and_markers_are_what_a_controller_acts_on(start_proxy, h
     controller = Controller(participants, timeout=5)
     await controller.learn_kinds()
     result = await controller.checkpoint("b1x", str(tmp_path), stragglers="retire")
-    assert set(result) == {proxy.url}
+    assert set(result.committed) == {proxy.url}
+    assert [e.key for e in result.retired] == ["slowpoke-a1"] and not result.complete
     async with await slow as resp:
         assert resp.status == 409 and (await resp.json())["error"]["code"] == "stale_attempt"
     # the multi-worker markers
