@@ -21,7 +21,7 @@ uses Ray (NeMo Gym's own rule, `_server_uses_ray`): before any worker starts,
 
 Every worker, the first ones and every one that starts later (a restart, a rolling
 restart, a resize, a recycle), gets the address in the global config it is given, and
-the authentication mode in its environment. The proxy process never imports Ray.
+the authentication mode in its environment. The proxy process is never a Ray driver.
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
 """The Ray process of one gym-proxy: it starts the server's one local Ray cluster, or
 checks that a named one can be joined, and says so in one JSON line on stdout.
 
-Run by `proxy.ray_cluster` as `python -m proxy.ray_head start|check [ADDRESS]`; it
-imports Ray, so the proxy process never does (its data path stays as it is, and Ray's
-driver threads and signal handlers stay out of its event loop).
+Run by `proxy.ray_cluster` as `python -m proxy.ray_head start|check [ADDRESS]`: the
+driver of the cluster is this process, never the proxy (Ray's driver threads and signal
+handlers stay out of the proxy's event loop, and the proxy never imports Ray for this;
+an app module that imports Ray at its top, as code_gen's does, is the app's doing).
 
 - `start`: `ray.init(address="local")`, a new cluster whatever the host runs (never one
   found by a session file: gym-proxy attaches to no cluster nobody named), with Ray's own
