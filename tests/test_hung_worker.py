@@ -171,6 +171,13 @@ async def test_silent_worker_gets_no_new_sessions_then_is_replaced(start_proxy, 
             assert resp.status == 504
             assert (await resp.json())["error"]["code"] == "upstream_timeout"
         assert time.monotonic() - started < 2 + SLACK
+        # The 504 may come before two ping intervals of silence (the upstream timeout is
+        # judged on a coarse 1 s clock): new sessions avoid it from the supervisor's word.
+        await wait_until(
+            lambda: "is not answering; no new sessions go to it" in proxy.log(),
+            10,
+            "the supervisor to stop placing sessions on the silent worker",
+        )
 
         async def new_sessions_avoid_it():
             placed = set()

@@ -26,7 +26,13 @@ psutil = pytest.importorskip("psutil")
 
 from tests.nemo_gym import code_gen  # noqa: E402
 from tests.nemo_gym_stack import SharedRay, free_port  # noqa: E402
-from tests.support import CONTROL_TOKEN, ProxyProcess, wait_until  # noqa: E402
+from tests.support import (  # noqa: E402
+    CONTROL_TOKEN,
+    ProxyProcess,
+    pid_alive,
+    wait_until,
+    wait_until_sync,
+)
 
 AUTH = {"Authorization": f"Bearer {CONTROL_TOKEN}"}
 WORKERS = "/ng-control/v1/gym-proxy/workers"
@@ -212,15 +218,22 @@ def test_a_named_token_cluster_is_joined_with_the_token_at_hand(start, tmp_path)
 
 
 @pytest.mark.timeout(300)
-def test_a_stale_ray_session_file_does_not_hang_the_start(start, tmp_path):
+def test_a_stale_session_file_does_not_hang_the_start_and_a_killed_proxy_leaves_no_cluster(
+    start, tmp_path
+):
     """A dead cluster's session file on the host (what `ray.init()` alone would try to
-    join, and hang on): gym-proxy starts its own cluster and serves."""
+    join, and hang on): gym-proxy starts its own cluster and serves. Killed with -9, it
+    leaves neither its workers (their channel ends) nor its cluster (its Ray process sees
+    its pipe close) behind."""
     ray_tmp = tempfile.mkdtemp(prefix="rt-", dir="/tmp")  # Ray's socket paths must be short
     Path(ray_tmp, "ray").mkdir()
     Path(ray_tmp, "ray", "ray_current_cluster").write_text(f"127.0.0.1:{free_port()}\n")
     try:
         proxy = start(write_config(tmp_path), workers=1, env={"RAY_TMPDIR": ray_tmp})
         proxy.wait_ready(180)
-        stop_and_check_nothing_left(proxy, one_cluster(proxy))
+        left = one_cluster(proxy) | set(proxy.worker_pids())
+        os.kill(proxy.pid, signal.SIGKILL)
+        proxy.wait_exit(10)
+        wait_until_sync(lambda: not any(pid_alive(p) for p in left), 60, "nothing left")
     finally:
         shutil.rmtree(ray_tmp, ignore_errors=True)
