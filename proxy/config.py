@@ -42,7 +42,15 @@ def option(
     choices: Sequence[str] | None = None,
     metavar: str | None = None,
     flag: bool = False,
+    doc: str | None = None,
+    doc_default: str | None = None,
 ) -> Any:
+    """A Config field that is also a command-line option.
+
+    `help` is the one line `--help` prints; `doc` is the reference text of docs/cli.md
+    (Markdown, links relative to docs/; default: `help`) and `doc_default` its default
+    column where the value alone does not say it (default: the value, and the env
+    variable). `python -m proxy.cli_reference` renders the table from these."""
     return field(
         default=default,
         metadata={
@@ -53,6 +61,8 @@ def option(
             "choices": choices,
             "metavar": metavar,
             "flag": flag,
+            "doc": doc,
+            "doc_default": doc_default,
         },
     )
 
@@ -67,73 +77,169 @@ class Config:
         "returning either (async factories are awaited), or a NeMo Gym server class",
         positional=True,
         metavar="APP",
+        doc="`module:attr` of the app (aiohttp or ASGI), of a factory, or of a NeMo Gym "
+        "server class",
+        doc_default="`worker.counter:create_app`; started by NeMo Gym's launcher: the server "
+        "class of its `app.py`",
     )
-    workers: int = option(1, "number of worker processes", type=int, env="GYM_PROXY_WORKERS")
-    host: str = option("127.0.0.1", "address of the public port")
-    port: int = option(8000, "public port (0 picks a free one)", type=int)
+    workers: int = option(
+        1,
+        "number of worker processes",
+        type=int,
+        env="GYM_PROXY_WORKERS",
+        metavar="N",
+        doc="worker processes",
+        doc_default="the NeMo Gym instance's `num_workers`, else 1",
+    )
+    host: str = option(
+        "127.0.0.1",
+        "address of the public port",
+        metavar="HOST",
+        doc="public address",
+        doc_default="the NeMo Gym instance's, else `127.0.0.1`",
+    )
+    port: int = option(
+        8000,
+        "public port (0 picks a free one)",
+        type=int,
+        metavar="PORT",
+        doc="public port; `--port 0` picks a free port. Bound at start (a port in use fails "
+        "before any worker starts), listening once every worker has registered",
+        doc_default="the NeMo Gym instance's, else 8000",
+    )
     fd: int | None = option(
-        None, "serve on this already-bound listening socket file descriptor", type=int
+        None,
+        "serve on this already-bound listening socket file descriptor",
+        type=int,
+        metavar="FD",
+        doc="serve on an inherited, already-bound listening socket (systemd, tests); it serves "
+        "from the start, answering 503 `worker_unavailable` until every worker has registered",
     )
-    app_dir: str = option(".", "directory put first on sys.path to import APP")
+    app_dir: str = option(
+        ".",
+        "directory put first on sys.path to import APP",
+        metavar="DIR",
+        doc="put first on `sys.path` to import `APP`",
+    )
     runtime_dir: str | None = option(
         None,
         "parent directory for the private 0700 runtime directory (default: the system temp dir)",
         env="GYM_PROXY_RUNTIME_DIR",
+        metavar="DIR",
+        doc="parent of the private 0700 runtime directory; created (0700) if missing; at most "
+        "65 bytes (socket paths must fit `sockaddr_un`). Runtime directories of dead instances "
+        "(kill -9) under it are removed at start",
+        doc_default="system temp",
     )
     secret: str | None = option(
         None,
         "secret that signs session tokens; set it so cookies survive a restart "
         "(prefer --secret-file: a flag is visible in the process list)",
         env="GYM_PROXY_SECRET",
+        metavar="S",
+        doc="signs session tokens; without one, cookies do not survive a restart (a warning "
+        "says so)",
+        doc_default="random",
     )
     secret_file: str | None = option(
-        None, "read the session-token secret from this file (surrounding whitespace ignored)"
+        None,
+        "read the session-token secret from this file (surrounding whitespace ignored)",
+        metavar="F",
+        doc="read the token secret from a file (prefer this: a `--secret` flag is visible in "
+        "the process list, and gym-proxy warns about it)",
     )
     graceful_timeout: float = option(
-        30.0, "seconds in-flight requests get to finish on SIGTERM/SIGINT", type=float
+        30.0,
+        "seconds in-flight requests get to finish on SIGTERM/SIGINT",
+        type=float,
+        metavar="S",
+        doc="on SIGTERM/SIGINT, time in-flight requests get to finish",
     )
     upstream_timeout: float = option(
         3600.0,
         "seconds without a byte from the worker before a request fails with 504 (0: never)",
         type=float,
+        metavar="S",
+        doc="no byte from the worker for this long: 504 (0 = never; control calls are bounded "
+        "by their own `deadline_ts` instead)",
     )
     keepalive_timeout: float = option(
-        75.0, "seconds an idle client keep-alive connection is kept open", type=float
+        75.0,
+        "seconds an idle client keep-alive connection is kept open",
+        type=float,
+        metavar="S",
+        doc="idle client keep-alive connections are closed after this",
     )
     header_timeout: float = option(
         10.0,
         "seconds a client gets to send a complete request head (408 after; 0: never)",
         type=float,
+        metavar="S",
+        doc="a request head must be complete this long after its first byte (or after the "
+        "connection opened): 408, or a silent close if nothing came (0 = never)",
     )
     tunnel_idle_timeout: float = option(
         600.0,
         "seconds a WebSocket (or other upgraded) tunnel may pass no byte either way before "
         "both sides are closed",
         type=float,
+        metavar="S",
+        doc="a WebSocket (or other upgraded) tunnel that passes no byte either way for this "
+        "long is closed on both sides",
     )
     limit_request_line: int = option(
-        8190, "longest request line (method, target, version) in bytes; 414 above", type=int
+        8190,
+        "longest request line (method, target, version) in bytes; 414 above",
+        type=int,
+        metavar="N",
+        doc="longest request target in bytes: 414 above",
     )
     limit_request_headers: int = option(
-        65536, "largest request header block in bytes; 431 above", type=int
+        65536,
+        "largest request header block in bytes; 431 above",
+        type=int,
+        metavar="N",
+        doc="largest request header block in bytes: 431 above (a header that never ends is "
+        "cut off one read past it). Workers take whatever passes both limits: an aiohttp "
+        "worker's header-line, target and header-count limits, and `websockets`' for an ASGI "
+        "app's WebSocket upgrade, are raised to match",
     )
     max_connections: int | None = option(
         None,
         "open client connections at most; one more is answered 503 and closed "
         "(default: 10000, or what the descriptor limit allows)",
         type=int,
+        metavar="N",
+        doc="open client connections. At the cap, keep-alive connections idle between requests "
+        "are closed first, longest idle first (pooled clients keep more open than they use "
+        "after a burst); only when none is idle is a new one answered 503 "
+        "`too_many_connections` and closed. The soft descriptor limit is raised to fit (2 per "
+        "connection, besides what the metrics port, the control app and the workers are given "
+        "ahead: [Metrics](metrics.md#metrics)); an explicit value the hard limit cannot hold is "
+        "kept, with a warning",
+        doc_default="10000, or what the descriptor limit allows",
     )
     worker_timeout: float = option(
         30.0,
         "a worker that does not answer the supervisor's ping for this long is killed and "
         "restarted (its sessions answer 410)",
         type=float,
+        metavar="S",
+        doc="a worker that does not answer the supervisor's ping for this long is killed "
+        "(SIGKILL) and restarted; its sessions answer 410. One silent for 2 ping intervals "
+        "gets no new sessions",
     )
     metrics: str | None = option(
         None,
         "serve Prometheus metrics at http://HOST:PORT/metrics (PORT alone: on --host; "
         "port 0 picks a free one); unset, nothing listens for them",
         env="GYM_PROXY_METRICS",
+        metavar="HOST:PORT",
+        doc="serve Prometheus `/metrics` on this address (`PORT` alone: on `--host`; port 0 "
+        "picks one, and the log says which); unset, nothing listens. At most 16 connections, "
+        "bounded by `--header-timeout` and `--keepalive-timeout` like the public port's "
+        "([Metrics](metrics.md#metrics))",
+        doc_default="unset",
     )
     trace_requests: bool = option(
         False,
@@ -141,48 +247,86 @@ class Config:
         "proxy too (off: they cost on the hot path)",
         type=bool,
         flag=True,
+        doc="with NeMo Gym's telemetry on, a span per request in the proxy too "
+        "([Traces](metrics.md#traces-opentelemetry-nemo-gyms-conventions))",
     )
     max_requests: int = option(
         0,
         "recycle a worker after it served this many requests: a rolling restart of that "
         "one worker, its sessions moved to the replacement (0: never)",
         type=int,
+        metavar="N",
+        doc="recycle a worker after it served N requests: a rolling restart of that worker, "
+        "its sessions moved to the replacement ([Live operations](live_operations.md))",
+        doc_default="0 (never)",
     )
     max_requests_jitter: int = option(
         0,
         "add a random 0..N to each worker's --max-requests, so workers do not recycle together",
         type=int,
+        metavar="N",
+        doc="add a random 0..N to each worker's `--max-requests`",
     )
     max_worker_memory: float = option(
         0.0,
         "recycle a worker whose resident memory (RSS) exceeds this many MiB, as "
         "--max-requests does (0: never)",
         type=float,
+        metavar="MIB",
+        doc="recycle a worker whose resident memory exceeds this",
+        doc_default="0 (never)",
     )
     session_idle_ttl: float = option(
         0.0,
         "end sessions unused for this many seconds in the workers' session stores (0: never)",
         type=float,
+        metavar="S",
+        doc="workers end sessions unused for this long (not while a checkpoint is open, not "
+        "while a request of theirs runs)",
+        doc_default="0 (never)",
     )
-    boot_timeout: float = option(60.0, "seconds the workers get to start and register", type=float)
-    backlog: int = option(2048, "listen backlog of the public port", type=int)
+    boot_timeout: float = option(
+        60.0,
+        "seconds the workers get to start and register",
+        type=float,
+        metavar="S",
+        doc="all workers must register within this at start",
+    )
+    backlog: int = option(
+        2048, "listen backlog of the public port", type=int, metavar="N", doc="listen backlog"
+    )
     control_token: str | None = option(
         None,
         "bearer token for /ng-control/ checkpoint calls; unset, the server is not a participant "
         "(prefer --control-token-file)",
         env="GYM_PROXY_CONTROL_TOKEN",
+        metavar="T",
+        doc="bearer token of the checkpoint control plane; unset, `/ng-control/` answers 404 "
+        "and the server is not a participant. Needs a secret",
+        doc_default="unset",
     )
     control_token_file: str | None = option(
-        None, "read the control token from this file (surrounding whitespace ignored)"
+        None,
+        "read the control token from this file (surrounding whitespace ignored)",
+        metavar="F",
+        doc="read the control token from a file",
     )
     name: str | None = option(
         None,
         "instance name: checkpoints are filed under it, and it names the session cookie and "
         "tags the tokens, so two servers of one stack must not share it (default: the APP "
         "module's last name)",
+        metavar="NAME",
+        doc="instance name: checkpoints are filed under it, the cookie is named after it and "
+        "tokens carry its tag, so the servers of one stack must not share one",
+        doc_default="the NeMo Gym instance, else the APP module's last name",
     )
     cookie_name: str | None = option(
-        None, "name of the session cookie (default: gym_proxy___<instance name>)"
+        None,
+        "name of the session cookie (default: gym_proxy___<instance name>)",
+        metavar="NAME",
+        doc="the session cookie's name",
+        doc_default="`gym_proxy___<instance name>`",
     )
     nemo_gym_config: str | None = option(
         None,
@@ -190,30 +334,53 @@ class Config:
         "the config NeMo Gym's launcher passes (NEMO_GYM_CONFIG_DICT). Its instance "
         "(--name, else NEMO_GYM_CONFIG_PATH, else the only one of the class) gives host, "
         "port and --workers unless a flag does",
+        metavar="F",
+        doc="a NeMo Gym global config (YAML), for a NeMo Gym server class `APP` (see "
+        "[Running a NeMo Gym server](nemo_gym.md))",
+        doc_default="the launcher's `NEMO_GYM_CONFIG_DICT`",
     )
     session_state: str | None = option(
         None,
         "attribute of a NeMo Gym server holding per-session state in a dict keyed by NeMo "
         "Gym's session ID (e.g. session_id_to_counter): each session's entry is exported, "
         "restored, retired and released with it (otherwise the server is restart-only)",
+        metavar="ATTR",
+        doc="the NeMo Gym server's attribute holding per-session state in a dict keyed by its "
+        "session ID; without it (and without hooks) the server is restart-only",
     )
     kind: str | None = option(
         None,
         "participant kind: resources, agent, environment or model (default: what the app "
         "declares, else resources)",
         choices=("resources", "agent", "environment", "model"),
+        metavar="K",
+        doc="participant kind: `resources`, `agent`, `environment`, `model`",
+        doc_default="what the app (or NeMo Gym class) declares, else `resources`",
     )
     lease_grace: float = option(
         600.0,
         "seconds past the last deadline_ts before an open checkpoint resumes itself",
         type=float,
+        metavar="S",
+        doc="an open checkpoint resumes itself this long after its last `deadline_ts`",
     )
-    log_level: str = option("info", "log level", choices=LOG_LEVELS)
+    log_level: str = option(
+        "info",
+        "log level: critical, error, warning, info or debug",
+        choices=LOG_LEVELS,
+        metavar="L",
+        doc="`critical`, `error`, `warning`, `info`, `debug`",
+    )
     access_log: bool = option(
         False,
         "log one line per request to the gym_proxy.access logger (costs data-path CPU)",
         type=bool,
         flag=True,
+        doc='one line per request (`client "METHOD path HTTP/v" status time worker=<slot>`), '
+        "logger `gym_proxy.access`; 499 marks a client that went away, `worker=-` an answer of "
+        "the proxy's own. Each worker logs its own too (`worker <slot> <path> <status> "
+        "session=<app session>`, logger `gym_proxy.worker.access`): which worker served which "
+        "session",
     )
     # The fields the command line (or an environment variable) set: a NeMo Gym config
     # fills the others (host, port, workers, name).
