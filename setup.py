@@ -2,10 +2,11 @@
 
 The modules every proxied request runs through are compiled to C extensions by mypyc
 from the same typed Python: about 30% less CPU per request in process, about 4 us of
-the 22 us the proxy spends per request under load (README, "Bench"). The extensions are
-optional: a machine that cannot compile them installs the same modules as Python, and
-GYM_PROXY_COMPILE=0 skips the compile on purpose. At run time `proxy.data_path` picks
-the build or the source (GYM_PROXY_PURE_PYTHON=1, or a source edited since the build).
+the 22 us the proxy spends per request under load (docs/design.md, bench/README.md).
+The extensions are optional: a machine that cannot compile them installs the same
+modules as Python, and GYM_PROXY_COMPILE=0 skips the compile on purpose. At run time
+`proxy.data_path` picks the build or the source (GYM_PROXY_PURE_PYTHON=1, or a source
+edited since the build).
 
 The build's bookkeeping is one manifest per interpreter ABI, named like the extension
 files it vouches for, and a build only ever writes its own: an install that does not

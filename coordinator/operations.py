@@ -342,7 +342,7 @@ class Operations:
             within = float(self.pool.config.graceful_timeout or 30.0)
             count = len(self.pool.slots)
             # One line per signal taken, saying what it does: signals of one kind that
-            # come faster than they are taken merge in the kernel (README, "Live operations").
+            # come faster than they are taken merge in the kernel (docs/live_operations.md).
             if name == "HUP":
                 log.info("SIGHUP: rolling restart of %s", _workers(count))
                 await self._quietly("SIGHUP", self.restart(None, within, "SIGHUP"))

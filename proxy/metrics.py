@@ -8,7 +8,7 @@ held, requests running, its event-loop lag; one second at most), and renders. Se
 are labelled by worker slot, rule, code or operation, never by session or rollout. A
 slot's counters add up every incarnation of the slot, so they never go backwards across
 a restart; `gym_proxy_worker_restarts_total` and `gym_proxy_worker_start_time_seconds`
-say that one happened. The families are listed in the README ("Metrics"); the port they
+say that one happened. The families are listed in docs/metrics.md; the port they
 are served on, and its bounds, is proxy.metrics_listener.
 """
 
@@ -241,7 +241,7 @@ class _Gathered(Collector):
         router, state = self.m.state.router, self.m.state
         decisions = CounterMetricFamily(
             "gym_proxy_routing_decisions",
-            "Requests routed, by the rule that decided (README: routing precedence)",
+            "Requests routed, by the rule that decided (docs/http.md: routing order)",
             labels=["rule"],
         )
         for rule in RULES:
@@ -255,7 +255,7 @@ class _Gathered(Collector):
         )
         errors = CounterMetricFamily(
             "gym_proxy_errors",
-            "Answers the proxy gave itself, by error code (README: HTTP interface)",
+            "Answers the proxy gave itself, by error code (docs/http.md)",
             labels=["code"],
         )
         for code, n in sorted(state.errors.items()):

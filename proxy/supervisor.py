@@ -289,7 +289,7 @@ class Supervisor:
                 "%s declares no session state, so it is a restart-only participant: a "
                 "checkpoint exports none of its sessions and names the rollouts using them "
                 "as restarts (declare a session dict, hooks or the session store to export "
-                "them: README, 'State without code')",
+                "them: docs/nemo_gym.md, 'State without code')",
                 self.config.app,
             )
         self.router.add_worker(worker.route)

@@ -379,8 +379,9 @@ def test_a_process_exits_without_the_final_collections(tmp_path):
 
 
 def test_killing_the_process_group_kills_this_instance_and_its_workers(start_proxy):
-    """The README's crash: gym-proxy's workers are in its process group, so `kill -9 --
-    -PGID` (a shell job's group) ends this instance whole and nothing else."""
+    """The crash of docs/checkpoints.md's walk-through: gym-proxy's workers are in its
+    process group, so `kill -9 -- -PGID` (a shell job's group) ends this instance whole
+    and nothing else."""
     proxy = start_proxy(workers=2, new_session=True)
     bystander = start_proxy(workers=1)
     group = os.getpgid(proxy.pid)
