@@ -26,15 +26,15 @@ from setuptools import Extension, setup
 
 # Everything a proxied request runs through, and nothing that starts or stops things.
 COMPILED_MODULES = [
-    "proxy.client_connection",
-    "proxy.exchange",
-    "proxy.upstream",
-    "proxy.outbox",
-    "proxy.request_head",
-    "proxy.response_head",
-    "proxy.http_wire",
-    "proxy.routing",
-    "proxy.session_tokens",
+    "gym_proxy.proxy.client_connection",
+    "gym_proxy.proxy.exchange",
+    "gym_proxy.proxy.upstream",
+    "gym_proxy.proxy.outbox",
+    "gym_proxy.proxy.request_head",
+    "gym_proxy.proxy.response_head",
+    "gym_proxy.proxy.http_wire",
+    "gym_proxy.proxy.routing",
+    "gym_proxy.proxy.session_tokens",
 ]
 # Read by proxy/data_path.py; e.g. proxy/_compiled_sources.cpython-311-x86_64-linux-gnu.json
 EXT_SUFFIX = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
@@ -52,13 +52,14 @@ def data_path_extensions() -> list[Extension]:
     # This ABI's earlier build is replaced: should the C compiler fail this time, none of
     # its old extensions may stay to pass for the new sources under the new manifest.
     MANIFEST.unlink(missing_ok=True)
-    for old in [*Path("proxy").glob("*" + EXT_SUFFIX), *Path(".").glob("*__mypyc" + EXT_SUFFIX)]:
+    for old in [*Path("proxy").glob("*" + EXT_SUFFIX), *Path("gym_proxy").glob("*" + EXT_SUFFIX)]:
         old.unlink()
     try:
         extensions = mypycify(
             [str(path) for path in files.values()],
             opt_level="3",
-            group_name="gym_proxy_data_path",
+            # Inside the package: the wheel's one top-level name stays gym_proxy.
+            group_name="gym_proxy.data_path",
         )
     except (Exception, SystemExit) as exc:  # mypyc exits on a type error it finds
         print(f"gym-proxy: not compiling the data path ({exc!r}); it runs as Python")

@@ -35,7 +35,7 @@ def start(workers: int, runtime: str) -> tuple[subprocess.Popen[bytes], str]:
     port = listener.getsockname()[1]
     log = open(Path(runtime) / f"proxy-{port}.log", "wb")  # noqa: SIM115
     proc = subprocess.Popen(
-        [sys.executable, "-m", "proxy", "--workers", str(workers), "--fd",
+        [sys.executable, "-m", "gym_proxy", "--workers", str(workers), "--fd",
          str(listener.fileno()), "--runtime-dir", runtime, "--secret", "bench",
          "--control-token", CONTROL, "--log-level", "warning"],
         cwd=REPO, stdout=log, stderr=subprocess.STDOUT, pass_fds=[listener.fileno()],

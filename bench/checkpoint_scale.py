@@ -5,7 +5,7 @@
     python bench/checkpoint_scale.py --rollouts 100000  # long
     python bench/checkpoint_scale.py --json             # + one JSON object on the last line
 
-Every server of the reference stack (`worker.apps.stack`) runs with 2 workers behind its
+Every server of the reference stack (`gym_proxy.worker.apps.stack`) runs with 2 workers behind its
 own gym-proxy. The fake model holds the second call of every rollout asking about half
 of the cities; half the rollouts ask about those (`--in-flight`, capped by the
 descriptor limit), so they are in flight (parked mid-turn) while the others finish.
@@ -34,10 +34,10 @@ import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from coordinator.clients.controller import Controller, Participant  # noqa: E402
-from coordinator.clients.rollouts import Rollout, RolloutDriver, exported_rollouts  # noqa: E402
-from coordinator.clients.rollouts_cli import CITIES, weather_rollouts  # noqa: E402
-from worker.apps.stack import Stack  # noqa: E402
+from gym_proxy.coordinator.clients.controller import Controller, Participant  # noqa: E402
+from gym_proxy.coordinator.clients.rollouts import Rollout, RolloutDriver, exported_rollouts  # noqa: E402
+from gym_proxy.coordinator.clients.rollouts_cli import CITIES, weather_rollouts  # noqa: E402
+from gym_proxy.worker.apps.stack import Stack  # noqa: E402
 
 HELD_CITIES = CITIES[::2]
 FREE_CITIES = CITIES[1::2]

@@ -48,7 +48,7 @@ def start(runtime: str) -> tuple[subprocess.Popen[bytes], str]:
     port = listener.getsockname()[1]
     log = open(Path(runtime) / "proxy.log", "wb")  # noqa: SIM115
     proc = subprocess.Popen(
-        [sys.executable, "-m", "proxy", "tests.apps:create_app", "--workers", "2",
+        [sys.executable, "-m", "gym_proxy", "tests.apps:create_app", "--workers", "2",
          "--fd", str(listener.fileno()), "--runtime-dir", runtime, "--secret", "bench",
          "--control-token", CONTROL, "--log-level", "warning"],
         cwd=REPO, stdout=log, stderr=subprocess.STDOUT, pass_fds=[listener.fileno()],

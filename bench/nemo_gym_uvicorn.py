@@ -11,8 +11,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from worker.app_loading import import_app_target
-from worker.nemo_gym_server import build_server_app
+from gym_proxy.worker.app_loading import import_app_target
+from gym_proxy.worker.nemo_gym_server import build_server_app
 
 
 def create_app() -> Any:

@@ -118,7 +118,7 @@ def wrk_measure(front: FrontEnd, seconds: float, connections: int, directory: st
 
 def data_path_mode() -> str:
     """What the proxy processes of this run import: the mypyc build or the source."""
-    probe = "import proxy.data_path as d; print(*d.mode(), sep=': ')"
+    probe = "import gym_proxy.proxy.data_path as d; print(*d.mode(), sep=': ')"
     return subprocess.run(
         [sys.executable, "-c", probe], cwd=REPO, check=True, capture_output=True, text=True
     ).stdout.strip()

@@ -114,7 +114,7 @@ class GymProxy:
         self.log = Path(self.runtime) / "proxy.log"
         with open(self.log, "wb") as out:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "proxy", "asgi_counter:app", "--app-dir", str(HERE),
+                [sys.executable, "-m", "gym_proxy", "asgi_counter:app", "--app-dir", str(HERE),
                  "--workers", str(workers), "--port", str(self.port), "--runtime-dir",
                  self.runtime, "--log-level", "warning", "--secret", "bench", *extra],
                 cwd=REPO, stdout=out, stderr=subprocess.STDOUT,

@@ -30,9 +30,9 @@ from typing import Any
 
 import orjson
 
-from coordinator.contract import failpoints
-from coordinator.contract.ids import is_checkpoint_id, is_valid_id
-from coordinator.contract.records import (
+from gym_proxy.coordinator.contract import failpoints
+from gym_proxy.coordinator.contract.ids import is_checkpoint_id, is_valid_id
+from gym_proxy.coordinator.contract.records import (
     EncodedRecords,
     encode,
     from_disk,

@@ -24,13 +24,18 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from coordinator import checkpoint_files as files
-from coordinator.contract import telemetry
-from coordinator.contract.channel import Channel, ChannelClosed, ChannelTimeout, RemoteError
-from coordinator.contract.episodes import EpisodeId, parse_episode_key
-from coordinator.contract.errors import GymError
-from coordinator.contract.marks import RestoredClaims, RetireMarks
-from coordinator.contract.messages import (
+from gym_proxy.coordinator import checkpoint_files as files
+from gym_proxy.coordinator.contract import telemetry
+from gym_proxy.coordinator.contract.channel import (
+    Channel,
+    ChannelClosed,
+    ChannelTimeout,
+    RemoteError,
+)
+from gym_proxy.coordinator.contract.episodes import EpisodeId, parse_episode_key
+from gym_proxy.coordinator.contract.errors import GymError
+from gym_proxy.coordinator.contract.marks import RestoredClaims, RetireMarks
+from gym_proxy.coordinator.contract.messages import (
     Claim,
     ClaimReply,
     Close,
@@ -52,11 +57,11 @@ from coordinator.contract.messages import (
     TablesUpdate,
     Uninstall,
 )
-from coordinator.contract.records import EncodedRecords, is_session, record_key
-from coordinator.contract.telemetry import ATTRIBUTE
-from coordinator.phases import PhaseMachine
-from coordinator.placement import Placement, place
-from coordinator.readiness import Readiness
+from gym_proxy.coordinator.contract.records import EncodedRecords, is_session, record_key
+from gym_proxy.coordinator.contract.telemetry import ATTRIBUTE
+from gym_proxy.coordinator.phases import PhaseMachine
+from gym_proxy.coordinator.placement import Placement, place
+from gym_proxy.coordinator.readiness import Readiness
 
 __all__ = ["LiveWorker", "WorkerView", "Checkpointer"]
 

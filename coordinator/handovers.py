@@ -35,10 +35,10 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from coordinator.contract import failpoints
-from coordinator.contract.channel import ChannelClosed, ChannelTimeout, RemoteError
-from coordinator.contract.episodes import episode_key
-from coordinator.contract.messages import (
+from gym_proxy.coordinator.contract import failpoints
+from gym_proxy.coordinator.contract.channel import ChannelClosed, ChannelTimeout, RemoteError
+from gym_proxy.coordinator.contract.episodes import episode_key
+from gym_proxy.coordinator.contract.messages import (
     EPISODE_ENDED,
     Adopt,
     GaveUp,
@@ -50,7 +50,7 @@ from coordinator.contract.messages import (
 )
 
 if TYPE_CHECKING:
-    from coordinator.mover import Moved, Mover, _Worker
+    from gym_proxy.coordinator.mover import Moved, Mover, _Worker
 
 __all__ = ["hand_over", "ARRIVAL_WAIT"]
 

@@ -35,10 +35,10 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from coordinator.contract import failpoints
-from coordinator.contract.channel import ChannelClosed, ChannelTimeout, RemoteError
-from coordinator.contract.errors import GymError
-from coordinator.contract.messages import (
+from gym_proxy.coordinator.contract import failpoints
+from gym_proxy.coordinator.contract.channel import ChannelClosed, ChannelTimeout, RemoteError
+from gym_proxy.coordinator.contract.errors import GymError
+from gym_proxy.coordinator.contract.messages import (
     Adopt,
     CloseTunnels,
     Drop,

@@ -18,7 +18,7 @@ every other operation (409 `operation_conflict`, both ways), reports its progres
   that does not end) is not stopped: it keeps serving what it holds, taking nothing new,
   and is retired in the background as soon as it can be; the answer names what it kept.
 - **rolling restart**, one slot at a time: start the replacement (new code: a fresh
-  `python -m worker`), wait until it registers, make it the slot's worker, retire the
+  `python -m gym_proxy.worker`), wait until it registers, make it the slot's worker, retire the
   old one into it. A replacement that does not boot aborts the restart: the old worker
   keeps serving and the slots not reached yet are left alone. Slots are RESTART_PAUSE
   seconds apart (`pause_s`): booting a worker costs its CPU (0.2 s here) and a fresh
@@ -47,9 +47,9 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from coordinator.contract.errors import GymError
-from coordinator.mover import Checkpoints, Mover, exclusive, is_free
-from coordinator.retiring import Progress, Retirer, WorkerPool
+from gym_proxy.coordinator.contract.errors import GymError
+from gym_proxy.coordinator.mover import Checkpoints, Mover, exclusive, is_free
+from gym_proxy.coordinator.retiring import Progress, Retirer, WorkerPool
 
 __all__ = ["Operations", "WorkerPool", "Progress", "RESTART_PAUSE"]
 

@@ -27,8 +27,8 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from coordinator.contract.errors import GymError
-from coordinator.contract.ids import is_checkpoint_id
+from gym_proxy.coordinator.contract.errors import GymError
+from gym_proxy.coordinator.contract.ids import is_checkpoint_id
 
 __all__ = ["PhaseMachine", "Phase", "OPEN_PHASES"]
 

@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from coordinator.contract.messages import Report
+from gym_proxy.coordinator.contract.messages import Report
 
 __all__ = ["Readiness", "MAX_BLOCKERS"]
 

@@ -25,10 +25,10 @@ from contextlib import AbstractAsyncContextManager
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
-from coordinator.contract.channel import ChannelClosed, ChannelTimeout, RemoteError
-from coordinator.contract.messages import ListHeld, ParkEpisodes, ResumeEpisodes
-from coordinator.handovers import hand_over
-from coordinator.mover import Checkpoints, Moved, Mover, failures, is_free
+from gym_proxy.coordinator.contract.channel import ChannelClosed, ChannelTimeout, RemoteError
+from gym_proxy.coordinator.contract.messages import ListHeld, ParkEpisodes, ResumeEpisodes
+from gym_proxy.coordinator.handovers import hand_over
+from gym_proxy.coordinator.mover import Checkpoints, Moved, Mover, failures, is_free
 
 __all__ = ["Retirer", "WorkerPool", "Progress"]
 

@@ -24,9 +24,14 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
-from coordinator.contract.channel import Channel
-from coordinator.contract.framing import FramingError, read_frame
-from coordinator.contract.messages import MalformedMessage, Message, Register, RegisterReply
+from gym_proxy.coordinator.contract.channel import Channel
+from gym_proxy.coordinator.contract.framing import FramingError, read_frame
+from gym_proxy.coordinator.contract.messages import (
+    MalformedMessage,
+    Message,
+    Register,
+    RegisterReply,
+)
 
 __all__ = ["WorkerChannels", "RegistrationRefused"]
 

@@ -31,6 +31,8 @@ def release_operation_signals() -> None:
 def main(argv: Sequence[str] | None = None) -> None:
     """Console entry point."""
     hold_operation_signals()
-    from proxy.startup import start  # aiohttp, uvloop, the server: after the signals are held
+    from gym_proxy.proxy.startup import (
+        start,  # aiohttp, uvloop, the server: after the signals are held
+    )
 
     start(argv)

@@ -5,8 +5,8 @@ the fields of `proxy.config.Config` (their `doc`, `doc_default`, `env` and `meta
 metadata) and from the parser's own `--version` and `--help`. Nothing is written twice:
 change a flag in `proxy/config.py`, then run
 
-    python -m proxy.cli_reference          # rewrite the table in docs/cli.md
-    python -m proxy.cli_reference --check  # exit 1 if docs/cli.md is stale
+    python -m gym_proxy.proxy.cli_reference          # rewrite the table in docs/cli.md
+    python -m gym_proxy.proxy.cli_reference --check  # exit 1 if docs/cli.md is stale
 
 `tests/test_docs.py` fails while the file is stale.
 """
@@ -19,11 +19,11 @@ from dataclasses import Field, fields
 from pathlib import Path
 from typing import Any
 
-from proxy.config import Config, build_parser
+from gym_proxy.proxy.config import Config, build_parser
 
 __all__ = ["BEGIN", "END", "CLI_DOC", "render_table", "render_document", "main"]
 
-BEGIN = "<!-- BEGIN cli-reference: generated from proxy/config.py by `python -m proxy.cli_reference`; do not edit -->"  # noqa: E501
+BEGIN = "<!-- BEGIN cli-reference: generated from proxy/config.py by `python -m gym_proxy.proxy.cli_reference`; do not edit -->"  # noqa: E501
 END = "<!-- END cli-reference -->"
 CLI_DOC = Path(__file__).resolve().parent.parent / "docs" / "cli.md"
 
@@ -98,7 +98,7 @@ def render_document(text: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m proxy.cli_reference", description=__doc__.split("\n\n")[0]
+        prog="python -m gym_proxy.proxy.cli_reference", description=__doc__.split("\n\n")[0]
     )
     parser.add_argument("--check", action="store_true", help="exit 1 if docs/cli.md is stale")
     args = parser.parse_args(argv)
@@ -106,7 +106,9 @@ def main(argv: list[str] | None = None) -> int:
     wanted = render_document(current)
     if args.check:
         if wanted != current:
-            print(f"{CLI_DOC} is stale: run python -m proxy.cli_reference", file=sys.stderr)
+            print(
+                f"{CLI_DOC} is stale: run python -m gym_proxy.proxy.cli_reference", file=sys.stderr
+            )
             return 1
         return 0
     if wanted != current:

@@ -47,13 +47,13 @@ from typing import Any, Final
 
 import httptools
 
-from coordinator.contract.errors import GymError
-from proxy import outbox
-from proxy.exchange import ANSWERING, RESPONDING, Exchange
-from proxy.exchange import TUNNEL as EXCHANGE_TUNNEL
-from proxy.outbox import Outbox
-from proxy.routing import Router, WorkerRoute
-from proxy.session_tokens import TokenCodec
+from gym_proxy.coordinator.contract.errors import GymError
+from gym_proxy.proxy import outbox
+from gym_proxy.proxy.exchange import ANSWERING, RESPONDING, Exchange
+from gym_proxy.proxy.exchange import TUNNEL as EXCHANGE_TUNNEL
+from gym_proxy.proxy.outbox import Outbox
+from gym_proxy.proxy.routing import Router, WorkerRoute
+from gym_proxy.proxy.session_tokens import TokenCodec
 
 __all__ = [
     "ProxyState",

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import MISSING, dataclass, field, fields, replace
 from typing import Any, NoReturn
 
-from coordinator.contract.ids import is_checkpoint_id
+from gym_proxy.coordinator.contract.ids import is_checkpoint_id
 
 __all__ = [
     "Config",
@@ -23,7 +23,7 @@ __all__ = [
     "metrics_address",
 ]
 
-DEFAULT_APP = "worker.counter:create_app"
+DEFAULT_APP = "gym_proxy.worker.counter:create_app"
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 COOKIE_NAME = re.compile(r"[A-Za-z0-9!#$%&'*+.^_`|~-]{1,128}\Z")  # an RFC 6265 token
 
@@ -50,7 +50,7 @@ def option(
     `help` is the one line `--help` prints; `doc` is the reference text of docs/cli.md
     (Markdown, links relative to docs/; default: `help`) and `doc_default` its default
     column where the value alone does not say it (default: the value, and the env
-    variable). `python -m proxy.cli_reference` renders the table from these."""
+    variable). `python -m gym_proxy.proxy.cli_reference` renders the table from these."""
     return field(
         default=default,
         metadata={
@@ -79,8 +79,8 @@ class Config:
         metavar="APP",
         doc="`module:attr` of the app (aiohttp or ASGI), of a factory, or of a NeMo Gym "
         "server class",
-        doc_default="`worker.counter:create_app`; started by NeMo Gym's launcher: the server "
-        "class of its `app.py`",
+        doc_default="`gym_proxy.worker.counter:create_app`; started by NeMo Gym's launcher: "
+        "the server class of its `app.py`",
     )
     workers: int = option(
         1,

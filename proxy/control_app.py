@@ -20,15 +20,15 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from coordinator.checkpointer import Checkpointer
-from coordinator.contract import telemetry
-from coordinator.contract.episodes import EpisodeId, check_rollout_id
-from coordinator.contract.errors import GymError, error_body, status_of
-from coordinator.contract.headers import CHECKPOINT_PATH, MOVE_PATH, WORKERS_PATH
-from coordinator.contract.ids import is_valid_id
-from coordinator.contract.telemetry import ATTRIBUTE
-from coordinator.mover import Mover
-from coordinator.operations import RESTART_PAUSE, Operations
+from gym_proxy.coordinator.checkpointer import Checkpointer
+from gym_proxy.coordinator.contract import telemetry
+from gym_proxy.coordinator.contract.episodes import EpisodeId, check_rollout_id
+from gym_proxy.coordinator.contract.errors import GymError, error_body, status_of
+from gym_proxy.coordinator.contract.headers import CHECKPOINT_PATH, MOVE_PATH, WORKERS_PATH
+from gym_proxy.coordinator.contract.ids import is_valid_id
+from gym_proxy.coordinator.contract.telemetry import ATTRIBUTE
+from gym_proxy.coordinator.mover import Mover
+from gym_proxy.coordinator.operations import RESTART_PAUSE, Operations
 
 __all__ = ["create_control_app", "PREFIX"]
 

@@ -70,7 +70,7 @@ def _extensions() -> dict[str, Path]:
         if path.name.endswith(EXT_SUFFIX):
             source = PACKAGE_DIR / (path.name.removesuffix(EXT_SUFFIX) + ".py")
             if source.exists():
-                found[f"proxy.{source.stem}"] = source
+                found[f"{__package__}.{source.stem}"] = source
     return found
 
 
@@ -102,5 +102,5 @@ def choose() -> None:
             return
         _reason = f"edited since the build: {', '.join(edited)} (pip install -e . rebuilds)"
     if any(name in sys.modules for name in sources):
-        raise RuntimeError("proxy.data_path.choose() must run before the data path is imported")
+        raise RuntimeError("data_path.choose() must run before the data path is imported")
     sys.meta_path.insert(0, _SourceFirst(sources))

@@ -47,8 +47,8 @@ import logging
 import time
 from typing import TYPE_CHECKING, Final
 
-from coordinator.contract.errors import GymError, status_of
-from coordinator.contract.headers import (
+from gym_proxy.coordinator.contract.errors import GymError, status_of
+from gym_proxy.coordinator.contract.headers import (
     CONTROL_PREFIX,
     EMPTY_ROLLOUT_KEY,
     HANDOFF,
@@ -56,18 +56,18 @@ from coordinator.contract.headers import (
     ROLLOUT_PREFIX,
     split_rollout_url,
 )
-from coordinator.contract.ids import is_valid_id
-from proxy import http_wire as wire
-from proxy.outbox import batch as write_batch
-from proxy.outbox import hold, release
-from proxy.request_head import RequestHead, rewrite_request_head
-from proxy.response_head import rewrite_response_head
-from proxy.routing import APP_COOKIE, APP_TOKEN, Handoff, Router, WorkerRoute
-from proxy.session_tokens import TokenError
+from gym_proxy.coordinator.contract.ids import is_valid_id
+from gym_proxy.proxy import http_wire as wire
+from gym_proxy.proxy.outbox import batch as write_batch
+from gym_proxy.proxy.outbox import hold, release
+from gym_proxy.proxy.request_head import RequestHead, rewrite_request_head
+from gym_proxy.proxy.response_head import rewrite_response_head
+from gym_proxy.proxy.routing import APP_COOKIE, APP_TOKEN, Handoff, Router, WorkerRoute
+from gym_proxy.proxy.session_tokens import TokenError
 
 if TYPE_CHECKING:
-    from proxy.client_connection import ClientConnection
-    from proxy.upstream import UpstreamConnection
+    from gym_proxy.proxy.client_connection import ClientConnection
+    from gym_proxy.proxy.upstream import UpstreamConnection
 
 __all__ = [
     "Exchange",

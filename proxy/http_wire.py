@@ -9,8 +9,8 @@ from __future__ import annotations
 from http import HTTPStatus
 from typing import Final
 
-from coordinator.contract import headers as names
-from coordinator.contract.errors import RETRY_AFTER, error_body, status_of
+from gym_proxy.coordinator.contract import headers as names
+from gym_proxy.coordinator.contract.errors import RETRY_AFTER, error_body, status_of
 
 __all__ = [
     "HOP_BY_HOP",

@@ -23,17 +23,17 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
 
-from coordinator.checkpointer import Checkpointer
-from coordinator.contract.channel import ChannelClosed, ChannelTimeout, RemoteError
-from coordinator.contract.loop_lag import LoopLag
-from coordinator.contract.messages import Stats, WorkerStats
-from coordinator.mover import Mover
-from coordinator.operations import Operations
-from coordinator.phases import Phase
-from proxy.client_connection import ProxyState
-from proxy.routing import RULES
-from proxy.supervisor import Supervisor
-from proxy.worker_records import WorkerProcess, resident_bytes
+from gym_proxy.coordinator.checkpointer import Checkpointer
+from gym_proxy.coordinator.contract.channel import ChannelClosed, ChannelTimeout, RemoteError
+from gym_proxy.coordinator.contract.loop_lag import LoopLag
+from gym_proxy.coordinator.contract.messages import Stats, WorkerStats
+from gym_proxy.coordinator.mover import Mover
+from gym_proxy.coordinator.operations import Operations
+from gym_proxy.coordinator.phases import Phase
+from gym_proxy.proxy.client_connection import ProxyState
+from gym_proxy.proxy.routing import RULES
+from gym_proxy.proxy.supervisor import Supervisor
+from gym_proxy.proxy.worker_records import WorkerProcess, resident_bytes
 
 __all__ = ["Metrics", "STATES", "PHASES"]
 

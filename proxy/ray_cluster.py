@@ -99,7 +99,7 @@ class RayCluster:
             sys.executable,
             "-P",  # the user's working directory must not shadow the packages it imports
             "-m",
-            "proxy.ray_head",
+            "gym_proxy.proxy.ray_head",
             *args,
             stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE,

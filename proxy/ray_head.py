@@ -1,7 +1,7 @@
 """The Ray process of one gym-proxy: it starts the server's one local Ray cluster, or
 checks that a named one can be joined, and says so in one JSON line on stdout.
 
-Run by `proxy.ray_cluster` as `python -m proxy.ray_head start|check [ADDRESS]`: the
+Run by `proxy.ray_cluster` as `python -m gym_proxy.proxy.ray_head start|check [ADDRESS]`: the
 driver of the cluster is this process, never the proxy (Ray's driver threads and signal
 handlers stay out of the proxy's event loop, and the proxy never imports Ray for this;
 an app module that imports Ray at its top, as code_gen's does, is the app's doing).
@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         return _start()
     if len(args) == 2 and args[0] == "check":
         return _check(args[1])
-    print("usage: python -m proxy.ray_head start | check HOST:PORT", file=sys.stderr)
+    print("usage: python -m gym_proxy.proxy.ray_head start | check HOST:PORT", file=sys.stderr)
     return 2
 
 

@@ -18,10 +18,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from coordinator.contract import headers as names
-from coordinator.contract.errors import GymError
-from proxy import http_wire as wire
-from proxy.session_tokens import TokenError
+from gym_proxy.coordinator.contract import headers as names
+from gym_proxy.coordinator.contract.errors import GymError
+from gym_proxy.proxy import http_wire as wire
+from gym_proxy.proxy.session_tokens import TokenError
 
 __all__ = ["RequestHead", "rewrite_request_head", "PROTECTED"]
 

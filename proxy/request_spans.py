@@ -55,6 +55,6 @@ class RequestSpans:
 
 
 def _provider() -> Any:
-    from coordinator.contract import telemetry
+    from gym_proxy.coordinator.contract import telemetry
 
     return telemetry.provider()

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from coordinator.contract import headers as names
-from proxy import http_wire as wire
+from gym_proxy.coordinator.contract import headers as names
+from gym_proxy.proxy import http_wire as wire
 
 __all__ = ["ResponseHead", "rewrite_response_head", "NO_BODY_STATUS"]
 

@@ -62,11 +62,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-from coordinator.contract.app_sessions import app_token_session, session_in_headers
-from coordinator.contract.errors import GymError
-from coordinator.contract.ids import is_valid_id
-from proxy.http_wire import session_cookies
-from proxy.session_tokens import SessionIdentity, TokenCodec, TokenError, new_session_id
+from gym_proxy.coordinator.contract.app_sessions import app_token_session, session_in_headers
+from gym_proxy.coordinator.contract.errors import GymError
+from gym_proxy.coordinator.contract.ids import is_valid_id
+from gym_proxy.proxy.http_wire import session_cookies
+from gym_proxy.proxy.session_tokens import SessionIdentity, TokenCodec, TokenError, new_session_id
 
 __all__ = [
     "WorkerRoute",

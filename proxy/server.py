@@ -23,31 +23,42 @@ from typing import Any
 
 from aiohttp import web
 
-from coordinator.checkpointer import Checkpointer
-from coordinator.contract import telemetry
-from coordinator.contract.channel import Channel
-from coordinator.contract.exit_codes import BOOT_ERROR
-from coordinator.contract.keepalive import POOL_IDLE
-from coordinator.contract.messages import Register, RegisterReply
-from coordinator.mover import Mover
-from coordinator.operations import Operations
-from coordinator.worker_channels import WorkerChannels
-from proxy import data_path
-from proxy.cli import OPERATION_SIGNALS, hold_operation_signals, release_operation_signals
-from proxy.client_connection import DISCARDING, LINGERING, TUNNELING, ClientConnection, ProxyState
-from proxy.config import Config, metrics_address
-from proxy.control_app import create_control_app
-from proxy.descriptor_budget import CHANNEL_MARGIN, CONTROL_CONNECTIONS, connection_cap, reserve
-from proxy.metrics import Metrics
-from proxy.metrics_listener import MetricsListener
-from proxy.ray_cluster import RAY_ERROR, RayCluster, RayError, RayPlan
-from proxy.request_spans import RequestSpans
-from proxy.routing import Router, WorkerRoute
-from proxy.runtime_dir import RuntimeDir, remove_stale
-from proxy.session_tokens import TokenCodec
-from proxy.supervisor import Supervisor, WorkerBootError
-from proxy.upstream import UpstreamPool
-from worker.nemo_gym_server import CONFIG_DICT_ENV, with_ray_address
+from gym_proxy.coordinator.checkpointer import Checkpointer
+from gym_proxy.coordinator.contract import telemetry
+from gym_proxy.coordinator.contract.channel import Channel
+from gym_proxy.coordinator.contract.exit_codes import BOOT_ERROR
+from gym_proxy.coordinator.contract.keepalive import POOL_IDLE
+from gym_proxy.coordinator.contract.messages import Register, RegisterReply
+from gym_proxy.coordinator.mover import Mover
+from gym_proxy.coordinator.operations import Operations
+from gym_proxy.coordinator.worker_channels import WorkerChannels
+from gym_proxy.proxy import data_path
+from gym_proxy.proxy.cli import OPERATION_SIGNALS, hold_operation_signals, release_operation_signals
+from gym_proxy.proxy.client_connection import (
+    DISCARDING,
+    LINGERING,
+    TUNNELING,
+    ClientConnection,
+    ProxyState,
+)
+from gym_proxy.proxy.config import Config, metrics_address
+from gym_proxy.proxy.control_app import create_control_app
+from gym_proxy.proxy.descriptor_budget import (
+    CHANNEL_MARGIN,
+    CONTROL_CONNECTIONS,
+    connection_cap,
+    reserve,
+)
+from gym_proxy.proxy.metrics import Metrics
+from gym_proxy.proxy.metrics_listener import MetricsListener
+from gym_proxy.proxy.ray_cluster import RAY_ERROR, RayCluster, RayError, RayPlan
+from gym_proxy.proxy.request_spans import RequestSpans
+from gym_proxy.proxy.routing import Router, WorkerRoute
+from gym_proxy.proxy.runtime_dir import RuntimeDir, remove_stale
+from gym_proxy.proxy.session_tokens import TokenCodec
+from gym_proxy.proxy.supervisor import Supervisor, WorkerBootError
+from gym_proxy.proxy.upstream import UpstreamPool
+from gym_proxy.worker.nemo_gym_server import CONFIG_DICT_ENV, with_ray_address
 
 __all__ = ["run"]
 

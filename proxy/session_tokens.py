@@ -34,7 +34,7 @@ import hmac
 import secrets
 from dataclasses import dataclass
 
-from coordinator.contract.ids import is_valid_id
+from gym_proxy.coordinator.contract.ids import is_valid_id
 
 __all__ = [
     "TokenError",

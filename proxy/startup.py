@@ -22,19 +22,19 @@ from typing import Any
 
 import uvloop
 
-from coordinator.contract.exit_codes import exit_process
-from proxy.config import (
+from gym_proxy.coordinator.contract.exit_codes import exit_process
+from gym_proxy.proxy.config import (
     SECRET_ENV,
     Config,
     ConfigError,
     config_from_args,
     secrets_on_command_line,
 )
-from proxy.ray_cluster import RayPlan
-from proxy.runtime_dir import ensure_parent
-from proxy.server import run
-from worker.app_loading import AppLoadError, import_app_target
-from worker.nemo_gym_server import (
+from gym_proxy.proxy.ray_cluster import RayPlan
+from gym_proxy.proxy.runtime_dir import ensure_parent
+from gym_proxy.proxy.server import run
+from gym_proxy.worker.app_loading import AppLoadError, import_app_target
+from gym_proxy.worker.nemo_gym_server import (
     NemoGymConfigError,
     check_session_state,
     is_server_class,

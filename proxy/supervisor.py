@@ -33,19 +33,19 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from coordinator.checkpointer import LiveWorker
-from coordinator.contract.channel import Channel
-from coordinator.contract.exit_codes import BOOT_ERROR
-from coordinator.contract.messages import Ping, Register
-from coordinator.placement import Placement
-from coordinator.worker_channels import RegistrationRefused
-from proxy.config import Config
-from proxy.exchange import start_held, start_held_by_worker
-from proxy.routing import Handoff, Router, WorkerRoute
-from proxy.session_tokens import new_owner_id
-from proxy.upstream import UpstreamPool
-from proxy.worker_records import Slot, WorkerProcess, resident_bytes
-from worker.options import worker_argv
+from gym_proxy.coordinator.checkpointer import LiveWorker
+from gym_proxy.coordinator.contract.channel import Channel
+from gym_proxy.coordinator.contract.exit_codes import BOOT_ERROR
+from gym_proxy.coordinator.contract.messages import Ping, Register
+from gym_proxy.coordinator.placement import Placement
+from gym_proxy.coordinator.worker_channels import RegistrationRefused
+from gym_proxy.proxy.config import Config
+from gym_proxy.proxy.exchange import start_held, start_held_by_worker
+from gym_proxy.proxy.routing import Handoff, Router, WorkerRoute
+from gym_proxy.proxy.session_tokens import new_owner_id
+from gym_proxy.proxy.upstream import UpstreamPool
+from gym_proxy.proxy.worker_records import Slot, WorkerProcess, resident_bytes
+from gym_proxy.worker.options import worker_argv
 
 __all__ = ["WorkerProcess", "Supervisor", "WorkerBootError", "Slot"]
 
@@ -85,7 +85,7 @@ class Supervisor:
     on_held: Any = None  # called with how long released held requests waited (/metrics)
     # `python -P`: the current directory never shadows gym-proxy's packages. Tests of the
     # supervisor start stand-in workers instead.
-    worker_command: tuple[str, ...] = (sys.executable, "-P", "-m", "worker")
+    worker_command: tuple[str, ...] = (sys.executable, "-P", "-m", "gym_proxy.worker")
     _owners: list[str] = field(
         default_factory=lambda: list(filter(None, os.environ.get(TEST_OWNERS_ENV, "").split(",")))
     )

@@ -49,12 +49,12 @@ from typing import TYPE_CHECKING
 
 import httptools
 
-from proxy import outbox
-from proxy.exchange import HANDOVER, RESPONDING
-from proxy.outbox import Outbox
+from gym_proxy.proxy import outbox
+from gym_proxy.proxy.exchange import HANDOVER, RESPONDING
+from gym_proxy.proxy.outbox import Outbox
 
 if TYPE_CHECKING:
-    from proxy.exchange import Exchange
+    from gym_proxy.proxy.exchange import Exchange
 
 __all__ = ["UpstreamConnection", "UpstreamPool", "Connector"]
 

@@ -12,8 +12,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from coordinator.contract.channel import Channel
-from proxy.routing import WorkerRoute
+from gym_proxy.coordinator.contract.channel import Channel
+from gym_proxy.proxy.routing import WorkerRoute
 
 __all__ = ["WorkerState", "WorkerProcess", "Slot", "resident_bytes"]
 

@@ -9,9 +9,9 @@ import time
 
 from aiohttp import web
 
-from worker.counter import create_app as create_counter_app
-from worker.identity import WORKER_INFO, session_id, session_token
-from worker.participant import RUNTIME, ParticipantHooks, Participation, declare, episode
+from gym_proxy.worker.counter import create_app as create_counter_app
+from gym_proxy.worker.identity import WORKER_INFO, session_id, session_token
+from gym_proxy.worker.participant import RUNTIME, ParticipantHooks, Participation, declare, episode
 
 SEEN = web.AppKey("seen", list)
 GATES = web.AppKey("gates", dict)

@@ -20,9 +20,9 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route, WebSocketRoute
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from coordinator.contract.headers import split_rollout_path
+from gym_proxy.coordinator.contract.headers import split_rollout_path
+from gym_proxy.worker.participant import Participation, context, current_session, declare, episode
 from tests.apps import hold_while_file
-from worker.participant import Participation, context, current_session, declare, episode
 
 STATE: dict[str, Any] = {"seen": [], "gates": {}, "cancelled": [], "progress": {}}
 

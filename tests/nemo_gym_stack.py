@@ -139,8 +139,9 @@ class SharedRay:
     def get(cls) -> dict[str, str]:
         """{"address", "auth_mode"} of the cluster, started now if it is not yet."""
         if cls.head is None or cls.head.poll() is not None:
+            cls.stop()  # a head that died: its pipes closed before its successor starts
             cls.head = subprocess.Popen(
-                [sys.executable, "-P", "-m", "proxy.ray_head", "start"],
+                [sys.executable, "-P", "-m", "gym_proxy.proxy.ray_head", "start"],
                 cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                 stderr=subprocess.DEVNULL, env={**os.environ, "PYTHONPATH": str(REPO)},
             )  # fmt: skip
@@ -161,6 +162,8 @@ class SharedRay:
             except subprocess.TimeoutExpired:
                 head.kill()
                 head.wait()
+        if head is not None and head.stdout is not None:
+            head.stdout.close()
 
 
 def free_port() -> int:
@@ -294,7 +297,7 @@ class NemoStack:
                 "--log-level", "warning", "--app-dir", str(REPO),
             ]  # fmt: skip
         return [
-            sys.executable, "-m", "proxy", spec.app,
+            sys.executable, "-m", "gym_proxy", spec.app,
             "--workers", str(self.workers[spec.role]),
             "--secret-file", str(self.directory / "secret"),
             "--control-token-file", str(self.directory / "control"),

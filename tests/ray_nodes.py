@@ -175,7 +175,8 @@ class RayState:
             )  # fmt: skip
         self.lines: queue.Queue[bytes] = queue.Queue()
         self.asking = threading.Lock()  # one question at a time, from any thread
-        threading.Thread(target=self._read, daemon=True).start()
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
         self._next(within)  # {"joined": ...}
 
     def _read(self) -> None:
@@ -211,3 +212,6 @@ class RayState:
         except subprocess.TimeoutExpired:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(10)
+        self.reader.join(10)  # it reads to EOF, which the exit gave it
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()  # else a ResourceWarning fails whichever test GCs it

@@ -1,8 +1,8 @@
 """The moves of the end-to-end tests on the reference stack: run rollouts, wait until they
 are held at the model, checkpoint, crash, restore, continue, and check what is left.
 
-Everything here drives real processes (`worker.apps.stack.Stack`) through their public
-interfaces: `/run`, the control plane (`coordinator.clients.controller`), and `GET /held`.
+Everything here drives real processes (`gym_proxy.worker.apps.stack.Stack`) through their public
+interfaces: `/run`, the control plane (`gym_proxy.coordinator.clients.controller`), and `GET /held`.
 """
 
 from __future__ import annotations
@@ -13,12 +13,12 @@ from typing import Any
 
 import aiohttp
 
-from coordinator.clients.controller import Controller, Participant
-from coordinator.clients.rollouts import Rollout, RolloutDriver, exported_rollouts
-from coordinator.clients.rollouts_cli import weather_rollouts
-from coordinator.contract.episodes import EpisodeId
+from gym_proxy.coordinator.clients.controller import Controller, Participant
+from gym_proxy.coordinator.clients.rollouts import Rollout, RolloutDriver, exported_rollouts
+from gym_proxy.coordinator.clients.rollouts_cli import weather_rollouts
+from gym_proxy.coordinator.contract.episodes import EpisodeId
+from gym_proxy.worker.apps.stack import Stack
 from tests.support import wait_until
-from worker.apps.stack import Stack
 
 __all__ = ["StackRun", "HOLD_SECOND_CALL"]
 

@@ -22,8 +22,8 @@ from typing import Any
 
 import orjson
 
-from proxy.config import ConfigError, config_from_args
-from proxy.session_tokens import TokenCodec
+from gym_proxy.proxy.config import ConfigError, config_from_args
+from gym_proxy.proxy.session_tokens import TokenCodec
 
 TEST_SECRET = "test-secret-do-not-use"
 CONTROL_TOKEN = "test-control-token"
@@ -101,7 +101,7 @@ class ProxyProcess:
         command = [
             sys.executable,
             "-m",
-            "proxy",
+            "gym_proxy",
             "--workers",
             str(workers),
             "--fd",

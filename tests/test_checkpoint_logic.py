@@ -8,15 +8,17 @@ from dataclasses import dataclass
 import orjson
 import pytest
 
-from coordinator import checkpoint_files as records
-from coordinator.contract import records as record_format
-from coordinator.contract.episodes import EpisodeId, parse_episode_key
-from coordinator.contract.errors import GymError
-from coordinator.contract.messages import Report
-from coordinator.phases import PhaseMachine
-from coordinator.placement import place
-from coordinator.readiness import Readiness
-from worker.sessions import SessionStore
+from gym_proxy.coordinator import checkpoint_files as records
+from gym_proxy.coordinator.contract import records as record_format
+from gym_proxy.coordinator.contract.episodes import EpisodeId, parse_episode_key
+from gym_proxy.coordinator.contract.errors import GymError
+from gym_proxy.coordinator.contract.messages import Report
+from gym_proxy.coordinator.phases import PhaseMachine
+from gym_proxy.coordinator.placement import place
+from gym_proxy.coordinator.readiness import Readiness
+from gym_proxy.worker.sessions import SessionStore
+
+pytestmark = pytest.mark.fast
 
 NOW = 1000.0
 

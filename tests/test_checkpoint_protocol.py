@@ -10,7 +10,7 @@ import time
 import orjson
 import pytest
 
-from coordinator import checkpoint_files as records
+from gym_proxy.coordinator import checkpoint_files as records
 from tests.conftest import BOTH_APP_KINDS
 from tests.support import CONTROL_TOKEN, Control, ProxyProcess, wait_until
 

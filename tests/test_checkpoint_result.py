@@ -10,15 +10,17 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from coordinator.clients.checkpoint_result import CheckpointResult
-from coordinator.clients.controller import Controller, Participant, PrepareResult
-from coordinator.clients.controller_cli import (
+from gym_proxy.coordinator.clients.checkpoint_result import CheckpointResult
+from gym_proxy.coordinator.clients.controller import Controller, Participant, PrepareResult
+from gym_proxy.coordinator.clients.controller_cli import (
     EXIT_PARTIAL,
     _parser,
     _server,
     exit_status,
 )
-from coordinator.contract.episodes import EpisodeId
+from gym_proxy.coordinator.contract.episodes import EpisodeId
+
+pytestmark = pytest.mark.fast
 
 
 def prepared(restarts: dict[str, list[str]]) -> PrepareResult:

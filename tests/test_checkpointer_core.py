@@ -16,15 +16,17 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from coordinator import checkpoint_files as files
-from coordinator.checkpointer import Checkpointer, LiveWorker
-from coordinator.contract import failpoints
-from coordinator.contract import messages as msg
-from coordinator.contract.channel import Channel
-from coordinator.contract.episodes import EpisodeId
-from coordinator.contract.errors import GymError
-from coordinator.contract.records import encode, record_key
-from coordinator.readiness import Readiness
+from gym_proxy.coordinator import checkpoint_files as files
+from gym_proxy.coordinator.checkpointer import Checkpointer, LiveWorker
+from gym_proxy.coordinator.contract import failpoints
+from gym_proxy.coordinator.contract import messages as msg
+from gym_proxy.coordinator.contract.channel import Channel
+from gym_proxy.coordinator.contract.episodes import EpisodeId
+from gym_proxy.coordinator.contract.errors import GymError
+from gym_proxy.coordinator.contract.records import encode, record_key
+from gym_proxy.coordinator.readiness import Readiness
+
+pytestmark = pytest.mark.fast
 
 NOW = 1000.0
 INSTANCE = "inst"

@@ -11,13 +11,15 @@ from typing import Any
 
 import pytest
 
-from coordinator.contract import messages
-from coordinator.contract.episodes import EpisodeId, check_rollout_id
-from coordinator.contract.errors import GymError
-from coordinator.contract.headers import split_rollout_path, split_rollout_url
-from coordinator.contract.ids import is_checkpoint_id, is_rollout_id, is_valid_id
-from coordinator.contract.marks import RestoredClaims, RetireMarks
-from coordinator.contract.messages import MESSAGES, MalformedMessage, Message
+from gym_proxy.coordinator.contract import messages
+from gym_proxy.coordinator.contract.episodes import EpisodeId, check_rollout_id
+from gym_proxy.coordinator.contract.errors import GymError
+from gym_proxy.coordinator.contract.headers import split_rollout_path, split_rollout_url
+from gym_proxy.coordinator.contract.ids import is_checkpoint_id, is_rollout_id, is_valid_id
+from gym_proxy.coordinator.contract.marks import RestoredClaims, RetireMarks
+from gym_proxy.coordinator.contract.messages import MESSAGES, MalformedMessage, Message
+
+pytestmark = pytest.mark.fast
 
 CONTRACT = Path(__file__).resolve().parent.parent / "coordinator" / "contract"
 
@@ -158,5 +160,7 @@ def test_the_ground_floor_imports_nothing_above_it():
     imports = re.compile(r"^\s*(?:from|import)\s+([\w.]+)", re.MULTILINE)
     for path in sorted(CONTRACT.glob("*.py")):
         for name in imports.findall(path.read_text()):
-            if name.split(".")[0] in ("proxy", "worker", "coordinator"):
-                assert name.startswith("coordinator.contract"), f"{path.name} imports {name}"
+            if name.split(".")[0] == "gym_proxy":
+                assert name.startswith("gym_proxy.coordinator.contract"), (
+                    f"{path.name} imports {name}"
+                )

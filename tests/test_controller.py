@@ -8,11 +8,13 @@ import sys
 
 import orjson
 
-from coordinator.clients.controller import Participant, in_call_order
+from gym_proxy.coordinator.clients.controller import Participant, in_call_order
 from tests.support import CONTROL_TOKEN, REPO, Control, wait_until
 
 TOKEN = "X-NeMo-Gym-Session-Token"
 RESTART_ONLY_APP = "tests.apps:create_restart_only_app"
+
+CTL_MAIN = "from gym_proxy.coordinator.clients.controller_cli import main; main()"
 
 
 def test_call_order_is_callers_first():
@@ -22,7 +24,11 @@ def test_call_order_is_callers_first():
 
 
 def ctl(*args: str) -> subprocess.CompletedProcess[str]:
-    command = [sys.executable, "-c", "from coordinator.clients.controller_cli import main; main()"]
+    command = [
+        sys.executable,
+        "-c",
+        CTL_MAIN,
+    ]
     return subprocess.run([*command, "--token", CONTROL_TOKEN, *args], cwd=REPO, text=True,
                           capture_output=True, timeout=60)  # fmt: skip
 
@@ -157,7 +163,7 @@ async def test_failed_prepare_resumes_everything(start_proxy, http, tmp_path):
 
 def test_bad_usage():
     result = subprocess.run(
-        [sys.executable, "-c", "from coordinator.clients.controller_cli import main; main()",
+        [sys.executable, "-c", CTL_MAIN,
          "--server", "http://127.0.0.1:9", "status"],
         cwd=REPO, text=True, capture_output=True, timeout=60,
         env={"PATH": "/usr/bin:/bin"},

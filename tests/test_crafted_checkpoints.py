@@ -11,7 +11,7 @@ import time
 import orjson
 import pytest
 
-from coordinator import checkpoint_files as records
+from gym_proxy.coordinator import checkpoint_files as records
 from tests.raw_http import close, open_raw, read_responses
 from tests.support import CONTROL_TOKEN, TEST_SECRET, Control, legacy_token, write_checkpoint
 

@@ -12,9 +12,11 @@ import asyncio
 import orjson
 import pytest
 
-from proxy.client_connection import CLOSED, DISCARDING, LINGERING, READING, TUNNELING
-from proxy.exchange import DONE
+from gym_proxy.proxy.client_connection import CLOSED, DISCARDING, LINGERING, READING, TUNNELING
+from gym_proxy.proxy.exchange import DONE
 from tests.data_path_rig import Rig, parse_requests, parse_responses
+
+pytestmark = pytest.mark.fast
 
 GET = b"GET /x HTTP/1.1\r\nHost: t\r\n\r\n"
 OK = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok"

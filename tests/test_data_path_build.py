@@ -15,19 +15,21 @@ from pathlib import Path
 
 import pytest
 
-from proxy import data_path
+from gym_proxy.proxy import data_path
 from tests.support import REPO
+
+pytestmark = pytest.mark.fast
 
 BUILD_SKIPPED = os.environ.get("GYM_PROXY_COMPILE") == "0"
 PURE_ASKED = os.environ.get("GYM_PROXY_PURE_PYTHON") == "1"
 PROBE = (
-    "import proxy.exchange as e, proxy.data_path as d;"
+    "import gym_proxy.proxy.exchange as e, gym_proxy.proxy.data_path as d;"
     "print(*d.mode(), sep='\\n'); print(e.__file__)"
 )
 
 
 def probe(root: Path, pure: bool = False) -> tuple[str, str, str]:
-    """(mode, reason, file of proxy.exchange) as a fresh interpreter in `root` sees them."""
+    """(mode, reason, file of the exchange module) as a fresh interpreter in `root` sees."""
     env = {**os.environ, "GYM_PROXY_PURE_PYTHON": "1" if pure else ""}
     result = subprocess.run(
         [sys.executable, "-c", PROBE], cwd=root, env=env, capture_output=True, text=True,
@@ -60,16 +62,15 @@ def test_the_python_source_passes_the_in_process_data_path_tests():
 @pytest.mark.skipif(data_path.mode()[0] != "compiled", reason="no compiled build installed")
 def test_an_edited_source_runs_as_python_not_as_its_stale_build(tmp_path: Path):
     ignore = shutil.ignore_patterns("__pycache__")
+    shutil.copytree(REPO / "gym_proxy", tmp_path / "gym_proxy", ignore=ignore, symlinks=True)
     for package in ("proxy", "coordinator", "worker"):
         shutil.copytree(REPO / package, tmp_path / package, ignore=ignore)
-    for shared in REPO.glob("gym_proxy_data_path__mypyc*"):
-        shutil.copy2(shared, tmp_path)
     assert probe(tmp_path)[0] == "compiled"
 
     with (tmp_path / "proxy" / "outbox.py").open("a") as source:
         source.write("\n# an edit after the build\n")
     mode, reason, module_file = probe(tmp_path)
-    assert mode == "python" and "proxy.outbox" in reason
+    assert mode == "python" and "gym_proxy.proxy.outbox" in reason
     assert module_file == str(tmp_path / "proxy" / "exchange.py")  # all or none
 
     for built in (tmp_path / "proxy").glob("routing.*.so"):

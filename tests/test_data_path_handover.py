@@ -6,8 +6,12 @@ from __future__ import annotations
 
 import asyncio
 
-from proxy.routing import Handoff
+import pytest
+
+from gym_proxy.proxy.routing import Handoff
 from tests.data_path_rig import Rig
+
+pytestmark = pytest.mark.fast
 
 BODY = b'{"_ng_rollout_id": "r1", "steps": 3}'
 

@@ -14,6 +14,8 @@ import pytest
 
 from tests.data_path_rig import Rig
 
+pytestmark = pytest.mark.fast
+
 TOKEN = b"x-nemo-gym-session-token"
 SESSION_ID = b"x-ng-session-id"
 CLAIM = b"x-ng-app-session-claim"

@@ -4,8 +4,12 @@ they are then; requests in flight are counted per session."""
 
 from __future__ import annotations
 
-from proxy.exchange import start_held
+import pytest
+
+from gym_proxy.proxy.exchange import start_held
 from tests.data_path_rig import Rig
+
+pytestmark = pytest.mark.fast
 
 TOKEN = b"x-nemo-gym-session-token"
 

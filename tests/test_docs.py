@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from proxy.cli_reference import CLI_DOC, main, render_document, render_table
-from proxy.config import build_parser
+from gym_proxy.proxy.cli_reference import CLI_DOC, main, render_document, render_table
+from gym_proxy.proxy.config import build_parser
 
 REPO = Path(__file__).resolve().parent.parent
 DOCS = REPO / "docs"
@@ -89,7 +89,7 @@ def _anchors(page: Path) -> set[str]:
 def test_cli_reference_is_current():
     current = CLI_DOC.read_text(encoding="utf-8")
     assert render_document(current) == current, (
-        "docs/cli.md's flag table is stale: run python -m proxy.cli_reference"
+        "docs/cli.md's flag table is stale: run python -m gym_proxy.proxy.cli_reference"
     )
     assert main(["--check"]) == 0
 

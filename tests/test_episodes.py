@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
-from coordinator import checkpoint_files as records
-from coordinator.contract.episodes import task_digest
+from gym_proxy.coordinator import checkpoint_files as records
+from gym_proxy.coordinator.contract.episodes import task_digest
 from tests.conftest import BOTH_APP_KINDS
 from tests.support import CONTROL_TOKEN, Control
 

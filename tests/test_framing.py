@@ -9,8 +9,8 @@ import struct
 import orjson
 import pytest
 
-from coordinator.contract.channel import Channel, ChannelClosed, RemoteError
-from coordinator.contract.framing import (
+from gym_proxy.coordinator.contract.channel import Channel, ChannelClosed, RemoteError
+from gym_proxy.coordinator.contract.framing import (
     MAX_FRAME,
     FrameTooLarge,
     MalformedFrame,
@@ -18,7 +18,9 @@ from coordinator.contract.framing import (
     encode_frame,
     read_frame,
 )
-from coordinator.contract.messages import Done, Message, Ping, message
+from gym_proxy.coordinator.contract.messages import Done, Message, Ping, message
+
+pytestmark = pytest.mark.fast
 
 # The channel's tests speak messages of their own (the channel is generic over them).
 TEST_MESSAGES: dict[str, type[Message]] = {}
@@ -228,7 +230,7 @@ async def test_garbage_from_peer_drops_the_channel():
 
 
 async def test_typed_errors_cross_the_channel():
-    from coordinator.contract.errors import GymError
+    from gym_proxy.coordinator.contract.errors import GymError
 
     async def refuse(message):
         raise GymError("checkpoint_parked", "come back later")
@@ -246,7 +248,7 @@ async def test_typed_errors_cross_the_channel():
 
 
 async def test_request_deadline_and_pings_while_a_handler_is_stuck():
-    from coordinator.contract.channel import ChannelTimeout
+    from gym_proxy.coordinator.contract.channel import ChannelTimeout
 
     gate, entered = asyncio.Event(), asyncio.Event()
     handled = []

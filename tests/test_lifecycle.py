@@ -87,7 +87,11 @@ def tcp_listening(pid: int) -> set[str]:
 
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "proxy", *args], cwd=REPO, text=True, capture_output=True, timeout=60
+        [sys.executable, "-m", "gym_proxy", *args],
+        cwd=REPO,
+        text=True,
+        capture_output=True,
+        timeout=60,
     )
 
 
@@ -96,8 +100,8 @@ def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
     [
         (["--workers", "0"], "--workers must be at least 1"),
         (["no_such_module:app"], "cannot import module 'no_such_module'"),
-        (["worker.counter:nothing"], "has no attribute 'nothing'"),
-        (["worker.counter"], "APP must look like module:attr"),
+        (["gym_proxy.worker.counter:nothing"], "has no attribute 'nothing'"),
+        (["gym_proxy.worker.counter"], "APP must look like module:attr"),
         (["--port", "70000"], "--port must be between 0 and 65535"),
         (["--no-such-flag"], "unrecognized arguments: --no-such-flag (see gym-proxy --help)"),
         (["--workers", "two"], "argument --workers: invalid int value: 'two' (see gym-proxy"),
@@ -145,7 +149,7 @@ def test_default_app_is_counter(tmp_path):
             [
                 sys.executable,
                 "-m",
-                "proxy",
+                "gym_proxy",
                 "--fd",
                 str(listener.fileno()),
                 "--runtime-dir",
@@ -368,7 +372,7 @@ def test_a_process_exits_without_the_final_collections(tmp_path):
     frozen first (the teardown's collections skip them)."""
     script = (
         "import atexit, gc\n"
-        "from coordinator.contract.exit_codes import exit_process\n"
+        "from gym_proxy.coordinator.contract.exit_codes import exit_process\n"
         "atexit.register(lambda: print('frozen', gc.get_freeze_count() > 0, flush=True))\n"
         "exit_process(3)\n"
     )

@@ -13,8 +13,12 @@ from pathlib import Path
 
 import orjson
 
-from coordinator.contract.errors import STATUS
-from proxy.descriptor_budget import CHANNEL_MARGIN, CONTROL_CONNECTIONS, METRICS_CONNECTIONS
+from gym_proxy.coordinator.contract.errors import STATUS
+from gym_proxy.proxy.descriptor_budget import (
+    CHANNEL_MARGIN,
+    CONTROL_CONNECTIONS,
+    METRICS_CONNECTIONS,
+)
 from tests.raw_http import Responses, close, read_responses
 from tests.support import CONTROL_TOKEN, wait_until, wait_until_sync
 

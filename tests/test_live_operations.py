@@ -23,6 +23,8 @@ WORKERS = "/ng-control/v1/gym-proxy/workers"
 TOKEN_HEADER = "X-NeMo-Gym-Session-Token"
 AUTH = {"Authorization": f"Bearer {CONTROL}"}
 
+CTL_MAIN = "from gym_proxy.coordinator.clients.controller_cli import main; main()"
+
 
 async def seed(http: aiohttp.ClientSession, url: str) -> str:
     async with http.post(f"{url}/seed_session", json={"initial_count": 0}) as response:
@@ -498,7 +500,7 @@ async def test_gym_proxy_ctl_runs_the_operations(start_proxy):
 
     async def ctl(*words: str) -> dict:
         command = [
-            sys.executable, "-c", "from coordinator.clients.controller_cli import main; main()",
+            sys.executable, "-c", CTL_MAIN,
             "--server", proxy.url, "--token", CONTROL, "--timeout", "30", *words,
         ]  # fmt: skip
         done = await asyncio.create_subprocess_exec(*command, stdout=asyncio.subprocess.PIPE)

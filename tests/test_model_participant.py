@@ -14,7 +14,7 @@ import orjson
 from tests.conftest import BOTH_APP_KINDS
 from tests.support import CONTROL_TOKEN, Control, wait_until
 
-FAKE_MODEL = "worker.apps.fake_model:create_app"
+FAKE_MODEL = "gym_proxy.worker.apps.fake_model:create_app"
 ASK = {"input": "What is the weather in Oslo?"}
 
 

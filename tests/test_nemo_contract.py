@@ -13,9 +13,9 @@ import time
 import aiohttp
 import pytest
 
-from coordinator import checkpoint_files as records
-from coordinator.clients.controller import ControlFailed, Controller, Participant
-from coordinator.contract.episodes import EpisodeId
+from gym_proxy.coordinator import checkpoint_files as records
+from gym_proxy.coordinator.clients.controller import ControlFailed, Controller, Participant
+from gym_proxy.coordinator.contract.episodes import EpisodeId
 from tests.conftest import BOTH_APP_KINDS
 from tests.support import CONTROL_TOKEN, Control, wait_until
 

@@ -17,8 +17,8 @@ from mcp import ClientSession  # noqa: E402
 from mcp.client.streamable_http import streamable_http_client  # noqa: E402
 from mcp.shared._httpx_utils import create_mcp_http_client  # noqa: E402
 
-from coordinator.clients.controller import Controller, Participant  # noqa: E402
-from coordinator.contract.episodes import parse_episode_key  # noqa: E402
+from gym_proxy.coordinator.clients.controller import Controller, Participant  # noqa: E402
+from gym_proxy.coordinator.contract.episodes import parse_episode_key  # noqa: E402
 from tests.nemo_gym_stack import SPECS, CounterClient, NemoStack, counter_rows  # noqa: E402
 from tests.support import CONTROL_TOKEN, Control, wait_until  # noqa: E402
 

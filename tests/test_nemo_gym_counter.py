@@ -20,7 +20,7 @@ pytest.importorskip("nemo_gym", reason="the NeMo Gym tier runs in tests/nemo_gym
 from itsdangerous import TimestampSigner, URLSafeSerializer  # noqa: E402
 from nemo_gym.base_resources_server import _MCP_TOKEN_SALT  # noqa: E402
 
-from coordinator import checkpoint_files as records  # noqa: E402
+from gym_proxy.coordinator import checkpoint_files as records  # noqa: E402
 from tests.nemo_gym_stack import CounterClient, free_port  # noqa: E402
 from tests.support import CONTROL_TOKEN, Control, wait_until, write_checkpoint  # noqa: E402
 from tests.test_nemo_gym_checkpoint import mcp_call  # noqa: E402
@@ -253,7 +253,7 @@ async def test_nemo_gyms_counter_sessions_move_between_workers(start_proxy):
     """The real counter, its session dict declared: its sessions (NeMo Gym's own cookie
     and MCP tokens) move between live workers and keep their counts; a session no other
     worker holds is reported, not moved; moved twice, every one of them moves."""
-    from coordinator.contract.app_sessions import session_in_cookie_value
+    from gym_proxy.coordinator.contract.app_sessions import session_in_cookie_value
 
     proxy = movable_counter(start_proxy)
     move_path = f"{proxy.url}/ng-control/v1/gym-proxy/sessions/move"

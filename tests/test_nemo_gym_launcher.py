@@ -2,11 +2,11 @@
 run) starting a server under gym-proxy with N workers (the NeMo Gym tier; see
 tests/test_nemo_gym_stack.py). The config change is one line, the entrypoint:
 
-    entrypoint: -mproxy        # was: app.py
+    entrypoint: -mgym_proxy        # was: app.py
     num_workers: 3             # gym-proxy's worker count
 
 The launcher runs `<venv python> <entrypoint>` in the server's directory, so the server's
-venv (which has gym-proxy installed) runs `python -mproxy`; gym-proxy finds the server
+venv (which has gym-proxy installed) runs `python -mgym_proxy`; gym-proxy finds the server
 class in that directory's `app.py`, and its instance, host, port and worker count in the
 config the launcher passes. The launcher initializes the real Ray once and hands every
 server its address; a server that uses Ray (code_gen) joins that one cluster."""
@@ -55,7 +55,7 @@ async def test_nemo_gyms_launcher_starts_a_server_under_gym_proxy(tmp_path):
         "counter": {
             "resources_servers": {
                 "example_session_state_mgmt": {
-                    "entrypoint": "-mproxy",
+                    "entrypoint": "-mgym_proxy",
                     "num_workers": 3,
                     "host": "127.0.0.1",
                     "port": port,
@@ -138,7 +138,7 @@ async def test_a_ray_server_under_the_launcher_shares_its_cluster_and_stops_in_i
     config = code_gen.config(port, head, uv_venv_dir=str(tmp_path / "venvs"))
     config["skip_venv_if_present"] = True
     block = config[code_gen.INSTANCE]["resources_servers"]["code_gen"]
-    block.update({"entrypoint": "-mproxy", "num_workers": 3})
+    block.update({"entrypoint": "-mgym_proxy", "num_workers": 3})
     (tmp_path / "config.yaml").write_text(json.dumps(config))
     runtime = tmp_path / "rt"
     env = {

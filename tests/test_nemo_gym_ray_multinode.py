@@ -81,7 +81,7 @@ def start_gym_proxy(directory: Path, nodes: RayNodes, port: int) -> subprocess.P
     env |= {"RAY_AUTH_TOKEN_PATH": str(nodes.token_path), "PYTHONPATH": str(REPO)}
     with open(directory / "proxy.log", "wb") as log:  # the child has its own copy
         return subprocess.Popen(
-            [sys.executable, "-m", "proxy", code_gen.APP, "--nemo-gym-config", str(config),
+            [sys.executable, "-m", "gym_proxy", code_gen.APP, "--nemo-gym-config", str(config),
              "--workers", "2", "--secret-file", str(directory / "secret"),
              "--runtime-dir", "/tmp", "--boot-timeout", "300"],
             cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,

@@ -14,15 +14,21 @@ import pytest
 
 pytest.importorskip("nemo_gym", reason="the NeMo Gym tier runs in tests/nemo_gym/install.sh's venv")
 
-from coordinator.clients.controller import Controller, Participant  # noqa: E402
-from coordinator.contract.episodes import EpisodeId  # noqa: E402
+from gym_proxy.coordinator.clients.controller import Controller, Participant  # noqa: E402
+from gym_proxy.coordinator.contract.episodes import EpisodeId  # noqa: E402
 from tests.nemo_gym_stack import CounterClient  # noqa: E402
 from tests.support import CONTROL_TOKEN, REPO  # noqa: E402
 from tests.test_nemo_gym_counter import nemo_http, start_counter  # noqa: E402
 
+CTL_MAIN = "from gym_proxy.coordinator.clients.controller_cli import main; main()"
+
 
 def ctl(*args: str) -> subprocess.CompletedProcess[str]:
-    command = [sys.executable, "-c", "from coordinator.clients.controller_cli import main; main()"]
+    command = [
+        sys.executable,
+        "-c",
+        CTL_MAIN,
+    ]
     return subprocess.run([*command, "--token", CONTROL_TOKEN, *args], cwd=REPO, text=True,
                           capture_output=True, timeout=60)  # fmt: skip
 

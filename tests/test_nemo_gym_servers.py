@@ -39,7 +39,7 @@ def gym_proxy(tmp_path: Path, *args: str, env: dict | None = None) -> subprocess
     (tmp_path / "control").write_text(CONTROL_TOKEN)
     with open(tmp_path / "proxy.log", "wb") as log:  # the child has its own copy
         return subprocess.Popen(
-            [sys.executable, "-m", "proxy", *args, "--secret-file", str(tmp_path / "secret"),
+            [sys.executable, "-m", "gym_proxy", *args, "--secret-file", str(tmp_path / "secret"),
              "--control-token-file", str(tmp_path / "control"), "--runtime-dir", "/tmp"],
             cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
             env={**(env or os.environ), "PYTHONPATH": str(REPO)},
@@ -135,7 +135,7 @@ async def test_a_state_that_is_not_json_fails_the_commit_and_writes_nothing(tmp_
     ("args", "message"),
     [
         ([COUNTER], "give its global config with --nemo-gym-config FILE"),
-        (["worker.counter:create_app", "--session-state", "x"], "NeMo Gym server class"),
+        (["gym_proxy.worker.counter:create_app", "--session-state", "x"], "NeMo Gym server class"),
     ],
 )
 def test_what_cannot_work_is_one_line_before_any_worker(tmp_path, args, message):

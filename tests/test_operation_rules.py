@@ -9,10 +9,12 @@ from typing import Any
 
 import pytest
 
-from coordinator.contract.errors import GymError
-from coordinator.mover import Mover
-from coordinator.operations import Operations
-from proxy.config import Config
+from gym_proxy.coordinator.contract.errors import GymError
+from gym_proxy.coordinator.mover import Mover
+from gym_proxy.coordinator.operations import Operations
+from gym_proxy.proxy.config import Config
+
+pytestmark = pytest.mark.fast
 
 
 @dataclass

@@ -18,16 +18,18 @@ from typing import Any
 import orjson
 import pytest
 
-from coordinator.contract import messages as msg
-from coordinator.contract.channel import Channel, RemoteError
-from coordinator.contract.episodes import EpisodeId, task_digest
-from coordinator.contract.errors import GymError
-from worker import runtime as runtime_module
-from worker.channel_requests import handle_coordinator_message
-from worker.identity import WorkerInfo
-from worker.participation import ParticipantHooks, Participation
-from worker.request_context import RequestContext
-from worker.runtime import InFlight, ParticipantRuntime, RequestFacts, own_cancellation
+from gym_proxy.coordinator.contract import messages as msg
+from gym_proxy.coordinator.contract.channel import Channel, RemoteError
+from gym_proxy.coordinator.contract.episodes import EpisodeId, task_digest
+from gym_proxy.coordinator.contract.errors import GymError
+from gym_proxy.worker import runtime as runtime_module
+from gym_proxy.worker.channel_requests import handle_coordinator_message
+from gym_proxy.worker.identity import WorkerInfo
+from gym_proxy.worker.participation import ParticipantHooks, Participation
+from gym_proxy.worker.request_context import RequestContext
+from gym_proxy.worker.runtime import InFlight, ParticipantRuntime, RequestFacts, own_cancellation
+
+pytestmark = pytest.mark.fast
 
 WAIT = 5.0  # seconds any one wait may take before the test fails
 INFO = WorkerInfo(slot=0, owner="owner-0", pid=1, socket_path="/nonexistent/worker.sock")

@@ -56,10 +56,10 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from coordinator import checkpoint_files as records
-from coordinator.contract import records as record_format
-from coordinator.contract.episodes import EpisodeId, parse_episode_key
-from coordinator.contract.headers import MOVE_PATH, WORKERS_PATH
+from gym_proxy.coordinator import checkpoint_files as records
+from gym_proxy.coordinator.contract import records as record_format
+from gym_proxy.coordinator.contract.episodes import EpisodeId, parse_episode_key
+from gym_proxy.coordinator.contract.headers import MOVE_PATH, WORKERS_PATH
 from tests.support import CONTROL_TOKEN, Control, ProxyProcess, pid_alive, wait_until
 
 SEEDS = int(os.environ.get("GYM_PROXY_RANDOM_SEEDS", "100"))

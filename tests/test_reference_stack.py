@@ -15,11 +15,11 @@ import os
 import aiohttp
 import pytest
 
-from coordinator.clients.rollouts import Rollout, exported_rollouts
-from coordinator.contract.episodes import EpisodeId
+from gym_proxy.coordinator.clients.rollouts import Rollout, exported_rollouts
+from gym_proxy.coordinator.contract.episodes import EpisodeId
+from gym_proxy.worker.apps.stack import Stack
 from tests.stack_flow import HOLD_SECOND_CALL, StackRun, all_scored
 from tests.support import wait_until
-from worker.apps.stack import Stack
 
 ROLLOUTS = int(os.environ.get("GYM_PROXY_STACK_ROLLOUTS", "16"))
 TOKEN = "X-NeMo-Gym-Session-Token"

@@ -7,8 +7,11 @@ import asyncio
 
 import aiohttp
 import orjson
+import pytest
 
-from coordinator.clients.rollouts import Rollout, RolloutDriver
+from gym_proxy.coordinator.clients.rollouts import Rollout, RolloutDriver
+
+pytestmark = pytest.mark.fast
 
 REPLY = orjson.dumps({"reward": 1.0})
 

@@ -6,9 +6,11 @@ from collections import Counter
 
 import pytest
 
-from coordinator.contract.errors import GymError
-from proxy.routing import Router, WorkerRoute
-from proxy.session_tokens import SessionIdentity
+from gym_proxy.coordinator.contract.errors import GymError
+from gym_proxy.proxy.routing import Router, WorkerRoute
+from gym_proxy.proxy.session_tokens import SessionIdentity
+
+pytestmark = pytest.mark.fast
 
 
 def make_router(*owners: str) -> Router:

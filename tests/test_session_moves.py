@@ -25,6 +25,8 @@ from tests.support import Control, wait_until
 MOVE = "/ng-control/v1/gym-proxy/sessions/move"
 TOKEN_HEADER = "X-NeMo-Gym-Session-Token"
 
+CTL_MAIN = "from gym_proxy.coordinator.clients.controller_cli import main; main()"
+
 
 @pytest.fixture
 def proxy(start_proxy):
@@ -246,7 +248,7 @@ async def test_gym_proxy_ctl_moves_a_session(proxy):
     async with aiohttp.ClientSession() as http:
         token, sid, slot = await seed(http, proxy.url)
         command = [
-            sys.executable, "-c", "from coordinator.clients.controller_cli import main; main()",
+            sys.executable, "-c", CTL_MAIN,
             "--server", proxy.url, "--token", CONTROL,
             "move", "--session", sid, "--to-slot", str(1 - slot),
         ]  # fmt: skip

@@ -7,7 +7,9 @@ from __future__ import annotations
 import pytest
 from pydantic import BaseModel, Field, PrivateAttr
 
-from worker.nemo_gym_server import NemoGymConfigError, check_session_state
+from gym_proxy.worker.nemo_gym_server import NemoGymConfigError, check_session_state
+
+pytestmark = pytest.mark.fast
 
 
 class CounterServer(BaseModel):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from proxy.session_tokens import (
+from gym_proxy.proxy.session_tokens import (
     SessionIdentity,
     TokenCodec,
     TokenError,
@@ -12,6 +12,8 @@ from proxy.session_tokens import (
     new_session_id,
 )
 from tests.support import legacy_token
+
+pytestmark = pytest.mark.fast
 
 codec = TokenCodec(b"secret-a", "counter")
 

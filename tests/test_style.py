@@ -5,7 +5,11 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from tests.support import REPO
+
+pytestmark = pytest.mark.fast
 
 
 def test_ruff_clean():

@@ -19,21 +19,21 @@ from typing import Any
 
 import pytest
 
-from coordinator.contract.channel import Channel
-from coordinator.contract.messages import Register, RegisterReply, Tables
-from coordinator.worker_channels import RegistrationRefused, WorkerChannels
-from proxy.config import Config
-from proxy.routing import Router
-from proxy.supervisor import TEST_OWNERS_ENV, Supervisor, WorkerBootError, WorkerProcess
+from gym_proxy.coordinator.contract.channel import Channel
+from gym_proxy.coordinator.contract.messages import Register, RegisterReply, Tables
+from gym_proxy.coordinator.worker_channels import RegistrationRefused, WorkerChannels
+from gym_proxy.proxy.config import Config
+from gym_proxy.proxy.routing import Router
+from gym_proxy.proxy.supervisor import TEST_OWNERS_ENV, Supervisor, WorkerBootError, WorkerProcess
 
 OWNERS = ("owner-a", "owner-b", "owner-c", "owner-d", "owner-e", "owner-f")
 APP = "standin.app:create_app"
 
 STANDIN = """
 import asyncio, os, signal, sys
-from coordinator.contract.channel import Channel
-from coordinator.contract.exit_codes import BOOT_ERROR
-from coordinator.contract.messages import Register
+from gym_proxy.coordinator.contract.channel import Channel
+from gym_proxy.coordinator.contract.exit_codes import BOOT_ERROR
+from gym_proxy.coordinator.contract.messages import Register
 
 opts = dict(a[2:].split("=", 1) for a in sys.argv[1:] if a.startswith("--") and "=" in a)
 mode, slot, owner = opts["mode"], int(opts["slot"]), opts["owner"]

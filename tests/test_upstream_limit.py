@@ -5,9 +5,13 @@ from __future__ import annotations
 
 import asyncio
 
-from proxy.routing import WorkerRoute
-from proxy.upstream import UpstreamPool
+import pytest
+
+from gym_proxy.proxy.routing import WorkerRoute
+from gym_proxy.proxy.upstream import UpstreamPool
 from tests.data_path_rig import Rig
+
+pytestmark = pytest.mark.fast
 
 CALL = b"GET /ng-control/v1/checkpoint/status HTTP/1.1\r\nHost: t\r\n\r\n"
 OK = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok"

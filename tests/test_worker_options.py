@@ -5,8 +5,12 @@ from __future__ import annotations
 
 import dataclasses
 
-from proxy.config import Config
-from worker.options import FROM_CONFIG, INCARNATION, parse_worker_args, worker_argv
+import pytest
+
+from gym_proxy.proxy.config import Config
+from gym_proxy.worker.options import FROM_CONFIG, INCARNATION, parse_worker_args, worker_argv
+
+pytestmark = pytest.mark.fast
 
 
 def test_every_server_option_is_a_config_field_of_the_same_type():

@@ -1,3 +1,3 @@
-from worker.process import main
+from gym_proxy.worker.process import main
 
 main()

@@ -12,10 +12,10 @@ from typing import Any
 
 from aiohttp import hdrs, web
 
-from coordinator.contract import headers as names
-from coordinator.contract.errors import RETRY_AFTER, GymError
-from worker.participation import Participation
-from worker.runtime import ParticipantRuntime, RequestFacts, own_cancellation
+from gym_proxy.coordinator.contract import headers as names
+from gym_proxy.coordinator.contract.errors import RETRY_AFTER, GymError
+from gym_proxy.worker.participation import Participation
+from gym_proxy.worker.runtime import ParticipantRuntime, RequestFacts, own_cancellation
 
 __all__ = [
     "PARTICIPANT_KIND",

@@ -26,23 +26,20 @@ import inspect
 import logging
 import os
 import sys
-from pathlib import Path
 from typing import Any
 
 from aiohttp import web
 
-from worker.nemo_gym_server import (
+from gym_proxy.worker.nemo_gym_server import (
     build_server_app,
     is_server_class,
     nemo_gym_participation,
 )
-from worker.participation import declare
+from gym_proxy.worker.participation import declare
 
 __all__ = ["AppLoadError", "import_app_target", "build_app", "is_asgi_app"]
 
 log = logging.getLogger("gym_proxy.app")
-# gym-proxy's top-level packages (installed as top-level names: pyproject.toml).
-OWN_PACKAGES = ("proxy", "worker", "coordinator")
 
 
 class AppLoadError(Exception):
@@ -65,25 +62,6 @@ def _required_positional(target: Any) -> int | None:
 def is_asgi_app(target: Any) -> bool:
     """True for a callable taking exactly (scope, receive, send)."""
     return callable(target) and _required_positional(target) == 3
-
-
-def _warn_shadowed(app_dir: str) -> None:
-    """gym-proxy's packages are imported already, so they stay gym-proxy's; but a module
-    of the app's with one of their names can then not be imported by the app."""
-    for name in OWN_PACKAGES:
-        own = sys.modules.get(name)
-        if own is None:
-            continue  # not imported in this process: the app's module is the app's
-        own_dir = Path(own.__file__ or "").resolve().parent
-        for candidate in (Path(app_dir) / f"{name}.py", Path(app_dir) / name / "__init__.py"):
-            if candidate.is_file() and candidate.resolve().parent != own_dir:
-                log.warning(
-                    "%s has the name of gym-proxy's package %r: `import %s` in the app gets "
-                    "gym-proxy's package, not this file (rename it)",
-                    candidate,
-                    name,
-                    name,
-                )
 
 
 def entrypoint_directory(module_name: str) -> str | None:
@@ -110,11 +88,9 @@ def import_app_target(spec: str, app_dir: str = ".") -> Any:
     if not module_name or not attr:
         raise AppLoadError(f"APP must look like module:attr, got {spec!r}")
     if app_dir and app_dir not in sys.path:
-        _warn_shadowed(app_dir)
         sys.path.insert(0, app_dir)
     own = entrypoint_directory(module_name)
     if own is not None and own not in sys.path:
-        _warn_shadowed(own)
         sys.path.insert(0, own)
     try:
         module = importlib.import_module(module_name)

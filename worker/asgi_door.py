@@ -23,9 +23,9 @@ import asyncio
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-from coordinator.contract.app_sessions import session_in_headers
-from coordinator.contract.errors import RETRY_AFTER, GymError
-from coordinator.contract.headers import (
+from gym_proxy.coordinator.contract.app_sessions import session_in_headers
+from gym_proxy.coordinator.contract.errors import RETRY_AFTER, GymError
+from gym_proxy.coordinator.contract.headers import (
     APP_SESSION,
     APP_SESSION_CLAIM,
     APP_SESSION_END,
@@ -36,10 +36,10 @@ from coordinator.contract.headers import (
     SESSION_NEW,
     split_rollout_path,
 )
-from worker.app_sessions import app_session_cookie, starlette_app
-from worker.handoffs import hands_over
-from worker.request_context import RequestContext
-from worker.runtime import (
+from gym_proxy.worker.app_sessions import app_session_cookie, starlette_app
+from gym_proxy.worker.handoffs import hands_over
+from gym_proxy.worker.request_context import RequestContext
+from gym_proxy.worker.runtime import (
     RUN_BODY_LIMIT,
     InFlight,
     ParticipantRuntime,
@@ -58,7 +58,9 @@ Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 
-SCOPE_KEY = "gym_proxy"  # scope[SCOPE_KEY] is the request's worker.participant.RequestContext
+SCOPE_KEY = (
+    "gym_proxy"  # scope[SCOPE_KEY] is the request's gym_proxy.worker.participant.RequestContext
+)
 
 
 class AsgiDoor:

@@ -15,8 +15,8 @@ from typing import Any
 
 import uvicorn
 
-from coordinator.contract.keepalive import WORKER_KEEPALIVE
-from worker.identity import WORKER_BACKLOG
+from gym_proxy.coordinator.contract.keepalive import WORKER_KEEPALIVE
+from gym_proxy.worker.identity import WORKER_BACKLOG
 
 __all__ = ["AsgiWorkerServer", "AppStartupFailed"]
 

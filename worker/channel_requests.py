@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from coordinator.contract import failpoints, records, telemetry
-from coordinator.contract.episodes import EpisodeId
-from coordinator.contract.errors import GymError
-from coordinator.contract.marks import RestoredClaims
-from coordinator.contract.messages import (
+from gym_proxy.coordinator.contract import failpoints, records, telemetry
+from gym_proxy.coordinator.contract.episodes import EpisodeId
+from gym_proxy.coordinator.contract.errors import GymError
+from gym_proxy.coordinator.contract.marks import RestoredClaims
+from gym_proxy.coordinator.contract.messages import (
     Adopt,
     Close,
     CloseReply,
@@ -43,9 +43,9 @@ from coordinator.contract.messages import (
     Uninstall,
     WorkerStats,
 )
-from coordinator.contract.telemetry import ATTRIBUTE
-from worker import handoffs
-from worker.runtime import ParticipantRuntime
+from gym_proxy.coordinator.contract.telemetry import ATTRIBUTE
+from gym_proxy.worker import handoffs
+from gym_proxy.worker.runtime import ParticipantRuntime
 
 __all__ = ["handle_coordinator_message", "apply_tables"]
 

@@ -13,7 +13,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from worker.participant import PARTICIPANT_KIND, current_session
+from gym_proxy.worker.participant import PARTICIPANT_KIND, current_session
 
 __all__ = ["create_app"]
 

@@ -18,10 +18,10 @@ from __future__ import annotations
 from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from coordinator.contract.episodes import EpisodeId, episode_key, parse_episode_key
+from gym_proxy.coordinator.contract.episodes import EpisodeId, episode_key, parse_episode_key
 
 if TYPE_CHECKING:
-    from worker.runtime import InFlight, ParticipantRuntime
+    from gym_proxy.worker.runtime import InFlight, ParticipantRuntime
 
 __all__ = ["EpisodeId", "Episode", "episode_key", "parse_episode_key"]
 

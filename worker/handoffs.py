@@ -33,11 +33,16 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from coordinator.contract.episodes import EpisodeId
-from coordinator.contract.messages import EPISODE_ENDED, GaveUp, ParkedEpisodes, RunningEpisode
+from gym_proxy.coordinator.contract.episodes import EpisodeId
+from gym_proxy.coordinator.contract.messages import (
+    EPISODE_ENDED,
+    GaveUp,
+    ParkedEpisodes,
+    RunningEpisode,
+)
 
 if TYPE_CHECKING:
-    from worker.runtime import InFlight, ParticipantRuntime
+    from gym_proxy.worker.runtime import InFlight, ParticipantRuntime
 
 __all__ = [
     "Handoff",

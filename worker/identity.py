@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from coordinator.contract import headers as names
+from gym_proxy.coordinator.contract import headers as names
 
 __all__ = ["WorkerInfo", "WORKER_INFO", "WORKER_BACKLOG", "session_id", "session_token"]
 

@@ -30,7 +30,7 @@ from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
-from worker.participation import Participation
+from gym_proxy.worker.participation import Participation
 
 __all__ = [
     "NemoGymConfigError",
@@ -268,7 +268,7 @@ def _is_mapping(annotation: Any) -> bool:
 
 def launcher_app() -> tuple[str, str] | None:
     """(APP, app dir) for a gym-proxy that NeMo Gym's launcher started in place of a
-    server (`entrypoint: -mproxy`, docs/nemo_gym.md): the instance in `NEMO_GYM_CONFIG_PATH` is
+    server (`entrypoint: -mgym_proxy`, docs/nemo_gym.md): the instance in `NEMO_GYM_CONFIG_PATH` is
     `<type>/<name>`, whose directory (the working directory the launcher gave) holds
     NeMo Gym's `app.py` with the server class. None when not started by the launcher."""
     text, instance = os.environ.get(CONFIG_DICT_ENV), os.environ.get(CONFIG_PATH_ENV)

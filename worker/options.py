@@ -47,7 +47,7 @@ FROM_CONFIG = (
 
 
 def worker_argv(config: object, **incarnation: object) -> list[str]:
-    """`python -m worker` options: `incarnation`'s, then `config`'s, as `--name=value`,
+    """`python -m gym_proxy.worker` options: `incarnation`'s, then `config`'s, as `--name=value`,
     one argument each, so a value that starts with `-` (one random owner ID in 64 does)
     can never be read as a flag. A None value (an unset option) is left out."""
     values = {o.name: incarnation[o.name] for o in INCARNATION}
@@ -66,7 +66,7 @@ def worker_argv(config: object, **incarnation: object) -> list[str]:
 
 def parse_worker_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """The worker's options (every incarnation option and `app` required)."""
-    parser = argparse.ArgumentParser(prog="python -m worker")
+    parser = argparse.ArgumentParser(prog="python -m gym_proxy.worker")
     for option in INCARNATION:
         parser.add_argument("--" + option.name.replace("_", "-"), type=option.type, required=True)
     for option in FROM_CONFIG:

@@ -1,6 +1,6 @@
 """What an app author uses of the participant runtime, for aiohttp and ASGI apps alike.
 
-    from worker.participant import current_session, episode
+    from gym_proxy.worker.participant import current_session, episode
 
     session = current_session(request)   # aiohttp Request, Starlette Request, or ASGI scope
     session.set(session.get(0) + 1)      # JSON-able; exported at commit
@@ -9,7 +9,7 @@
 
 In an ASGI app the same context is `scope["gym_proxy"]` (a `RequestContext`): its
 `session`, `episode`, `kind` and `worker`. Declaring the kind, hooks or restart-only:
-`worker.participation.declare`.
+`gym_proxy.worker.participation.declare`.
 """
 
 from __future__ import annotations
@@ -18,12 +18,12 @@ from typing import Any
 
 from aiohttp import web
 
-from coordinator.contract.errors import GymError
-from worker.aiohttp_door import FLIGHT, PARTICIPANT_KIND, PARTICIPATION, RUNTIME
-from worker.asgi_door import SCOPE_KEY
-from worker.episodes import Episode
-from worker.participation import ParticipantHooks, Participation, declare
-from worker.request_context import RequestContext, RequestSession
+from gym_proxy.coordinator.contract.errors import GymError
+from gym_proxy.worker.aiohttp_door import FLIGHT, PARTICIPANT_KIND, PARTICIPATION, RUNTIME
+from gym_proxy.worker.asgi_door import SCOPE_KEY
+from gym_proxy.worker.episodes import Episode
+from gym_proxy.worker.participation import ParticipantHooks, Participation, declare
+from gym_proxy.worker.request_context import RequestContext, RequestSession
 
 __all__ = [
     "PARTICIPANT_KIND",

@@ -90,7 +90,7 @@ class Participation:
             if not isinstance(self.session_state, MutableMapping):
                 kind = type(self.session_state).__name__
                 raise ValueError(f"session_state must be a dict keyed by session ID, not {kind}")
-            from worker.session_dicts import session_dict_hooks
+            from gym_proxy.worker.session_dicts import session_dict_hooks
 
             object.__setattr__(self, "hooks", session_dict_hooks(self.session_state))
         if self.kind not in KINDS:
@@ -112,7 +112,7 @@ def declare(app: Any, participation: Participation) -> Any:
     """Attach `participation` to an aiohttp Application or an ASGI app; return the app."""
     from aiohttp import web
 
-    from worker.aiohttp_door import PARTICIPATION
+    from gym_proxy.worker.aiohttp_door import PARTICIPATION
 
     if isinstance(app, web.Application):
         app[PARTICIPATION] = participation

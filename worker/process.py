@@ -1,4 +1,4 @@
-"""Entry point of a worker process (`python -m worker ...`), started by the supervisor.
+"""Entry point of a worker process (`python -m gym_proxy.worker ...`), started by the supervisor.
 
 Order: build the app, start it on the private Unix socket (an ASGI app's lifespan
 startup runs first), then register with the coordinator, so the proxy never routes to a
@@ -18,28 +18,33 @@ import signal
 import sys
 import traceback
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any, NoReturn, Protocol
 
 import uvloop
 from aiohttp import web
 
-from coordinator.contract import telemetry
-from coordinator.contract.channel import Channel, ChannelClosed, ChannelTimeout, RemoteError
-from coordinator.contract.exit_codes import BOOT_ERROR, LOST_COORDINATOR, exit_process
-from coordinator.contract.keepalive import WORKER_KEEPALIVE
-from coordinator.contract.messages import Message, Register, RegisterReply
-from worker.aiohttp_door import RUNTIME, install_door, participation_of
-from worker.app_loading import build_app
-from worker.app_sessions import app_session_cookie
-from worker.asgi_door import AsgiDoor, answer_runtime_errors
-from worker.asgi_server import AsgiWorkerServer
-from worker.channel_requests import apply_tables, handle_coordinator_message
-from worker.head_limits import HeadLimits, head_limits
-from worker.identity import WORKER_BACKLOG, WORKER_INFO, WorkerInfo
-from worker.nemo_gym_server import NemoGymConfigError
-from worker.options import parse_worker_args
-from worker.participation import Participation, declared
-from worker.runtime import ParticipantRuntime
+from gym_proxy.coordinator.contract import telemetry
+from gym_proxy.coordinator.contract.channel import (
+    Channel,
+    ChannelClosed,
+    ChannelTimeout,
+    RemoteError,
+)
+from gym_proxy.coordinator.contract.exit_codes import BOOT_ERROR, LOST_COORDINATOR, exit_process
+from gym_proxy.coordinator.contract.keepalive import WORKER_KEEPALIVE
+from gym_proxy.coordinator.contract.messages import Message, Register, RegisterReply
+from gym_proxy.worker.aiohttp_door import RUNTIME, install_door, participation_of
+from gym_proxy.worker.app_loading import build_app
+from gym_proxy.worker.app_sessions import app_session_cookie
+from gym_proxy.worker.asgi_door import AsgiDoor, answer_runtime_errors
+from gym_proxy.worker.asgi_server import AsgiWorkerServer
+from gym_proxy.worker.channel_requests import apply_tables, handle_coordinator_message
+from gym_proxy.worker.head_limits import HeadLimits, head_limits
+from gym_proxy.worker.identity import WORKER_BACKLOG, WORKER_INFO, WorkerInfo
+from gym_proxy.worker.nemo_gym_server import NemoGymConfigError
+from gym_proxy.worker.options import parse_worker_args
+from gym_proxy.worker.participation import Participation, declared
+from gym_proxy.worker.runtime import ParticipantRuntime
 
 __all__ = ["main"]
 
@@ -174,20 +179,28 @@ async def serve(args: argparse.Namespace) -> int:
     if expiry is not None:
         expiry.cancel()
     await server.stop()
-    _leave_ray()
     channel.close()
     channel_task.cancel()
     telemetry.shutdown()
     return code
 
 
-def _leave_ray() -> None:
-    """A worker that joined the server's Ray cluster (NeMo Gym's `initialize_ray()`) leaves
-    it once its app has stopped, rather than in Ray's exit hook, which first sleeps half a
-    second for log lines: NeMo Gym's launcher gives a server one second to stop."""
+def _joined_ray() -> bool:
+    """Whether the app joined the server's Ray cluster (NeMo Gym's `initialize_ray()`)."""
     ray = sys.modules.get("ray")
-    if ray is not None and ray.is_initialized():
-        ray.shutdown()
+    return ray is not None and bool(ray.is_initialized())
+
+
+def _exit_leaving_ray(code: int) -> NoReturn:
+    """Exit at once, leaving the Ray cluster by closing the connection. NeMo Gym's
+    launcher gives a server one second to stop; `ray.shutdown()` took 0.3 s here, and
+    Ray's exit hook sleeps another 0.5 s first (for log lines), after the app had
+    stopped. The raylet sees a driver's connection close and ends its job, its tasks and
+    its leased workers, as after a crash; the app's requests have all finished by now."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -202,4 +215,6 @@ def main(argv: Sequence[str] | None = None) -> None:
         logging.getLogger("gym_proxy.worker.access").setLevel(logging.INFO)
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         code = runner.run(serve(args))
+    if _joined_ray():
+        _exit_leaving_ray(code)
     exit_process(code)

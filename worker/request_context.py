@@ -5,11 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from coordinator.contract.errors import GymError
-from worker.episodes import Episode
-from worker.identity import WorkerInfo
-from worker.runtime import InFlight, ParticipantRuntime
-from worker.sessions import SessionStore
+from gym_proxy.coordinator.contract.errors import GymError
+from gym_proxy.worker.episodes import Episode
+from gym_proxy.worker.identity import WorkerInfo
+from gym_proxy.worker.runtime import InFlight, ParticipantRuntime
+from gym_proxy.worker.sessions import SessionStore
 
 __all__ = ["RequestContext", "RequestSession"]
 

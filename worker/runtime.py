@@ -39,18 +39,23 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from coordinator.contract.channel import Channel, ChannelClosed, ChannelTimeout, RemoteError
-from coordinator.contract.episodes import EpisodeId, body_identity, parse_episode_key
-from coordinator.contract.errors import GymError
-from coordinator.contract.loop_lag import LoopLag
-from coordinator.contract.marks import RestoredClaims, RetireMarks
-from coordinator.contract.messages import Claim, Ready, Report, SessionsEnded
-from coordinator.contract.records import encode
-from worker.episodes import Episode
-from worker.handoffs import Handoff
-from worker.identity import WorkerInfo
-from worker.participation import Participation
-from worker.sessions import SessionEntry, SessionStore, session_record
+from gym_proxy.coordinator.contract.channel import (
+    Channel,
+    ChannelClosed,
+    ChannelTimeout,
+    RemoteError,
+)
+from gym_proxy.coordinator.contract.episodes import EpisodeId, body_identity, parse_episode_key
+from gym_proxy.coordinator.contract.errors import GymError
+from gym_proxy.coordinator.contract.loop_lag import LoopLag
+from gym_proxy.coordinator.contract.marks import RestoredClaims, RetireMarks
+from gym_proxy.coordinator.contract.messages import Claim, Ready, Report, SessionsEnded
+from gym_proxy.coordinator.contract.records import encode
+from gym_proxy.worker.episodes import Episode
+from gym_proxy.worker.handoffs import Handoff
+from gym_proxy.worker.identity import WorkerInfo
+from gym_proxy.worker.participation import Participation
+from gym_proxy.worker.sessions import SessionEntry, SessionStore, session_record
 
 __all__ = [
     "InFlight",

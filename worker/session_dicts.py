@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import MutableMapping
 from typing import Any
 
-from worker.participation import ParticipantHooks
+from gym_proxy.worker.participation import ParticipantHooks
 
 __all__ = ["session_dict_hooks"]
 

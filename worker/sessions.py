@@ -13,7 +13,7 @@ from collections.abc import Callable, Container
 from dataclasses import dataclass, field
 from typing import Any
 
-from coordinator.contract.episodes import episode_key, parse_episode_key
+from gym_proxy.coordinator.contract.episodes import episode_key, parse_episode_key
 
 __all__ = ["SessionEntry", "SessionStore", "session_record"]
 

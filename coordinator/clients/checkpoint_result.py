@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from coordinator.contract.episodes import EpisodeId
+from gym_proxy.coordinator.contract.episodes import EpisodeId
 
 __all__ = ["CheckpointResult", "episode_label"]
 

@@ -26,9 +26,9 @@ from typing import Any
 
 import aiohttp
 
-from coordinator.clients.checkpoint_result import CheckpointResult
-from coordinator.contract.episodes import EpisodeId, parse_episode_key
-from coordinator.contract.headers import CHECKPOINT_PATH, MOVE_PATH, WORKERS_PATH
+from gym_proxy.coordinator.clients.checkpoint_result import CheckpointResult
+from gym_proxy.coordinator.contract.episodes import EpisodeId, parse_episode_key
+from gym_proxy.coordinator.contract.headers import CHECKPOINT_PATH, MOVE_PATH, WORKERS_PATH
 
 __all__ = [
     "CheckpointResult",

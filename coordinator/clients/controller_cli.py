@@ -24,9 +24,9 @@ from urllib.parse import urlsplit
 import aiohttp
 import orjson
 
-from coordinator.clients.checkpoint_result import CheckpointResult
-from coordinator.clients.controller import ControlFailed, Controller, Participant
-from coordinator.contract.episodes import EpisodeId
+from gym_proxy.coordinator.clients.checkpoint_result import CheckpointResult
+from gym_proxy.coordinator.clients.controller import ControlFailed, Controller, Participant
+from gym_proxy.coordinator.contract.episodes import EpisodeId
 
 __all__ = ["EXIT_FAILED", "EXIT_PARTIAL", "EXIT_USAGE", "main"]
 

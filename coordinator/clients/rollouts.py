@@ -2,7 +2,7 @@
 
 It runs rollouts against an environment server's `/run` with bounded concurrency,
 stamping each with `_ng_rollout_id` and `_ng_attempt_index` at dispatch, and records
-every reply. Checkpoints are the controller's (`coordinator.clients.controller`); after a
+every reply. Checkpoints are the controller's (`gym_proxy.coordinator.clients.controller`); after a
 restore, `continue_after_restore` moves every unfinished rollout to attempt N+1: an
 exported one then continues from its record (its `/run` claims it), any other starts
 over.
@@ -23,7 +23,7 @@ from typing import Any, TextIO
 
 import aiohttp
 
-from coordinator.contract.episodes import EpisodeId, parse_episode_key
+from gym_proxy.coordinator.contract.episodes import EpisodeId, parse_episode_key
 
 __all__ = ["Rollout", "RolloutDriver", "Progress", "exported_rollouts"]
 

@@ -6,8 +6,8 @@ Each rollout asks for one city's weather (`{"city": ...}`, cities cycling throug
 fixed list, with `--prompt-bytes` of system prompt in `instructions`); a progress bar
 shows on a terminal. Prints one JSON line: rollouts, finished, failed, reward_one
 (replies with reward 1.0), seconds. Checkpoints of a running collection are driven with
-`gym-proxy-ctl` (or `coordinator.clients.controller` and `coordinator.clients.rollouts`
-as a library, as `bench/checkpoint_scale.py` does).
+`gym-proxy-ctl` (or `gym_proxy.coordinator.clients.controller` and
+`gym_proxy.coordinator.clients.rollouts` as a library, as `bench/checkpoint_scale.py` does).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from collections.abc import Sequence
 import aiohttp
 import orjson
 
-from coordinator.clients.rollouts import Rollout, RolloutDriver
+from gym_proxy.coordinator.clients.rollouts import Rollout, RolloutDriver
 
 __all__ = ["CITIES", "main", "weather_rollouts"]
 

@@ -27,7 +27,7 @@ from collections.abc import Iterable
 
 import orjson
 
-from coordinator.contract.ids import is_valid_id
+from gym_proxy.coordinator.contract.ids import is_valid_id
 
 __all__ = ["SESSION_KEY", "session_in_cookie_value", "session_in_headers", "app_token_session"]
 

@@ -24,9 +24,9 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
-from coordinator.contract.errors import GymError
-from coordinator.contract.framing import FramingError, encode_frame, read_frame
-from coordinator.contract.messages import (
+from gym_proxy.coordinator.contract.errors import GymError
+from gym_proxy.coordinator.contract.framing import FramingError, encode_frame, read_frame
+from gym_proxy.coordinator.contract.messages import (
     MESSAGES,
     Done,
     MalformedMessage,
@@ -34,7 +34,7 @@ from coordinator.contract.messages import (
     Ping,
     decode,
 )
-from coordinator.contract.telemetry import TRACEPARENT
+from gym_proxy.coordinator.contract.telemetry import TRACEPARENT
 
 __all__ = ["Channel", "ChannelClosed", "ChannelTimeout", "RemoteError", "Handler"]
 

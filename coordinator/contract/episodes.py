@@ -20,8 +20,8 @@ from typing import Any
 
 import orjson
 
-from coordinator.contract.errors import GymError
-from coordinator.contract.ids import MAX_ROLLOUT_ID, is_rollout_id
+from gym_proxy.coordinator.contract.errors import GymError
+from gym_proxy.coordinator.contract.ids import MAX_ROLLOUT_ID, is_rollout_id
 
 __all__ = [
     "EpisodeId",

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Final
 
-from coordinator.contract.errors import GymError
+from gym_proxy.coordinator.contract.errors import GymError
 
 __all__ = [
     "SESSION_ID",

@@ -19,8 +19,8 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
-from coordinator.contract.episodes import EpisodeId
-from coordinator.contract.errors import GymError
+from gym_proxy.coordinator.contract.episodes import EpisodeId
+from gym_proxy.coordinator.contract.errors import GymError
 
 __all__ = ["RetireMarks", "RestoredClaims"]
 

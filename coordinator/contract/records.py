@@ -20,9 +20,9 @@ from typing import Any
 
 import orjson
 
-from coordinator.contract.episodes import episode_key, parse_episode_key
-from coordinator.contract.errors import GymError
-from coordinator.contract.ids import is_valid_id
+from gym_proxy.coordinator.contract.episodes import episode_key, parse_episode_key
+from gym_proxy.coordinator.contract.errors import GymError
+from gym_proxy.coordinator.contract.ids import is_valid_id
 
 __all__ = [
     "EncodedRecords",

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from worker.apps.calls import call, server_url
-from worker.episodes import Episode
+from gym_proxy.worker.apps.calls import call, server_url
+from gym_proxy.worker.episodes import Episode
 
 __all__ = ["turn_input", "weather_episode"]
 

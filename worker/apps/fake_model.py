@@ -1,6 +1,6 @@
 """`fake_model`: a scripted policy behind `/v1/responses` (OpenAI Responses shape), aiohttp.
 
-    gym-proxy worker.apps.fake_model:create_app --workers 2
+    gym-proxy gym_proxy.worker.apps.fake_model:create_app --workers 2
 
 The policy: a conversation whose input holds no tool output yet is answered with a
 `function_call` of `get_weather {city}` (the city is taken from the user's message, "...
@@ -27,8 +27,8 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from worker.apps.hold import HoldSwitch
-from worker.participant import Participation, declare
+from gym_proxy.worker.apps.hold import HoldSwitch
+from gym_proxy.worker.participant import Participation, declare
 
 __all__ = ["create_app", "policy"]
 

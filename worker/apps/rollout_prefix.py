@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from coordinator.contract.headers import ROLLOUT_PREFIX_TEXT, split_rollout_path
+from gym_proxy.coordinator.contract.headers import ROLLOUT_PREFIX_TEXT, split_rollout_path
 
 __all__ = ["RolloutPrefix"]
 

@@ -1,6 +1,6 @@
 """`simple_agent`: an agent server (aiohttp) with native sessions and a legacy `/run`.
 
-    gym-proxy worker.apps.simple_agent:create_app --workers 2
+    gym-proxy gym_proxy.worker.apps.simple_agent:create_app --workers 2
 
 Native sessions: `POST /seed_session {weather_token}` opens one; `POST /v1/responses
 {input, turn_id}` runs a turn: model call -> tool calls -> model call ... until the model
@@ -26,9 +26,9 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from worker.apps.calls import call, server_url
-from worker.apps.episode_steps import weather_episode
-from worker.participant import Participation, context, declare, episode
+from gym_proxy.worker.apps.calls import call, server_url
+from gym_proxy.worker.apps.episode_steps import weather_episode
+from gym_proxy.worker.participant import Participation, context, declare, episode
 
 __all__ = ["create_app", "run_turn"]
 

@@ -1,10 +1,10 @@
 """`single_turn`: an environment server (FastAPI) with one weather episode per `/run`.
 
-    gym-proxy worker.apps.single_turn:create_app --workers 2
+    gym-proxy gym_proxy.worker.apps.single_turn:create_app --workers 2
 
 `POST /run {city, instructions?, _ng_rollout_id, _ng_attempt_index}`: seed a weather
 session, run one agent turn through a native agent session, verify; boundaries between the steps
-(`worker.apps.episode_steps`). Answers `{reward, answer, model_calls, tool_calls,
+(`gym_proxy.worker.apps.episode_steps`). Answers `{reward, answer, model_calls, tool_calls,
 weather_tool_calls}`. Other servers: `GYM_REF_WEATHER_URL`, `GYM_REF_AGENT_URL`.
 """
 
@@ -14,9 +14,9 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 
-from worker.apps.episode_steps import weather_episode
-from worker.apps.rollout_prefix import RolloutPrefix
-from worker.participant import Participation, declare, episode
+from gym_proxy.worker.apps.episode_steps import weather_episode
+from gym_proxy.worker.apps.rollout_prefix import RolloutPrefix
+from gym_proxy.worker.participant import Participation, declare, episode
 
 __all__ = ["create_app"]
 

@@ -32,10 +32,10 @@ __all__ = ["SERVERS", "Stack", "main"]
 REPO = Path(__file__).resolve().parents[2]
 # name -> APP; the order is the prepare order NeMo Gym uses (callers first)
 SERVERS = {
-    "env": "worker.apps.single_turn:create_app",
-    "model": "worker.apps.fake_model:create_app",
-    "agent": "worker.apps.simple_agent:create_app",
-    "weather": "worker.apps.weather:create_app",
+    "env": "gym_proxy.worker.apps.single_turn:create_app",
+    "model": "gym_proxy.worker.apps.fake_model:create_app",
+    "agent": "gym_proxy.worker.apps.simple_agent:create_app",
+    "weather": "gym_proxy.worker.apps.weather:create_app",
 }
 
 
@@ -108,7 +108,7 @@ class Stack:
                 server.workers = self._count(workers, server.name)
             log = open(self.dir / f"{server.name}.log", "ab")  # noqa: SIM115
             server.proc = subprocess.Popen(
-                [sys.executable, "-m", "proxy", server.app, "--workers", str(server.workers),
+                [sys.executable, "-m", "gym_proxy", server.app, "--workers", str(server.workers),
                  "--host", self.host, "--port", str(server.port), "--name", server.name,
                  "--secret-file", self._secret_file, "--control-token-file", self._token_file,
                  "--runtime-dir", self.runtime, "--log-level", "warning"],

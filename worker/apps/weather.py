@@ -1,6 +1,6 @@
 """`weather`: a resources server (FastAPI), NeMo Gym-shaped.
 
-    gym-proxy worker.apps.weather:create_app --workers 2
+    gym-proxy gym_proxy.worker.apps.weather:create_app --workers 2
 
 `POST /seed_session {}` starts a session; `POST /get_weather {city}` answers a
 deterministic temperature and counts the call; `POST /verify {city, answer}` scores an
@@ -22,9 +22,9 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 
-from worker.apps.hold import HoldSwitch
-from worker.apps.rollout_prefix import RolloutPrefix
-from worker.participant import Participation, context, current_session, declare
+from gym_proxy.worker.apps.hold import HoldSwitch
+from gym_proxy.worker.apps.rollout_prefix import RolloutPrefix
+from gym_proxy.worker.participant import Participation, context, current_session, declare
 
 __all__ = ["create_app", "temperature"]
 
