@@ -17,6 +17,7 @@ __all__ = [
     "ConfigError",
     "build_parser",
     "config_from_args",
+    "read_secret_file",
     "secrets_on_command_line",
     "DEFAULT_APP",
     "SECRET_ENV",
@@ -344,6 +345,7 @@ class Config:
         "attribute of a NeMo Gym server holding per-session state in a dict keyed by NeMo "
         "Gym's session ID (e.g. session_id_to_counter): each session's entry is exported, "
         "restored, retired and released with it (otherwise the server is restart-only)",
+        env="GYM_PROXY_SESSION_STATE",
         metavar="ATTR",
         doc="the NeMo Gym server's attribute holding per-session state in a dict keyed by its "
         "session ID; without it (and without hooks) the server is restart-only",
@@ -385,6 +387,9 @@ class Config:
     # The fields the command line (or an environment variable) set: a NeMo Gym config
     # fills the others (host, port, workers, name).
     given: frozenset[str] = field(default=frozenset(), metadata={"internal": True})
+    # Of those, the ones only an environment variable set: a server's `gym_proxy:` block
+    # in the NeMo Gym config overrides them (proxy/config_block.py), a flag it does not.
+    from_env: frozenset[str] = field(default=frozenset(), metadata={"internal": True})
 
     def validate(self) -> None:
         """Raise ConfigError for values that cannot work."""
@@ -498,7 +503,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _read_secret_file(path: str, flag: str) -> str:
+def read_secret_file(path: str, flag: str) -> str:
     try:
         with open(path, encoding="utf-8") as handle:
             value = handle.read().strip()
@@ -513,6 +518,7 @@ def config_from_args(argv: Sequence[str] | None = None) -> Config:
     """Flags first, then environment variables, then defaults; secret files are read."""
     namespace = build_parser().parse_args(argv)
     values: dict[str, Any] = {}
+    from_env: set[str] = set()
     for item in fields(Config):
         if item.metadata.get("internal"):
             continue
@@ -523,6 +529,7 @@ def config_from_args(argv: Sequence[str] | None = None) -> Config:
                 value = item.metadata["type"](os.environ[env])
             except ValueError as exc:
                 raise ConfigError(f"environment variable {env}: {exc}") from exc
+            from_env.add(item.name)
         if value is not None:
             values[item.name] = value
     for name in ("secret", "control_token"):
@@ -531,8 +538,8 @@ def config_from_args(argv: Sequence[str] | None = None) -> Config:
             flag = f"--{name.replace('_', '-')}"
             if getattr(namespace, name) is not None:
                 raise ConfigError(f"{flag} and {flag}-file exclude each other")
-            values[name] = _read_secret_file(path, f"{flag}-file")
-    config = replace(Config(), **values, given=frozenset(values))
+            values[name] = read_secret_file(path, f"{flag}-file")
+    config = replace(Config(), **values, given=frozenset(values), from_env=frozenset(from_env))
     config.validate()
     return config
 

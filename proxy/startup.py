@@ -30,6 +30,7 @@ from gym_proxy.proxy.config import (
     config_from_args,
     secrets_on_command_line,
 )
+from gym_proxy.proxy.config_block import apply_block
 from gym_proxy.proxy.ray_cluster import RayPlan
 from gym_proxy.proxy.runtime_dir import ensure_parent
 from gym_proxy.proxy.server import run
@@ -80,6 +81,7 @@ def _from_nemo_gym_config(config: Config, cls: type) -> tuple[Config, RayPlan | 
     port and worker count not given on the command line; the workers get the config.
     A class that uses Ray (NeMo Gym's rule) gets the plan of its one cluster."""
     instance = resolve_instance(cls, config.nemo_gym_config, config.name)
+    config = apply_block(config, instance.gym_proxy_options, instance.options_path)
     given = config.given
     values: dict[str, Any] = {"name": instance.name}
     if instance.host is not None and "host" not in given and "fd" not in given:

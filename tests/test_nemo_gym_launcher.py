@@ -43,12 +43,17 @@ def start_launcher(tmp_path: Path, env: dict[str, str]) -> subprocess.Popen[byte
         )  # fmt: skip
 
 
-async def test_nemo_gyms_launcher_starts_a_server_under_gym_proxy(tmp_path):
-    port, head = free_port(), free_port()
+def counter_config(tmp_path: Path, port: int, head: int) -> dict:
+    """The launcher recipe as docs/nemo_gym.md writes it: the server's venv prepared
+    (`skip_venv_if_present`), `entrypoint: -mgym_proxy`, NeMo Gym's `num_workers`, and
+    gym-proxy's own settings in the block's `gym_proxy:` key, nothing in the environment."""
     venv = tmp_path / "venvs" / "resources_servers" / "example_session_state_mgmt" / ".venv"
-    venv.parent.mkdir(parents=True)
-    venv.symlink_to(sys.prefix)  # the server's venv: this one, where gym-proxy is installed
-    config = {
+    if not venv.exists():
+        venv.parent.mkdir(parents=True)
+        venv.symlink_to(sys.prefix)  # the server's venv: this one, where gym-proxy is installed
+    (tmp_path / "secret").write_text(TEST_SECRET)
+    (tmp_path / "control-token").write_text(CONTROL_TOKEN)
+    return {
         "uv_venv_dir": str(tmp_path / "venvs"),
         "skip_venv_if_present": True,
         "head_server": {"host": "127.0.0.1", "port": head},
@@ -60,28 +65,44 @@ async def test_nemo_gyms_launcher_starts_a_server_under_gym_proxy(tmp_path):
                     "host": "127.0.0.1",
                     "port": port,
                     "domain": "agent",
+                    "gym_proxy": {
+                        "session_state": "session_id_to_counter",
+                        "secret_file": str(tmp_path / "secret"),
+                        "control_token_file": str(tmp_path / "control-token"),
+                        "runtime_dir": str(tmp_path / "rt"),
+                    },
                 }
             }
         },
     }
-    (tmp_path / "config.yaml").write_text(json.dumps(config))
-    env = {
-        **os.environ,
-        "GYM_PROXY_SECRET": TEST_SECRET,
-        "GYM_PROXY_CONTROL_TOKEN": CONTROL_TOKEN,
-        "PYTHONPATH": str(REPO),
-    }
+
+
+async def launcher_ready(launcher: subprocess.Popen[bytes], log: Path) -> None:
+    def ready() -> bool:
+        assert launcher.poll() is None, log.read_text()
+        return "All 1 / 1 servers ready" in log.read_text()
+
+    await wait_until(ready, 180, "the launcher to report its server ready")
+
+
+async def test_the_launcher_recipe_keeps_a_counters_sessions_across_a_crash(tmp_path):
+    """NeMo Gym's counter started by `gym env start` under gym-proxy, configured only by
+    its config block: 3 workers (`num_workers`) and its session dict declared
+    (`gym_proxy: {session_state: ...}`). Sessions are checkpointed, the whole launcher
+    is killed (-9, with its servers), a new launcher starts from the same config, the
+    sessions are restored, and NeMo Gym's clients carry on with their cookies."""
+    port, head = free_port(), free_port()
+    (tmp_path / "config.yaml").write_text(json.dumps(counter_config(tmp_path, port, head)))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GYM_PROXY_")}
+    env["PYTHONPATH"] = str(REPO)
+    url, log = f"http://127.0.0.1:{port}", tmp_path / "launcher.log"
+    episodes = [{"rollout_id": f"{task}-0", "attempt": 0} for task in range(12)]
     launcher = start_launcher(tmp_path, env)
-    url = f"http://127.0.0.1:{port}"
     try:
         async with aiohttp.ClientSession(cookie_jar=aiohttp.DummyCookieJar()) as http:
-
-            async def ready() -> bool:
-                assert launcher.poll() is None, (tmp_path / "launcher.log").read_text()
-                return "All 1 / 1 servers ready" in (tmp_path / "launcher.log").read_text()
-
-            await wait_until(ready, 120, "the launcher to report its server ready")
-            status = await Control(http, url).ok("status")
+            await launcher_ready(launcher, log)
+            control = Control(http, url)
+            status = await control.ok("status")
             assert (status["instance"], status["kind"]) == ("counter", "resources")
             assert len(status["workers"]) == status["expected_workers"] == 3
             async with http.get(f"http://127.0.0.1:{head}/server_instances") as resp:
@@ -89,9 +110,31 @@ async def test_nemo_gyms_launcher_starts_a_server_under_gym_proxy(tmp_path):
             assert [(i["config_path"], i["port"]) for i in instances] == [("counter", port)]
             clients = [CounterClient(http, url, task) for task in range(12)]
             for i, client in enumerate(clients):
-                await client.seed(i)
+                await client.seed(10 * i)
             await asyncio.gather(*(c.post("/increment_counter", {"count": 5}) for c in clients))
-            assert [await c.count() for c in clients] == [i + 5 for i in range(12)]
+            reply = await control.ok("prepare", checkpoint_id="launched")
+            assert reply["report"]["restarts"] == []  # the declared dict: nothing restart-only
+            committed = await control.ok(
+                "commit", checkpoint_id="launched", checkpoint_dir=str(tmp_path / "ck"),
+                episode_ids=episodes,
+            )  # fmt: skip
+            assert committed["manifest"]["record_count"] == 12
+
+            os.killpg(launcher.pid, signal.SIGKILL)  # the job dies: launcher, head, gym-proxy
+            launcher.wait(30)
+            await wait_until(
+                lambda: not group_alive(launcher.pid), 30, "the killed group to be gone"
+            )
+            launcher = start_launcher(tmp_path, env)
+            await launcher_ready(launcher, log)
+            await control.ok(
+                "restore", checkpoint_id="launched", checkpoint_dir=str(tmp_path / "ck"),
+                episode_ids=episodes,
+            )  # fmt: skip
+            await control.ok("resume", checkpoint_id="launched")
+            for i, client in enumerate(clients):
+                assert await client.count() == 10 * i + 5, i  # the same cookies, restored
+                assert await client.verify(10 * i + 5) == 1.0, i
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(launcher.pid, signal.SIGINT)  # Ctrl-C: the launcher stops its servers
@@ -100,7 +143,7 @@ async def test_nemo_gyms_launcher_starts_a_server_under_gym_proxy(tmp_path):
         finally:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(launcher.pid, signal.SIGKILL)
-    assert "NeMo Gym finished!" in (tmp_path / "launcher.log").read_text()
+    assert "NeMo Gym finished!" in log.read_text()
 
 
 def group_alive(pgid: int) -> list[int]:

@@ -178,3 +178,18 @@ def test_a_mistyped_session_state_is_one_line_before_any_worker(tmp_path):
         "Server has no attribute 'session_id_to_countr' (its dict fields: "
         "session_id_to_counter)"
     ], lines
+
+
+def test_a_gym_proxy_block_that_cannot_work_is_one_line_before_any_worker(tmp_path):
+    """The server block's `gym_proxy:` settings (proxy/config_block.py): a key the block
+    cannot set is refused with the key's full path and what to write instead."""
+    config = tmp_path / "config.yaml"
+    block = {"gym_proxy": {"session_state": "session_id_to_counter", "workers": 3}}
+    config.write_text(json.dumps(counter_config(free_port(), **block)))
+    proc = gym_proxy(tmp_path, COUNTER, "--nemo-gym-config", str(config))
+    assert proc.wait(60) == 2
+    lines = (tmp_path / "proxy.log").read_text().strip().splitlines()
+    assert lines == [
+        "gym-proxy: error: counter.resources_servers.example_session_state_mgmt.gym_proxy."
+        "workers cannot be set here: set the server's own `num_workers`"
+    ], lines

@@ -21,6 +21,7 @@ otherwise).
 
 from __future__ import annotations
 
+import copy
 import importlib
 import inspect
 import os
@@ -50,6 +51,8 @@ __all__ = [
 CONFIG_DICT_ENV = "NEMO_GYM_CONFIG_DICT"
 RAY_ADDRESS_KEY = "ray_head_node_address"  # NeMo Gym's RAY_HEAD_NODE_ADDRESS_KEY_NAME
 CONFIG_PATH_ENV = "NEMO_GYM_CONFIG_PATH"
+# gym-proxy's own settings in a server's block (proxy/config_block.py).
+OPTIONS_KEY = "gym_proxy"
 WORKER_ENV = "IS_NEMO_GYM_FASTAPI_WORKER"
 NUM_WORKERS_ENV = "NEMO_GYM_FASTAPI_NUM_WORKERS"
 # NeMo Gym's base classes (matched by name along the MRO, as NeMo Gym's own telemetry
@@ -92,6 +95,14 @@ class NemoGymInstance:
     port: int | None
     num_workers: int | None
     config: Any  # the whole global config (an OmegaConf DictConfig)
+    # The server block's `gym_proxy:` settings (proxy/config_block.py), as plain data.
+    gym_proxy_options: Any = None
+
+    @property
+    def options_path(self) -> str:
+        """Where the `gym_proxy:` settings sit, for errors: `<instance>.<type>.<server>`."""
+        (server_type, server_name), _ = _server_block(self.config, self.name)
+        return f"{self.name}.{server_type}.{server_name}.{OPTIONS_KEY}"
 
     @property
     def ray_address(self) -> str | None:
@@ -105,8 +116,11 @@ class NemoGymInstance:
         by it), and the instance."""
         from omegaconf import OmegaConf
 
-        config = self.config.copy()
-        _server_block(config, self.name)[1]["num_workers"] = workers
+        config = copy.deepcopy(self.config)
+        server = _server_block(config, self.name)[1]
+        server["num_workers"] = workers
+        if OPTIONS_KEY in server:  # gym-proxy's, not the server class's (which may forbid it)
+            del server[OPTIONS_KEY]
         return {CONFIG_DICT_ENV: OmegaConf.to_yaml(config), CONFIG_PATH_ENV: self.name}
 
 
@@ -133,7 +147,7 @@ def with_ray_address(config_text: str, address: str) -> str:
 
 def resolve_instance(cls: type, config_file: str | None, name: str | None) -> NemoGymInstance:
     """The instance of `cls` in the global config (the launcher's, or `config_file`)."""
-    from omegaconf import DictConfig, OmegaConf
+    from omegaconf import DictConfig, ListConfig, OmegaConf
 
     if config_file is not None:
         from nemo_gym.global_config import GlobalConfigDictParser, GlobalConfigDictParserConfig
@@ -163,12 +177,18 @@ def resolve_instance(cls: type, config_file: str | None, name: str | None) -> Ne
     name = name or os.environ.get(CONFIG_PATH_ENV) or _only_instance_of(cls, config)
     _, server = _server_block(config, name)
     host, port, workers = server.get("host"), server.get("port"), server.get("num_workers")
+    options = server.get(OPTIONS_KEY)
     return NemoGymInstance(
         name=name,
         host=None if host is None else str(host),
         port=None if port is None else int(port),
         num_workers=None if workers is None else int(workers),
         config=config,
+        gym_proxy_options=(
+            OmegaConf.to_container(options, resolve=True)
+            if isinstance(options, DictConfig | ListConfig)
+            else options
+        ),
     )
 
 

@@ -1,0 +1,77 @@
+"""A NeMo Gym server block's `gym_proxy:` settings (proxy/config_block.py): what they
+set, what a flag or the environment does beside them, and the one-line refusals."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from gym_proxy.proxy.config import ConfigError, config_from_args
+from gym_proxy.proxy.config_block import apply_block
+
+pytestmark = pytest.mark.fast
+
+WHERE = "counter.resources_servers.example_session_state_mgmt.gym_proxy"
+
+
+def test_the_block_sets_options_named_as_their_flags():
+    config = apply_block(
+        config_from_args([]),
+        {"session_state": "session_id_to_counter", "max-connections": 64,
+         "access_log": True, "graceful_timeout": 5, "kind": "agent"},
+        WHERE,
+    )  # fmt: skip
+    assert config.session_state == "session_id_to_counter"
+    assert (config.max_connections, config.access_log, config.kind) == (64, True, "agent")
+    assert config.graceful_timeout == 5.0 and isinstance(config.graceful_timeout, float)
+    assert {"session_state", "max_connections"} <= config.given
+
+
+def test_a_flag_wins_over_the_block_and_the_block_over_the_environment(monkeypatch):
+    monkeypatch.setenv("GYM_PROXY_SESSION_STATE", "from_env")
+    monkeypatch.setenv("GYM_PROXY_RUNTIME_DIR", "/tmp/from-env")
+    block = {"session_state": "from_block", "runtime_dir": "/tmp/from-block"}
+    config = apply_block(config_from_args(["--runtime-dir", "/tmp/from-flag"]), block, WHERE)
+    assert (config.session_state, config.runtime_dir) == ("from_block", "/tmp/from-flag")
+    monkeypatch.delenv("GYM_PROXY_SESSION_STATE")
+    assert config_from_args([]).session_state is None  # nothing set: the default
+
+
+def test_secret_files_in_the_block_are_read_and_beat_the_environment(tmp_path: Path, monkeypatch):
+    (tmp_path / "secret").write_text("from-the-file\n")
+    monkeypatch.setenv("GYM_PROXY_SECRET", "from-the-environment")
+    config = apply_block(config_from_args([]), {"secret_file": str(tmp_path / "secret")}, WHERE)
+    assert config.secret == "from-the-file"
+    flagged = apply_block(
+        config_from_args(["--secret", "from-the-flag"]),
+        {"secret_file": str(tmp_path / "secret")}, WHERE,
+    )  # fmt: skip
+    assert flagged.secret == "from-the-flag"
+
+
+@pytest.mark.parametrize(
+    ("block", "message"),
+    [
+        ({"workers": 4}, f"{WHERE}.workers cannot be set here: set the server's own `num_workers`"),
+        ({"secret": "s"}, f"{WHERE}.secret cannot be set here: the config reaches every server"),
+        ({"port": 1}, f"{WHERE}.port cannot be set here: set the server's own `port`"),
+        ({"sesion_state": "x"}, f"{WHERE}.sesion_state is not a gym-proxy option"),
+        ({"max_connections": "64"}, f"{WHERE}.max_connections must be a number, got '64'"),
+        ({"max_connections": 6.5}, f"{WHERE}.max_connections must be a whole number"),
+        ({"access_log": "yes"}, f"{WHERE}.access_log must be true or false, got 'yes'"),
+        ({"session_state": ["a"]}, f"{WHERE}.session_state must be text, got ['a']"),
+        ({"kind": "robot"}, f"{WHERE}.kind must be one of resources, agent, environment, model"),
+        ({"secret_file": "/nonexistent/secret"}, f"{WHERE}.secret_file /nonexistent/secret:"),
+        (["session_state"], f"{WHERE} must be a mapping of gym-proxy options"),
+    ],
+)
+def test_a_setting_that_cannot_work_is_one_line(block, message: str):
+    with pytest.raises(ConfigError) as raised:
+        apply_block(config_from_args([]), block, WHERE)
+    assert str(raised.value).startswith(message) and "\n" not in str(raised.value)
+
+
+def test_no_block_changes_nothing():
+    config = config_from_args([])
+    assert apply_block(config, None, WHERE) is config
