@@ -46,6 +46,25 @@ def test_the_wheel_installs_one_top_level_name(wheel: Path):
         assert f"gym_proxy/{part}/__init__.py" in names
 
 
+def test_a_fresh_venv_gains_one_top_level_name(wheel: Path, tmp_path: Path):
+    """Installed into a new virtualenv, the wheel adds `gym_proxy` and its metadata to
+    site-packages, nothing else (its dependencies are not the point: --no-deps)."""
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    python = venv / "bin" / "python"
+    where = subprocess.run(
+        [str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+        check=True, capture_output=True, text=True, timeout=60,
+    ).stdout.strip()  # fmt: skip
+    before = {entry.name for entry in Path(where).iterdir()}
+    subprocess.run(
+        [str(python), "-m", "pip", "install", "--no-deps", "--quiet", str(wheel)],
+        check=True, capture_output=True, timeout=300,
+    )  # fmt: skip
+    added = {entry.name for entry in Path(where).iterdir()} - before
+    assert added == {"gym_proxy", "gym_proxy-0.1.0.dist-info"}, added
+
+
 def test_the_installed_package_runs_from_its_one_name(wheel: Path, tmp_path: Path):
     """Installed apart from the source tree (its dependencies from this venv), the
     command and `python -m gym_proxy` load only from `gym_proxy`, and a module of
