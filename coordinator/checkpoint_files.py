@@ -224,7 +224,7 @@ def read(base: Path, *, kind: str, instance: str) -> tuple[dict[str, Any], list[
     name = manifest.get("records_file")
     match = _RECORDS_NAME.match(name) if isinstance(name, str) else None
     digest = manifest.get("records_sha256")
-    if match is None or match.group(1) != digest:
+    if not isinstance(name, str) or match is None or match.group(1) != digest:
         raise InvalidCheckpoint("records_file does not name records-<records_sha256>.jsonl")
     count = manifest.get("record_count")
     if not isinstance(count, int) or isinstance(count, bool) or count < 0:

@@ -85,7 +85,8 @@ class LiveWorker:
 class WorkerView(Protocol):
     """What the coordinator needs from the supervisor and the router."""
 
-    expected: int
+    @property
+    def expected(self) -> int: ...
 
     def live(self) -> list[LiveWorker]: ...
 
@@ -525,12 +526,12 @@ class Checkpointer:
         self.restored_once = True
         continued = set(claims.keys())
         continued.update(key for r in sessions if (key := record_key(r)))
-        reply = {
+        restored = {
             "phase": "restored",
             "source_checkpoint_id": manifest["checkpoint_id"],
             "restored": sorted(continued),
         }
-        return self.machine.succeed("restore", "restored", reply, arguments)
+        return self.machine.succeed("restore", "restored", restored, arguments)
 
     async def _rollback(self, live: list[LiveWorker]) -> None:
         """Undo an install on every worker and reopen it (each worker handles the three
@@ -578,7 +579,7 @@ class Checkpointer:
         True if one was running."""
         op = self._op
         stopped = op is not None and op[0] == checkpoint_id and not op[1].done()
-        if stopped:
+        if op is not None and stopped:
             op[1].cancel()
             await asyncio.wait({op[1]})
         write = self._write

@@ -66,9 +66,12 @@ BOUNDARY_POLL = 0.01  # seconds between looks at a moving session's running requ
 
 
 class _Worker(Protocol):
-    slot: int
-    owner: str
-    channel: Any
+    @property
+    def slot(self) -> int: ...
+    @property
+    def owner(self) -> str: ...
+    @property
+    def channel(self) -> Any: ...
 
 
 class MoveTable(Protocol):

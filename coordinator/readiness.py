@@ -15,8 +15,10 @@ MAX_BLOCKERS = 100
 
 
 class _Worker(Protocol):
-    slot: int
-    owner: str
+    @property
+    def slot(self) -> int: ...
+    @property
+    def owner(self) -> str: ...
 
 
 @dataclass

@@ -58,6 +58,7 @@ def _default(item: Field[Any]) -> str:
     elif isinstance(item.default, str):
         text = f"`{item.default}`"
     else:
+        assert isinstance(item.default, int | float), item.name
         text = _number(item.default)
     if meta["env"]:
         text = f"{text} (env `{meta['env']}`)".strip()

@@ -48,7 +48,7 @@ CHECKPOINTER = web.AppKey("gym_proxy_checkpointer", Checkpointer)
 MOVER = web.AppKey("gym_proxy_mover", Mover)
 OPERATIONS = web.AppKey("gym_proxy_operations", Operations)
 # Told each checkpoint call's operation, outcome (ok or the error code) and seconds.
-OBSERVE = web.AppKey("gym_proxy_observe", Callable[[str, str, float], None])
+OBSERVE = web.AppKey[Callable[[str, str, float], None]]("gym_proxy_observe")
 # Controllers give deadlines of minutes; a day ahead is a bug, and would hold the lease
 # open (and admission closed) for as long.
 MAX_DEADLINE_AHEAD = 86400.0

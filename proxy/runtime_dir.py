@@ -55,7 +55,7 @@ def ensure_parent(parent: str) -> None:
 def remove_stale(parent: str | None) -> list[str]:
     """Remove runtime directories of dead instances under `parent`; return their paths."""
     parent = parent or tempfile.gettempdir()
-    removed = []
+    removed: list[str] = []
     try:
         entries = list(os.scandir(parent))
     except OSError:

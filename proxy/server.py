@@ -230,8 +230,8 @@ async def run(
         timers.append(asyncio.ensure_future(supervisor.watch_liveness()))
         accepting_signals = True
         stopped = asyncio.ensure_future(stop.wait())
-        assert supervisor.fatal is not None
-        await asyncio.wait({stopped, supervisor.fatal}, return_when=asyncio.FIRST_COMPLETED)
+        either: set[asyncio.Future[Any]] = {stopped, supervisor.fatal}
+        await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
         stopped.cancel()
         if supervisor.fatal.done():
             log.error("%s; stopping", supervisor.fatal.exception())

@@ -71,7 +71,7 @@ class Supervisor:
     router: Router
     slots: list[Slot] = field(default_factory=list)
     stopping: bool = False
-    fatal: asyncio.Future[None] | None = None
+    fatal: asyncio.Future[None] = field(init=False)  # set when a worker cannot boot
     _tasks: set[asyncio.Task[Any]] = field(default_factory=set)
     _registered: asyncio.Event = field(default_factory=asyncio.Event)
     _timer: asyncio.TimerHandle | None = None
@@ -99,9 +99,10 @@ class Supervisor:
         """Spawn every slot and wait until all have registered (or one cannot boot)."""
         self.reconcile()
         waiter = asyncio.ensure_future(self._registered.wait())
+        either: set[asyncio.Future[Any]] = {waiter, self.fatal}
         try:
             done, _ = await asyncio.wait(
-                {waiter, self.fatal},
+                either,
                 timeout=self.config.boot_timeout or None,
                 return_when=asyncio.FIRST_COMPLETED,
             )

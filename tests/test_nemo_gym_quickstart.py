@@ -11,10 +11,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-import psutil
 import pytest
 
 pytest.importorskip("nemo_gym", reason="the NeMo Gym tier runs in tests/nemo_gym/install.sh's venv")
+psutil = pytest.importorskip("psutil")
 
 from tests.support import REPO  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""The code base stays ruff clean (the lint rules are in pyproject.toml)."""
+"""The code base stays ruff clean and type-checks (the rules are in pyproject.toml)."""
 
 from __future__ import annotations
 
@@ -20,3 +20,13 @@ def test_ruff_clean():
         timeout=120,
     )
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_mypy_clean(tmp_path):
+    """Every package type-checks (`[tool.mypy]` in pyproject.toml: --check-untyped-defs);
+    the compiled data path is also checked by mypyc when it is built."""
+    result = subprocess.run(
+        [sys.executable, "-m", "mypy", "--cache-dir", str(tmp_path / "cache")],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]

@@ -14,7 +14,7 @@ from aiohttp import hdrs, web
 
 from gym_proxy.coordinator.contract import headers as names
 from gym_proxy.coordinator.contract.errors import RETRY_AFTER, GymError
-from gym_proxy.worker.participation import Participation
+from gym_proxy.worker.participation import Kind, Participation
 from gym_proxy.worker.runtime import ParticipantRuntime, RequestFacts, own_cancellation
 
 __all__ = [
@@ -28,7 +28,7 @@ __all__ = [
     "participation_of",
 ]
 
-PARTICIPANT_KIND = web.AppKey("gym_proxy_participant_kind", str)
+PARTICIPANT_KIND = web.AppKey[Kind]("gym_proxy_participant_kind")
 PARTICIPATION = web.AppKey("gym_proxy_participation", Participation)
 RUNTIME = web.AppKey("gym_proxy_participant_runtime", ParticipantRuntime)
 FLIGHT = "gym_proxy.flight"

@@ -40,7 +40,8 @@ class AsgiWorkerServer:
             http="httptools",
             lifespan="auto",
             timeout_keep_alive=int(WORKER_KEEPALIVE),
-            timeout_graceful_shutdown=graceful_timeout,
+            # uvicorn annotates it int; it is a timeout of asyncio.wait_for, seconds as float
+            timeout_graceful_shutdown=graceful_timeout,  # type: ignore[arg-type]
             log_config=None,
             log_level=logging.getLevelName(log_level.upper()),
             access_log=False,

@@ -31,7 +31,7 @@ from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
-from gym_proxy.worker.participation import Participation
+from gym_proxy.worker.participation import Kind, Participation
 
 __all__ = [
     "NemoGymConfigError",
@@ -57,7 +57,7 @@ WORKER_ENV = "IS_NEMO_GYM_FASTAPI_WORKER"
 NUM_WORKERS_ENV = "NEMO_GYM_FASTAPI_NUM_WORKERS"
 # NeMo Gym's base classes (matched by name along the MRO, as NeMo Gym's own telemetry
 # does) -> the participant kind.
-_KINDS = {
+_KINDS: dict[str, Kind] = {
     "SimpleResourcesServer": "resources",
     "SimpleResponsesAPIAgent": "agent",
     "SimpleResponsesAPIModel": "model",
@@ -77,7 +77,7 @@ def is_server_class(target: Any) -> bool:
     )
 
 
-def server_kind(cls: type) -> str | None:
+def server_kind(cls: type) -> Kind | None:
     """The participant kind of a NeMo Gym server class, None if it is none of the four."""
     for base in cls.__mro__:
         kind = _KINDS.get(base.__name__)
@@ -138,9 +138,10 @@ def uses_ray(cls: type) -> bool:
 def with_ray_address(config_text: str, address: str) -> str:
     """The global config (YAML, as the workers get it) naming the Ray cluster to join, as
     NeMo Gym's `initialize_ray()` hands it to the processes it starts."""
-    from omegaconf import OmegaConf
+    from omegaconf import DictConfig, OmegaConf
 
     config = OmegaConf.create(config_text)
+    assert isinstance(config, DictConfig)  # the proxy made it from a mapping
     config[RAY_ADDRESS_KEY] = address
     return OmegaConf.to_yaml(config)
 
@@ -231,7 +232,8 @@ def build_server_app(cls: type, workers: int) -> Any:
         raise RuntimeError(f"{CONFIG_DICT_ENV} is not set: the proxy resolves it for workers")
     os.environ[WORKER_ENV] = "1"
     os.environ[NUM_WORKERS_ENV] = str(workers)
-    app = cls.run_webserver()
+    server_class: Any = cls  # a SimpleServer subclass (is_server_class said so)
+    app = server_class.run_webserver()
     if app is None:
         raise RuntimeError(f"{cls.__name__}.run_webserver() built no app (dry_run is set?)")
     return app

@@ -100,7 +100,7 @@ class Participation:
         if self.restart_only and self.hooks is not None:
             raise ValueError("a restart-only participant has no hooks")
 
-    def with_kind(self, kind: str | None) -> Participation:
+    def with_kind(self, kind: Kind | None) -> Participation:
         if kind is None:
             return self
         if self.session_state is not None:  # its hooks are derived again

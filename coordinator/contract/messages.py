@@ -157,6 +157,7 @@ _NESTED_LISTS: dict[tuple[type[Message], str], type[Message]] = {}
 _DESCRIBED: dict[tuple[type[Message], str], str] = {}
 
 
+@typing.dataclass_transform(frozen_default=True)  # type checkers see the dataclass it makes
 def message(
     type_: str = "",
     reply: type[Message] | None = None,
@@ -166,7 +167,7 @@ def message(
     in `registry` (gym-proxy's channel's, unless a test brings its own)."""
 
     def define(cls: type[M]) -> type[M]:
-        cls = dataclass(frozen=True, slots=True)(cls)  # type: ignore[assignment]
+        cls = dataclass(frozen=True, slots=True)(cls)
         hints = typing.get_type_hints(cls)
         checks, required = {}, set()
         for f in dataclasses.fields(cls):  # type: ignore[arg-type]

@@ -123,9 +123,11 @@ def from_disk(record: dict[str, Any]) -> dict[str, Any]:
             "owner": record.get("owner"),
         }
     if legacy == "episode":
-        identity = {"rollout_id": record.get("rollout_id"), "attempt": record.get("attempt")}
         return {
-            "episode_id": identity,
+            "episode_id": {
+                "rollout_id": record.get("rollout_id"),
+                "attempt": record.get("attempt"),
+            },
             "task_digest": "",
             "boundary": record.get("state"),
         }

@@ -51,7 +51,7 @@ def _prefix(request: web.Request) -> str:
 
 async def seed_session(request: web.Request) -> web.Response:
     body = await _body(request)
-    state = {"weather_token": body.get("weather_token"), "items": [], "turn": None,
+    state: dict[str, Any] = {"weather_token": body.get("weather_token"), "items": [], "turn": None,
              "done": {}, "model_calls": 0, "tool_calls": 0}  # fmt: skip
     context(request).session.set(state)
     return _json({"seeded": True})
