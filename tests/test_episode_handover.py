@@ -181,13 +181,21 @@ async def test_the_source_dies_after_giving_the_episode_up(start_proxy):
     request is already on its way to the replacement, which finishes the episode."""
     proxy = start_proxy(workers=1, control_token=CONTROL, env=failpoint("worker-gave-up"))
     async with aiohttp.ClientSession() as http:
-        run = await start_run(http, proxy.url, run_body("ep-k", 20, pause=0.05))
-        await until_step(http, proxy.url, "ep-k", 2)
-        status, reply = await operate(http, proxy.url, "restart", timeout_s=10)
+        old_owner = (await status_of(http, proxy.url))["workers"][0]["owner"]
+        # Gated, not timed: the episode is still running whenever the replacement is up.
+        run = await start_run(http, proxy.url, run_body("ep-k", 3, gate="k"))
+        await until_step(http, proxy.url, "ep-k", 0)
+        restart = asyncio.ensure_future(operate(http, proxy.url, "restart", timeout_s=20))
+        await wait_until(lambda: _handing_over(http, proxy.url), 20, "the hand-over to begin")
+        await release(http, proxy.url, "k-0", old_owner)  # it parks, gives up, is killed
+        status, reply = await restart
         assert status == 200 and reply["episodes_moved"] == 1, reply
+        for i in range(3):
+            await release(http, proxy.url, f"k-{i}")
+            await until_step(http, proxy.url, "ep-k", i + 1)
         code, answer = await asyncio.wait_for(run, 30)
         assert code == 200 and answer["pid"] == reply["slots"][0]["new_pid"], answer
-        assert answer["state"]["log"] == log_of("ep-k", 20), answer
+        assert answer["state"]["log"] == log_of("ep-k", 3), answer
 
 
 async def release(
