@@ -27,8 +27,8 @@ from gym_proxy.coordinator.contract.errors import GymError, error_body, status_o
 from gym_proxy.coordinator.contract.headers import CHECKPOINT_PATH, MOVE_PATH, WORKERS_PATH
 from gym_proxy.coordinator.contract.ids import is_valid_id
 from gym_proxy.coordinator.contract.telemetry import ATTRIBUTE
-from gym_proxy.coordinator.mover import Mover
-from gym_proxy.coordinator.operations import RESTART_PAUSE, Operations
+from gym_proxy.proxy.fleet.mover import Mover
+from gym_proxy.proxy.fleet.operations import RESTART_PAUSE, Operations
 
 __all__ = ["create_control_app", "PREFIX"]
 
@@ -237,7 +237,7 @@ def _slot(value: Any, name: str) -> int:
 
 
 async def _move(request: web.Request) -> web.Response:
-    """Move live sessions to the worker in one slot (`coordinator.mover`)."""
+    """Move live sessions to the worker in one slot (`proxy.fleet.mover`)."""
     body = await _json_object(request, {"session_ids", "to_slot", "timeout_s"})
     ids = body.get("session_ids")
     if (

@@ -27,10 +27,10 @@ from gym_proxy.coordinator.checkpointer import Checkpointer
 from gym_proxy.coordinator.contract.channel import ChannelClosed, ChannelTimeout, RemoteError
 from gym_proxy.coordinator.contract.loop_lag import LoopLag
 from gym_proxy.coordinator.contract.messages import Stats, WorkerStats
-from gym_proxy.coordinator.mover import Mover
-from gym_proxy.coordinator.operations import Operations
 from gym_proxy.coordinator.phases import Phase
 from gym_proxy.proxy.client_connection import ProxyState
+from gym_proxy.proxy.fleet.mover import Mover
+from gym_proxy.proxy.fleet.operations import Operations
 from gym_proxy.proxy.routing import RULES
 from gym_proxy.proxy.supervisor import Supervisor
 from gym_proxy.proxy.worker_records import WorkerProcess, resident_bytes

@@ -7,7 +7,7 @@ inherited, listening socket (--fd) serves from the start, answering 503
 (SIGTERM/SIGINT; a second signal skips the drain): stop accepting, let in-flight requests
 finish within the grace period, cut the rest, stop workers, remove the runtime directory.
 Once ready, HUP restarts the workers one by one, TTIN adds one and TTOU removes one
-(`coordinator.operations`), their sessions moved, never dropped; before ready and while
+(`proxy.fleet.operations`), their sessions moved, never dropped; before ready and while
 stopping each is logged as ignored (held from the process's start: `proxy.cli`).
 """
 
@@ -29,8 +29,6 @@ from gym_proxy.coordinator.contract.channel import Channel
 from gym_proxy.coordinator.contract.exit_codes import BOOT_ERROR
 from gym_proxy.coordinator.contract.keepalive import POOL_IDLE
 from gym_proxy.coordinator.contract.messages import Register, RegisterReply
-from gym_proxy.coordinator.mover import Mover
-from gym_proxy.coordinator.operations import Operations
 from gym_proxy.coordinator.worker_channels import WorkerChannels
 from gym_proxy.proxy import data_path
 from gym_proxy.proxy.cli import OPERATION_SIGNALS, hold_operation_signals, release_operation_signals
@@ -49,6 +47,8 @@ from gym_proxy.proxy.descriptor_budget import (
     connection_cap,
     reserve,
 )
+from gym_proxy.proxy.fleet.mover import Mover
+from gym_proxy.proxy.fleet.operations import Operations
 from gym_proxy.proxy.metrics import Metrics
 from gym_proxy.proxy.metrics_listener import MetricsListener
 from gym_proxy.proxy.ray_cluster import RAY_ERROR, RayCluster, RayError, RayPlan

@@ -11,7 +11,7 @@ silent for two ping intervals gets no new sessions; one silent for `--worker-tim
 is killed (SIGKILL, which also ends a SIGSTOPped process) and restarted, and its
 sessions answer 410.
 
-Live operations (`coordinator.operations`) change the workers while they serve: a slot
+Live operations (`proxy.fleet.operations`) change the workers while they serve: a slot
 may hold a *successor* beside its worker (a rolling restart starts it, waits until it
 registers, moves the sessions over, then promotes it), slots are added and removed at
 the end (resize), and a worker an operation stops is *leaving*: its exit is expected and
@@ -430,7 +430,7 @@ class Supervisor:
     def sessions_ended(self, owner: str, session_ids: list[str]) -> None:
         self.router.forget_sessions(owner, session_ids)
 
-    # ---- live operations (coordinator.operations.WorkerPool) -----------------------
+    # ---- live operations (proxy.fleet.operations.WorkerPool) -----------------------
     def current(self, slot_index: int) -> WorkerProcess | None:
         """The live worker of the slot, if it has one."""
         if not 0 <= slot_index < len(self.slots):
@@ -548,7 +548,7 @@ class Supervisor:
         # Workers started from now on are told the new count (a NeMo Gym class reads it).
         self.config = dataclasses.replace(self.config, workers=len(self.slots))
 
-    # ---- the mover's view (coordinator.mover.MoveTable) ---------------------------
+    # ---- the mover's view (proxy.fleet.mover.MoveTable) ---------------------------
     def hold_sessions(self, session_ids: list[str]) -> None:
         """New requests of these sessions wait at the proxy until released."""
         for session_id in session_ids:

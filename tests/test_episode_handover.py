@@ -1,4 +1,4 @@
-"""Running `/run` episodes handed over between workers (`coordinator.handovers`,
+"""Running `/run` episodes handed over between workers (`proxy.fleet.handovers`,
 `worker.handoffs`), with real processes: a rolling restart, a drain and a shrink move a
 long episode at its boundary; its client's one request is answered by the new worker,
 and every step ran exactly once (the episode's log is carried in its boundary state)."""

@@ -1,4 +1,4 @@
-"""Live operations with real processes (`coordinator.operations`): rolling restart, resize,
+"""Live operations with real processes (`proxy.fleet.operations`): rolling restart, resize,
 drain and recycle while a pooled client (any session on any connection) increments
 counters; every counter must come out exact and no request may fail."""
 

@@ -1,4 +1,4 @@
-"""The rule every live operation keeps (`coordinator.operations`), in process: a drain or
+"""The rule every live operation keeps (`proxy.fleet.operations`), in process: a drain or
 shrink that would leave no live worker taking new sessions is refused, whichever
 operation comes first, before anything changes."""
 
@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 
 from gym_proxy.coordinator.contract.errors import GymError
-from gym_proxy.coordinator.mover import Mover
-from gym_proxy.coordinator.operations import Operations
 from gym_proxy.proxy.config import Config
+from gym_proxy.proxy.fleet.mover import Mover
+from gym_proxy.proxy.fleet.operations import Operations
 
 pytestmark = pytest.mark.fast
 

@@ -1,8 +1,8 @@
 """Emptying a worker and stopping it: the retire step that a rolling restart, a shrink
-and a recycle share, and the emptying a drain does (`coordinator.operations`).
+and a recycle share, and the emptying a drain does (`proxy.fleet.operations`).
 
 - **empty**: take the worker out of new sessions; move its sessions to its heirs and
-  hand its running `/run` episodes over (`coordinator.handovers`), side by side, until
+  hand its running `/run` episodes over (`proxy.fleet.handovers`), side by side, until
   none is left or the deadline;
 - **take out**: hold every request still routed to it at the proxy, wait for its running
   requests (handing over the episodes among them), move what they left, and send
@@ -27,8 +27,8 @@ from typing import Any, Protocol
 
 from gym_proxy.coordinator.contract.channel import ChannelClosed, ChannelTimeout, RemoteError
 from gym_proxy.coordinator.contract.messages import ListHeld, ParkEpisodes, ResumeEpisodes
-from gym_proxy.coordinator.handovers import hand_over
-from gym_proxy.coordinator.mover import Checkpoints, Moved, Mover, failures, is_free
+from gym_proxy.proxy.fleet.handovers import hand_over
+from gym_proxy.proxy.fleet.mover import Checkpoints, Moved, Mover, failures, is_free
 
 __all__ = ["Retirer", "WorkerPool", "Progress"]
 
@@ -79,7 +79,7 @@ class Progress:
     step: str = "starting"
     moved: int = 0
     failed: dict[str, str] = field(default_factory=dict)
-    episodes_moved: int = 0  # running /run episodes handed over (coordinator.handovers)
+    episodes_moved: int = 0  # running /run episodes handed over (proxy.fleet.handovers)
     episodes_failed: dict[str, str] = field(default_factory=dict)
     episodes_to: dict[str, str] = field(default_factory=dict)  # episode key -> its owner now
     slots: list[dict[str, Any]] = field(default_factory=list)

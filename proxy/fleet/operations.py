@@ -7,7 +7,7 @@ every other operation (409 `operation_conflict`, both ways), reports its progres
 - **drain** a slot: its worker takes no new sessions and its sessions move to the other
   workers (a restart-only app's sessions cannot move: they are waited for until they
   end, up to the timeout, then reported); its running `/run` episodes are handed over
-  beside them, each at its next boundary (`coordinator.handovers`). The worker stays
+  beside them, each at its next boundary (`proxy.fleet.handovers`). The worker stays
   up, draining, until `undrain`.
 - **retire** a worker (the step a restart and a shrink share): drain it into its heirs,
   then hold every request still routed to it at the proxy, wait for its running
@@ -48,8 +48,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gym_proxy.coordinator.contract.errors import GymError
-from gym_proxy.coordinator.mover import Checkpoints, Mover, exclusive, is_free
-from gym_proxy.coordinator.retiring import Progress, Retirer, WorkerPool
+from gym_proxy.proxy.fleet.mover import Checkpoints, Mover, exclusive, is_free
+from gym_proxy.proxy.fleet.retiring import Progress, Retirer, WorkerPool
 
 __all__ = ["Operations", "WorkerPool", "Progress", "RESTART_PAUSE"]
 
