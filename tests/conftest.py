@@ -67,6 +67,32 @@ def start_proxy(
         proxy.cleanup()
 
 
+@pytest.fixture(scope="module")
+def shared_proxy(request: pytest.FixtureRequest) -> Iterator[Callable[..., ProxyProcess]]:
+    """`start_proxy` for tests that only read: one gym-proxy per module and command line,
+    started on first use and stopped after the module's last test (a start costs 1-2 s;
+    a test that changes the server's state, or needs the other app kind, uses
+    `start_proxy`). If a test of the module failed, each proxy's log is printed."""
+    started: dict[tuple[object, ...], ProxyProcess] = {}
+    failed_before = request.session.testsfailed
+
+    def start(*args: str, workers: int = 2, **kwargs: object) -> ProxyProcess:
+        key = (args, workers, tuple(sorted(kwargs.items())))
+        if key not in started:
+            proxy = ProxyProcess(*args, "--name", "apps", workers=workers, app=TEST_APP, **kwargs)  # type: ignore[arg-type]
+            started[key] = proxy
+            proxy.wait_ready()
+        return started[key]
+
+    yield start
+    for proxy in started.values():
+        proxy.close_process()
+    for proxy in started.values():
+        if request.session.testsfailed > failed_before:
+            print(f"---- gym-proxy log (port {proxy.port}) ----\n{proxy.log()}")
+        proxy.cleanup()
+
+
 @pytest.fixture
 async def http() -> aiohttp.ClientSession:
     """A client that keeps no cookies: tests pass session tokens explicitly."""

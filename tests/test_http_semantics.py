@@ -1,4 +1,5 @@
-"""HTTP/1.1 details of the data path, spoken over raw sockets to the real proxy."""
+"""HTTP/1.1 details of the data path, spoken over raw sockets to the real proxy (the
+tests that only read share one: `shared_proxy`)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ from tests.support import wait_until
 OWNER = "x-ng-session-owner"
 
 
-async def test_pipelined_requests_answered_in_order(start_proxy):
-    proxy = start_proxy(workers=2)
+async def test_pipelined_requests_answered_in_order(shared_proxy):
+    proxy = shared_proxy(workers=2)
     reader, writer = await open_raw(proxy)
     requests = b"".join(
         post("/echo", f"body-{i}".encode(), "Content-Type: text/plain\r\n") for i in range(20)
@@ -24,8 +25,8 @@ async def test_pipelined_requests_answered_in_order(start_proxy):
     await close(writer)
 
 
-async def test_keep_alive_and_http10(start_proxy):
-    proxy = start_proxy(workers=1)
+async def test_keep_alive_and_http10(shared_proxy):
+    proxy = shared_proxy(workers=1)
     reader, writer = await open_raw(proxy)
     writer.write(b"GET /get_counter_value HTTP/1.0\r\nConnection: keep-alive\r\n\r\n")
     [(status, headers, body)] = await read_responses(reader, 1)
@@ -37,8 +38,8 @@ async def test_keep_alive_and_http10(start_proxy):
     await close(writer)
 
 
-async def test_head_then_get_on_one_connection(start_proxy):
-    proxy = start_proxy(workers=1)
+async def test_head_then_get_on_one_connection(shared_proxy):
+    proxy = shared_proxy(workers=1)
     reader, writer = await open_raw(proxy)
     writer.write(b"HEAD /download?size=1000&length=1 HTTP/1.1\r\nHost: t\r\n\r\n")
     data = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
@@ -49,8 +50,8 @@ async def test_head_then_get_on_one_connection(start_proxy):
     await close(writer)
 
 
-async def test_expect_100_continue(start_proxy):
-    proxy = start_proxy(workers=1)
+async def test_expect_100_continue(shared_proxy):
+    proxy = shared_proxy(workers=1)
     reader, writer = await open_raw(proxy)
     body = b'{"initial_count": 3}'
     writer.write(
@@ -65,8 +66,8 @@ async def test_expect_100_continue(start_proxy):
     await close(writer)
 
 
-async def test_expect_100_with_bad_token_gets_final_answer_without_body(start_proxy):
-    proxy = start_proxy(workers=1)
+async def test_expect_100_with_bad_token_gets_final_answer_without_body(shared_proxy):
+    proxy = shared_proxy(workers=1)
     reader, writer = await open_raw(proxy)
     writer.write(
         b"POST /seed_session HTTP/1.1\r\nHost: t\r\nContent-Length: 1000000\r\n"
@@ -78,8 +79,8 @@ async def test_expect_100_with_bad_token_gets_final_answer_without_body(start_pr
     await close(writer)
 
 
-async def test_chunked_request_and_error_keeps_connection(start_proxy):
-    proxy = start_proxy(workers=1)
+async def test_chunked_request_and_error_keeps_connection(shared_proxy):
+    proxy = shared_proxy(workers=1)
     reader, writer = await open_raw(proxy)
     writer.write(
         b"POST /echo HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n"
@@ -95,8 +96,8 @@ async def test_chunked_request_and_error_keeps_connection(start_proxy):
     await close(writer)
 
 
-async def test_malformed_request_is_400_and_closed(start_proxy):
-    proxy = start_proxy(workers=1)
+async def test_malformed_request_is_400_and_closed(shared_proxy):
+    proxy = shared_proxy(workers=1)
     reader, writer = await open_raw(proxy)
     writer.write(b"THIS IS NOT HTTP\r\n\r\n")
     [(status, headers, body)] = await read_responses(reader, 1)
@@ -105,8 +106,8 @@ async def test_malformed_request_is_400_and_closed(start_proxy):
     await close(writer)
 
 
-async def test_connect_is_refused(start_proxy):
-    proxy = start_proxy(workers=1)
+async def test_connect_is_refused(shared_proxy):
+    proxy = shared_proxy(workers=1)
     reader, writer = await open_raw(proxy)
     writer.write(b"CONNECT example.com:443 HTTP/1.1\r\nHost: example.com:443\r\n\r\n")
     [(status, _, body)] = await read_responses(reader, 1)
@@ -115,8 +116,8 @@ async def test_connect_is_refused(start_proxy):
     await close(writer)
 
 
-async def test_upgrade_the_worker_declines_is_answered_and_closed(start_proxy):
-    proxy = start_proxy(workers=1)
+async def test_upgrade_the_worker_declines_is_answered_and_closed(shared_proxy):
+    proxy = shared_proxy(workers=1)
     reader, writer = await open_raw(proxy)
     writer.write(b"GET /whoami HTTP/1.1\r\nHost: t\r\nConnection: Upgrade\r\nUpgrade: h2c\r\n\r\n")
     [(status, headers, body)] = await read_responses(reader, 1)
