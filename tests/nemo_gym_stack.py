@@ -224,6 +224,7 @@ class NemoStack:
     expose_mcp: bool = False
     ports: dict[str, int] = field(default_factory=dict)
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    collections: list[Rollouts] = field(default_factory=list)  # ended by stop() if running
 
     def __post_init__(self) -> None:
         self.directory.mkdir(parents=True, exist_ok=True)
@@ -349,7 +350,10 @@ class NemoStack:
                 proc.wait(10)
 
     def stop(self) -> None:
-        """Stop everything, gym-proxy's way (SIGTERM, then the group)."""
+        """Stop everything, gym-proxy's way (SIGTERM, then the group); a rollout
+        collection still running (a failed test's) is killed first."""
+        for collection in self.collections:
+            collection.kill()
         for proc in self.procs.values():
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
@@ -378,7 +382,8 @@ class NemoStack:
             env={**os.environ, "PYTHONPATH": str(REPO)}, start_new_session=True,
         )  # fmt: skip
         log.close()
-        return Rollouts(proc, out, self.directory / f"{name}.log")
+        self.collections.append(Rollouts(proc, out, self.directory / f"{name}.log"))
+        return self.collections[-1]
 
     # ---- what the workers saw -----------------------------------------------------
     def sessions_by_worker(self, role: str) -> dict[str, set[int]]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 
+import aiohttp
 import pytest
 
 pytest.importorskip("nemo_gym", reason="the NeMo Gym tier runs in tests/nemo_gym/install.sh's venv")
@@ -77,7 +78,11 @@ async def test_a_rolling_restart_of_every_server_mid_collection_loses_no_rollout
 
     async def restart(role: str) -> dict:
         url = f"{stack.url(role)}/ng-control/v1/gym-proxy/workers/restart"
-        async with http.post(url, json={"timeout_s": 60, "pause_s": 0}, headers=auth) as r:
+        # It ends once the held rollouts are released, after the counter's restart:
+        # longer than the client's default 30 s on a slow machine.
+        wait = aiohttp.ClientTimeout(total=180)
+        body = {"timeout_s": 60, "pause_s": 0}
+        async with http.post(url, json=body, headers=auth, timeout=wait) as r:
             assert r.status == 200, await r.text()
             return await r.json()
 
