@@ -186,9 +186,15 @@ async def serve(args: argparse.Namespace) -> int:
 
 
 def _joined_ray() -> bool:
-    """Whether the app joined the server's Ray cluster (NeMo Gym's `initialize_ray()`)."""
+    """Whether the app joined a Ray cluster it did not start: the server's, named in its
+    config (NeMo Gym's `initialize_ray()`). An app that started a cluster itself leaves
+    through `ray.shutdown()` and Ray's exit hook, which stop that cluster's processes."""
     ray = sys.modules.get("ray")
-    return ray is not None and bool(ray.is_initialized())
+    if ray is None or not ray.is_initialized():
+        return False
+    node = getattr(getattr(ray, "_private", None), "worker", None)
+    node = getattr(node, "_global_node", None)
+    return node is not None and not node.is_head()
 
 
 def _exit_leaving_ray(code: int) -> NoReturn:
