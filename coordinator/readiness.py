@@ -14,7 +14,9 @@ __all__ = ["Readiness", "MAX_BLOCKERS"]
 MAX_BLOCKERS = 100
 
 
-class _Worker(Protocol):
+class SlotOwner(Protocol):
+    """A worker as the coordinator and the live operations name it: its slot and owner."""
+
     @property
     def slot(self) -> int: ...
     @property
@@ -55,7 +57,7 @@ class Readiness:
         return None if report is None else report.ready
 
     def report(
-        self, live: Sequence[_Worker], expected: int, kind: str = "resources"
+        self, live: Sequence[SlotOwner], expected: int, kind: str = "resources"
     ) -> dict[str, Any]:
         """`{ready, blockers[<=100], blocker_count, counts, restarts}` across every worker;
         `restarts` (episodes a restart-only app cannot continue) is never capped."""

@@ -47,6 +47,7 @@ from gym_proxy.coordinator.contract.messages import (
     MoveOut,
     SessionRecords,
 )
+from gym_proxy.coordinator.readiness import SlotOwner
 
 __all__ = [
     "Mover",
@@ -65,11 +66,7 @@ DROP_WAIT = 30.0  # seconds a worker gets to drop sessions it no longer serves
 BOUNDARY_POLL = 0.01  # seconds between looks at a moving session's running requests
 
 
-class _Worker(Protocol):
-    @property
-    def slot(self) -> int: ...
-    @property
-    def owner(self) -> str: ...
+class _Worker(SlotOwner, Protocol):
     @property
     def channel(self) -> Any: ...
 
