@@ -26,7 +26,7 @@ from aiohttp import web
 from gym_proxy.coordinator.checkpointer import Checkpointer
 from gym_proxy.coordinator.contract import telemetry
 from gym_proxy.coordinator.contract.channel import Channel
-from gym_proxy.coordinator.contract.exit_codes import BOOT_ERROR
+from gym_proxy.coordinator.contract.exit_codes import BOOT_ERROR, USAGE_ERROR
 from gym_proxy.coordinator.contract.keepalive import POOL_IDLE
 from gym_proxy.coordinator.contract.messages import Register, RegisterReply
 from gym_proxy.coordinator.worker_channels import WorkerChannels
@@ -222,6 +222,14 @@ async def run(
             return code
         state.booting = False
         if server is None:
+            try:
+                # Ours, not the loop's: uvloop closes a socket whose listen() fails and
+                # raises nothing, so a port taken since the bind would go unnoticed.
+                listen_sock.listen(config.backlog)
+            except OSError as exc:
+                log.error("cannot listen on %s: %s; stopping", _where(config), exc.strerror)
+                code = USAGE_ERROR
+                return code
             server = await serve()
         host, port = listen_sock.getsockname()[:2]
         workers = f"{config.workers} worker{'s' if config.workers != 1 else ''}"
@@ -296,6 +304,10 @@ def _bind(host: str, port: int) -> socket.socket:
         raise
     sock.setblocking(False)
     return sock
+
+
+def _where(config: Config) -> str:
+    return f"{config.host}:{config.port}"
 
 
 def _listening(sock: socket.socket) -> bool:

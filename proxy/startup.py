@@ -22,7 +22,7 @@ from typing import Any
 
 import uvloop
 
-from gym_proxy.coordinator.contract.exit_codes import exit_process
+from gym_proxy.coordinator.contract.exit_codes import USAGE_ERROR, exit_process
 from gym_proxy.proxy.config import (
     SECRET_ENV,
     Config,
@@ -45,8 +45,6 @@ from gym_proxy.worker.nemo_gym_server import (
 )
 
 __all__ = ["start", "bind_listener"]
-
-EXIT_USAGE = 2
 
 
 def bind_listener(config: Config) -> socket.socket:
@@ -104,7 +102,7 @@ def _from_nemo_gym_config(config: Config, cls: type) -> tuple[Config, RayPlan | 
 
 def _fail(message: str) -> None:
     print(f"gym-proxy: error: {message}", file=sys.stderr)
-    sys.exit(EXIT_USAGE)
+    sys.exit(USAGE_ERROR)
 
 
 def start(argv: Sequence[str] | None = None) -> None:

@@ -23,7 +23,6 @@ import random
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -36,6 +35,7 @@ import aiohttp
 import nemo_gym  # the tier's virtualenv has it (tests/nemo_gym/install.sh)
 import orjson
 
+from tests.ports import free_port
 from tests.support import CONTROL_TOKEN, REPO, TEST_SECRET, wait_until
 
 PACKAGES = Path(nemo_gym.__file__).resolve().parent.parent  # site-packages: the servers
@@ -164,12 +164,6 @@ class SharedRay:
                 head.wait()
         if head is not None and head.stdout is not None:
             head.stdout.close()
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def counter_rows(count: int, increments: int = 3, seed: int = 3) -> list[dict[str, Any]]:

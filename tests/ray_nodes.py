@@ -36,6 +36,7 @@ from typing import Any
 
 import psutil
 
+from tests.ports import free_port
 from tests.support import REPO, wait_until_sync
 
 RAY = str(Path(sys.executable).with_name("ray"))  # the venv's `ray` command
@@ -46,14 +47,6 @@ HEALTH = {
     "RAY_health_check_timeout_ms": "1000",
     "RAY_health_check_failure_threshold": "3",
 }
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @dataclass

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from tests.gated_app import GATE_ENV
+from tests.ports import free_port
 from tests.support import REPO, pid_alive, wait_until, wait_until_sync
 
 OWNER = "x-ng-session-owner"
@@ -137,6 +138,49 @@ def test_port_in_use_fails_before_any_worker(tmp_path):
     assert f"cannot listen on 127.0.0.1:{port}" in result.stderr
     assert "worker" not in result.stderr.lower().replace("--workers", "")
     assert list(tmp_path.iterdir()) == []
+
+
+def _bound_by_someone(port: int) -> bool:
+    with socket.socket() as probe:
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return True
+        return False
+
+
+def test_a_port_taken_while_the_workers_boot_stops_gym_proxy_with_one_line(tmp_path):
+    # gym-proxy binds at once and listens when its workers are ready; another process
+    # may bind and listen on the port in between (both with SO_REUSEADDR).
+    hold = tmp_path / "hold"
+    hold.touch()
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gym_proxy", "tests.apps:create_app", "--port", str(port)],
+        cwd=REPO,
+        env={**os.environ, "GYM_TEST_HOLD_FILE": str(hold)},
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    taker = socket.socket()
+    try:
+        wait_until_sync(
+            lambda: proc.poll() is not None or _bound_by_someone(port), 30, "gym-proxy's bind"
+        )
+        taker.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        taker.bind(("127.0.0.1", port))
+        taker.listen()
+        hold.unlink()
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        taker.close()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 2, stderr
+    assert f"cannot listen on 127.0.0.1:{port}: Address already in use; stopping" in stderr
+    assert "Traceback" not in stderr
+    assert "stopped in" in stderr  # after its workers, through the usual stop
 
 
 def test_default_app_is_counter(tmp_path):

@@ -11,7 +11,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 from pathlib import Path
@@ -19,6 +18,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
+from tests.ports import free_port
 from tests.support import CONTROL_TOKEN, REPO, Control, wait_until, wait_until_sync
 
 TOKEN = "X-NeMo-Gym-Session-Token"
@@ -33,12 +33,6 @@ def metrics_url(proxy) -> str:  # type: ignore[no-untyped-def]
         lambda: re.search(r"metrics on (http://\S+/metrics)", proxy.log()), 10, "metrics address"
     )
     return found.group(1)  # type: ignore[union-attr]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class Prometheus:

@@ -21,7 +21,8 @@ from itsdangerous import TimestampSigner, URLSafeSerializer  # noqa: E402
 from nemo_gym.base_resources_server import _MCP_TOKEN_SALT  # noqa: E402
 
 from gym_proxy.coordinator import checkpoint_files as records  # noqa: E402
-from tests.nemo_gym_stack import CounterClient, free_port  # noqa: E402
+from tests.nemo_gym_stack import CounterClient  # noqa: E402
+from tests.ports import free_port  # noqa: E402
 from tests.support import CONTROL_TOKEN, Control, wait_until, write_checkpoint  # noqa: E402
 from tests.test_nemo_gym_checkpoint import mcp_call  # noqa: E402
 

@@ -25,7 +25,8 @@ pytest.importorskip("ray", reason="the NeMo Gym tier's venv has NeMo Gym's pinne
 psutil = pytest.importorskip("psutil")
 
 from tests.nemo_gym import code_gen  # noqa: E402
-from tests.nemo_gym_stack import SharedRay, free_port  # noqa: E402
+from tests.nemo_gym_stack import SharedRay  # noqa: E402
+from tests.ports import free_port  # noqa: E402
 from tests.support import (  # noqa: E402
     CONTROL_TOKEN,
     ProxyProcess,

@@ -44,7 +44,8 @@ for _module in ("ray", "grpc", "aiohttp_cors", "opencensus"):  # Ray, and its st
         pytest.skip(f"needs {_module} (tests/nemo_gym/install.sh)", allow_module_level=True)
 
 from tests.nemo_gym import code_gen  # noqa: E402
-from tests.ray_nodes import RayNodes, RayState, free_port  # noqa: E402
+from tests.ports import free_port  # noqa: E402
+from tests.ray_nodes import RayNodes, RayState  # noqa: E402
 from tests.support import REPO, TEST_SECRET, wait_until, wait_until_sync  # noqa: E402
 
 # Two Ray nodes and two code_gen workers take a minute to start on a busy 2-core machine.

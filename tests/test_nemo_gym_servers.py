@@ -15,7 +15,8 @@ import pytest
 
 pytest.importorskip("nemo_gym", reason="the NeMo Gym tier runs in tests/nemo_gym/install.sh's venv")
 
-from tests.nemo_gym_stack import CounterClient, free_port  # noqa: E402
+from tests.nemo_gym_stack import CounterClient  # noqa: E402
+from tests.ports import free_port  # noqa: E402
 from tests.support import CONTROL_TOKEN, REPO, TEST_SECRET, Control, wait_until  # noqa: E402
 
 COUNTER = "resources_servers.example_session_state_mgmt.app:StatefulCounterResourcesServer"

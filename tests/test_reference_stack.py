@@ -17,7 +17,8 @@ import pytest
 
 from gym_proxy.coordinator.clients.rollouts import Rollout, exported_rollouts
 from gym_proxy.coordinator.contract.episodes import EpisodeId
-from gym_proxy.worker.apps.stack import Stack
+from gym_proxy.worker.apps.stack import SERVERS, Stack
+from tests.ports import free_port
 from tests.stack_flow import HOLD_SECOND_CALL, StackRun, all_scored
 from tests.support import wait_until
 
@@ -42,7 +43,9 @@ def stacks(tmp_path):
     made: list[Stack] = []
 
     def make(workers, env=None) -> Stack:
-        stack = Stack(workers, str(tmp_path / f"stack{len(made)}"), env=env)
+        # Ports outside the ephemeral range: the stack restarts on them after a crash.
+        ports = [free_port() for _ in SERVERS]
+        stack = Stack(workers, str(tmp_path / f"stack{len(made)}"), env=env, ports=ports)
         made.append(stack)
         return stack.start()
 

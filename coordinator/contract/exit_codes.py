@@ -7,8 +7,10 @@ import gc
 import sys
 from typing import Final, NoReturn
 
-__all__ = ["BOOT_ERROR", "LOST_COORDINATOR", "exit_process"]
+__all__ = ["BOOT_ERROR", "LOST_COORDINATOR", "USAGE_ERROR", "exit_process"]
 
+# gym-proxy's: its command line cannot be served as given (a bad flag, a port in use).
+USAGE_ERROR: Final = 2
 # The app cannot be built or started: respawning would fail the same way, so the
 # supervisor stops the whole server instead.
 BOOT_ERROR: Final = 3

@@ -39,10 +39,13 @@ SERVERS = {
 }
 
 
-def _free_port(host: str) -> int:
-    with socket.socket() as probe:
-        probe.bind((host, 0))
-        return probe.getsockname()[1]
+def free_ports(host: str, count: int) -> list[int]:
+    """`count` different ports free on `host`: the probes are held until all are chosen."""
+    with contextlib.ExitStack() as held:
+        probes = [held.enter_context(socket.socket()) for _ in range(count)]
+        for probe in probes:
+            probe.bind((host, 0))
+        return [probe.getsockname()[1] for probe in probes]
 
 
 @dataclass
@@ -63,16 +66,19 @@ class Stack:
         directory: str | None = None,
         env: dict[str, str] | None = None,
         host: str = "127.0.0.1",
+        ports: list[int] | None = None,
     ) -> None:
+        """`ports`, one per server in SERVERS' order, default to ports free now."""
         self.host = host
         self.dir = Path(directory or tempfile.mkdtemp(prefix="gps-", dir="/tmp"))
         self.dir.mkdir(parents=True, exist_ok=True)
         self.env = dict(env or {})
         # gym-proxy's private sockets: a short path of its own (AF_UNIX paths are short)
         self.runtime = tempfile.mkdtemp(prefix="gsr-", dir="/tmp")
+        ports = ports or free_ports(host, len(SERVERS))
         self.servers = {
-            name: Server(name, app, _free_port(host), self._count(workers, name))
-            for name, app in SERVERS.items()
+            name: Server(name, app, port, self._count(workers, name))
+            for (name, app), port in zip(SERVERS.items(), ports, strict=True)
         }
         self.control_token = secrets.token_urlsafe(24)
         self._secret_file = self._private("secret", secrets.token_urlsafe(32))
