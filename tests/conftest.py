@@ -1,6 +1,9 @@
 from __future__ import annotations
 
+import shutil
+import tempfile
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import aiohttp
 import pytest
@@ -27,6 +30,25 @@ def pytest_itemcollected(item: pytest.Item) -> None:
     could be forgotten, and such a file would run under neither Python)."""
     if item.path.name.startswith("test_nemo_gym_"):
         item.add_marker(pytest.mark.nemo_gym)
+
+
+# The longest files, longest first (CI's --durations): pytest-xdist hands files out in
+# collection order, and the longest one started last would run alone at the end.
+LONGEST_FIRST = (
+    "test_random_operations.py",
+    "test_nemo_gym_checkpoint.py",
+    "test_nemo_gym_stack.py",
+    "test_nemo_gym_launcher.py",
+    "test_nemo_gym_ray.py",
+    "test_reference_stack.py",
+    "test_nemo_gym_counter.py",
+    "test_live_operations.py",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {name: place for place, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: else as found
 
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)
@@ -100,3 +122,12 @@ async def http() -> aiohttp.ClientSession:
         cookie_jar=aiohttp.DummyCookieJar(), timeout=aiohttp.ClientTimeout(total=30)
     ) as session:
         yield session
+
+
+@pytest.fixture
+def short_tmp() -> Iterator[Path]:
+    """A directory short enough for a --runtime-dir: Unix socket paths are short, and
+    tmp_path is long under pytest-xdist (.../popen-gwN/test_name0)."""
+    path = Path(tempfile.mkdtemp(prefix="gpt-", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)

@@ -297,6 +297,9 @@ class NemoStack:
             "--secret-file", str(self.directory / "secret"),
             "--control-token-file", str(self.directory / "control"),
             "--runtime-dir", self.runtime,
+            # A second test process shares the 2 cores: a NeMo Gym worker's imports then
+            # take several times their usual seconds.
+            "--boot-timeout", "180",
             "--log-level", "warning", *(["--access-log"] if self.access_log else []),
             *self.gym_proxy_args.get(spec.role, []),
         ]  # fmt: skip
@@ -310,7 +313,7 @@ class NemoStack:
         )  # fmt: skip
         log.close()
 
-    async def wait_serving(self, http: aiohttp.ClientSession, within: float = 90) -> None:
+    async def wait_serving(self, http: aiohttp.ClientSession, within: float = 200) -> None:
         """Until every server's NeMo Gym liveness route answers 200 (under gym-proxy: all
         of its workers have registered) and the backend answers."""
 

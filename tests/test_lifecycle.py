@@ -108,12 +108,12 @@ def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
         (["--workers", "two"], "argument --workers: invalid int value: 'two' (see gym-proxy"),
     ],
 )
-def test_bad_flags_exit_with_one_line(args, message, tmp_path):
-    result = run_cli(*args, "--runtime-dir", str(tmp_path))
+def test_bad_flags_exit_with_one_line(args, message, short_tmp):
+    result = run_cli(*args, "--runtime-dir", str(short_tmp))
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], result.stderr
-    assert list(tmp_path.iterdir()) == []  # nothing started, no runtime directory
+    assert list(short_tmp.iterdir()) == []  # nothing started, no runtime directory
 
 
 def test_version_and_help():
@@ -125,19 +125,19 @@ def test_version_and_help():
         assert flag in result.stdout
 
 
-def test_port_in_use_fails_before_any_worker(tmp_path):
+def test_port_in_use_fails_before_any_worker(short_tmp):
     taken = socket.socket()
     taken.bind(("127.0.0.1", 0))
     taken.listen()
     port = taken.getsockname()[1]
     try:
-        result = run_cli("--port", str(port), "--runtime-dir", str(tmp_path))
+        result = run_cli("--port", str(port), "--runtime-dir", str(short_tmp))
     finally:
         taken.close()
     assert result.returncode != 0
     assert f"cannot listen on 127.0.0.1:{port}" in result.stderr
     assert "worker" not in result.stderr.lower().replace("--workers", "")
-    assert list(tmp_path.iterdir()) == []
+    assert list(short_tmp.iterdir()) == []
 
 
 def _bound_by_someone(port: int) -> bool:
@@ -183,7 +183,7 @@ def test_a_port_taken_while_the_workers_boot_stops_gym_proxy_with_one_line(tmp_p
     assert "stopped in" in stderr  # after its workers, through the usual stop
 
 
-def test_default_app_is_counter(tmp_path):
+def test_default_app_is_counter(tmp_path, short_tmp):
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
     port = listener.getsockname()[1]
@@ -197,7 +197,7 @@ def test_default_app_is_counter(tmp_path):
                 "--fd",
                 str(listener.fileno()),
                 "--runtime-dir",
-                str(tmp_path),
+                str(short_tmp),
             ],
             cwd=REPO,
             stdout=out,
@@ -219,9 +219,10 @@ def test_default_app_is_counter(tmp_path):
                 reply += chunk
         assert reply.startswith(b"HTTP/1.1 200") and reply.endswith(b'{"count":4}')
     finally:
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(30) == 0
         listener.close()
+        proc.send_signal(signal.SIGINT)
+        code = proc.wait(30)
+    assert code == 0
 
 
 async def test_access_log(start_proxy, http):

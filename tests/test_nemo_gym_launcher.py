@@ -44,7 +44,7 @@ def start_launcher(tmp_path: Path, env: dict[str, str]) -> subprocess.Popen[byte
         )  # fmt: skip
 
 
-def counter_config(tmp_path: Path, port: int, head: int) -> dict:
+def counter_config(tmp_path: Path, port: int, head: int, runtime: Path) -> dict:
     """The launcher recipe as docs/nemo_gym.md writes it: the server's venv prepared
     (`skip_venv_if_present`), `entrypoint: -mgym_proxy`, NeMo Gym's `num_workers`, and
     gym-proxy's own settings in the block's `gym_proxy:` key, nothing in the environment."""
@@ -70,7 +70,7 @@ def counter_config(tmp_path: Path, port: int, head: int) -> dict:
                         "session_state": "session_id_to_counter",
                         "secret_file": str(tmp_path / "secret"),
                         "control_token_file": str(tmp_path / "control-token"),
-                        "runtime_dir": str(tmp_path / "rt"),
+                        "runtime_dir": str(runtime),
                     },
                 }
             }
@@ -86,14 +86,16 @@ async def launcher_ready(launcher: subprocess.Popen[bytes], log: Path) -> None:
     await wait_until(ready, 180, "the launcher to report its server ready")
 
 
-async def test_the_launcher_recipe_keeps_a_counters_sessions_across_a_crash(tmp_path):
+async def test_the_launcher_recipe_keeps_a_counters_sessions_across_a_crash(tmp_path, short_tmp):
     """NeMo Gym's counter started by `gym env start` under gym-proxy, configured only by
     its config block: 3 workers (`num_workers`) and its session dict declared
     (`gym_proxy: {session_state: ...}`). Sessions are checkpointed, the whole launcher
     is killed (-9, with its servers), a new launcher starts from the same config, the
     sessions are restored, and NeMo Gym's clients carry on with their cookies."""
     port, head = free_port(), free_port()
-    (tmp_path / "config.yaml").write_text(json.dumps(counter_config(tmp_path, port, head)))
+    (tmp_path / "config.yaml").write_text(
+        json.dumps(counter_config(tmp_path, port, head, short_tmp))
+    )
     env = {k: v for k, v in os.environ.items() if not k.startswith("GYM_PROXY_")}
     env["PYTHONPATH"] = str(REPO)
     url, log = f"http://127.0.0.1:{port}", tmp_path / "launcher.log"
@@ -163,7 +165,7 @@ def group_alive(pgid: int) -> list[int]:
 
 @pytest.mark.timeout(600)  # the launcher's Ray cluster and three NeMo Gym workers on 2 cores
 async def test_a_ray_server_under_the_launcher_shares_its_cluster_and_stops_in_its_second(
-    tmp_path,
+    tmp_path, short_tmp
 ):
     """code_gen (its verify runs as a Ray task) started by NeMo Gym's launcher under
     gym-proxy with 3 workers: they join the launcher's one Ray cluster (the address the
@@ -184,7 +186,7 @@ async def test_a_ray_server_under_the_launcher_shares_its_cluster_and_stops_in_i
     block = config[code_gen.INSTANCE]["resources_servers"]["code_gen"]
     block.update({"entrypoint": "-mgym_proxy", "num_workers": 3})
     (tmp_path / "config.yaml").write_text(json.dumps(config))
-    runtime = tmp_path / "rt"
+    runtime = short_tmp
     env = {
         **os.environ,
         "GYM_PROXY_SECRET": TEST_SECRET,
