@@ -30,7 +30,14 @@ pytest.importorskip("nemo_gym", reason="the NeMo Gym tier runs in tests/nemo_gym
 from tests.nemo_gym import code_gen  # noqa: E402
 from tests.nemo_gym_stack import CounterClient  # noqa: E402
 from tests.ports import free_port  # noqa: E402
-from tests.support import CONTROL_TOKEN, REPO, TEST_SECRET, Control, wait_until  # noqa: E402
+from tests.support import (  # noqa: E402
+    CONTROL_TOKEN,
+    REPO,
+    TEST_SECRET,
+    Control,
+    wait_until,
+    wait_until_sync,
+)
 
 
 def start_launcher(tmp_path: Path, env: dict[str, str]) -> subprocess.Popen[bytes]:
@@ -149,6 +156,13 @@ async def test_the_launcher_recipe_keeps_a_counters_sessions_across_a_crash(tmp_
     assert "NeMo Gym finished!" in log.read_text()
 
 
+def command_of(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
 def group_alive(pgid: int) -> list[int]:
     """Processes of process group `pgid` still alive (not zombies)."""
     alive = []
@@ -223,7 +237,14 @@ async def test_a_ray_server_under_the_launcher_shares_its_cluster_and_stops_in_i
         text = log.read_text()
         assert "NeMo Gym finished!" in text
         assert "didn't shutdown within" not in text, text[-2000:]  # not killed: it stopped
-        assert group_alive(launcher.pid) == []
+        # gym-proxy and its workers are gone when the launcher is; the launcher's own Ray
+        # cluster exits after its driver, the launcher, on its own time.
+        assert [p for p in group_alive(launcher.pid) if "gym_proxy" in command_of(p)] == []
+        try:
+            wait_until_sync(lambda: group_alive(launcher.pid) == [], 60, "the group to exit")
+        except AssertionError:
+            left = [command_of(p)[:100] for p in group_alive(launcher.pid)]
+            raise AssertionError(f"still running after the launcher: {left}") from None
         assert list(runtime.iterdir()) == []
     finally:
         with contextlib.suppress(ProcessLookupError):
