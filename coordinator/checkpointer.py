@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from gym_proxy.coordinator import checkpoint_files as files
+from gym_proxy.coordinator.broadcast import broadcast
 from gym_proxy.coordinator.contract import telemetry
 from gym_proxy.coordinator.contract.channel import (
     Channel,
@@ -59,6 +60,7 @@ from gym_proxy.coordinator.contract.messages import (
 )
 from gym_proxy.coordinator.contract.records import EncodedRecords, is_session, record_key
 from gym_proxy.coordinator.contract.telemetry import ATTRIBUTE
+from gym_proxy.coordinator.exclusion import Exclusion
 from gym_proxy.coordinator.phases import PhaseMachine
 from gym_proxy.coordinator.placement import Placement, place
 from gym_proxy.coordinator.readiness import Readiness
@@ -146,7 +148,7 @@ class Checkpointer:
     claims: RestoredClaims[dict[str, Any]] = field(default_factory=RestoredClaims)
     marks: RetireMarks = field(default_factory=RetireMarks)
     restored_once: bool = False
-    busy: str | None = None  # a live operation (a move) that excludes checkpoints
+    exclusion: Exclusion = field(init=False)  # shared with the moves and live operations
     _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     _op: tuple[str, asyncio.Task[Any]] | None = None
     _write: _Write | None = None
@@ -155,6 +157,7 @@ class Checkpointer:
 
     def __post_init__(self) -> None:
         self.machine = PhaseMachine(self.lease_grace)
+        self.exclusion = Exclusion(lambda: self.open_checkpoint)
 
     # ---- worker side ------------------------------------------------------------
     def register_reply(self, kind: str) -> RegisterReply:
@@ -222,7 +225,7 @@ class Checkpointer:
             + len(self.workers.placed_app_sessions()),
             "restored_pending": self.claims.keys(),
             "retired_rollouts": len(self.marks),
-            "operation": self.busy,
+            "operation": self.exclusion.operation,
         }
 
     def _report(self, live: list[LiveWorker] | None = None) -> dict[str, Any]:
@@ -243,16 +246,12 @@ class Checkpointer:
         """The ID of the checkpoint that is open, if one is."""
         return self.machine.checkpoint_id if self.machine.is_open else None
 
-    def _refuse_while_busy(self) -> None:
-        if self.busy is not None:
-            raise GymError("operation_conflict", f"a {self.busy} is running; retry after it")
-
     async def prepare(self, checkpoint_id: str, deadline_ts: float) -> dict[str, Any]:
         async with self._lock:
             cached = self.machine.check("prepare", checkpoint_id, deadline_ts, self.clock())
             if cached is not None:
                 return cached
-            self._refuse_while_busy()
+            self.exclusion.refuse_checkpoint()
             if not self.machine.is_open:
                 self.machine.open(checkpoint_id, "preparing", deadline_ts)
                 self.readiness.reset()
@@ -385,10 +384,7 @@ class Checkpointer:
     async def _stop_workers(self, live: list[LiveWorker], deadline_ts: float) -> None:
         """After a commit with `stop: true`: each app frees what it can, best effort."""
         within = max(0.0, deadline_ts - self.clock())
-        results = await asyncio.gather(
-            *(w.channel.request(Stop(), within=within) for w in live), return_exceptions=True
-        )
-        for worker, result in zip(live, results, strict=True):
+        for worker, result in await broadcast(live, Stop(), within):
             if isinstance(result, BaseException):
                 log.warning("stop on worker %d failed: %s", worker.slot, result)
 
@@ -469,7 +465,7 @@ class Checkpointer:
             return cached
         if self.restored_once:
             raise GymError("invalid_phase", "restore needs freshly started workers")
-        self._refuse_while_busy()
+        self.exclusion.refuse_checkpoint()
         live = self.workers.live()
         if len(live) < self.workers.expected:
             missing = self.workers.expected - len(live)
@@ -537,17 +533,13 @@ class Checkpointer:
         """Undo an install on every worker and reopen it (each worker handles the three
         messages in order; a silent worker costs REOPEN_WAIT once, not per message)."""
         undo = (Uninstall(), TablesUpdate({}, self.marks.as_dict()), Reopen())
-        sends = [
-            (worker, message, worker.channel.request(message, within=REOPEN_WAIT))
-            for worker in live
-            for message in undo
-        ]
-        results = await asyncio.gather(*(send for _, _, send in sends), return_exceptions=True)
-        for (worker, message, _), result in zip(sends, results, strict=True):
-            if isinstance(result, BaseException):
-                log.warning(
-                    "rollback %s on worker %d failed: %s", message.TYPE, worker.slot, result
-                )
+        answers = await asyncio.gather(*(broadcast(live, m, REOPEN_WAIT) for m in undo))
+        for message, answered in zip(undo, answers, strict=True):
+            for worker, result in answered:
+                if isinstance(result, BaseException):
+                    log.warning(
+                        "rollback %s on worker %d failed: %s", message.TYPE, worker.slot, result
+                    )
         self.machine.abandon()
 
     async def renew(self, checkpoint_id: str, deadline_ts: float) -> dict[str, Any]:
@@ -596,12 +588,7 @@ class Checkpointer:
             self._write = None
         self.machine.close()
         self.readiness.reset()
-        live = self.workers.live()
-        results = await asyncio.gather(
-            *(w.channel.request(Reopen(), within=REOPEN_WAIT) for w in live),
-            return_exceptions=True,
-        )
-        for worker, result in zip(live, results, strict=True):
+        for worker, result in await broadcast(self.workers.live(), Reopen(), REOPEN_WAIT):
             if isinstance(result, BaseException):
                 log.warning("reopen of worker %d failed: %s", worker.slot, result)
 
@@ -688,16 +675,11 @@ class Checkpointer:
     ) -> list[Any]:
         """Send `message` (or the one `message(worker)` makes for it) to every worker in
         `live` at once; any failure refuses the whole call."""
-        messages = [message(w) if callable(message) else message for w in live]
-        if not messages:
+        if not live:
             return []
-        what = messages[0].TYPE
-        timeout = self._remaining(deadline_ts, what)
-        results = await asyncio.gather(
-            *(w.channel.request(m, within=timeout) for w, m in zip(live, messages, strict=True)),
-            return_exceptions=True,
-        )
-        for worker, result in zip(live, results, strict=True):
+        what = (message(live[0]) if callable(message) else message).TYPE
+        answered = await broadcast(live, message, self._remaining(deadline_ts, what))
+        for worker, result in answered:
             if isinstance(result, ChannelTimeout):
                 raise GymError(
                     "deadline_exceeded",
@@ -709,7 +691,7 @@ class Checkpointer:
                 raise GymError(result.code, f"{what} on worker {worker.slot}: {result.detail}")
             if isinstance(result, BaseException):
                 raise result
-        return results
+        return [result for _, result in answered]
 
 
 def _succeeded(task: asyncio.Future[Any]) -> bool:

@@ -17,7 +17,7 @@ States (one at a time; the request side's progress is `request_done`, orthogonal
                 (the request body may still stream to the worker: full duplex)
     TUNNEL      after a 101: bytes pass both ways untouched             bytes -> both
     HANDOVER    the worker gave the request back (its episode was       nothing
-                handed over, `worker.handoffs`): its answer, the
+                handed over, `worker.handovers`): its answer, the
                 request's body, is read, then the request is sent on
                 to the target, unchanged
     ANSWERING   the proxy's own answer is decided; the rest of the      nothing, then the
@@ -51,8 +51,8 @@ from gym_proxy.coordinator.contract.errors import GymError, status_of
 from gym_proxy.coordinator.contract.headers import (
     CONTROL_PREFIX,
     EMPTY_ROLLOUT_KEY,
-    HANDOFF,
-    HANDOFF_STATUS,
+    HANDOVER_HEADER,
+    HANDOVER_STATUS,
     ROLLOUT_PREFIX,
     split_rollout_url,
 )
@@ -62,7 +62,7 @@ from gym_proxy.proxy.outbox import batch as write_batch
 from gym_proxy.proxy.outbox import hold, release
 from gym_proxy.proxy.request_head import RequestHead, rewrite_request_head
 from gym_proxy.proxy.response_head import rewrite_response_head
-from gym_proxy.proxy.routing import APP_COOKIE, APP_TOKEN, Handoff, Router, WorkerRoute
+from gym_proxy.proxy.routing import APP_COOKIE, APP_TOKEN, ExpectedHandover, Router, WorkerRoute
 from gym_proxy.proxy.session_tokens import TokenError
 
 if TYPE_CHECKING:
@@ -108,8 +108,8 @@ STATE_NAMES: Final = (
 # the (uncompiled) contract module.
 _CONTROL_PREFIX: Final = CONTROL_PREFIX
 _ROLLOUT_PREFIX: Final = ROLLOUT_PREFIX
-_HANDOFF: Final = HANDOFF
-_HANDOFF_STATUS: Final = HANDOFF_STATUS
+_HANDOVER_HEADER: Final = HANDOVER_HEADER
+_HANDOVER_STATUS: Final = HANDOVER_STATUS
 # A request this large may not leave in one write; its connection keeps a spare descriptor.
 SPARE_AFTER_BYTES: Final = 65536
 
@@ -150,7 +150,7 @@ class Exchange:
         "session_id",
         "held_since",
         "span",
-        "handoff",
+        "handover",
     )
 
     def __init__(self, client: ClientConnection) -> None:
@@ -186,7 +186,7 @@ class Exchange:
         self.held_since = 0.0  # monotonic time it began to wait for a move (0: never held)
         self.span: object = None  # its span, with --trace-requests (proxy.request_spans)
         self.session_id: str | None = None  # the session it was routed under, once routed
-        self.handoff: Handoff | None = None  # in HANDOVER: where it goes on to
+        self.handover: ExpectedHandover | None = None  # in HANDOVER: where it goes on to
 
     @property
     def finished(self) -> bool:
@@ -392,10 +392,10 @@ class Exchange:
             return  # 1xx: the proxy answered Expect itself; an interim answer is dropped
         self.upstream_keep_alive = keep_alive
         worker = self.worker
-        if status == _HANDOFF_STATUS and self.client.proxy_state.router.handoffs:
-            handoff = self._expected_handoff(headers)
-            if handoff is not None:
-                self.handoff = handoff
+        if status == _HANDOVER_STATUS and self.client.proxy_state.router.handovers:
+            handover = self._expected_handover(headers)
+            if handover is not None:
+                self.handover = handover
                 self.body_buffer = []
                 self.state = HANDOVER
                 return
@@ -453,23 +453,23 @@ class Exchange:
             if sessions.get(session_id) == worker.owner:
                 del sessions[session_id]
 
-    def _expected_handoff(self, headers: list[tuple[bytes, bytes]]) -> Handoff | None:
+    def _expected_handover(self, headers: list[tuple[bytes, bytes]]) -> ExpectedHandover | None:
         """The hand-over the marker in `headers` names, if the mover expects it from this
         worker (any other answer, a forged marker included, is relayed as it is)."""
-        handoffs = self.client.proxy_state.router.handoffs
+        handovers = self.client.proxy_state.router.handovers
         for name, value in headers:
-            if name.lower() == _HANDOFF:
-                handoff = handoffs.get(value)
-                if handoff is not None and handoff.source is self.worker:
-                    del handoffs[value]
-                    return handoff
+            if name.lower() == _HANDOVER_HEADER:
+                handover = handovers.get(value)
+                if handover is not None and handover.source is self.worker:
+                    del handovers[value]
+                    return handover
         return None
 
     def _send_on(self, reusable: bool) -> None:
         """HANDOVER -> CONNECTING: the request, its body as the worker gave it back, goes
         to the hand-over's target; the client sees only the target's answer."""
-        handoff = self.handoff
-        assert handoff is not None
+        handover = self.handover
+        assert handover is not None
         body = b"".join(self.body_buffer or ())
         self.body_buffer = None
         source = self.worker
@@ -484,20 +484,20 @@ class Exchange:
         if source is not None:
             source.in_flight -= 1
         self.worker = None
-        target = handoff.target
+        target = handover.target
         if not self.request_done:
             why = "the worker gave the request back before its body had all come"
-            handoff.settle(why)
+            handover.settle(why)
             self.fail("upstream_protocol_error", why)
             return
         if self.client.proxy_state.router.workers.get(target.owner) is not target:
-            handoff.settle("the target worker is gone")
+            handover.settle("the target worker is gone")
             self.fail("session_owner_gone", f"the worker {target.owner} is gone")
             return
-        self.handoff = None
+        self.handover = None
         self.body_buffer = [body] if body else None
         self._routed_to(target)
-        handoff.settle("")
+        handover.settle("")
         target.pool.acquire(self)
 
     def response_body(self, body: bytes) -> None:
@@ -588,8 +588,8 @@ class Exchange:
         state = self.state
         if state == DONE or state == ANSWERING:
             return
-        if self.handoff is not None:
-            self.handoff.settle(f"{code}: {detail}")
+        if self.handover is not None:
+            self.handover.settle(f"{code}: {detail}")
         if state == RESPONDING or state == TUNNEL:
             self.client.proxy_state.responses_cut += 1
             self.finish(reuse=False)
@@ -646,9 +646,9 @@ class Exchange:
         if self.state == DONE:
             return
         self.state = DONE
-        if self.handoff is not None:
-            self.handoff.settle(f"its request ended at the proxy ({STATE_NAMES[HANDOVER]})")
-            self.handoff = None
+        if self.handover is not None:
+            self.handover.settle(f"its request ended at the proxy ({STATE_NAMES[HANDOVER]})")
+            self.handover = None
         slot = self.slot
         self._detach(reuse)
         if self.client.proxy_state.access_log is not None:
@@ -662,9 +662,9 @@ class Exchange:
         """The client went away: drop the worker connection (the app sees it go)."""
         if self.state != DONE:
             self.state = DONE
-            if self.handoff is not None:
-                self.handoff.settle("its client went away")
-                self.handoff = None
+            if self.handover is not None:
+                self.handover.settle("its client went away")
+                self.handover = None
             self._detach(reuse=False)
             if self.client.proxy_state.access_log is not None:
                 self.status = self.status or 499  # nginx's "client closed request"

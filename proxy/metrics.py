@@ -14,7 +14,6 @@ are served on, and its bounds, is proxy.metrics_listener.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Iterator
 
@@ -23,6 +22,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
 
+from gym_proxy.coordinator.broadcast import broadcast
 from gym_proxy.coordinator.checkpointer import Checkpointer
 from gym_proxy.coordinator.contract.channel import ChannelClosed, ChannelTimeout, RemoteError
 from gym_proxy.coordinator.contract.loop_lag import LoopLag
@@ -33,13 +33,13 @@ from gym_proxy.proxy.fleet.mover import Mover
 from gym_proxy.proxy.fleet.operations import Operations
 from gym_proxy.proxy.routing import RULES
 from gym_proxy.proxy.supervisor import Supervisor
-from gym_proxy.proxy.worker_records import WorkerProcess, resident_bytes
+from gym_proxy.proxy.worker_records import WORKER_STATUSES, WorkerProcess, resident_bytes
 
 __all__ = ["Metrics", "STATES", "PHASES"]
 
 log = logging.getLogger("gym_proxy.metrics")
 
-STATES = ("booting", "ready", "draining", "unresponsive", "leaving")
+STATES = tuple(s for s in WORKER_STATUSES if s != "stopped")  # of running processes
 PHASES: tuple[Phase, ...] = ("idle", "preparing", "prepared", "committed", "restored")
 CLASSES = ("1xx", "2xx", "3xx", "4xx", "5xx")
 STATS_WAIT = 1.0  # seconds a scrape waits for a worker's stats
@@ -101,13 +101,8 @@ class Metrics:
     async def refresh(self) -> None:
         """Ask every live worker for its stats (a worker that does not answer in time
         keeps its last ones out: its sessions gauge is absent, not stale)."""
-        live = self.supervisor.live()
-        replies = await asyncio.gather(
-            *(w.channel.request(Stats(), within=STATS_WAIT) for w in live),
-            return_exceptions=True,
-        )
         stats = {}
-        for worker, reply in zip(live, replies, strict=True):
+        for worker, reply in await broadcast(self.supervisor.live(), Stats(), STATS_WAIT):
             if isinstance(reply, WorkerStats):
                 stats[worker.owner] = reply
             elif not isinstance(reply, ChannelClosed | ChannelTimeout | RemoteError):

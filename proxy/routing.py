@@ -70,7 +70,7 @@ from gym_proxy.proxy.session_tokens import SessionIdentity, TokenCodec, TokenErr
 
 __all__ = [
     "WorkerRoute",
-    "Handoff",
+    "ExpectedHandover",
     "Route",
     "Router",
     "APP_TOKEN",
@@ -110,9 +110,9 @@ class WorkerRoute:
     responses: list[int] = field(default_factory=lambda: [0] * 6)
 
 
-class Handoff:
+class ExpectedHandover:
     """A request the mover expects `source` to give back (its episode handed over, in
-    `worker.handoffs`): the data path sends it on to `target`, and `settle` tells the
+    `worker.handovers`): the data path sends it on to `target`, and `settle` tells the
     mover how that went ("" once it is on its way to the target, else why not)."""
 
     __slots__ = ("source", "target", "arrived")
@@ -164,7 +164,7 @@ class Router:
     active: dict[str, int] = field(default_factory=dict)
     holding: dict[str, list[Any]] = field(default_factory=dict)
     # Hand-over id (the marker a worker answers with) -> the hand-over the mover expects.
-    handoffs: dict[bytes, Handoff] = field(default_factory=dict)
+    handovers: dict[bytes, ExpectedHandover] = field(default_factory=dict)
     # Counted for /metrics: decisions by rule, and foreign tokens passed to the app.
     decisions: dict[str, int] = field(default_factory=lambda: dict.fromkeys(RULES, 0))
     foreign_tokens: int = 0
@@ -209,7 +209,7 @@ class Router:
             if holder is not None and (holder == owner or aliases.get(holder) == owner):
                 del sessions[session_id]
 
-    def retire_owner(self, old: str, heir: str) -> None:
+    def inherit_owner(self, old: str, heir: str) -> None:
         """An operation stopped `old`'s worker after moving its sessions: whatever still
         names it (a cookie of a session it kept no state for, an alias, a placed session)
         goes to `heir` from now on."""

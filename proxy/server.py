@@ -150,8 +150,8 @@ async def run(
         checkpointer.on_message,
         limit=lambda: len(supervisor.workers()) + CHANNEL_MARGIN,
     )
-    mover = Mover(supervisor, checkpointer)
-    operations = Operations(supervisor, mover, checkpointer)
+    mover = Mover(supervisor, checkpointer.exclusion)
+    operations = Operations(supervisor, mover, checkpointer.exclusion)
     supervisor.on_recycle = operations.recycle
     metrics = Metrics(state, supervisor, checkpointer, mover, operations)
     control_runner = web.AppRunner(

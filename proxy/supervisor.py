@@ -41,7 +41,7 @@ from gym_proxy.coordinator.placement import Placement
 from gym_proxy.coordinator.worker_channels import RegistrationRefused
 from gym_proxy.proxy.config import Config
 from gym_proxy.proxy.exchange import start_held, start_held_by_worker
-from gym_proxy.proxy.routing import Handoff, Router, WorkerRoute
+from gym_proxy.proxy.routing import ExpectedHandover, Router, WorkerRoute
 from gym_proxy.proxy.session_tokens import new_owner_id
 from gym_proxy.proxy.upstream import UpstreamPool
 from gym_proxy.proxy.worker_records import Slot, WorkerProcess, resident_bytes
@@ -201,7 +201,7 @@ class Supervisor:
 
     async def _watch(self, worker: WorkerProcess) -> None:
         code = await worker.process.wait()
-        self._retire(worker)
+        self._mark_dead(worker)
         if not worker.registered.done():
             worker.registered.set_exception(
                 WorkerBootError(f"worker {worker.slot} exited with code {code} before registering")
@@ -304,7 +304,7 @@ class Supervisor:
         """A worker's channel ended: stop routing to it at once (its sessions get 410)."""
         for worker in self.workers():
             if worker.owner == owner:
-                self._retire(worker)
+                self._mark_dead(worker)
 
     # ---- liveness ------------------------------------------------------------------
     async def watch_liveness(self) -> None:
@@ -333,7 +333,7 @@ class Supervisor:
                     )
                     with contextlib.suppress(ProcessLookupError):
                         worker.process.kill()
-                    self._retire(worker)
+                    self._mark_dead(worker)
                 elif silent > 2 * interval and worker.route.responsive:
                     log.warning("worker %d is not answering; no new sessions go to it", worker.slot)
                     worker.route.responsive = False
@@ -380,7 +380,7 @@ class Supervisor:
             log.info("worker %d answers again", worker.slot)
             worker.route.responsive = True
 
-    def _retire(self, worker: WorkerProcess) -> None:
+    def _mark_dead(self, worker: WorkerProcess) -> None:
         if worker.state == "dead":
             return
         worker.state = "dead"
@@ -507,7 +507,7 @@ class Supervisor:
 
     def take_out_of_service(self, worker: WorkerProcess) -> None:
         """No request reaches it any more (a leaving worker, emptied)."""
-        self._retire(worker)
+        self._mark_dead(worker)
 
     async def stop_worker(self, worker: WorkerProcess, grace: float) -> int | None:
         """SIGTERM a worker an operation is done with (SIGKILL after `grace`); its exit
@@ -527,7 +527,7 @@ class Supervisor:
                 with contextlib.suppress(ProcessLookupError):
                     process.kill()
                 await process.wait()
-        self._retire(worker)
+        self._mark_dead(worker)
         self._vacate(worker)
         return process.returncode
 
@@ -541,8 +541,8 @@ class Supervisor:
         if worker.route is not None:
             self._waited(start_held_by_worker(worker.route))
 
-    def retire_owner(self, old: str, heir: str) -> None:
-        self.router.retire_owner(old, heir)
+    def inherit_owner(self, old: str, heir: str) -> None:
+        self.router.inherit_owner(old, heir)
 
     def _resized(self) -> None:
         # Workers started from now on are told the new count (a NeMo Gym class reads it).
@@ -571,18 +571,18 @@ class Supervisor:
         table = self.router.kept if kept else self.router.sessions
         table[session_id] = owner
 
-    def expect_handoff(self, handoff_id: str, source: str, target: str) -> asyncio.Future[str]:
+    def expect_handover(self, handover_id: str, source: str, target: str) -> asyncio.Future[str]:
         arrived: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         routes = self.router.workers
         if source not in routes or target not in routes:
             arrived.set_result("the source or the target worker is gone")
         else:
-            handoff = Handoff(routes[source], routes[target], arrived)
-            self.router.handoffs[handoff_id.encode()] = handoff
+            handover = ExpectedHandover(routes[source], routes[target], arrived)
+            self.router.handovers[handover_id.encode()] = handover
         return arrived
 
-    def forget_handoff(self, handoff_id: str) -> None:
-        self.router.handoffs.pop(handoff_id.encode(), None)
+    def forget_handover(self, handover_id: str) -> None:
+        self.router.handovers.pop(handover_id.encode(), None)
 
     # ---- stopping -----------------------------------------------------------------
     def workers(self) -> list[WorkerProcess]:

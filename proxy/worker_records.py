@@ -15,11 +15,29 @@ from typing import Any, Literal
 from gym_proxy.coordinator.contract.channel import Channel
 from gym_proxy.proxy.routing import WorkerRoute
 
-__all__ = ["WorkerState", "WorkerProcess", "Slot", "resident_bytes"]
+__all__ = [
+    "WorkerState",
+    "WorkerStatus",
+    "WORKER_STATUSES",
+    "WorkerProcess",
+    "Slot",
+    "resident_bytes",
+]
 
 
 # starting -> live (registered) -> dead (exited, lost or killed)
 WorkerState = Literal["starting", "live", "dead"]
+# What a worker is to an operator (the status call, /metrics): its state and the flags an
+# operation or the liveness watch set, read in one place (`WorkerProcess.status`).
+WorkerStatus = Literal["booting", "ready", "draining", "unresponsive", "leaving", "stopped"]
+WORKER_STATUSES: tuple[WorkerStatus, ...] = (
+    "booting",
+    "ready",
+    "draining",
+    "unresponsive",
+    "leaving",
+    "stopped",
+)
 
 
 @dataclass(eq=False)
@@ -47,6 +65,36 @@ class WorkerProcess:
     @property
     def pid(self) -> int:
         return self.process.pid
+
+    @property
+    def live_route(self) -> WorkerRoute:
+        """Its route in the router, which it has from its registration on."""
+        if self.route is None:
+            raise RuntimeError(f"worker {self.slot} (pid {self.pid}) has not registered")
+        return self.route
+
+    @property
+    def live_channel(self) -> Channel:
+        """Its channel to the coordinator, which it has from its registration on."""
+        if self.channel is None:
+            raise RuntimeError(f"worker {self.slot} (pid {self.pid}) has not registered")
+        return self.channel
+
+    @property
+    def status(self) -> WorkerStatus:
+        """The first that holds: booting (not registered yet), stopped, leaving (an
+        operation stops it once it is empty), draining (it takes no new session),
+        unresponsive (its pings go unanswered), else ready."""
+        if self.state == "starting":
+            return "booting"
+        route = self.route
+        if self.state == "dead" or route is None:
+            return "stopped"
+        if self.leaving:
+            return "leaving"
+        if route.draining:
+            return "draining"
+        return "ready" if route.responsive else "unresponsive"
 
 
 def _quiet_future() -> asyncio.Future[None]:

@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-from gym_proxy.proxy.routing import Handoff
+from gym_proxy.proxy.routing import ExpectedHandover
 from tests.data_path_rig import Rig
 
 pytestmark = pytest.mark.fast
@@ -21,14 +21,16 @@ def run_request(body: bytes = BODY) -> bytes:
     return head + body
 
 
-def marker(handoff_id: bytes, body: bytes = BODY) -> bytes:
-    head = b"HTTP/1.1 503 Service Unavailable\r\nx-ng-handoff: %s\r\ncontent-length: %d\r\n\r\n"
-    return head % (handoff_id, len(body)) + body
+def marker(handover_id: bytes, body: bytes = BODY) -> bytes:
+    head = b"HTTP/1.1 503 Service Unavailable\r\nx-ng-handover: %s\r\ncontent-length: %d\r\n\r\n"
+    return head % (handover_id, len(body)) + body
 
 
-def expect(rig: Rig, handoff_id: bytes, source: int = 0, target: int = 1) -> asyncio.Future:
+def expect(rig: Rig, handover_id: bytes, source: int = 0, target: int = 1) -> asyncio.Future:
     arrived = asyncio.get_running_loop().create_future()
-    rig.router.handoffs[handoff_id] = Handoff(rig.worker(source), rig.worker(target), arrived)
+    rig.router.handovers[handover_id] = ExpectedHandover(
+        rig.worker(source), rig.worker(target), arrived
+    )
     return arrived
 
 
@@ -50,7 +52,7 @@ async def test_the_marker_sends_the_request_on_to_the_target_unchanged():
     assert (method2, path2, headers2, body2) == (method, path, headers, body)
     assert arrived.done() and arrived.result() == ""
     assert client.responses() == []  # the marker never reaches the client
-    assert rig.router.handoffs == {}
+    assert rig.router.handovers == {}
     target.send(b"HTTP/1.1 200 OK\r\ncontent-length: 4\r\n\r\ndone")
     [(status, _, answer)] = client.responses()
     assert (status, answer) == (200, b"done")
@@ -69,7 +71,7 @@ async def test_a_marker_nobody_expects_is_relayed_as_the_503_it_is():
     source.send(marker(b"forged", b"{}"))
     [(status, headers, body)] = client.responses()
     assert status == 503 and body == b"{}"
-    assert len(rig.upstreams) == 1 and b"other" in rig.router.handoffs
+    assert len(rig.upstreams) == 1 and b"other" in rig.router.handovers
 
 
 async def test_a_marker_from_another_worker_than_the_expected_source_is_relayed():

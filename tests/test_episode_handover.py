@@ -1,5 +1,5 @@
 """Running `/run` episodes handed over between workers (`proxy.fleet.handovers`,
-`worker.handoffs`), with real processes: a rolling restart, a drain and a shrink move a
+`worker.handovers`), with real processes: a rolling restart, a drain and a shrink move a
 long episode at its boundary; its client's one request is answered by the new worker,
 and every step ran exactly once (the episode's log is carried in its boundary state)."""
 
@@ -112,7 +112,11 @@ async def test_an_episode_in_a_replay_step_moves_as_the_step_ends(start_proxy):
 
 async def _handing_over(http: aiohttp.ClientSession, url: str) -> bool:
     running = (await status_of(http, url))["operations"]["running"]
-    return running is not None and "handing over 1 running episodes" in running["step"]
+    return (
+        running is not None
+        and running["step"] == "handing_over"
+        and running["detail"].endswith("handing over 1 running episodes")
+    )
 
 
 @BOTH_APP_KINDS

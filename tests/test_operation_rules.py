@@ -1,18 +1,26 @@
-"""The rule every live operation keeps (`proxy.fleet.operations`), in process: a drain or
-shrink that would leave no live worker taking new sessions is refused, whichever
-operation comes first, before anything changes."""
+"""The rules of the live operations, in process: a drain or shrink that would leave no
+live worker taking new sessions is refused, whichever operation comes first, before
+anything changes (`proxy.fleet.operations`); an operation's steps and a worker's status
+are data, and the manual lists them as the code has them."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
-from typing import Any
+from types import SimpleNamespace
+from typing import Any, get_args
 
 import pytest
 
 from gym_proxy.coordinator.contract.errors import GymError
+from gym_proxy.coordinator.exclusion import Exclusion
 from gym_proxy.proxy.config import Config
+from gym_proxy.proxy.fleet.decommission import Step
 from gym_proxy.proxy.fleet.mover import Mover
 from gym_proxy.proxy.fleet.operations import Operations
+from gym_proxy.proxy.routing import WorkerRoute
+from gym_proxy.proxy.worker_records import WORKER_STATUSES, WorkerProcess
+from tests.support import REPO
 
 pytestmark = pytest.mark.fast
 
@@ -29,6 +37,10 @@ class Worker:
     owner: str
     route: Route = field(default_factory=Route)
     state: str = "live"
+
+    @property
+    def live_route(self) -> Route:
+        return self.route
 
 
 class Pool:
@@ -49,17 +61,11 @@ class Pool:
         raise AssertionError(f"the operation went on to {name}() instead of refusing")
 
 
-@dataclass
-class Exclusion:
-    busy: str | None = None
-    open_checkpoint: str | None = None
-
-
 def operations(workers: int, draining: tuple[int, ...] = ()) -> tuple[Operations, Pool]:
     pool = Pool(workers)
     for slot in draining:
         pool.slots[slot].route.draining = True
-    exclusion = Exclusion()
+    exclusion = Exclusion(lambda: None)  # no checkpoint open
     return Operations(pool, Mover(None, exclusion), exclusion), pool  # type: ignore[arg-type]
 
 
@@ -77,7 +83,7 @@ async def test_a_shrink_after_a_drain_is_refused_naming_the_draining_slot():
         "resizing to 1 worker would leave no worker taking new sessions "
         "(slot 0 is draining: undrain it first)"
     )
-    assert len(pool.slots) == 2 and ops.checkpoints.busy is None
+    assert len(pool.slots) == 2 and ops.exclusion.operation is None
 
 
 async def test_a_shrink_is_refused_when_every_slot_it_keeps_is_draining():
@@ -92,3 +98,47 @@ async def test_a_drain_of_the_last_worker_taking_sessions_is_refused():
     assert detail.startswith("draining slot 0 would leave no worker taking new sessions"), detail
     ops, _ = operations(1)
     assert "(no other live worker)" in await refused(ops.drain(0, 1.0))
+
+
+def test_the_steps_the_manual_lists_are_the_codes():
+    manual = (REPO / "docs" / "live_operations.md").read_text()
+    listed = re.search(r"The `step` is one of\s+(.*?)\(`proxy\.fleet", manual, re.S)
+    assert listed is not None
+    assert re.findall(r"`(\w+)`", listed.group(1)) == list(get_args(Step))
+
+
+def _worker(state: str = "live", **route: Any) -> WorkerProcess:
+    process = SimpleNamespace(pid=4242)
+    worker = WorkerProcess(0, "owner", "/sock", process, 0.0, state=state)  # type: ignore[arg-type]
+    if state != "starting":
+        worker.route = WorkerRoute("owner", 0, "/sock", **route)
+    return worker
+
+
+@pytest.mark.parametrize(
+    ("state", "route", "status"),
+    [
+        ("starting", {}, "booting"),
+        ("dead", {"draining": True}, "stopped"),
+        ("live", {"draining": True, "responsive": False}, "draining"),
+        ("live", {"responsive": False}, "unresponsive"),
+        ("live", {}, "ready"),
+    ],
+)
+async def test_a_workers_status_is_the_first_that_holds(state, route, status):
+    assert _worker(state, **route).status == status
+    assert status in WORKER_STATUSES
+
+
+async def test_a_leaving_worker_is_leaving_whatever_else_holds():
+    worker = _worker(draining=True, responsive=False)
+    worker.leaving = True
+    assert worker.status == "leaving"
+
+
+async def test_a_worker_that_has_not_registered_has_no_live_route_or_channel():
+    worker = _worker("starting")
+    with pytest.raises(RuntimeError, match=r"worker 0 \(pid 4242\) has not registered"):
+        worker.live_route  # noqa: B018
+    with pytest.raises(RuntimeError, match="has not registered"):
+        worker.live_channel  # noqa: B018

@@ -280,7 +280,7 @@ async def test_a_rolling_restart_of_the_environment_hands_its_episodes_over(stac
 
     async def handing_over() -> bool:  # the workers were asked to park their episodes
         running = (await run.status("env"))["operations"]["running"]
-        return running is not None and "handing over" in running["step"]
+        return running is not None and running["step"] == "handing_over"
 
     await wait_until(handing_over, 30, "the environment's hand-over to begin")
     os.unlink(hold)  # the model answers: each turn ends, and its episode parks after it

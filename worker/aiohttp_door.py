@@ -78,13 +78,13 @@ async def _note_tunnel(request: web.Request, response: web.StreamResponse) -> No
         request.app[RUNTIME].tunnel_opened(flight, close)
 
 
-async def _handoff_marker(request: web.Request, flight: Any) -> web.Response:
-    """The answer that gives the request back to the proxy (worker.handoffs): the
+async def _handover_marker(request: web.Request, flight: Any) -> web.Response:
+    """The answer that gives the request back to the proxy (worker.handovers): the
     marker and the request's own body, read again (aiohttp keeps what it read)."""
     body = await request.read()
-    flight.handoff.sent = True
-    marker = {names.text(names.HANDOFF): flight.handoff.id}
-    return web.Response(status=names.HANDOFF_STATUS, body=body, headers=marker)
+    flight.handover.sent = True
+    marker = {names.text(names.HANDOVER_HEADER): flight.handover.id}
+    return web.Response(status=names.HANDOVER_STATUS, body=body, headers=marker)
 
 
 @web.middleware
@@ -114,8 +114,8 @@ async def participant_middleware(request: web.Request, handler: Any) -> web.Stre
         return response
     except asyncio.CancelledError:
         if own_cancellation(flight):
-            if flight.handoff is not None and flight.handoff.id is not None:
-                return await _handoff_marker(request, flight)
+            if flight.handover is not None and flight.handover.id is not None:
+                return await _handover_marker(request, flight)
             return error_response(GymError("stale_attempt", "this attempt was retired"))
         raise
     except GymError as exc:

@@ -30,14 +30,14 @@ from gym_proxy.coordinator.contract.headers import (
     APP_SESSION_CLAIM,
     APP_SESSION_END,
     APP_TOKEN,
-    HANDOFF,
-    HANDOFF_STATUS,
+    HANDOVER_HEADER,
+    HANDOVER_STATUS,
     SESSION_ID,
     SESSION_NEW,
     split_rollout_path,
 )
 from gym_proxy.worker.app_sessions import app_session_cookie, starlette_app
-from gym_proxy.worker.handoffs import hands_over
+from gym_proxy.worker.handovers import hands_over
 from gym_proxy.worker.request_context import RequestContext
 from gym_proxy.worker.runtime import (
     RUN_BODY_LIMIT,
@@ -129,7 +129,7 @@ class AsgiDoor:
         app_receive = replay if buffered else receive
         body: _KeptBody | None = None
         if flight.episode is not None and flight.episode.exported and hands_over(runtime):
-            # A /run may be handed over to another worker with its body (worker.handoffs).
+            # A /run may be handed over to another worker with its body (worker.handovers).
             body = _KeptBody(app_receive)
             app_receive = body.receive
         answered: list[bool] = []  # the runtime was told the answer (at its last byte)
@@ -159,9 +159,9 @@ class AsgiDoor:
         except asyncio.CancelledError:
             if not own_cancellation(flight):
                 raise
-            handoff = flight.handoff
-            if handoff is not None and handoff.id is not None and body is not None:
-                await _send_handoff_marker(send, handoff, await body.whole())
+            handover = flight.handover
+            if handover is not None and handover.id is not None and body is not None:
+                await _send_handover_marker(send, handover, await body.whole())
             elif not status:
                 await send_error(send, GymError("stale_attempt", "this attempt was retired"))
         except GymError as exc:
@@ -249,11 +249,14 @@ class _KeptBody:
         return b"".join(self._chunks)
 
 
-async def _send_handoff_marker(send: Send, handoff: Any, body: bytes) -> None:
-    """The answer that gives the request back to the proxy (worker.handoffs)."""
-    headers = [(HANDOFF, handoff.id.encode("latin-1")), (b"content-length", b"%d" % len(body))]
-    handoff.sent = True
-    await send({"type": "http.response.start", "status": HANDOFF_STATUS, "headers": headers})
+async def _send_handover_marker(send: Send, handover: Any, body: bytes) -> None:
+    """The answer that gives the request back to the proxy (worker.handovers)."""
+    headers = [
+        (HANDOVER_HEADER, handover.id.encode("latin-1")),
+        (b"content-length", b"%d" % len(body)),
+    ]
+    handover.sent = True
+    await send({"type": "http.response.start", "status": HANDOVER_STATUS, "headers": headers})
     await send({"type": "http.response.body", "body": body})
 
 

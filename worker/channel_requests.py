@@ -44,7 +44,7 @@ from gym_proxy.coordinator.contract.messages import (
     WorkerStats,
 )
 from gym_proxy.coordinator.contract.telemetry import ATTRIBUTE
-from gym_proxy.worker import handoffs
+from gym_proxy.worker import handovers
 from gym_proxy.worker.runtime import ParticipantRuntime
 
 __all__ = ["handle_coordinator_message", "apply_tables"]
@@ -133,7 +133,7 @@ async def _handle(runtime: ParticipantRuntime, message: Message) -> Message:
             return SessionRecords(moving)
         case Adopt():
             installed = await runtime.install(message.sessions, restored=False)
-            handoffs.adopt_episodes(runtime, message.episodes)
+            handovers.adopt_episodes(runtime, message.episodes)
             failpoints.hit("worker-adopted")  # the target dies after installing
             return Installed(installed)
         case Drop():
@@ -141,13 +141,13 @@ async def _handle(runtime: ParticipantRuntime, message: Message) -> Message:
                 runtime.arrivals.pop(key, None)
             return Released(await runtime.drop_sessions(message.session_ids))
         case ParkEpisodes():
-            return await handoffs.park_episodes(runtime, message.keys, message.within)
+            return await handovers.park_episodes(runtime, message.keys, message.within)
         case GiveUp():
-            gave_up = await handoffs.give_up(runtime, message.handoffs)
+            gave_up = await handovers.give_up(runtime, message.handovers)
             failpoints.hit("worker-gave-up")  # the source dies after answering the markers
             return gave_up
         case ResumeEpisodes():
-            handoffs.resume_episodes(runtime, message.keys)
+            handovers.resume_episodes(runtime, message.keys)
             return Done()
         case CloseTunnels():
             runtime.close_tunnels(set(message.session_ids))
@@ -160,7 +160,7 @@ async def _handle(runtime: ParticipantRuntime, message: Message) -> Message:
                 runtime.store.session_ids(),
                 not runtime.participation.restart_only,
                 len(runtime.flights),
-                handoffs.running_episodes(runtime),
+                handovers.running_episodes(runtime),
             )
     raise GymError("invalid_request", f"{message.TYPE} is not a message for a worker")
 

@@ -79,7 +79,7 @@ class Participation:
     # declaring it stands for hooks (`worker.session_dicts`).
     session_state: MutableMapping[str, Any] | None = None
     # Its `/run` episodes mark boundaries (`ep.boundary`), where an operation that empties
-    # a worker can hand one over (`worker.handoffs`); False: they run where they are
+    # a worker can hand one over (`worker.handovers`); False: they run where they are
     # (NeMo Gym's own servers know nothing of gym-proxy's episode API).
     episode_boundaries: bool = True
 

@@ -52,7 +52,7 @@ from gym_proxy.coordinator.contract.marks import RestoredClaims, RetireMarks
 from gym_proxy.coordinator.contract.messages import Claim, Ready, Report, SessionsEnded
 from gym_proxy.coordinator.contract.records import encode
 from gym_proxy.worker.episodes import Episode
-from gym_proxy.worker.handoffs import Handoff
+from gym_proxy.worker.handovers import EpisodeHandover
 from gym_proxy.worker.identity import WorkerInfo
 from gym_proxy.worker.participation import Participation
 from gym_proxy.worker.sessions import SessionEntry, SessionStore, session_record
@@ -120,7 +120,7 @@ class InFlight:
     episode: Episode | None = None
     retired: bool = False
     close_tunnel: Callable[[], None] | None = None  # set once it became a tunnel
-    handoff: Handoff | None = None  # its episode is being handed over (worker.handoffs)
+    handover: EpisodeHandover | None = None  # its episode is being handed over (worker.handovers)
     responding: bool = False  # its answer has begun (a hand-over can no longer replay it)
     replayable: bool = True  # False: its body cannot be handed back as it came
 
@@ -157,7 +157,7 @@ class ParticipantRuntime:
     # An app session -> the gym-proxy sessions its requests came under (moved with it).
     links: dict[str, set[str]] = field(default_factory=dict)
     # Episode key -> the record of an episode handed over to this worker, until its
-    # request (replayed by the proxy) takes it (worker.handoffs).
+    # request (replayed by the proxy) takes it (worker.handovers).
     arrivals: dict[str, dict[str, Any]] = field(default_factory=dict)
     opened: asyncio.Event = field(default_factory=asyncio.Event)
     loop_lag: LoopLag = field(default_factory=LoopLag)  # sampled once serving (process)
@@ -316,15 +316,15 @@ class ParticipantRuntime:
     async def park(self, flight: InFlight, position: Position) -> float:
         """Wait while the gate is closed, or while the flight's episode is held for a
         hand-over; return the seconds spent parked."""
-        if self.is_open and flight.handoff is None:
+        if self.is_open and flight.handover is None:
             return 0.0
         started = time.monotonic()
         self.set_position(flight, position)
         try:
             while True:
-                handoff = flight.handoff
-                if handoff is not None:
-                    await handoff.go_on.wait()  # or cancelled, when it is handed over
+                handover = flight.handover
+                if handover is not None:
+                    await handover.go_on.wait()  # or cancelled, when it is handed over
                 elif not self.is_open:
                     await self.opened.wait()
                 else:
@@ -335,8 +335,8 @@ class ParticipantRuntime:
 
     def set_position(self, flight: InFlight, position: Position) -> None:
         flight.position = position
-        if flight.handoff is not None and position == "parked":
-            flight.handoff.parked.set()
+        if flight.handover is not None and position == "parked":
+            flight.handover.parked.set()
         self.changed()
 
     async def hold_answer(self, flight: InFlight) -> None:
@@ -595,7 +595,7 @@ def own_cancellation(flight: InFlight) -> bool:
     its episode up) and nothing else did; the cancellation is then taken back so the
     front door can answer (`stale_attempt`, or the hand-over marker)."""
     task = asyncio.current_task()
-    stopped = flight.retired or (flight.handoff is not None and flight.handoff.id is not None)
+    stopped = flight.retired or (flight.handover is not None and flight.handover.id is not None)
     if stopped and task is not None and task.cancelling() == 1:
         task.uncancel()
         return True

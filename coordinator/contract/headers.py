@@ -25,8 +25,8 @@ __all__ = [
     "APP_TOKEN",
     "APP_SESSION",
     "APP_SESSION_END",
-    "HANDOFF",
-    "HANDOFF_STATUS",
+    "HANDOVER_HEADER",
+    "HANDOVER_STATUS",
     "IDENTITY_HEADERS",
     "CONTROL_PREFIX",
     "CHECKPOINT_PATH",
@@ -62,8 +62,8 @@ APP_SESSION_END: Final = b"x-ng-app-session-end"
 # (the hand-over id a move gave it) and, as the body, the request's body. The proxy sends
 # the request on to the target and the client never sees this answer; should it ever be
 # relayed (no move asked for it), 503 tells the client it was not served.
-HANDOFF: Final = b"x-ng-handoff"
-HANDOFF_STATUS: Final = 503
+HANDOVER_HEADER: Final = b"x-ng-handover"
+HANDOVER_STATUS: Final = 503
 
 # The control plane: NeMo Gym's Gen-2 checkpoint calls, and gym-proxy's own operations
 # (a path that cannot collide with NeMo Gym's). The proxy answers these itself.

@@ -533,7 +533,7 @@ class GiveUp(Message):
     marker carrying this id (the proxy sends the request on to the target); the sessions
     that moved with them end here."""
 
-    handoffs: dict[str, str]  # episode key -> hand-over id
+    handovers: dict[str, str]  # episode key -> hand-over id
 
 
 @message("resume_episodes", Done)

@@ -1,7 +1,7 @@
 """Handing running `/run` episodes over from a worker an operation empties to others.
 
 An episode's client keeps its one HTTP request open; the request moves with the
-episode (`worker.handoffs` has the worker's side). For the episodes of one source:
+episode (`worker.handovers` has the worker's side). For the episodes of one source:
 
 1. hold: new requests of the sessions that ride along (the episode's request's session,
    the worker's sessions bound to the episode) wait at the proxy, and the move waits
@@ -203,7 +203,7 @@ async def _give_up(
     table = mover.table
     ids = {key: secrets.token_hex(16) for key in keys}
     arrivals = {
-        key: table.expect_handoff(ids[key], source.owner, target_of[key].owner) for key in keys
+        key: table.expect_handover(ids[key], source.owner, target_of[key].owner) for key in keys
     }
     gave: GaveUp | None = None
     try:
@@ -218,7 +218,7 @@ async def _give_up(
     for key in keys:
         target, arrival = target_of[key], arrivals[key]
         why = arrival.result() if arrival.done() else None
-        table.forget_handoff(ids[key])
+        table.forget_handover(ids[key])
         if gave is not None and key not in gave.handed:
             why_kept = gave.kept.get(key, EPISODE_ENDED)
             if why_kept != EPISODE_ENDED:

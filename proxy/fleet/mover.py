@@ -28,13 +28,13 @@ served by two workers. Moves and checkpoints exclude each other (409
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from gym_proxy.coordinator.broadcast import broadcast
 from gym_proxy.coordinator.contract import failpoints
 from gym_proxy.coordinator.contract.channel import ChannelClosed, ChannelTimeout, RemoteError
 from gym_proxy.coordinator.contract.errors import GymError
@@ -47,16 +47,13 @@ from gym_proxy.coordinator.contract.messages import (
     MoveOut,
     SessionRecords,
 )
+from gym_proxy.coordinator.exclusion import Exclusion
 from gym_proxy.coordinator.readiness import SlotOwner
 
 __all__ = [
     "Mover",
     "MoveTable",
     "Moved",
-    "Checkpoints",
-    "exclusive",
-    "is_free",
-    "refuse_unless_free",
     "failures",
 ]
 
@@ -87,48 +84,12 @@ class MoveTable(Protocol):
         keep it (`kept`: a record's), or a gym-proxy session linked to one."""
         ...
 
-    def expect_handoff(self, handoff_id: str, source: str, target: str) -> asyncio.Future[str]:
-        """The data path is to send the request `source` gives back under `handoff_id` on
+    def expect_handover(self, handover_id: str, source: str, target: str) -> asyncio.Future[str]:
+        """The data path is to send the request `source` gives back under `handover_id` on
         to `target`; the future says how that went ("" once sent on, else why not)."""
         ...
 
-    def forget_handoff(self, handoff_id: str) -> None: ...
-
-
-class Checkpoints(Protocol):
-    """The one exclusion moves, live operations and checkpoints share."""
-
-    busy: str | None  # the move or operation running (a prepare or restore refuses)
-
-    @property
-    def open_checkpoint(self) -> str | None: ...
-
-
-def is_free(checkpoints: Checkpoints) -> bool:
-    """No checkpoint open and no move or operation running."""
-    return checkpoints.busy is None and checkpoints.open_checkpoint is None
-
-
-def refuse_unless_free(checkpoints: Checkpoints, kind: str) -> None:
-    """409 `operation_conflict` naming what is in the way of a `kind`."""
-    open_id = checkpoints.open_checkpoint
-    if open_id is not None:
-        raise GymError(
-            "operation_conflict", f"checkpoint {open_id} is open; a {kind} waits for its resume"
-        )
-    if checkpoints.busy is not None:
-        raise GymError("operation_conflict", f"a {checkpoints.busy} is running; retry after it")
-
-
-@contextlib.contextmanager
-def exclusive(checkpoints: Checkpoints, kind: str) -> Iterator[None]:
-    """Run a `kind` that excludes checkpoints and every other move or operation."""
-    refuse_unless_free(checkpoints, kind)
-    checkpoints.busy = kind
-    try:
-        yield
-    finally:
-        checkpoints.busy = None
+    def forget_handover(self, handover_id: str) -> None: ...
 
 
 @dataclass
@@ -143,7 +104,7 @@ class Moved:
 @dataclass(eq=False)
 class Mover:
     table: MoveTable
-    checkpoints: Checkpoints
+    exclusion: Exclusion
     holding: int = 0  # sessions whose new requests wait at the proxy now
     moved_total: int = 0  # sessions moved, and not moved, since start (/metrics)
     failed_total: int = 0
@@ -154,13 +115,13 @@ class Mover:
     async def move(self, session_ids: list[str], to_slot: int, within: float) -> dict[str, Any]:
         """Move `session_ids` to the worker in `to_slot`; answer what moved and what did
         not, and why (module docstring)."""
-        refuse_unless_free(self.checkpoints, "move")
+        self.exclusion.refuse_operation("move")
         target = next((w for w in self.table.live() if w.slot == to_slot), None)
         if target is None:
             raise GymError("invalid_request", f"no live worker in slot {to_slot}")
         wanted = list(dict.fromkeys(session_ids))
         started = time.monotonic()
-        with exclusive(self.checkpoints, "move"):
+        with self.exclusion.hold("move"):
             sources = [w for w in self.table.live() if w.owner != target.owner]
             result = await self.move_sessions({target.owner: wanted}, sources, started + within)
         seconds = round(time.monotonic() - started, 6)
@@ -231,23 +192,14 @@ class Mover:
         """A tunnel of a moving session follows the app's `tunnels` choice: closed now
         (1012: its client reconnects, and waits here), or waited for like a request."""
         within = max(0.1, deadline - time.monotonic())
-        replies = await asyncio.gather(
-            *(w.channel.request(CloseTunnels(session_ids), within=within) for w in sources),
-            return_exceptions=True,
-        )
-        for worker, reply in zip(sources, replies, strict=True):
+        for worker, reply in await broadcast(sources, CloseTunnels(session_ids), within):
             if isinstance(reply, BaseException):
                 log.warning("worker %d did not close moving tunnels: %s", worker.slot, reply)
 
     async def _links(self, wanted: list[str], within: float) -> dict[str, list[str]]:
         """Every worker's gym-proxy sessions that carried these app sessions' requests."""
-        live = self.table.live()
-        replies = await asyncio.gather(
-            *(w.channel.request(LinkedSessions(wanted), within=within) for w in live),
-            return_exceptions=True,
-        )
         links: dict[str, list[str]] = {}
-        for worker, reply in zip(live, replies, strict=True):
+        for worker, reply in await broadcast(self.table.live(), LinkedSessions(wanted), within):
             if isinstance(reply, Links):
                 for session_id, linked in reply.links.items():
                     links.setdefault(session_id, []).extend(linked)
@@ -267,13 +219,9 @@ class Mover:
         """Steps 3-7 for sessions at their boundary."""
         failed = result.failed
         within = max(0.1, deadline - time.monotonic())
-        replies = await asyncio.gather(
-            *(w.channel.request(MoveOut(ready), within=within) for w in sources),
-            return_exceptions=True,
-        )
         found: dict[str, tuple[_Worker, dict[str, Any]]] = {}
         silent = []
-        for worker, reply in zip(sources, replies, strict=True):
+        for worker, reply in await broadcast(sources, MoveOut(ready), within):
             if isinstance(reply, SessionRecords):
                 for record in reply.records:
                     found[record["session_id"]] = (worker, record)

@@ -9,10 +9,10 @@ every other operation (409 `operation_conflict`, both ways), reports its progres
   end, up to the timeout, then reported); its running `/run` episodes are handed over
   beside them, each at its next boundary (`proxy.fleet.handovers`). The worker stays
   up, draining, until `undrain`.
-- **retire** a worker (the step a restart and a shrink share): drain it into its heirs,
+- **decommission** a worker (the step a restart and a shrink share): drain it into its heirs,
   then hold every request still routed to it at the proxy, wait for its running
   requests to end (handing over the episodes among them), move what they left, send
-  whatever still names its owner to an heir (`Router.retire_owner`), start the held
+  whatever still names its owner to an heir (`Router.inherit_owner`), start the held
   requests again, and stop it. A worker that cannot be emptied by the timeout (a session
   whose request runs on, an episode that reaches no boundary, a restart-only session
   that does not end) is not stopped: it keeps serving what it holds, taking nothing new,
@@ -48,8 +48,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gym_proxy.coordinator.contract.errors import GymError
-from gym_proxy.proxy.fleet.mover import Checkpoints, Mover, exclusive, is_free
-from gym_proxy.proxy.fleet.retiring import Progress, Retirer, WorkerPool
+from gym_proxy.coordinator.exclusion import Exclusion
+from gym_proxy.proxy.fleet.decommission import Decommissioner, Progress, WorkerPool
+from gym_proxy.proxy.fleet.mover import Mover
+from gym_proxy.proxy.worker_records import WorkerProcess
 
 __all__ = ["Operations", "WorkerPool", "Progress", "RESTART_PAUSE"]
 
@@ -64,7 +66,7 @@ RESTART_PAUSE = 1.0  # seconds between the slots of a rolling restart (module do
 class Operations:
     pool: WorkerPool
     mover: Mover
-    checkpoints: Checkpoints
+    exclusion: Exclusion
     running: Progress | None = None
     last: Progress | None = None
     _background: set[asyncio.Task[Any]] = field(default_factory=set)
@@ -73,11 +75,11 @@ class Operations:
     _recycle_not_before: dict[int, float] = field(default_factory=dict)
     # Told each operation's kind, outcome (complete, incomplete, error) and seconds.
     observe: Callable[[str, str, float], None] | None = None
-    retirer: Retirer = field(init=False)
+    decommissioner: Decommissioner = field(init=False)
 
     def __post_init__(self) -> None:
-        self.retirer = Retirer(
-            self.pool, self.mover, self.checkpoints, self._exclusive, self._in_background
+        self.decommissioner = Decommissioner(
+            self.pool, self.mover, self.exclusion, self._exclusive, self._in_background
         )
 
     # ---- the operations -------------------------------------------------------------
@@ -87,12 +89,14 @@ class Operations:
             worker = self._live_in(slot)
             self._keep_one_taking_sessions([worker], f"draining slot {slot}")
             deadline = time.monotonic() + within
-            progress.step = f"slot {slot}: moving its sessions to the other workers"
-            left = await self.retirer.empty(
+            progress.at(
+                "moving_sessions", slot, f"slot {slot}: moving its sessions to the other workers"
+            )
+            left = await self.decommissioner.empty(
                 worker, lambda: self._others(worker), deadline, progress
             )
             if left is None:
-                left = await self.retirer.held_sessions(worker)
+                left = await self.decommissioner.held_sessions(worker)
                 progress.errors.append(f"slot {slot} did not list its sessions")
             progress.slots.append(
                 {"slot": slot, "owner": worker.owner, "draining": True, "sessions_left": len(left)}
@@ -100,7 +104,7 @@ class Operations:
             if left:
                 progress.errors.append(
                     f"slot {slot} still holds {len(left)} sessions at the timeout "
-                    + self.retirer.why_left(left, progress)
+                    + self.decommissioner.why_left(left, progress)
                 )
             return self._answer(progress)
 
@@ -108,7 +112,7 @@ class Operations:
         """The slot's worker takes new sessions again."""
         async with self._exclusive("undrain", "operator") as progress:
             worker = self._live_in(slot)
-            worker.route.draining = False
+            worker.live_route.draining = False
             progress.slots.append({"slot": slot, "owner": worker.owner, "draining": False})
             return self._answer(progress)
 
@@ -127,7 +131,7 @@ class Operations:
                 self._live_in(slot)
             for i, slot in enumerate(order):
                 if i and pause > 0:
-                    progress.step = f"pausing {pause:g} s before slot {slot}"
+                    progress.at("pausing", slot, f"pausing {pause:g} s before slot {slot}")
                     await asyncio.sleep(pause)
                 if not await self._restart_slot(slot, within, progress):
                     break
@@ -140,7 +144,11 @@ class Operations:
         async with self._exclusive("resize", reason) as progress:
             boot = float(self.pool.config.boot_timeout or within)
             while len(self.pool.slots) < workers:
-                progress.step = f"starting worker {len(self.pool.slots)}"
+                progress.at(
+                    "starting_worker",
+                    len(self.pool.slots),
+                    f"starting worker {len(self.pool.slots)}",
+                )
                 try:
                     worker = await self.pool.add_slot(boot)
                 except Exception as exc:  # WorkerBootError: the server keeps its size
@@ -151,21 +159,23 @@ class Operations:
                 self._check_shrink(workers)
             while len(self.pool.slots) > workers:
                 slot = len(self.pool.slots) - 1
-                progress.step = f"removing slot {slot}"
+                progress.at("removing_slot", slot, f"removing slot {slot}")
                 old = self.pool.current(slot)
                 self.pool.remove_last_slot()
                 entry: dict[str, Any] = {"slot": slot, "removed": True}
                 progress.slots.append(entry)
                 if old is not None:
                     entry["owner"] = old.owner
-                    await self.retirer.retire(old, self._heirs, within, progress, entry)
+                    await self.decommissioner.decommission(
+                        old, self._heirs, within, progress, entry
+                    )
             return self._answer(progress, workers=len(self.pool.slots))
 
     def recycle(self, slot: int, reason: str) -> None:
         """The supervisor's ask: a rolling restart of one slot, when the server is free
         (it asks again every interval, so a deferred recycle happens later; one that
         failed is not tried again for RECYCLE_BACKOFF seconds)."""
-        if not is_free(self.checkpoints):
+        if not self.exclusion.is_free():
             return
         if self._recycle_not_before.get(slot, 0.0) > time.monotonic():
             return
@@ -196,7 +206,7 @@ class Operations:
         old = self._live_in(slot)
         entry: dict[str, Any] = {"slot": slot, "old_owner": old.owner, "old_pid": old.pid}
         progress.slots.append(entry)
-        progress.step = f"slot {slot}: starting its replacement"
+        progress.at("starting_replacement", slot, f"slot {slot}: starting its replacement")
         boot = float(self.pool.config.boot_timeout or within)
         try:
             new = await self.pool.start_successor(slot, boot)
@@ -206,32 +216,36 @@ class Operations:
             return False
         entry.update(new_owner=new.owner, new_pid=new.pid)
         self.pool.promote(new)
-        progress.step = f"slot {slot}: moving its sessions to the replacement"
-        await self.retirer.retire(old, lambda: self._slot_worker(slot), within, progress, entry)
+        progress.at("moving_sessions", slot, f"slot {slot}: moving its sessions to the replacement")
+        await self.decommissioner.decommission(
+            old, lambda: self._slot_worker(slot), within, progress, entry
+        )
         return True
 
-    def _live_in(self, slot: int) -> Any:
+    def _live_in(self, slot: int) -> WorkerProcess:
         worker = self.pool.current(slot) if isinstance(slot, int) else None
         if worker is None:
             raise GymError("invalid_request", f"no live worker in slot {slot}")
         return worker
 
-    def _serving(self) -> list[Any]:
+    def _serving(self) -> list[WorkerProcess]:
         """Each slot's live worker."""
         return [w for i in range(len(self.pool.slots)) if (w := self.pool.current(i)) is not None]
 
-    def _heirs(self) -> list[Any]:
+    def _heirs(self) -> list[WorkerProcess]:
         """Where a removed slot's sessions go: the workers taking sessions and answering,
         else (all draining) any left."""
         serving = self._serving()
-        return [w for w in serving if not w.route.draining and w.route.responsive] or serving
+        return [
+            w for w in serving if not w.live_route.draining and w.live_route.responsive
+        ] or serving
 
-    def _others(self, worker: Any) -> list[Any]:
+    def _others(self, worker: WorkerProcess) -> list[WorkerProcess]:
         """The workers a drained one's sessions may go to: taking sessions, answering."""
         return [
             w
             for w in self._serving()
-            if w is not worker and not w.route.draining and w.route.responsive
+            if w is not worker and not w.live_route.draining and w.live_route.responsive
         ]
 
     def _check_shrink(self, workers: int) -> None:
@@ -240,12 +254,12 @@ class Operations:
         leaving = [w for i in removed if (w := self.pool.current(i)) is not None]
         self._keep_one_taking_sessions(leaving, f"resizing to {_workers(workers)}")
 
-    def _keep_one_taking_sessions(self, leaving: list[Any], what: str) -> None:
+    def _keep_one_taking_sessions(self, leaving: list[WorkerProcess], what: str) -> None:
         """The rule every operation that takes workers out of new sessions keeps, here
         and nowhere else: a live worker outside `leaving` that is not draining stays, so
         new sessions always have somewhere to go. Refused (400) before anything changes."""
         staying = [w for w in self._serving() if w not in leaving]
-        if any(not w.route.draining for w in staying):
+        if any(not w.live_route.draining for w in staying):
             return
         if not staying:
             why = "no other live worker"
@@ -258,14 +272,14 @@ class Operations:
             "invalid_request", f"{what} would leave no worker taking new sessions ({why})"
         )
 
-    def _slot_worker(self, slot: int) -> list[Any]:
+    def _slot_worker(self, slot: int) -> list[WorkerProcess]:
         worker = self.pool.current(slot)
         return [] if worker is None else [worker]
 
     # ---- exclusion, progress, background ------------------------------------------
     @contextlib.asynccontextmanager
     async def _exclusive(self, kind: str, reason: str) -> AsyncIterator[Progress]:
-        with exclusive(self.checkpoints, kind):
+        with self.exclusion.hold(kind):
             async with self._progress(kind, reason) as progress:
                 yield progress
 
@@ -284,7 +298,7 @@ class Operations:
             self.mover.episodes_failed_total += len(progress.episodes_failed)
             if self.observe is not None:
                 self.observe(kind, outcome, progress.seconds)
-            progress.step = "done"
+            progress.at("done", None, "")
             self.running, self.last = None, progress
             log.info(
                 "%s (%s) done in %.3f s: %d sessions moved, %d not%s",
@@ -313,29 +327,15 @@ class Operations:
         }
 
     def worker_states(self) -> dict[str, dict[str, Any]]:
-        """owner -> {state, requests_served}: booting, ready, draining, unresponsive,
-        leaving (an operation stops it once it is empty) or stopped."""
-        states = {}
-        for w in self.pool.workers():
-            route = w.route
-            if w.state == "starting":
-                state = "booting"
-            elif w.state == "dead":
-                state = "stopped"
-            elif w.leaving:
-                state = "leaving"
-            elif route.draining:
-                state = "draining"
-            elif not route.responsive:
-                state = "unresponsive"
-            else:
-                state = "ready"
-            states[w.owner] = {"state": state, "requests_served": route.served if route else 0}
-        return states
+        """owner -> {state, requests_served} (`WorkerProcess.status` says the states)."""
+        return {
+            w.owner: {"state": w.status, "requests_served": w.live_route.served if w.route else 0}
+            for w in self.pool.workers()
+        }
 
     async def _run_signals(self) -> None:
         while self._signals:
-            if not is_free(self.checkpoints):
+            if not self.exclusion.is_free():
                 await asyncio.sleep(SIGNAL_POLL)
                 continue
             name = self._signals.pop(0)

@@ -1,4 +1,4 @@
-"""Emptying a worker and stopping it: the retire step that a rolling restart, a shrink
+"""Decommissioning a worker, emptying it and stopping it: the step that a rolling restart, a shrink
 and a recycle share, and the emptying a drain does (`proxy.fleet.operations`).
 
 - **empty**: take the worker out of new sessions; move its sessions to its heirs and
@@ -6,8 +6,8 @@ and a recycle share, and the emptying a drain does (`proxy.fleet.operations`).
   none is left or the deadline;
 - **take out**: hold every request still routed to it at the proxy, wait for its running
   requests (handing over the episodes among them), move what they left, and send
-  whatever still names its owner to an heir (`Router.retire_owner`);
-- **retire later**: a worker that could not be emptied keeps serving what it holds and
+  whatever still names its owner to an heir (`Router.inherit_owner`);
+- **decommission later**: a worker that could not be emptied keeps serving what it holds and
   is retired in the background. Each attempt takes the checkpoint exclusion only when it
   can succeed: none of its requests running but episodes that parked (outside the
   exclusion, where a parked episode changes nothing a checkpoint would see), and nothing
@@ -23,50 +23,67 @@ import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import asdict, dataclass, field
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 from gym_proxy.coordinator.contract.channel import ChannelClosed, ChannelTimeout, RemoteError
 from gym_proxy.coordinator.contract.messages import ListHeld, ParkEpisodes, ResumeEpisodes
+from gym_proxy.coordinator.exclusion import Exclusion
+from gym_proxy.proxy.config import Config
 from gym_proxy.proxy.fleet.handovers import hand_over
-from gym_proxy.proxy.fleet.mover import Checkpoints, Moved, Mover, failures, is_free
+from gym_proxy.proxy.fleet.mover import Moved, Mover, failures
+from gym_proxy.proxy.worker_records import Slot, WorkerProcess
 
-__all__ = ["Retirer", "WorkerPool", "Progress"]
+__all__ = ["Decommissioner", "WorkerPool", "Progress", "Step"]
 
 log = logging.getLogger("gym_proxy.operations")
 
 POLL = 0.05  # seconds between looks at a worker being emptied
-FINAL_SWEEP = 5.0  # seconds the last step of a retire gets even past the timeout
+FINAL_SWEEP = 5.0  # seconds the last step of a decommission gets even past the timeout
 RETRY_RETIRE = 1.0  # seconds between background attempts at a worker left serving
 PARK_AHEAD = 30.0  # seconds a left-serving worker's episodes get to reach a boundary
 
 
 class WorkerPool(Protocol):
-    """What operations need from the supervisor."""
+    """What operations need from the supervisor (`proxy.supervisor.Supervisor`)."""
 
-    slots: list[Any]
-    config: Any
+    slots: list[Slot]
+    config: Config
 
-    def current(self, slot_index: int) -> Any: ...
+    def current(self, slot_index: int) -> WorkerProcess | None: ...
 
-    def workers(self) -> Sequence[Any]: ...
+    def workers(self) -> Sequence[WorkerProcess]: ...
 
-    async def start_successor(self, slot_index: int, within: float) -> Any: ...
+    async def start_successor(self, slot_index: int, within: float) -> WorkerProcess: ...
 
-    async def add_slot(self, within: float) -> Any: ...
+    async def add_slot(self, within: float) -> WorkerProcess: ...
 
-    def promote(self, successor: Any) -> Any: ...
+    def promote(self, successor: WorkerProcess) -> WorkerProcess | None: ...
 
-    def remove_last_slot(self) -> Any: ...
+    def remove_last_slot(self) -> WorkerProcess | None: ...
 
-    def take_out_of_service(self, worker: Any) -> None: ...
+    def take_out_of_service(self, worker: WorkerProcess) -> None: ...
 
-    async def stop_worker(self, worker: Any, grace: float) -> int | None: ...
+    async def stop_worker(self, worker: WorkerProcess, grace: float) -> int | None: ...
 
-    def hold_worker(self, worker: Any) -> None: ...
+    def hold_worker(self, worker: WorkerProcess) -> None: ...
 
-    def release_worker(self, worker: Any) -> None: ...
+    def release_worker(self, worker: WorkerProcess) -> None: ...
 
-    def retire_owner(self, old: str, heir: str) -> None: ...
+    def inherit_owner(self, old: str, heir: str) -> None: ...
+
+
+# What an operation is doing now (`Progress.step`; `detail` says it in words, with its
+# numbers). A controller or a test acts on the step, never on the words.
+Step = Literal[
+    "starting",
+    "starting_worker",  # a resize adds a slot: its worker boots
+    "starting_replacement",  # a restart: the slot's new worker boots
+    "moving_sessions",  # to the replacement, or to the other workers (a drain)
+    "handing_over",  # running /run episodes go to the workers taking over
+    "pausing",  # a restart's pause between slots
+    "removing_slot",  # a shrink
+    "done",
+]
 
 
 @dataclass
@@ -76,7 +93,9 @@ class Progress:
     operation: str
     reason: str
     started_at: float  # Unix seconds
-    step: str = "starting"
+    step: Step = "starting"
+    detail: str = ""  # the step in words
+    step_slot: int | None = None  # the slot the step is about, if one
     moved: int = 0
     failed: dict[str, str] = field(default_factory=dict)
     episodes_moved: int = 0  # running /run episodes handed over (proxy.fleet.handovers)
@@ -85,6 +104,9 @@ class Progress:
     slots: list[dict[str, Any]] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     seconds: float | None = None  # set when it ended
+
+    def at(self, step: Step, slot: int | None, detail: str) -> None:
+        self.step, self.step_slot, self.detail = step, slot, detail
 
     def view(self, waiting: int) -> dict[str, Any]:
         view = asdict(self)
@@ -101,20 +123,20 @@ class Progress:
 
 
 @dataclass(eq=False)
-class Retirer:
+class Decommissioner:
     """The steps of the module docstring, for the operations that own the exclusion."""
 
     pool: WorkerPool
     mover: Mover
-    checkpoints: Checkpoints
+    exclusion: Exclusion
     # The operations' own: an exclusive operation of a kind, for a reason, and its progress.
     exclusive: Callable[[str, str], AbstractAsyncContextManager[Progress]]
     in_background: Callable[[Any], None]
 
-    async def retire(
+    async def decommission(
         self,
-        worker: Any,
-        heirs: Callable[[], list[Any]],
+        worker: WorkerProcess,
+        heirs: Callable[[], list[WorkerProcess]],
         within: float,
         progress: Progress,
         entry: dict[str, Any],
@@ -142,19 +164,19 @@ class Retirer:
         if running:
             reasons = sorted({progress.episodes_failed.get(k, "it runs on") for k in running})
             progress.errors.append(f"{what} {len(running)} running episodes ({'; '.join(reasons)})")
-        self.in_background(self._retire_later(worker, heirs))
+        self.in_background(self._decommission_later(worker, heirs))
 
     async def empty(
         self,
-        worker: Any,
-        heirs: Callable[[], list[Any]],
+        worker: WorkerProcess,
+        heirs: Callable[[], list[WorkerProcess]],
         deadline: float,
         progress: Progress,
     ) -> list[str] | None:
         """Take `worker` out of new sessions and move its sessions to `heirs` until none
         is left or `deadline`; answer the sessions it still holds (None: it did not say,
         so it is not empty as far as anyone knows)."""
-        worker.route.draining = True
+        worker.live_route.draining = True
         moved: set[str] = set()
         while worker.state == "live":
             await self.mover.drops_done()  # a moved session must not be listed again
@@ -191,9 +213,9 @@ class Retirer:
 
     async def _hand_over(
         self,
-        worker: Any,
+        worker: WorkerProcess,
         episodes: list[Any],
-        targets: list[Any],
+        targets: list[WorkerProcess],
         deadline: float,
         progress: Progress,
     ) -> int:
@@ -201,10 +223,11 @@ class Retirer:
         if not episodes or not targets:
             return 0
         result = Moved()
-        step = progress.step
-        progress.step = f"slot {worker.slot}: handing over {len(episodes)} running episodes"
+        was = (progress.step, progress.step_slot, progress.detail)
+        detail = f"slot {worker.slot}: handing over {len(episodes)} running episodes"
+        progress.at("handing_over", worker.slot, detail)
         await hand_over(self.mover, worker, episodes, targets, deadline, result)
-        progress.step = step
+        progress.at(*was)
         progress.episodes_moved += len(result.moved)
         progress.episodes_to.update(result.moved)
         for key in result.moved:
@@ -214,19 +237,19 @@ class Retirer:
 
     async def _take_out(
         self,
-        worker: Any,
-        heirs: Callable[[], list[Any]],
+        worker: WorkerProcess,
+        heirs: Callable[[], list[WorkerProcess]],
         deadline: float,
         progress: Progress,
     ) -> bool:
-        """The last step of a retire: with every request for `worker` held at the proxy,
+        """The last step of a decommission: with every request for `worker` held at the proxy,
         wait for its running ones, move what they left, and send what still names its
         owner to an heir. False (nothing changed, it serves on) when it is not empty."""
         final = max(deadline, time.monotonic() + FINAL_SWEEP)
         self.pool.hold_worker(worker)
         try:
             while True:
-                if not worker.route.in_flight:
+                if not worker.live_route.in_flight:
                     if await self.empty(worker, heirs, final, progress) != []:
                         return False
                     listing = await self.listing(worker)
@@ -241,15 +264,19 @@ class Retirer:
             targets = [h for h in heirs() if h is not worker]
             if not targets:
                 return False
-            heir = min(targets, key=lambda h: h.route.in_flight)
-            self.pool.retire_owner(worker.owner, heir.owner)
+            heir = min(targets, key=lambda h: h.live_route.in_flight)
+            self.pool.inherit_owner(worker.owner, heir.owner)
             self.pool.take_out_of_service(worker)
             return True
         finally:
             self.pool.release_worker(worker)
 
     async def _hand_over_running(
-        self, worker: Any, heirs: Callable[[], list[Any]], deadline: float, progress: Progress
+        self,
+        worker: WorkerProcess,
+        heirs: Callable[[], list[WorkerProcess]],
+        deadline: float,
+        progress: Progress,
     ) -> int:
         """With `worker`'s requests held, hand over the episodes it still runs."""
         listing = await self.listing(worker)
@@ -267,11 +294,13 @@ class Retirer:
                 progress.episodes_failed[episode.key] = episode.unmovable
         return [e for e in episodes if not e.unmovable]
 
-    async def _retire_later(self, worker: Any, heirs: Callable[[], list[Any]]) -> None:
+    async def _decommission_later(
+        self, worker: WorkerProcess, heirs: Callable[[], list[WorkerProcess]]
+    ) -> None:
         """Retire a worker left serving, as soon as its sessions let it."""
         while worker.state == "live":
             await asyncio.sleep(RETRY_RETIRE)
-            if not is_free(self.checkpoints):
+            if not self.exclusion.is_free():
                 continue
             # Only an attempt that can succeed takes the exclusion (checkpoints get 409
             # meanwhile): none of its requests running, and nothing left that cannot move.
@@ -281,11 +310,11 @@ class Retirer:
             # Running requests keep it, unless each is an episode it can hand over; those
             # park at their boundary first, so the exclusion is taken only once they did.
             movable = [e.key for e in listing.episodes if not e.unmovable]
-            if worker.route.in_flight > len(movable) or listing.requests > len(movable):
+            if worker.live_route.in_flight > len(movable) or listing.requests > len(movable):
                 continue
             if movable and not await self._park_ahead(worker, movable):
                 continue
-            if not is_free(self.checkpoints):
+            if not self.exclusion.is_free():
                 continue  # one began while it listed
             async with self.exclusive("worker_retire", f"worker {worker.slot} left serving") as p:
                 entry: dict[str, Any] = {"slot": worker.slot, "owner": worker.owner}
@@ -298,30 +327,32 @@ class Retirer:
                     await self.pool.stop_worker(worker, float(self.pool.config.graceful_timeout))
                     return
 
-    async def _park_ahead(self, worker: Any, keys: list[str]) -> bool:
+    async def _park_ahead(self, worker: WorkerProcess, keys: list[str]) -> bool:
         """Park `worker`'s episodes at their next boundary (up to PARK_AHEAD seconds),
         outside the exclusion: parked, an episode changes nothing a checkpoint would see.
         True when all parked and the server is free; else they go on running."""
         try:
             within = PARK_AHEAD
-            parked = await worker.channel.request(ParkEpisodes(keys, within), within=within + 5)
+            parked = await worker.live_channel.request(
+                ParkEpisodes(keys, within), within=within + 5
+            )
         except (ChannelClosed, ChannelTimeout, RemoteError) as exc:
             log.warning("worker %d did not park its episodes: %s", worker.slot, exc)
             return False
-        if not parked.not_parked and is_free(self.checkpoints):
+        if not parked.not_parked and self.exclusion.is_free():
             return True
         with contextlib.suppress(ChannelClosed, ChannelTimeout, RemoteError):
-            await worker.channel.request(ResumeEpisodes(keys), within=10.0)
+            await worker.live_channel.request(ResumeEpisodes(keys), within=10.0)
         return False
 
-    async def listing(self, worker: Any) -> Any:
+    async def listing(self, worker: WorkerProcess) -> Any:
         try:
-            return await worker.channel.request(ListHeld(), within=10.0)
+            return await worker.live_channel.request(ListHeld(), within=10.0)
         except (ChannelClosed, ChannelTimeout, RemoteError) as exc:
             log.warning("worker %d did not list its sessions: %s", worker.slot, exc)
             return None
 
-    async def held_sessions(self, worker: Any) -> list[str]:
+    async def held_sessions(self, worker: WorkerProcess) -> list[str]:
         listing = await self.listing(worker)
         return [] if listing is None else list(listing.session_ids)
 

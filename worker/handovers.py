@@ -10,7 +10,7 @@ On the source, in three calls from the coordinator's mover:
    (`Episode.export`) is answered with the records of the sessions that ride along: its
    request's session and the sessions bound to the episode;
 2. `give_up`: its task is cancelled where it waits, and the front door answers its
-   request with the hand-over marker (`HANDOFF_STATUS`, the `x-ng-handoff` id, and the
+   request with the hand-over marker (`HANDOVER_STATUS`, the `x-ng-handover` id, and the
    request's own body); the proxy sends the request, unchanged, to the target. The
    sessions that rode along end here;
 3. or `resume_episodes`: the hand-over was given up, and the episodes go on here.
@@ -45,7 +45,7 @@ if TYPE_CHECKING:
     from gym_proxy.worker.runtime import InFlight, ParticipantRuntime
 
 __all__ = [
-    "Handoff",
+    "EpisodeHandover",
     "hands_over",
     "running_episodes",
     "park_episodes",
@@ -58,7 +58,7 @@ GIVE_UP_WAIT = 10.0  # seconds a cancelled episode gets to leave the app
 
 
 @dataclass(eq=False, slots=True)
-class Handoff:
+class EpisodeHandover:
     """A hand-over of one request's episode, under way."""
 
     parked: asyncio.Event = field(default_factory=asyncio.Event)  # at a boundary, held
@@ -102,7 +102,7 @@ def _unmovable(runtime: ParticipantRuntime, flight: InFlight) -> str:
         return "its answer has begun"
     if not flight.replayable:
         return "its request body came content-encoded (it cannot be sent on as it came)"
-    if flight.handoff is not None and flight.handoff.id is not None:
+    if flight.handover is not None and flight.handover.id is not None:
         return "it is being given up"
     return ""
 
@@ -130,8 +130,8 @@ async def park_episodes(
             not_parked[key] = why
             continue
         assert flight is not None
-        if flight.handoff is None:  # else parked already: asked again, it answers again
-            flight.handoff = Handoff()
+        if flight.handover is None:  # else parked already: asked again, it answers again
+            flight.handover = EpisodeHandover()
         parking[key] = flight
     waits = [asyncio.ensure_future(_parked_or_gone(f)) for f in parking.values()]
     if waits:
@@ -139,10 +139,10 @@ async def park_episodes(
         for wait in waits:
             wait.cancel()
     for key, flight in list(parking.items()):
-        handoff = flight.handoff
+        handover = flight.handover
         if flight not in runtime.flights:
             not_parked[key] = EPISODE_ENDED
-        elif handoff is None or not handoff.parked.is_set():
+        elif handover is None or not handover.parked.is_set():
             not_parked[key] = "it did not reach a boundary in time"
         elif any(f is not flight and f.key in _riders(runtime, flight) for f in runtime.flights):
             not_parked[key] = "another request of its session is running"
@@ -166,27 +166,27 @@ async def park_episodes(
 
 async def _parked_or_gone(flight: InFlight) -> None:
     """Until the flight parked for its hand-over, or its request ended (answered)."""
-    assert flight.handoff is not None and flight.task is not None
-    parked = asyncio.ensure_future(flight.handoff.parked.wait())
+    assert flight.handover is not None and flight.task is not None
+    parked = asyncio.ensure_future(flight.handover.parked.wait())
     try:
         await asyncio.wait([parked, flight.task], return_when=asyncio.FIRST_COMPLETED)
     finally:
         parked.cancel()
 
 
-async def give_up(runtime: ParticipantRuntime, handoffs: dict[str, str]) -> GaveUp:
+async def give_up(runtime: ParticipantRuntime, handovers: dict[str, str]) -> GaveUp:
     """Step 2 (module docstring): stop these parked episodes; their requests are answered
     with the marker carrying each one's hand-over id."""
     running = _episode_flights(runtime)
     kept: dict[str, str] = {}
     stopping: dict[str, InFlight] = {}
-    for key, handoff_id in handoffs.items():
+    for key, handover_id in handovers.items():
         flight = running.get(key)
-        handoff = None if flight is None else flight.handoff
-        if flight is None or handoff is None or not handoff.parked.is_set():
+        handover = None if flight is None else flight.handover
+        if flight is None or handover is None or not handover.parked.is_set():
             kept[key] = EPISODE_ENDED
             continue
-        handoff.id = handoff_id
+        handover.id = handover_id
         flight.task.cancel()  # type: ignore[union-attr]
         stopping[key] = flight
     tasks = [f.task for f in stopping.values() if f.task is not None]
@@ -195,7 +195,7 @@ async def give_up(runtime: ParticipantRuntime, handoffs: dict[str, str]) -> Gave
     handed: list[str] = []
     riders: set[str] = set()
     for key, flight in stopping.items():
-        if flight.handoff is not None and flight.handoff.sent:
+        if flight.handover is not None and flight.handover.sent:
             handed.append(key)
             riders |= _riders(runtime, flight)
         elif flight in runtime.flights:
@@ -211,14 +211,14 @@ def resume_episodes(runtime: ParticipantRuntime, keys: list[str]) -> None:
     running = _episode_flights(runtime)
     for key in keys:
         flight = running.get(key)
-        if flight is not None and flight.handoff is not None and flight.handoff.id is None:
+        if flight is not None and flight.handover is not None and flight.handover.id is None:
             _go_on(flight)
 
 
 def _go_on(flight: InFlight) -> None:
-    handoff, flight.handoff = flight.handoff, None
-    if handoff is not None:
-        handoff.go_on.set()
+    handover, flight.handover = flight.handover, None
+    if handover is not None:
+        handover.go_on.set()
 
 
 def adopt_episodes(runtime: ParticipantRuntime, records: list[dict[str, Any]]) -> None:

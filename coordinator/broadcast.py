@@ -1,0 +1,45 @@
+"""One request to many workers at once: the fan-out the checkpointer, the live operations
+and the metrics share.
+
+Every worker is asked at the same moment with the same time limit, and every answer
+comes back, in the workers' order, beside its worker: the reply, or the exception its
+request ended with (ChannelClosed, ChannelTimeout, RemoteError, ...). What a failure
+means is the caller's: a checkpoint refuses the whole call, a move names the worker that
+did not answer, the metrics leave its figures out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol, TypeVar
+
+from gym_proxy.coordinator.contract.channel import Channel
+from gym_proxy.coordinator.contract.messages import Message
+
+__all__ = ["HasChannel", "broadcast"]
+
+
+class HasChannel(Protocol):
+    @property
+    def channel(self) -> Channel | None: ...
+
+
+W = TypeVar("W", bound=HasChannel)
+
+
+async def broadcast(
+    workers: Sequence[W],
+    message: Message | Callable[[W], Message],
+    within: float | None,
+) -> list[tuple[W, Any]]:
+    """Send `message` (or the one `message(worker)` makes for it) to every worker;
+    `within` seconds for all (None: as long as each channel lives). Each worker with its
+    reply or the exception its request raised."""
+    requests = []
+    for worker in workers:
+        channel = worker.channel
+        assert channel is not None, "a live worker has a channel"
+        requests.append(channel.request(message(worker) if callable(message) else message, within))
+    results = await asyncio.gather(*requests, return_exceptions=True)
+    return list(zip(workers, results, strict=True))
