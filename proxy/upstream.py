@@ -23,7 +23,9 @@ response is acted on after the whole read is parsed, never from inside the parse
 
 A response to HEAD announces a body it does not send, and httptools cannot be told the
 request was a HEAD; so after its head the parser is replaced by a fresh one, and the
-connection is reused only when nothing followed the head. After a 101 the parser is left
+connection is closed, never reused: aiohttp sends the body a handler writes to a
+`StreamResponse` even for a HEAD, sometimes in a later read, which the next request
+on the connection would take for its answer (a 502). After a 101 the parser is left
 behind and bytes go to the exchange untouched (a tunnel).
 
 A burst of new connections can fill a worker's accept queue; a Unix socket then refuses
@@ -221,6 +223,9 @@ class UpstreamConnection(asyncio.Protocol):
             status = self.parser.get_status_code()
             if exchange.method == b"HEAD" and status >= 200:
                 self.bodiless = True
+                # Never reused: aiohttp sends a StreamResponse's body to a HEAD anyway, and
+                # in a read of its own it would be taken for the next request's answer.
+                self.spoiled = True
             exchange.response_head(status, self.headers, self.parser.should_keep_alive())
         self.headers = []
 

@@ -163,18 +163,34 @@ async def test_bodiless_statuses_get_no_framing_and_keep_the_connection(status):
 
 
 # ---- HEAD ------------------------------------------------------------------------
-async def test_head_response_ends_at_its_head_and_the_connection_is_reused():
+async def test_head_response_ends_at_its_head_and_the_connection_is_not_reused():
     rig = Rig()
     client = rig.client()
     client.send(b"HEAD /x HTTP/1.1\r\nHost: t\r\n\r\n")
     upstream = await rig.upstream()
     upstream.send(b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\n")
+    assert upstream.transport.closing  # a HEAD's connection is never reused
     client.send(GET)
-    upstream.send(OK)
+    (await rig.upstream()).send(OK)
     [(s1, h1, b1), (s2, _, b2)] = client.responses(head_requests=1)
     assert (s1, h1[b"content-length"], b1) == (200, b"10", b"")
     assert (s2, b2) == (200, b"ok")
-    assert len(rig.upstreams) == 1  # reused after the HEAD
+    assert len(rig.upstreams) == 2
+
+
+async def test_a_head_body_sent_in_a_later_read_never_answers_the_next_request():
+    # aiohttp sends a StreamResponse's body to a HEAD: after the head, in its own write.
+    rig = Rig()
+    client = rig.client()
+    client.send(b"HEAD /x HTTP/1.1\r\nHost: t\r\n\r\n")
+    first = await rig.upstream()
+    first.send(b"HTTP/1.1 200 OK\r\ncontent-length: 4\r\n\r\n")
+    client.send(GET)
+    second = await rig.upstream()
+    first.send(b"junk")  # late: the GET is on another connection
+    second.send(OK)
+    assert [r[0] for r in client.responses(head_requests=1)] == [200, 200]
+    assert second is not first and first.transport.closing
 
 
 async def test_head_response_followed_by_bytes_is_not_reused():
@@ -190,15 +206,15 @@ async def test_head_response_followed_by_bytes_is_not_reused():
     assert [r[0] for r in client.responses(head_requests=1)] == [200, 200]
 
 
-async def test_head_response_without_length_is_reused():
+async def test_head_response_without_length_ends_at_its_head():
     rig = Rig()
     client = rig.client()
     client.send(b"HEAD /x HTTP/1.1\r\nHost: t\r\n\r\n")
     upstream = await rig.upstream()
     upstream.send(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
     client.send(GET)
-    upstream.send(OK)
-    assert len(rig.upstreams) == 1
+    (await rig.upstream()).send(OK)
+    assert len(rig.upstreams) == 2
     assert [r[0] for r in client.responses(head_requests=1)] == [200, 200]
 
 
