@@ -30,6 +30,10 @@ def pytest_itemcollected(item: pytest.Item) -> None:
     could be forgotten, and such a file would run under neither Python)."""
     if item.path.name.startswith("test_nemo_gym_"):
         item.add_marker(pytest.mark.nemo_gym)
+        if item.get_closest_marker("timeout") is None:
+            # A NeMo Gym stack boots a dozen NeMo Gym processes, beside another test
+            # process on 2 cores: the longest took 117 s of the default 120.
+            item.add_marker(pytest.mark.timeout(300))
 
 
 # The longest files, longest first (CI's --durations): pytest-xdist hands files out in

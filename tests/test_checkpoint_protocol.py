@@ -1,4 +1,10 @@
-"""The control plane's contract, against real processes."""
+"""The control plane's contract, against real processes.
+
+Both app kinds (BOTH_APP_KINDS: the aiohttp door and the ASGI door) run the tests where
+a worker's door is on the path: new work waiting at the door, a request in flight, a
+lost worker, the lease's reopen, a retired attempt's cancel. What the coordinator decides
+before any worker is asked (a missing worker, conflicts and stale IDs, auth and bodies,
+a damaged or half-written checkpoint) runs once."""
 
 from __future__ import annotations
 
@@ -155,7 +161,6 @@ async def _held_participant(start_proxy, http, hold):
     return control, await control.ok("status")
 
 
-@BOTH_APP_KINDS
 async def test_missing_worker_blocks_prepare(start_proxy, http, tmp_path):
     hold = tmp_path / "hold"
     control, status = await _held_participant(start_proxy, http, hold)
@@ -169,7 +174,6 @@ async def test_missing_worker_blocks_prepare(start_proxy, http, tmp_path):
     hold.unlink()
 
 
-@BOTH_APP_KINDS
 async def test_retries_conflicts_and_stale_ids(participant, http, tmp_path):
     control = Control(http, participant.url)
     await new_session(http, participant.url)
@@ -204,7 +208,6 @@ async def test_retries_conflicts_and_stale_ids(participant, http, tmp_path):
     await control.ok("resume", checkpoint_id="late")
 
 
-@BOTH_APP_KINDS
 async def test_auth_and_bad_bodies(participant, http):
     control = Control(http, participant.url)
     base = control.base
@@ -232,7 +235,6 @@ async def test_auth_and_bad_bodies(participant, http):
     assert (await control.ok("status"))["phase"] == "idle"  # nothing opened by bad calls
 
 
-@BOTH_APP_KINDS
 async def test_control_is_404_without_a_token(start_proxy, http):
     proxy = start_proxy(workers=1)
     async with http.get(
@@ -269,7 +271,6 @@ async def test_lease_expiry_resumes(start_proxy, http):
 
 
 @pytest.mark.parametrize("damage", ["records", "digest", "count", "manifest", "kind", "instance"])
-@BOTH_APP_KINDS
 async def test_bad_checkpoints_are_422_and_install_nothing(start_proxy, http, tmp_path, damage):
     first = start_proxy(workers=1, control_token=CONTROL_TOKEN)
     control = Control(http, first.url)
@@ -306,7 +307,6 @@ async def test_bad_checkpoints_are_422_and_install_nothing(start_proxy, http, tm
         assert resp.status == 410  # nothing was installed: the old owner is unknown
 
 
-@BOTH_APP_KINDS
 async def test_crash_between_records_and_manifest(start_proxy, http, tmp_path):
     good, torn = tmp_path / "good", tmp_path / "torn"
     first = start_proxy(workers=1, control_token=CONTROL_TOKEN)

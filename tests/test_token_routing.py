@@ -62,9 +62,9 @@ def foreign_tokens(valid: str, owner: str) -> dict[str, str]:
 
 @pytest.mark.parametrize("carrier", ["header", "cookie"])
 async def test_damaged_tokens_of_this_instance_are_400_and_reach_no_worker(
-    start_proxy, http, carrier
+    shared_proxy, http, carrier
 ):
-    proxy = start_proxy(workers=2)
+    proxy = shared_proxy(workers=2)
     owners = await discover_owners(http, proxy.url, 2)
     async with http.post(f"{proxy.url}/seed_session", json={"initial_count": 1}) as resp:
         valid = resp.headers[TOKEN]
@@ -85,12 +85,12 @@ async def test_damaged_tokens_of_this_instance_are_400_and_reach_no_worker(
         assert after[owner] == before[owner] + ["/seen"], (owner, after[owner])
 
 
-async def test_tokens_this_instance_did_not_mint_pass_through_untouched(start_proxy, http):
+async def test_tokens_this_instance_did_not_mint_pass_through_untouched(shared_proxy, http):
     """Cookies travel between the servers of a NeMo Gym stack: another instance's token,
     another secret's, a legacy token naming an owner this instance never had are none of
     its business. They reach the app untouched, never 400 or 410; a cookie client gets a
     new session of this instance's, a header (an app's token) gets none."""
-    proxy = start_proxy(workers=2)
+    proxy = shared_proxy(workers=2)
     async with http.post(f"{proxy.url}/seed_session", json={"initial_count": 1}) as resp:
         valid = resp.headers[TOKEN]
     owner = valid.split(".")[3]
@@ -108,10 +108,10 @@ async def test_tokens_this_instance_did_not_mint_pass_through_untouched(start_pr
             assert TOKEN not in resp.headers and "Set-Cookie" not in resp.headers, name
 
 
-async def test_legacy_cookie_of_a_known_owner_still_routes(start_proxy, http):
+async def test_legacy_cookie_of_a_known_owner_still_routes(shared_proxy, http):
     """A client of a checkpoint taken before tokens named their instance holds a `v1.`
     token in the `ng_session` cookie; one naming an owner this instance has routes."""
-    proxy = start_proxy(workers=2)
+    proxy = shared_proxy(workers=2)
     owners = await discover_owners(http, proxy.url, 2)
     token = legacy_token(TEST_SECRET.encode(), "old-session", owners[1])
     for _ in range(3):
@@ -142,8 +142,8 @@ async def test_unknown_owner_is_410_and_owner_header_lands(start_proxy, http):
         assert resp.status == 410
 
 
-async def test_worker_sees_identity_headers_not_client_copies(start_proxy, http):
-    proxy = start_proxy(workers=2)
+async def test_worker_sees_identity_headers_not_client_copies(shared_proxy, http):
+    proxy = shared_proxy(workers=2)
     headers = {
         "x-ng-session-id": "spoofed",
         "x-ng-session-token": "spoofed",
@@ -173,8 +173,8 @@ async def test_worker_sees_identity_headers_not_client_copies(start_proxy, http)
     assert again["session_id"] == body["session_id"] and again["owner"] == body["owner"]
 
 
-async def test_ownerless_token_is_placed_once_and_keeps_its_token(start_proxy, http):
-    proxy = start_proxy(workers=2)
+async def test_ownerless_token_is_placed_once_and_keeps_its_token(shared_proxy, http):
+    proxy = shared_proxy(workers=2)
     codec = TokenCodec(TEST_SECRET.encode(), "apps")  # this instance (--name apps)
     ownerless = codec.sign("restored-session", None)
     results = await asyncio.gather(
