@@ -622,12 +622,17 @@ class Exchange:
         session_id = self.session_id
         if session_id is not None:
             self.session_id = None
-            active = self.client.proxy_state.router.active
+            router = self.client.proxy_state.router
+            active = router.active
             left = active.get(session_id, 1) - 1
             if left > 0:
                 active[session_id] = left
             else:
                 active.pop(session_id, None)
+            if router.watchers:  # empty but while a move or a hand-over waits
+                for waiter in router.watchers.pop(session_id, ()):
+                    if not waiter.done():
+                        waiter.set_result(None)
         worker = self.worker
         if worker is not None:
             self.worker = None

@@ -163,6 +163,9 @@ class Router:
     # requests held while their session moves (exchanges, started again after the move).
     active: dict[str, int] = field(default_factory=dict)
     holding: dict[str, list[Any]] = field(default_factory=dict)
+    # Who waits for a request of a session to end (a move, a hand-over: futures the
+    # data path resolves as one ends; `proxy.session_watch`), by session.
+    watchers: dict[str, list[Any]] = field(default_factory=dict)
     # Hand-over id (the marker a worker answers with) -> the hand-over the mover expects.
     handovers: dict[bytes, ExpectedHandover] = field(default_factory=dict)
     # Counted for /metrics: decisions by rule, and foreign tokens passed to the app.

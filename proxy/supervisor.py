@@ -30,6 +30,7 @@ import random
 import signal
 import sys
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,6 +44,7 @@ from gym_proxy.proxy.config import Config
 from gym_proxy.proxy.exchange import start_held, start_held_by_worker
 from gym_proxy.proxy.routing import ExpectedHandover, Router, WorkerRoute
 from gym_proxy.proxy.session_tokens import new_owner_id
+from gym_proxy.proxy.session_watch import until_a_request_ends
 from gym_proxy.proxy.upstream import UpstreamPool
 from gym_proxy.proxy.worker_records import Slot, WorkerProcess, resident_bytes
 from gym_proxy.worker.options import worker_argv
@@ -564,6 +566,9 @@ class Supervisor:
 
     def running_requests(self, session_id: str) -> int:
         return self.router.active.get(session_id, 0)
+
+    async def until_a_request_ends(self, session_ids: Iterable[str], deadline: float) -> None:
+        await until_a_request_ends(self.router, session_ids, deadline)
 
     def place_session(self, session_id: str, owner: str, kept: bool) -> None:
         """`kept`: a session ID as the workers keep it (a record's); else a gym-proxy

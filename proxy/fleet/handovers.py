@@ -59,7 +59,6 @@ log = logging.getLogger("gym_proxy.moves")
 ARRIVAL_WAIT = 10.0  # seconds a given-back request gets to reach its target
 ADOPT_WAIT = 5.0  # seconds a target gets at least to take parked episodes
 GIVE_UP_WAIT = 20.0  # seconds the source gets to answer give_up (it waits 10 for the app)
-BOUNDARY_POLL = 0.01
 _CHANNEL_ERRORS = (ChannelClosed, ChannelTimeout, RemoteError)
 
 
@@ -126,16 +125,21 @@ async def _busy_riders(mover: Mover, movable: list[RunningEpisode], deadline: fl
             own_requests[episode.session_id] = own_requests.get(episode.session_id, 0) + 1
     running = mover.table.running_requests
 
-    def busy() -> list[str]:
-        return [
-            e.key for e in movable if any(running(s) > own_requests.get(s, 0) for s in _riders(e))
-        ]
+    def busy() -> dict[str, list[str]]:
+        """Each episode still waiting, with its riders that run another request."""
+        waiting = {}
+        for e in movable:
+            riders = [s for s in _riders(e) if running(s) > own_requests.get(s, 0)]
+            if riders:
+                waiting[e.key] = riders
+        return waiting
 
     while True:
         still = busy()
         if not still or time.monotonic() >= deadline:
-            return still
-        await asyncio.sleep(BOUNDARY_POLL)
+            return list(still)
+        riders = [s for waiting in still.values() for s in waiting]
+        await mover.table.until_a_request_ends(riders, deadline)
 
 
 async def _park(

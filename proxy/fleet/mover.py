@@ -8,7 +8,8 @@ A move of some sessions to the worker in one slot, in order:
    running (a session whose request outlives the move's timeout is not moved: it is
    reported, and serves where it was). A WebSocket tunnel of the session follows the
    app's `tunnels` choice: closed with 1012 first ("close"), or waited for ("block").
-   Each session moves as soon as it reaches its boundary, with the others that did;
+   Each session moves as soon as it reaches its boundary, with the others that did
+   (the data path wakes the wait as a request ends: `proxy.session_watch`, no polling);
 3. `move_out` to the source workers (for a move call, every other live worker): the one
    that holds a session answers its record (session store, hooks or a declared session
    dict) and keeps serving it;
@@ -30,7 +31,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -60,7 +61,6 @@ __all__ = [
 log = logging.getLogger("gym_proxy.moves")
 
 DROP_WAIT = 30.0  # seconds a worker gets to drop sessions it no longer serves
-BOUNDARY_POLL = 0.01  # seconds between looks at a moving session's running requests
 
 
 class _Worker(SlotOwner, Protocol):
@@ -78,6 +78,10 @@ class MoveTable(Protocol):
     def release_sessions(self, session_ids: list[str]) -> None: ...
 
     def running_requests(self, session_id: str) -> int: ...
+
+    async def until_a_request_ends(self, session_ids: Iterable[str], deadline: float) -> None:
+        """Until a request of one of `session_ids` ends, or `deadline` (monotonic)."""
+        ...
 
     def place_session(self, session_id: str, owner: str, kept: bool) -> None:
         """The session table sends `session_id` to `owner`: a session ID as the workers
@@ -178,7 +182,8 @@ class Mover:
                             "a request of the session was still running at the timeout"
                         )
                     break
-                await asyncio.sleep(BOUNDARY_POLL)
+                busy = [x for s in pending for x in groups[s] if running(x)]
+                await self.table.until_a_request_ends(busy, deadline)
         finally:
             self.table.release_sessions(list(held))
             self.holding -= len(held)

@@ -1,0 +1,36 @@
+"""Waiting for a session's requests to end, woken by the data path.
+
+A move waits until a moving session has no request running; a hand-over until an
+episode's riders run only the episode's own request. Neither polls: the wait registers
+a future for its sessions in `Router.watchers`, the data path resolves it as a request
+of one of them ends (`proxy.exchange`), and the waiter looks again at what it needs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Iterable
+
+from gym_proxy.proxy.routing import Router
+
+__all__ = ["until_a_request_ends"]
+
+
+async def until_a_request_ends(router: Router, session_ids: Iterable[str], deadline: float) -> None:
+    """Until a request of one of `session_ids` ends, or `deadline` (time.monotonic())."""
+    ended: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    watched = list(dict.fromkeys(session_ids))
+    for session_id in watched:
+        router.watchers.setdefault(session_id, []).append(ended)
+    try:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(ended, max(0.0, deadline - time.monotonic()))
+    finally:
+        for session_id in watched:
+            waiters = router.watchers.get(session_id)
+            if waiters is not None and ended in waiters:
+                waiters.remove(ended)
+                if not waiters:
+                    del router.watchers[session_id]
