@@ -17,9 +17,9 @@ import socket
 __all__ = ["free_port"]
 
 # Above Ray's defaults: its worker ports (10002-19999), which a Ray node refuses to see
-# any port it was given in, its client server (10001), dashboard (8265) and GCS (6379);
-# above the quick start's fixed ports too (docs/examples/nemo_gym/config.yaml: 18400-18405).
+# any port it was given in, its client server (10001), dashboard (8265) and GCS (6379).
 _LOWEST = 20000
+_QUICK_START = range(28400, 28410)  # docs/examples/nemo_gym/config.yaml's fixed ports
 _given: set[int] = set()
 
 
@@ -44,7 +44,7 @@ def free_port(host: str = "127.0.0.1") -> int:
     ports = _slice()
     for _ in range(2000):
         port = random.choice(ports)
-        if port in _given:
+        if port in _given or port in _QUICK_START:
             continue
         with socket.socket() as probe:
             try:

@@ -23,10 +23,11 @@ echo "quickstart: files in $work"
 
 [ -x "$venv/bin/gym" ] || bash "$here/install.sh" "$venv"
 
-# Fixed ports (config.yaml): below the ephemeral range, so nothing else takes them by chance.
-for port in 18400 18401 18402 18403 18404 18405; do
+# Fixed ports (config.yaml): below the ephemeral range and above Ray's worker ports
+# (10002-19999), so neither an outgoing connection nor a Ray worker takes one by chance.
+for port in 28400 28401 28402 28403 28404 28405; do
     if (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null; then
-        echo "quickstart: port $port is in use; config.yaml's ports 18400-18405 must be free" >&2
+        echo "quickstart: port $port is in use; config.yaml's ports 28400-28405 must be free" >&2
         exit 1
     fi
 done
@@ -56,7 +57,7 @@ head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n' > "$work/secret"
 head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n' > "$work/control-token"
 chmod 600 "$work/secret" "$work/control-token"
 
-PYTHONPATH=$repo "$venv/bin/python" -m tests.nemo_gym.scripted_model 18404 \
+PYTHONPATH=$repo "$venv/bin/python" -m tests.nemo_gym.scripted_model 28404 \
     > "$work/model.log" 2>&1 &
 model=$!
 
@@ -64,7 +65,7 @@ counter=counter.resources_servers.example_session_state_mgmt.gym_proxy
 settings=(
     "+config_paths=[$here/config.yaml]"
     "+uv_venv_dir=$work/venvs"
-    "+policy_base_url=http://127.0.0.1:18404/v1"
+    "+policy_base_url=http://127.0.0.1:28404/v1"
     "++$counter.secret_file=$work/secret"
     "++$counter.control_token_file=$work/control-token"
     "++$counter.runtime_dir=$work"
@@ -98,7 +99,7 @@ print(f"{sum(r['reward'] == 1.0 for r in rollouts)} of {len(rollouts)} rollouts 
 EOF
 
 GYM_PROXY_CONTROL_TOKEN=$(cat "$work/control-token") "$venv/bin/gym-proxy-ctl" \
-    --server http://127.0.0.1:18401 checkpoint quickstart "$work/checkpoint" \
+    --server http://127.0.0.1:28401 checkpoint quickstart "$work/checkpoint" \
     > "$work/checkpoint.json"
 "$venv/bin/python" - "$work/checkpoint.json" <<'EOF'
 import json, sys
