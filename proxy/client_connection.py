@@ -26,11 +26,15 @@ Connection phases (`ClientConnection.phase`; each exchange has its own, `proxy.e
     LINGERING   answered and half-closed; input is dropped until EOF (or LINGER seconds)
     CLOSED      the transport is closed or closing
 
+Transitions (`TRANSITIONS` below, consulted on every change: `proxy.state_tables`; a test
+checks this drawing against it):
+
     READING    --answer before the body ended--> DISCARDING --body end--> REFUSED
     READING    --upgrade request parsed--------> UPGRADING --101--> TUNNELING
     UPGRADING  --any other answer--------------> REFUSED (answered, then closed)
-    READING    --bad input / head limits-------> REFUSED --answered--> LINGERING
-    any        --close-------------------------> CLOSED (or LINGERING when REFUSED)
+    READING | DISCARDING --bad input / head limits / over the cap--> REFUSED
+    REFUSED    --answered, half-closed---------> LINGERING
+    READING | DISCARDING | UPGRADING | TUNNELING | REFUSED | LINGERING --close--> CLOSED
 
 Every write goes through the connection's `Outbox`; a read is handled between
 `outbox.hold()` and `outbox.release()`, so what one read causes goes out as one write.
@@ -54,6 +58,7 @@ from gym_proxy.proxy.exchange import TUNNEL as EXCHANGE_TUNNEL
 from gym_proxy.proxy.outbox import Outbox
 from gym_proxy.proxy.routing import Router, WorkerRoute
 from gym_proxy.proxy.session_tokens import TokenCodec
+from gym_proxy.proxy.state_tables import masks, wrong_transition
 
 __all__ = [
     "ProxyState",
@@ -66,6 +71,8 @@ __all__ = [
     "REFUSED",
     "LINGERING",
     "CLOSED",
+    "PHASE_NAMES",
+    "TRANSITIONS",
 ]
 
 # Ordered: a phase >= REFUSED parses nothing more, >= LINGERING writes nothing more.
@@ -77,7 +84,25 @@ TUNNELING: Final = 3
 REFUSED: Final = 4
 LINGERING: Final = 5
 CLOSED: Final = 6
-PHASE_NAMES = ("reading", "discarding", "upgrading", "tunnel", "refused", "lingering", "closed")
+PHASE_NAMES: Final = (
+    "reading",
+    "discarding",
+    "upgrading",
+    "tunnel",
+    "refused",
+    "lingering",
+    "closed",
+)
+TRANSITIONS: Final[dict[int, tuple[int, ...]]] = {
+    READING: (DISCARDING, UPGRADING, REFUSED, CLOSED),
+    DISCARDING: (REFUSED, CLOSED),
+    UPGRADING: (TUNNELING, REFUSED, CLOSED),
+    TUNNELING: (CLOSED,),
+    REFUSED: (LINGERING, CLOSED),
+    LINGERING: (CLOSED,),
+    CLOSED: (),
+}
+_NEXT: Final = masks(TRANSITIONS, len(PHASE_NAMES))
 
 _PAUSE_PIPELINE: Final = 1
 _PAUSE_UPSTREAM: Final = 2
@@ -192,6 +217,13 @@ class ClientConnection(asyncio.Protocol):
             and not self.pipeline
         )
 
+    def _to(self, new: int) -> None:
+        """The one way the phase changes: by the table (module docstring)."""
+        old = self.phase
+        if not (_NEXT[old] >> new) & 1:
+            wrong_transition("client connection", PHASE_NAMES, old, new)
+        self.phase = new
+
     @property
     def closed(self) -> bool:
         """Nothing more is written (the transport is closed, or lingering)."""
@@ -205,7 +237,7 @@ class ClientConnection(asyncio.Protocol):
         if len(state.clients) >= state.max_connections and not close_idle_clients(state):
             # Over the cap and nothing idle to close: answer the first request 503 and
             # close, so descriptors are given back at once instead of running out.
-            self.phase = REFUSED
+            self._to(REFUSED)
             self._answer_and_close("too_many_connections", "the proxy is at --max-connections")
         state.clients.add(self)
         if state.access_log is not None:
@@ -213,7 +245,8 @@ class ClientConnection(asyncio.Protocol):
             self.peer = str(peer[0]) if isinstance(peer, tuple) else str(peer or "-")
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self.phase = CLOSED
+        if self.phase != CLOSED:
+            self._to(CLOSED)
         self.outbox.closed = True
         state = self.proxy_state
         state.clients.discard(self)
@@ -317,7 +350,7 @@ class ClientConnection(asyncio.Protocol):
             exchange.keep_alive = False
             if exchange.method == b"CONNECT":
                 exchange.error = ("upgrade_not_supported", "CONNECT is not proxied")
-                self.phase = REFUSED  # what follows is not HTTP: answer, then linger
+                self._to(REFUSED)  # what follows is not HTTP: answer, then linger
             else:
                 exchange.upgrade = True
         self.pipeline.append(exchange)
@@ -337,7 +370,7 @@ class ClientConnection(asyncio.Protocol):
         self.head_marks += 1
         exchange.request_end()  # type: ignore[union-attr]
         if self.phase == DISCARDING:
-            self.phase = REFUSED
+            self._to(REFUSED)
             self.close()
             raise _Discarded  # stop parsing: nothing after this request is served
 
@@ -352,12 +385,12 @@ class ClientConnection(asyncio.Protocol):
             return
         if exchange.upgrade and (phase == UPGRADING or phase == TUNNELING):
             if phase == UPGRADING:
-                self.phase = REFUSED  # no switch: held input is dropped, then lingering
+                self._to(REFUSED)  # no switch: held input is dropped, then lingering
             self.close()
             return
         if not exchange.request_done:
             if phase == READING:
-                self.phase = DISCARDING
+                self._to(DISCARDING)
             self._resume(_PAUSE_UPSTREAM | _PAUSE_PIPELINE)
             return
         if exchange.close_after:
@@ -374,7 +407,7 @@ class ClientConnection(asyncio.Protocol):
 
     def start_tunnel(self, exchange: Exchange) -> None:
         """The worker switched protocols: from now on bytes pass through untouched."""
-        self.phase = TUNNELING
+        self._to(TUNNELING)
         held, self.held = self.held, b""
         if held:
             exchange.request_body(held)
@@ -398,18 +431,18 @@ class ClientConnection(asyncio.Protocol):
         if self.phase >= LINGERING:
             return
         if self.phase == REFUSED and self.transport.can_write_eof():
-            self.phase = LINGERING
+            self._to(LINGERING)
             self.read_pause = 0
             self.transport.resume_reading()
             self.outbox.write_eof()
         else:
-            self.phase = CLOSED
+            self._to(CLOSED)
             self.outbox.close()
 
     def abort(self) -> None:
         """Cut the connection now (a response could not be completed)."""
         if self.phase != CLOSED:
-            self.phase = CLOSED
+            self._to(CLOSED)
             self.outbox.abort()
 
     def head_timed_out(self) -> None:
@@ -432,10 +465,10 @@ class ClientConnection(asyncio.Protocol):
             return  # the request was refused and answered already
         exchange = self.pipeline[-1] if self.pipeline else None
         if exchange is None or not exchange.upgrade:
-            self.phase = REFUSED  # CONNECT: answered with its error, then closed
+            self._to(REFUSED)  # CONNECT: answered with its error, then closed
             self._pause(_PAUSE_PIPELINE)
             return
-        self.phase = UPGRADING
+        self._to(UPGRADING)
         self.held = rest
         self._pause(_PAUSE_UPGRADE)
 
@@ -452,7 +485,7 @@ class ClientConnection(asyncio.Protocol):
 
     def _refuse(self, code: str, detail: str) -> None:
         """The byte stream is not HTTP we accept: answer once it is our turn, then close."""
-        self.phase = REFUSED
+        self._to(REFUSED)
         self._pause(_PAUSE_PIPELINE)
         current = self.parsing
         if current is not None and current in self.pipeline:

@@ -8,10 +8,12 @@ Heads are rewritten by pure functions (`proxy.request_head`, `proxy.response_hea
 States (one at a time; the request side's progress is `request_done`, orthogonal):
 
     QUEUED      head parsed, behind another request of the pipeline     writes nothing
-                (or its session is moving, or its worker leaves service: held
-                until that ends, then routed anew; reading pauses once a
-                body chunk is kept, as in CONNECTING)
-    CONNECTING  routed; waiting for a worker connection (body buffered) may write 100-continue
+    HELD        routed to a session that is moving, or to a worker      writes nothing
+                leaving service: it waits unrouted (`Router.holding`,
+                `WorkerRoute.held`) until that ends, then is routed
+                anew; reading pauses once a body chunk is kept
+    CONNECTING  routed; waiting for a worker connection (body buffered; may write 100-continue
+                reading pauses once a chunk is kept)
     SENDING     head sent to the worker; request body streams to it     body -> worker
     RESPONDING  response head sent; response body streams to the client body -> client
                 (the request body may still stream to the worker: full duplex)
@@ -24,19 +26,23 @@ States (one at a time; the request side's progress is `request_done`, orthogonal
                 request body is read and dropped first                  answer -> client
     DONE        answered (or cut); nothing more is written
 
-Transitions:
+Transitions (`TRANSITIONS` below, consulted on every change: `proxy.state_tables`; a test
+checks this drawing against it):
 
-    QUEUED     --start: routed--------------------> CONNECTING
-    QUEUED     --start: refused-------------------> ANSWERING | DONE (answer written)
-    CONNECTING --attach(worker connection)--------> SENDING
-    SENDING    --response head (1xx but 101: dropped; 101: TUNNEL)--> RESPONDING | TUNNEL
-    SENDING    --the hand-over marker the mover expects------------> HANDOVER
-    HANDOVER   --its end: sent on to the target---------------------> CONNECTING
-    RESPONDING --response end---------------------> DONE
-    TUNNEL     --either side closes---------------> DONE
-    any        --fail before a response byte------> ANSWERING (body still coming) | DONE
-    any        --fail after a response byte-------> DONE, client connection cut
-    ANSWERING  --request end----------------------> DONE (answer written)
+    QUEUED     --start: routed--------------------------------> CONNECTING
+    QUEUED     --start: its session moves, or its worker leaves-> HELD
+    HELD       --the move or the hold ended: routed anew-------> CONNECTING | HELD
+    CONNECTING --attach(worker connection)---------------------> SENDING
+    SENDING    --response head, 1xx but 101 dropped-------------> RESPONDING | TUNNEL
+    SENDING    --the hand-over marker the mover expects--------> HANDOVER
+    HANDOVER   --its end: sent on to the target----------------> CONNECTING
+    RESPONDING --response end----------------------------------> DONE
+    TUNNEL     --either side closes----------------------------> DONE
+    ANSWERING  --request end: the answer written---------------> DONE
+    QUEUED | HELD | CONNECTING | SENDING | HANDOVER --fail, body still coming--> ANSWERING
+    QUEUED | HELD | CONNECTING | SENDING | HANDOVER --fail, request read: answered--> DONE
+    RESPONDING | TUNNEL --fail after a response byte: the client connection cut--> DONE
+    QUEUED | HELD | CONNECTING | SENDING | HANDOVER | ANSWERING --the client went away--> DONE
 
 Every failure becomes a response in one method, `fail`.
 """
@@ -64,6 +70,7 @@ from gym_proxy.proxy.request_head import RequestHead, rewrite_request_head
 from gym_proxy.proxy.response_head import rewrite_response_head
 from gym_proxy.proxy.routing import APP_COOKIE, APP_TOKEN, ExpectedHandover, Router, WorkerRoute
 from gym_proxy.proxy.session_tokens import TokenError
+from gym_proxy.proxy.state_tables import masks, wrong_transition
 
 if TYPE_CHECKING:
     from gym_proxy.proxy.client_connection import ClientConnection
@@ -79,7 +86,9 @@ __all__ = [
     "ANSWERING",
     "DONE",
     "HANDOVER",
+    "HELD",
     "STATE_NAMES",
+    "TRANSITIONS",
     "start_held",
     "start_held_by_worker",
 ]
@@ -94,6 +103,7 @@ TUNNEL: Final = 4
 ANSWERING: Final = 5
 DONE: Final = 6
 HANDOVER: Final = 7
+HELD: Final = 8
 STATE_NAMES: Final = (
     "queued",
     "connecting",
@@ -103,7 +113,21 @@ STATE_NAMES: Final = (
     "answering",
     "done",
     "handover",
+    "held",
 )
+_BEFORE_A_RESPONSE: Final = (ANSWERING, DONE)  # where a failure goes before any response byte
+TRANSITIONS: Final[dict[int, tuple[int, ...]]] = {
+    QUEUED: (CONNECTING, HELD) + _BEFORE_A_RESPONSE,
+    HELD: (CONNECTING, HELD) + _BEFORE_A_RESPONSE,
+    CONNECTING: (SENDING,) + _BEFORE_A_RESPONSE,
+    SENDING: (RESPONDING, TUNNEL, HANDOVER) + _BEFORE_A_RESPONSE,
+    HANDOVER: (CONNECTING,) + _BEFORE_A_RESPONSE,
+    RESPONDING: (DONE,),
+    TUNNEL: (DONE,),
+    ANSWERING: (DONE,),
+    DONE: (),
+}
+_NEXT: Final = masks(TRANSITIONS, len(STATE_NAMES))
 # Bound here as Finals of this compiled module: read per request, never looked up in
 # the (uncompiled) contract module.
 _CONTROL_PREFIX: Final = CONTROL_PREFIX
@@ -192,6 +216,13 @@ class Exchange:
     def finished(self) -> bool:
         return self.state == DONE
 
+    def _to(self, new: int) -> None:
+        """The one way the state changes: by the table (module docstring)."""
+        old = self.state
+        if not (_NEXT[old] >> new) & 1:
+            wrong_transition("exchange", STATE_NAMES, old, new)
+        self.state = new
+
     # ---- QUEUED -> CONNECTING ----------------------------------------------------
     def start(self) -> None:
         """Route the request and send it on; called when it heads the pipeline."""
@@ -244,7 +275,12 @@ class Exchange:
         self.worker = worker
         self.slot = worker.slot
         self.routed_at = self.client.proxy_state.now
-        self.state = CONNECTING
+        self._to(CONNECTING)
+
+    def _held(self) -> None:
+        """-> HELD: it waits, unrouted, to be started again (`start_held`)."""
+        self.held_since = self.held_since or time.monotonic()
+        self._to(HELD)
 
     def _route_session(self, parts: list[bytes], head: RequestHead) -> WorkerRoute | None:
         """Pick the worker and add the identity headers; None after answering an error."""
@@ -279,13 +315,13 @@ class Exchange:
         if router.holding and session_id in router.holding:
             # Its session is moving: it waits here, unrouted, and starts again after.
             router.holding[session_id].append(self)
-            self.held_since = self.held_since or time.monotonic()
+            self._held()
             return None
         worker = route.worker
         if worker.held is not None:
             # Its worker is being taken out of service: it waits, and is routed anew after.
             worker.held.append(self)
-            self.held_since = self.held_since or time.monotonic()
+            self._held()
             return None
         self.session_id = session_id
         router.active[session_id] = router.active.get(session_id, 0) + 1
@@ -334,7 +370,7 @@ class Exchange:
                 conn.outbox.writelines(wire.chunk(body))
             else:
                 conn.outbox.write(body)
-        elif state == CONNECTING or state == QUEUED:
+        elif state == CONNECTING or state == QUEUED or state == HELD:
             # Not sent yet (no worker connection, or held while its session moves): keep
             # what came and let the client wait, so the proxy's memory does not grow with
             # the body; reading resumes once it goes out (attach) or is answered (fail).
@@ -356,7 +392,7 @@ class Exchange:
     def attach(self, conn: UpstreamConnection) -> None:
         """Send the request on `conn`, with whatever body arrived while connecting."""
         self.upstream = conn
-        self.state = SENDING
+        self._to(SENDING)
         conn.exchange = self
         conn.last_active = self.client.proxy_state.now
         outbox = conn.outbox
@@ -397,7 +433,7 @@ class Exchange:
             if handover is not None:
                 self.handover = handover
                 self.body_buffer = []
-                self.state = HANDOVER
+                self._to(HANDOVER)
                 return
         self.status = status
         if worker is not None:
@@ -431,11 +467,11 @@ class Exchange:
         self.close_after = head.close
         client.outbox.write(head.data)
         if head.tunnel:
-            self.state = TUNNEL
+            self._to(TUNNEL)
             self.close_after = True
             client.start_tunnel(self)
             return
-        self.state = RESPONDING
+        self._to(RESPONDING)
 
     def _app_sessions(self, started: bytes | None, ended: bytes | None) -> None:
         """The worker announced an app session it holds (its MCP token names it), or its
@@ -601,7 +637,7 @@ class Exchange:
             # Answer once the request body has been read (and dropped), so the
             # connection stays usable; drop the worker connection now.
             self.error = (code, detail)
-            self.state = ANSWERING
+            self._to(ANSWERING)
             self._detach(reuse=False)
             self.client.resume_reading_for_upstream()
 
@@ -650,7 +686,7 @@ class Exchange:
         """The response is written (or cut): free the worker side, let the next one go."""
         if self.state == DONE:
             return
-        self.state = DONE
+        self._to(DONE)
         if self.handover is not None:
             self.handover.settle(f"its request ended at the proxy ({STATE_NAMES[HANDOVER]})")
             self.handover = None
@@ -666,7 +702,7 @@ class Exchange:
     def abort(self) -> None:
         """The client went away: drop the worker connection (the app sees it go)."""
         if self.state != DONE:
-            self.state = DONE
+            self._to(DONE)
             if self.handover is not None:
                 self.handover.settle("its client went away")
                 self.handover = None
@@ -712,7 +748,7 @@ def _start_again(exchanges: list[Exchange]) -> list[float]:
     hold()  # a burst of starts: one write per transport
     try:
         for exchange in exchanges:
-            if not exchange.finished:
+            if exchange.state == HELD:  # not answered or gone meanwhile
                 waits.append(now - exchange.held_since)
                 exchange.held_since = 0.0
                 exchange.start()

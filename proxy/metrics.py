@@ -32,6 +32,7 @@ from gym_proxy.proxy.client_connection import ProxyState
 from gym_proxy.proxy.fleet.mover import Mover
 from gym_proxy.proxy.fleet.operations import Operations
 from gym_proxy.proxy.routing import RULES
+from gym_proxy.proxy.state_tables import WRONG
 from gym_proxy.proxy.supervisor import Supervisor
 from gym_proxy.proxy.worker_records import WORKER_STATUSES, WorkerProcess, resident_bytes
 
@@ -256,6 +257,17 @@ class _Gathered(Collector):
         for code, n in sorted(state.errors.items()):
             errors.add_metric([code], n)
         yield errors
+        wrong = CounterMetricFamily(
+            "gym_proxy_wrong_transitions",
+            "State changes the data path's tables do not allow (a gym-proxy bug; logged)",
+            labels=["machine"],
+        )
+        by_machine: dict[str, int] = {"exchange": 0, "client connection": 0}
+        for (machine, _, _), n in WRONG.items():
+            by_machine[machine] = by_machine.get(machine, 0) + n
+        for machine, n in sorted(by_machine.items()):
+            wrong.add_metric([machine], n)
+        yield wrong
         yield counter(
             "gym_proxy_responses_cut",
             "Responses cut after their first byte (a worker that failed mid-answer)",

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator
@@ -9,6 +10,10 @@ import aiohttp
 import pytest
 
 from tests.support import ProxyProcess
+
+# Here and in every gym-proxy a test starts: a state change the data path's tables do not
+# allow raises (proxy.state_tables).
+os.environ["GYM_PROXY_STRICT_STATES"] = "1"
 
 TEST_APP = "tests.apps:create_app"
 ASGI_TEST_APP = "tests.asgi_apps:create_app"

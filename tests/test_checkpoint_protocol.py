@@ -64,6 +64,7 @@ async def test_session_calls_and_new_work_wait_at_the_door(participant, http):
     resp = await asyncio.wait_for(waiting, 10)
     assert (await resp.json())["count"] == 6
     resp = await asyncio.wait_for(seeding, 10)
+    await resp.read()  # an unread response keeps its connection past the session's close
     assert resp.status == 200
     resp = await asyncio.wait_for(running, 10)
     assert resp.status == 200 and (await resp.json())["key"] == "new"
@@ -83,6 +84,7 @@ async def test_other_kinds_hold_new_sessions_at_the_door_too(start_proxy, http):
     await wait_until(at_door, 10, "the seed to wait at the door")
     await control.ok("resume", checkpoint_id="door")
     resp = await asyncio.wait_for(seeding, 10)
+    await resp.read()  # an unread response keeps its connection past the session's close
     assert resp.status == 200
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from gym_proxy.proxy.exchange import start_held
+from gym_proxy.proxy.exchange import DONE, HELD, start_held
 from tests.data_path_rig import Rig
 
 pytestmark = pytest.mark.fast
@@ -26,7 +26,8 @@ async def test_a_held_request_waits_then_goes_where_the_table_says():
     client = rig.client()
     client.send(post(token, b"hello")[:-2])  # the body arrives in two pieces
     await rig.settle()
-    assert rig.upstreams == [] and len(rig.router.holding["sess1"]) == 1
+    [held] = rig.router.holding["sess1"]
+    assert rig.upstreams == [] and held.state == HELD
     client.send(b"lo")
     rig.router.sessions["sess1"] = "owner1"  # the move placed it on worker 1
     start_held(rig.router, ["sess1"])
@@ -38,7 +39,7 @@ async def test_a_held_request_waits_then_goes_where_the_table_says():
     assert rig.router.active == {"sess1": 1}
     upstream.send(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
     assert [r[0] for r in client.responses()] == [200]
-    assert rig.router.active == {}  # counted while routed, and no longer
+    assert rig.router.active == {} and held.state == DONE  # counted while routed, no longer
 
 
 async def test_other_sessions_pass_and_a_held_request_whose_client_left_is_skipped():

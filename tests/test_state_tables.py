@@ -1,0 +1,100 @@
+"""The data path's state machines are data (`proxy.state_tables`): each module's drawing
+of its transitions is its table, and a transition the table does not allow raises under
+the tests (GYM_PROXY_STRICT_STATES=1) and is counted and logged once in production."""
+
+from __future__ import annotations
+
+import ast
+import logging
+import re
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from gym_proxy.proxy import client_connection, exchange, state_tables
+from gym_proxy.proxy.exchange import DONE, HELD, QUEUED, RESPONDING, STATE_NAMES, Exchange
+from tests.data_path_rig import Rig
+
+pytestmark = pytest.mark.fast
+
+ARROW = re.compile(r"\s*--[^>]*->\s*")
+
+
+def docstring(module: ModuleType) -> str:
+    """From the source: a module compiled by mypyc keeps no docstring."""
+    source = Path(__file__).parents[1] / "proxy" / (module.__name__.rsplit(".", 1)[1] + ".py")
+    return ast.get_docstring(ast.parse(source.read_text())) or ""
+
+
+def drawn(module: ModuleType) -> set[tuple[str, str]]:
+    """The (from, to) pairs the module docstring's "Transitions" drawing shows: each line
+    is states, then `--event-->` and states, as often as it goes on; `A | B` is either,
+    and words in parentheses are comments."""
+    doc = docstring(module)
+    block = doc[doc.index("Transitions") :].split("\n\n")[1]
+    pairs: set[tuple[str, str]] = set()
+    for line in block.splitlines():
+        steps = [re.sub(r"\(.*?\)", "", part) for part in ARROW.split(line.strip())]
+        named = [re.findall(r"\b[A-Z]{3,}\b", step) for step in steps]
+        assert len(named) >= 2 and all(named), line
+        for left, right in zip(named, named[1:], strict=False):
+            pairs.update((a, b) for a in left for b in right)
+    return pairs
+
+
+def table(transitions: dict[int, tuple[int, ...]], names: tuple[str, ...]) -> set[tuple[str, str]]:
+    return {(names[a].upper(), names[b].upper()) for a, nexts in transitions.items() for b in nexts}
+
+
+def test_the_exchange_drawing_is_its_table():
+    assert drawn(exchange) == table(exchange.TRANSITIONS, STATE_NAMES)
+    assert set(exchange.TRANSITIONS) == set(range(len(STATE_NAMES)))
+
+
+def test_the_client_connection_drawing_is_its_table():
+    names = tuple("TUNNELING" if n == "tunnel" else n for n in client_connection.PHASE_NAMES)
+    assert drawn(client_connection) == table(client_connection.TRANSITIONS, names)
+    assert set(client_connection.TRANSITIONS) == set(range(len(names)))
+
+
+def test_every_state_is_described_in_its_docstring():
+    for module, names in (
+        (exchange, STATE_NAMES),
+        (client_connection, client_connection.PHASE_NAMES),
+    ):
+        doc = docstring(module)
+        for name in names:
+            upper = "TUNNELING" if module is client_connection and name == "tunnel" else name
+            assert re.search(rf"^    {upper.upper()}\s", doc, re.M), (module.__name__, name)
+
+
+def _exchange() -> Exchange:
+    rig = Rig(workers=1)
+    return Exchange(rig.client().protocol)
+
+
+def test_a_wrong_transition_raises_under_the_tests():
+    ex = _exchange()
+    wrong = "exchange: no transition from queued to responding"
+    with pytest.raises(state_tables.WrongTransition, match=wrong):
+        ex._to(RESPONDING)
+    assert ex.state == QUEUED
+    ex._to(HELD)
+    ex._to(DONE)
+    with pytest.raises(state_tables.WrongTransition, match="from done to held"):
+        ex._to(HELD)
+
+
+def test_a_wrong_transition_in_production_is_counted_and_logged_once(monkeypatch, caplog):
+    monkeypatch.delenv(state_tables.STRICT_ENV)
+    monkeypatch.setattr(state_tables, "WRONG", {})
+    ex = _exchange()
+    with caplog.at_level(logging.ERROR, "gym_proxy.proxy"):
+        for _ in range(3):
+            ex.state = DONE
+            ex._to(HELD)
+    assert ex.state == HELD  # it goes on as before the tables: the request is not lost
+    assert state_tables.WRONG == {("exchange", "done", "held"): 3}
+    [record] = caplog.records
+    assert record.getMessage().startswith("exchange: no transition from done to held (a gym")
