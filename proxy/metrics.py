@@ -31,10 +31,10 @@ from gym_proxy.coordinator.phases import Phase
 from gym_proxy.proxy.client_connection import ProxyState
 from gym_proxy.proxy.fleet.mover import Mover
 from gym_proxy.proxy.fleet.operations import Operations
+from gym_proxy.proxy.fleet.supervisor import Supervisor
+from gym_proxy.proxy.fleet.worker_records import WORKER_STATUSES, WorkerProcess, resident_bytes
 from gym_proxy.proxy.routing import RULES
 from gym_proxy.proxy.state_tables import WRONG
-from gym_proxy.proxy.supervisor import Supervisor
-from gym_proxy.proxy.worker_records import WORKER_STATUSES, WorkerProcess, resident_bytes
 
 __all__ = ["Metrics", "STATES", "PHASES"]
 

@@ -49,6 +49,7 @@ from gym_proxy.proxy.descriptor_budget import (
 )
 from gym_proxy.proxy.fleet.mover import Mover
 from gym_proxy.proxy.fleet.operations import Operations
+from gym_proxy.proxy.fleet.supervisor import Supervisor, WorkerBootError
 from gym_proxy.proxy.metrics import Metrics
 from gym_proxy.proxy.metrics_listener import MetricsListener
 from gym_proxy.proxy.ray_cluster import RAY_ERROR, RayCluster, RayError, RayPlan
@@ -56,7 +57,6 @@ from gym_proxy.proxy.request_spans import RequestSpans
 from gym_proxy.proxy.routing import Router, WorkerRoute
 from gym_proxy.proxy.runtime_dir import RuntimeDir, remove_stale
 from gym_proxy.proxy.session_tokens import TokenCodec
-from gym_proxy.proxy.supervisor import Supervisor, WorkerBootError
 from gym_proxy.proxy.upstream import UpstreamPool
 from gym_proxy.worker.nemo_gym_server import CONFIG_DICT_ENV, with_ray_address
 

@@ -18,8 +18,8 @@ from gym_proxy.proxy.config import Config
 from gym_proxy.proxy.fleet.decommission import Step
 from gym_proxy.proxy.fleet.mover import Mover
 from gym_proxy.proxy.fleet.operations import Operations
+from gym_proxy.proxy.fleet.worker_records import WORKER_STATUSES, WorkerProcess
 from gym_proxy.proxy.routing import WorkerRoute
-from gym_proxy.proxy.worker_records import WORKER_STATUSES, WorkerProcess
 from tests.support import REPO
 
 pytestmark = pytest.mark.fast

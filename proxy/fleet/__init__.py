@@ -1,9 +1,12 @@
-"""The live operations the proxy runs on its own workers: session moves (`mover`),
-drain, undrain, resize, rolling restart and recycle (`operations`), emptying and
-stopping a worker (`decommission`) and handing running `/run` episodes over (`handovers`).
+"""The proxy's workers: the supervisor that starts, watches and replaces them
+(`supervisor`; its records of slots and workers are `worker_records`), and the live
+operations it runs on them: session moves (`mover`), drain, undrain, resize, rolling
+restart and recycle (`operations`), emptying and stopping a worker (`decommission`) and
+handing running `/run` episodes over (`handovers`).
 
-They change the proxy's worker records and routing tables (through the supervisor's
-`WorkerPool` and `MoveTable` views), so they live beside the supervisor, not in
-`coordinator/`; checkpoints and operations exclude each other through one object
-(`coordinator.exclusion.Exclusion`, the checkpointer's).
+The operations change the supervisor's worker records and the router's tables (through
+the supervisor's `WorkerPool` and `MoveTable` views), so they live beside the supervisor,
+not in `coordinator/`, as gunicorn's worker management is its Arbiter's. Checkpoints and
+operations exclude each other through one object (`coordinator.exclusion.Exclusion`, the
+checkpointer's).
 """

@@ -31,7 +31,7 @@ from gym_proxy.coordinator.exclusion import Exclusion
 from gym_proxy.proxy.config import Config
 from gym_proxy.proxy.fleet.handovers import hand_over
 from gym_proxy.proxy.fleet.mover import Moved, Mover, failures
-from gym_proxy.proxy.worker_records import Slot, WorkerProcess
+from gym_proxy.proxy.fleet.worker_records import Slot, WorkerProcess
 
 __all__ = ["Decommissioner", "WorkerPool", "Progress", "Step"]
 
@@ -44,7 +44,7 @@ PARK_AHEAD = 30.0  # seconds a left-serving worker's episodes get to reach a bou
 
 
 class WorkerPool(Protocol):
-    """What operations need from the supervisor (`proxy.supervisor.Supervisor`)."""
+    """What operations need from the supervisor (`proxy.fleet.supervisor.Supervisor`)."""
 
     slots: list[Slot]
     config: Config

@@ -51,7 +51,7 @@ from gym_proxy.coordinator.contract.errors import GymError
 from gym_proxy.coordinator.exclusion import Exclusion
 from gym_proxy.proxy.fleet.decommission import Decommissioner, Progress, WorkerPool
 from gym_proxy.proxy.fleet.mover import Mover
-from gym_proxy.proxy.worker_records import WorkerProcess
+from gym_proxy.proxy.fleet.worker_records import WorkerProcess
 
 __all__ = ["Operations", "WorkerPool", "Progress", "RESTART_PAUSE"]
 

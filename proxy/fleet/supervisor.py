@@ -42,11 +42,11 @@ from gym_proxy.coordinator.placement import Placement
 from gym_proxy.coordinator.worker_channels import RegistrationRefused
 from gym_proxy.proxy.config import Config
 from gym_proxy.proxy.exchange import start_held, start_held_by_worker
+from gym_proxy.proxy.fleet.worker_records import Slot, WorkerProcess, resident_bytes
 from gym_proxy.proxy.routing import ExpectedHandover, Router, WorkerRoute
 from gym_proxy.proxy.session_tokens import new_owner_id
 from gym_proxy.proxy.session_watch import until_a_request_ends
 from gym_proxy.proxy.upstream import UpstreamPool
-from gym_proxy.proxy.worker_records import Slot, WorkerProcess, resident_bytes
 from gym_proxy.worker.options import worker_argv
 
 __all__ = ["WorkerProcess", "Supervisor", "WorkerBootError", "Slot"]
