@@ -214,6 +214,9 @@ class NemoStack:
     workers: dict[str, int] | None = None
     uvicorn_workers: bool = False
     access_log: bool = True  # gym-proxy's and its workers' (the tier reads the workers')
+    # `--preload`, as docs/nemo_gym.md recommends: NeMo Gym's imports once per server, not
+    # once per worker (the launcher's tests and tests/test_nemo_gym_counter.py run without).
+    preload: bool = True
     gym_proxy_args: dict[str, list[str]] = field(default_factory=dict)  # role -> extra flags
     expose_mcp: bool = False
     ports: dict[str, int] = field(default_factory=dict)
@@ -301,6 +304,7 @@ class NemoStack:
             # take several times their usual seconds.
             "--boot-timeout", "180",
             "--log-level", "warning", *(["--access-log"] if self.access_log else []),
+            *(["--preload"] if self.preload else []),
             *self.gym_proxy_args.get(spec.role, []),
         ]  # fmt: skip
 

@@ -67,6 +67,25 @@ def children_of(pid: int) -> list[int]:
     return [int(p) for p in text.split()]
 
 
+def worker_processes(proxy_pid: int) -> list[int]:
+    """A gym-proxy's workers: its children, but with `--preload` its zygote's children in
+    the zygote's place (`worker.zygote`)."""
+    pids = []
+    for child in children_of(proxy_pid):
+        if is_zygote(child):
+            pids += children_of(child)
+        else:
+            pids.append(child)
+    return pids
+
+
+def is_zygote(pid: int) -> bool:
+    try:
+        return b"gym_proxy.worker.zygote" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+
+
 def pid_alive(pid: int) -> bool:
     """True while `pid` exists and is not a zombie."""
     try:
@@ -161,7 +180,7 @@ class ProxyProcess:
         return self
 
     def worker_pids(self) -> list[int]:
-        pids = [p for p in children_of(self.pid) if pid_alive(p)]
+        pids = [p for p in worker_processes(self.pid) if pid_alive(p)]
         self.seen_pids.update(pids)
         return pids
 

@@ -75,6 +75,7 @@ def counter_config(tmp_path: Path, port: int, head: int, runtime: Path) -> dict:
                     "domain": "agent",
                     "gym_proxy": {
                         "session_state": "session_id_to_counter",
+                        "preload": True,  # as docs/nemo_gym.md recommends
                         "secret_file": str(tmp_path / "secret"),
                         "control_token_file": str(tmp_path / "control-token"),
                         "runtime_dir": str(runtime),

@@ -145,7 +145,7 @@ async def test_code_gen_on_three_workers_has_one_cluster_through_crash_restart_a
     rolling restart and a shrink keep that one cluster, and the replacements join it;
     after SIGTERM nothing of it is left (the next test starts on the same host)."""
     config = write_config(tmp_path)
-    proxy = start(config, "--access-log")
+    proxy = start(config, "--access-log", "--preload")
     proxy.wait_ready(180)
     address = CLUSTER.search(proxy.log()).group(1)  # type: ignore[union-attr]
     assert address != SharedRay.get()["address"]  # a cluster on the host is not attached to

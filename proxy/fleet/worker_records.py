@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from gym_proxy.coordinator.contract.channel import Channel
+from gym_proxy.proxy.fleet.zygote_client import ForkedProcess
 from gym_proxy.proxy.routing import WorkerRoute
 
 __all__ = [
@@ -47,7 +48,7 @@ class WorkerProcess:
     slot: int
     owner: str
     socket_path: str
-    process: asyncio.subprocess.Process
+    process: asyncio.subprocess.Process | ForkedProcess  # ForkedProcess: with --preload
     started_at: float
     state: WorkerState = "starting"
     channel: Channel | None = None

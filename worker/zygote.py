@@ -1,0 +1,156 @@
+"""`--preload`: the process that imports the app once and forks each worker from itself.
+
+A NeMo Gym server module takes 3.5 to 5 s of CPU to import (openai's types, scipy,
+pydantic models), and without a preload every worker pays it at every start: a boot, a
+replacement after a crash, each slot of a rolling restart, a resize. Like gunicorn's
+`--preload` (and Python's forkserver with its preload list), the zygote imports the app's
+module and gym-proxy's worker code once; a worker forked from it starts with both in
+memory (shared copy-on-write) and only builds its app.
+
+It is started by the supervisor (`proxy.fleet.zygote_client`) with one end of a socket
+pair (its descriptor the first argument) and serves it, one JSON object a line:
+
+    proxy -> zygote   {"argv": [...], "env": {...}}        fork a worker
+    zygote -> proxy   {"pid": N}  or  {"error": "..."}     in the order asked
+    zygote -> proxy   {"exit": N, "code": C}               worker N ended (C as asyncio's
+                                                           returncode: -signal if killed)
+
+The zygote runs no event loop and no thread (fork copies only the calling thread), and
+checks it still has one thread after the import: an app module that starts threads at
+import cannot be forked safely, so it refuses every fork with why, and gym-proxy says so.
+When the proxy's end closes, it exits; its workers go on until their coordinator
+channel closes, as workers started without it do.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import selectors
+import signal
+import socket
+import sys
+import threading
+from typing import Any, NoReturn
+
+__all__ = ["main"]
+
+
+def _preload(app: str, app_dir: str, line: int, headers: int) -> str:
+    """Import what every worker imports; answer why forking is unsafe ("" when it is
+    not). A failed import is not fatal: each worker imports again and reports it as a
+    boot error, as without the zygote."""
+    from gym_proxy.worker.head_limits import head_limits
+
+    head_limits(line, headers).raise_websockets_limits()  # as the worker does: first
+    try:
+        import gym_proxy.worker.process  # noqa: F401
+        from gym_proxy.worker.app_loading import import_app_target
+
+        import_app_target(app, app_dir)
+    except BaseException:  # noqa: BLE001 - reported by each worker's own import
+        pass
+    threads = threading.active_count()
+    if threads > 1:
+        names = ", ".join(sorted(t.name for t in threading.enumerate()))
+        return f"importing {app} started {threads - 1} threads ({names}); fork is unsafe"
+    return ""
+
+
+def _child(argv: list[str], env: dict[str, str], conn: socket.socket) -> NoReturn:
+    """In the forked worker: the zygote's state off, the proxy's environment on, the
+    worker's own entry point. Its exit (SystemExit, or an exception's traceback) leaves
+    through the zygote's frames to the interpreter's own exit, so atexit handlers and
+    thread joins run as in a worker started without the zygote."""
+    conn.close()
+    signal.set_wakeup_fd(-1)
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.environ.clear()
+    os.environ.update(env)
+    sys.argv = [os.path.join(os.path.dirname(__file__), "__main__.py"), *argv]
+    from gym_proxy.worker.process import main
+
+    main(argv)
+    raise SystemExit(0)
+
+
+def _send(conn: socket.socket, message: dict[str, Any]) -> None:
+    conn.sendall(json.dumps(message).encode() + b"\n")
+
+
+def _reap(conn: socket.socket) -> None:
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        _send(conn, {"exit": pid, "code": os.waitstatus_to_exitcode(status)})
+
+
+def serve(conn: socket.socket, unsafe: str) -> None:
+    """Fork a worker for each request until the proxy's end closes."""
+    wake_r, wake_w = socket.socketpair()
+    wake_r.setblocking(False)
+    wake_w.setblocking(False)
+    signal.set_wakeup_fd(wake_w.fileno())
+    signal.signal(signal.SIGCHLD, lambda *_: None)  # the wake-up byte is what counts
+    selector = selectors.DefaultSelector()
+    selector.register(conn, selectors.EVENT_READ)
+    selector.register(wake_r, selectors.EVENT_READ)
+    pending = b""
+    while True:
+        for key, _ in selector.select():
+            if key.fileobj is wake_r:
+                while True:
+                    try:
+                        if not wake_r.recv(4096):
+                            break
+                    except BlockingIOError:
+                        break
+                _reap(conn)
+                continue
+            data = conn.recv(65536)
+            if not data:
+                return  # the proxy is gone
+            pending += data
+            while b"\n" in pending:
+                line, pending = pending.split(b"\n", 1)
+                request = json.loads(line)
+                if unsafe:
+                    _send(conn, {"error": unsafe})
+                    continue
+                pid = os.fork()
+                if pid == 0:
+                    selector.close()
+                    wake_r.close()
+                    wake_w.close()
+                    _child(request["argv"], request["env"], conn)
+                _send(conn, {"pid": pid})
+
+
+def main() -> None:
+    fd, app, app_dir, line, headers = sys.argv[1:6]
+    conn = socket.socket(fileno=int(fd))
+    # SIGTERM and SIGINT for the proxy's process group are the proxy's to act on; the
+    # zygote ends when the proxy's end of the pair closes.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    unsafe = _preload(app, app_dir, int(line), int(headers))
+    zygote = os.getpid()
+    try:
+        serve(conn, unsafe)
+    except (BrokenPipeError, ConnectionResetError):
+        if os.getpid() != zygote:
+            raise  # a worker's own last exception
+    # The proxy is gone or stopping, and waits for this exit: none of the interpreter's
+    # teardown (its collections walk every object the app imported, seconds for NeMo
+    # Gym's), which has nothing to do here.
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
