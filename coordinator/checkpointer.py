@@ -158,6 +158,7 @@ class Checkpointer:
     def __post_init__(self) -> None:
         self.machine = PhaseMachine(self.lease_grace)
         self.exclusion = Exclusion(lambda: self.open_checkpoint)
+        self.machine.on_idle = self.exclusion.freed
 
     # ---- worker side ------------------------------------------------------------
     def register_reply(self, kind: str) -> RegisterReply:

@@ -7,14 +7,18 @@ checkpoint is exporting. Whichever comes second is refused 409 `operation_confli
 naming what is in the way; nothing waits, so a controller decides when to retry.
 
 The open checkpoint is the phase machine's (asked, never copied); the running operation
-is the one state kept here.
+is the one state kept here. What waits for the exclusion to be free (a queued signal's
+operation) is woken as it becomes free, by `freed()`: the end of an operation here, a
+checkpoint back to idle in the phase machine (`PhaseMachine.on_idle`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from gym_proxy.coordinator.contract.errors import GymError
 
@@ -25,6 +29,7 @@ __all__ = ["Exclusion"]
 class Exclusion:
     open_checkpoint: Callable[[], str | None]  # the checkpoint open now, if one is
     operation: str | None = None  # the move or live operation running, if one is
+    _waiting: list[asyncio.Future[None]] = field(default_factory=list)
 
     def is_free(self) -> bool:
         """No checkpoint open and no move or operation running."""
@@ -53,3 +58,30 @@ class Exclusion:
             yield
         finally:
             self.operation = None
+            self.freed()
+
+    def freed(self) -> None:
+        """What held the exclusion ended: wake whatever waits for it (`until_free`)."""
+        waiting, self._waiting = self._waiting, []
+        for waiter in waiting:
+            if not waiter.done():
+                waiter.set_result(None)
+
+    async def until_free(self, within: float) -> bool:
+        """Wait until nothing holds the exclusion, or `within` seconds; True when free.
+        (Free now need not mean free when the caller acts: it takes it with `hold`.)"""
+        deadline = time.monotonic() + within
+        while not self.is_free():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            self._waiting.append(waiter)
+            try:
+                await asyncio.wait_for(waiter, remaining)
+            except TimeoutError:
+                pass
+            finally:
+                if waiter in self._waiting:
+                    self._waiting.remove(waiter)
+        return True

@@ -24,6 +24,7 @@ itself.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -65,6 +66,7 @@ class PhaseMachine:
     lease_expires_at: float | None = None
     replies: dict[str, tuple[Any, dict[str, Any]]] = field(default_factory=dict)
     resumed: OrderedDict[str, None] = field(default_factory=OrderedDict)
+    on_idle: Callable[[], None] | None = None  # called as it goes back to idle
 
     @property
     def is_open(self) -> bool:
@@ -159,6 +161,8 @@ class PhaseMachine:
         self.checkpoint_id = None
         self.lease_expires_at = None
         self.replies = {}
+        if self.on_idle is not None:
+            self.on_idle()
 
     def lease_expired(self, now: float) -> bool:
         """True when an open checkpoint outlived its lease."""

@@ -45,7 +45,9 @@ from __future__ import annotations
 import asyncio
 import heapq
 import logging
+import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -149,6 +151,7 @@ class ProxyState:
     cookie_name: bytes = b"gym_proxy"  # this instance's session cookie
     clients: set[ClientConnection] = field(default_factory=set)
     now: float = 0.0  # coarse clock, advanced by the proxy's sweeper
+    clock: Callable[[], float] = time.monotonic  # the exact one (the server's: its loop's)
     draining: bool = False
     # Until every worker has registered, requests other than control calls are answered
     # 503 worker_unavailable (only on an inherited socket, which serves from the start;
@@ -202,7 +205,9 @@ class ClientConnection(asyncio.Protocol):
         self.last_active = proxy_state.now
         self.peer = "-"
         self.in_head = True  # between messages or inside a head (not inside a body)
-        self.head_since: float | None = proxy_state.now  # when the head being waited for began
+        # When the head being waited for began: by the exact clock, not the coarse one, which
+        # may lag by a sweep interval, as long as a short --header-timeout.
+        self.head_since: float | None = proxy_state.clock()
         self.head_bytes = 0  # bytes of the current head seen so far (a lower bound)
         self.head_marks = 0  # message boundaries seen, to tell reads inside one head
         self.held = b""  # input after an upgrade request, for the tunnel
@@ -277,7 +282,7 @@ class ClientConnection(asyncio.Protocol):
 
     def _parse(self, data: bytes) -> None:
         if self.head_since is None and self.in_head:
-            self.head_since = self.proxy_state.now  # a head begins: the header timeout runs
+            self.head_since = self.proxy_state.clock()  # a head begins: its timeout runs
         marks = self.head_marks
         try:
             self.parser.feed_data(data)

@@ -51,7 +51,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Any, Final
 
 from gym_proxy.coordinator.contract.errors import GymError, status_of
 from gym_proxy.coordinator.contract.headers import (
@@ -70,6 +70,7 @@ from gym_proxy.proxy.request_head import RequestHead, rewrite_request_head
 from gym_proxy.proxy.response_head import rewrite_response_head
 from gym_proxy.proxy.routing import APP_COOKIE, APP_TOKEN, ExpectedHandover, Router, WorkerRoute
 from gym_proxy.proxy.session_tokens import TokenError
+from gym_proxy.proxy.session_watch import WORKER_WATCH
 from gym_proxy.proxy.state_tables import masks, wrong_transition
 
 if TYPE_CHECKING:
@@ -134,6 +135,7 @@ _CONTROL_PREFIX: Final = CONTROL_PREFIX
 _ROLLOUT_PREFIX: Final = ROLLOUT_PREFIX
 _HANDOVER_HEADER: Final = HANDOVER_HEADER
 _HANDOVER_STATUS: Final = HANDOVER_STATUS
+_WORKER_WATCH: Final = WORKER_WATCH
 # A request this large may not leave in one write; its connection keeps a spare descriptor.
 SPARE_AFTER_BYTES: Final = 65536
 
@@ -665,14 +667,15 @@ class Exchange:
                 active[session_id] = left
             else:
                 active.pop(session_id, None)
-            if router.watchers:  # empty but while a move or a hand-over waits
-                for waiter in router.watchers.pop(session_id, ()):
-                    if not waiter.done():
-                        waiter.set_result(None)
+            if router.watchers:  # empty but while an operation waits
+                _wake(router.watchers, session_id)
         worker = self.worker
         if worker is not None:
             self.worker = None
             worker.in_flight -= 1
+            watchers = self.client.proxy_state.router.watchers
+            if watchers:
+                _wake(watchers, _WORKER_WATCH + worker.owner)
         conn = self.upstream
         if conn is not None:
             self.upstream = None
@@ -724,6 +727,13 @@ class Exchange:
             elapsed,
             slot if slot >= 0 else ("control" if slot == -1 else "-"),
         )
+
+
+def _wake(watchers: dict[str, list[Any]], key: str) -> None:
+    """A request of `key` (a session, or a worker: `proxy.session_watch`) ended."""
+    for waiter in watchers.pop(key, ()):
+        if not waiter.done():
+            waiter.set_result(None)
 
 
 def start_held(router: Router, session_ids: list[str]) -> list[float]:

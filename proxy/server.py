@@ -126,6 +126,7 @@ async def run(
         limit_request_head=config.limit_request_headers,
         max_connections=max_connections,
         now=loop.time(),
+        clock=loop.time,
         access_log=_access_logger("gym_proxy.access") if config.access_log else None,
     )
     if config.trace_requests:

@@ -1,9 +1,10 @@
-"""Waiting for a session's requests to end, woken by the data path.
+"""Waiting for a session's or a worker's requests to end, woken by the data path.
 
 A move waits until a moving session has no request running; a hand-over until an
-episode's riders run only the episode's own request. Neither polls: the wait registers
-a future for its sessions in `Router.watchers`, the data path resolves it as a request
-of one of them ends (`proxy.exchange`), and the waiter looks again at what it needs.
+episode's riders run only the episode's own request; a decommission until the worker it
+empties has none (`worker_watch`). None of them polls: the wait registers a future under
+its keys in `Router.watchers`, the data path resolves it as a request of one of them ends
+(`proxy.exchange`), and the waiter looks again at what it needs.
 """
 
 from __future__ import annotations
@@ -15,11 +16,21 @@ from collections.abc import Iterable
 
 from gym_proxy.proxy.routing import Router
 
-__all__ = ["until_a_request_ends"]
+__all__ = ["until_a_request_ends", "worker_watch", "WORKER_WATCH"]
+
+# A worker's key in `Router.watchers`: the prefix and its owner ID. The space keeps it
+# apart from every session ID (`coordinator.contract.ids`).
+WORKER_WATCH = "worker "
+
+
+def worker_watch(owner: str) -> str:
+    """The key under which a wait is woken by the end of any request of worker `owner`."""
+    return WORKER_WATCH + owner
 
 
 async def until_a_request_ends(router: Router, session_ids: Iterable[str], deadline: float) -> None:
-    """Until a request of one of `session_ids` ends, or `deadline` (time.monotonic())."""
+    """Until a request of one of `session_ids` (or of a worker, `worker_watch`) ends, or
+    `deadline` (time.monotonic())."""
     ended: asyncio.Future[None] = asyncio.get_running_loop().create_future()
     watched = list(dict.fromkeys(session_ids))
     for session_id in watched:

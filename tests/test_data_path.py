@@ -661,3 +661,20 @@ async def test_the_proxys_requests_parse_as_exactly_what_the_client_sent():
     [(method, url, headers, body)] = parse_requests(bytes(upstream.transport.data))
     assert (method, url, body, headers[b"x-custom"]) == (b"POST", b"/echo?q=1", b'{"a": 1}', b"v")
     assert headers[b"x-ng-session-new"] == b"1"
+
+
+async def test_a_head_is_timed_from_its_start_by_the_exact_clock_not_the_coarse_one():
+    """The coarse clock (`ProxyState.now`) lags up to a sweep interval behind; stamped
+    with it, a head that began just now looked a second old, and a 1 s --header-timeout
+    answered 408 at once (a CI failure). A head's start is read from the exact clock."""
+    exact = [100.0]
+    rig = Rig(workers=1, now=90.0, clock=lambda: exact[0])
+    client = rig.client()
+    assert client.protocol.head_since == 100.0  # the connection's start: its first head
+    client.send(b"GET /a HTTP/1.1\r\nHost: t\r\n\r\n")
+    upstream = await rig.upstream()
+    upstream.send(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n")
+    assert client.protocol.head_since is None  # between requests: the keep-alive timeout
+    exact[0] = 130.0
+    client.send(b"GET /b HTTP/1.1\r\n")  # the next head begins, and stays unfinished
+    assert client.protocol.head_since == 130.0

@@ -57,13 +57,15 @@ async def until_step(
 
 @BOTH_APP_KINDS
 async def test_a_restart_hands_a_running_episode_to_the_replacement(start_proxy):
-    """One worker, an episode of 40 steps of 50 ms running: the restart parks it at its
+    """One worker, an episode of 120 steps of 50 ms running: the restart parks it at its
     next boundary, the replacement continues it, the client's request is answered once,
-    by the replacement, with each step done once; the old worker stops at once."""
+    by the replacement, with each step done once; the old worker stops at once. (The
+    replacement boots while the episode runs on: 2-3 s on a busy machine, so 6 s of
+    steps; with 2 s, it once ended before the hand-over.)"""
     proxy = start_proxy("--metrics", "127.0.0.1:0", workers=1, control_token=CONTROL)
     (old,) = proxy.worker_pids()
     async with aiohttp.ClientSession() as http:
-        run = await start_run(http, proxy.url, run_body("ep-r", 40, pause=0.05))
+        run = await start_run(http, proxy.url, run_body("ep-r", 120, pause=0.05))
         await until_step(http, proxy.url, "ep-r", 3)
         status, reply = await operate(http, proxy.url, "restart", timeout_s=10)
         assert status == 200 and reply["complete"], reply
@@ -73,7 +75,7 @@ async def test_a_restart_hands_a_running_episode_to_the_replacement(start_proxy)
         code, answer = await asyncio.wait_for(run, 30)
         assert code == 200, answer
         assert answer["pid"] == slot["new_pid"] and answer["pid"] != old, answer
-        assert answer["restored"] is True and answer["state"]["log"] == log_of("ep-r", 40)
+        assert answer["restored"] is True and answer["state"]["log"] == log_of("ep-r", 120)
         assert old not in proxy.worker_pids()
         async with http.get(metrics_url(proxy)) as response:
             text = await response.text()

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from gym_proxy.proxy.session_watch import until_a_request_ends
+from gym_proxy.proxy.session_watch import until_a_request_ends, worker_watch
 from tests.data_path_rig import Rig
 
 pytestmark = pytest.mark.fast
@@ -75,4 +75,26 @@ async def test_two_waiters_on_one_session_are_both_woken():
     assert len(rig.router.watchers[session_id]) == 2
     upstream.send(OK)  # type: ignore[attr-defined]
     await asyncio.wait_for(asyncio.gather(*waits), 1)
+    assert rig.router.watchers == {}
+
+
+async def test_the_end_of_any_request_of_a_watched_worker_wakes_the_waiter():
+    """A decommission waits on its worker (`worker_watch`), not on sessions: the end of
+    any request of that worker wakes it; another worker's request does not."""
+    rig = Rig(workers=2)
+    owner0, owner1 = rig.worker(0).owner, rig.worker(1).owner
+    head = b"GET /x HTTP/1.1\r\nHost: t\r\nx-ng-session-owner: %s\r\n\r\n"
+    rig.client().send(head % owner1.encode())
+    other = await rig.upstream()
+    rig.client().send(head % owner0.encode())
+    mine = await rig.upstream()
+    waiting = asyncio.ensure_future(
+        until_a_request_ends(rig.router, [worker_watch(owner0)], time.monotonic() + 60)
+    )
+    await rig.settle()
+    other.send(OK)  # type: ignore[attr-defined]
+    await rig.settle()
+    assert not waiting.done()
+    mine.send(OK)  # type: ignore[attr-defined]
+    await asyncio.wait_for(waiting, 1)
     assert rig.router.watchers == {}

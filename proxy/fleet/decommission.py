@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractAsyncContextManager
@@ -32,12 +33,16 @@ from gym_proxy.proxy.config import Config
 from gym_proxy.proxy.fleet.handovers import hand_over
 from gym_proxy.proxy.fleet.mover import Moved, Mover, failures
 from gym_proxy.proxy.fleet.worker_records import Slot, WorkerProcess
+from gym_proxy.proxy.session_watch import worker_watch
 
 __all__ = ["Decommissioner", "WorkerPool", "Progress", "Step"]
 
 log = logging.getLogger("gym_proxy.operations")
 
-POLL = 0.05  # seconds between looks at a worker being emptied
+# A worker being emptied is looked at again as one of its requests ends (a move's sessions
+# free, a session ended, an episode at its end), or after this many seconds at the most:
+# what no request of its own changes (a session's idle end, an heir registering).
+LOOK_AGAIN = 0.2
 FINAL_SWEEP = 5.0  # seconds the last step of a decommission gets even past the timeout
 RETRY_RETIRE = 1.0  # seconds between background attempts at a worker left serving
 PARK_AHEAD = 30.0  # seconds a left-serving worker's episodes get to reach a boundary
@@ -192,7 +197,8 @@ class Decommissioner:
                 return todo
             targets = [h for h in heirs() if h is not worker]
             if not listing.movable or not targets:
-                await asyncio.sleep(POLL)  # restart-only: its sessions end where they are
+                # Restart-only: its sessions end where they are, by their requests.
+                await self._until_a_request_ends(worker, deadline, LOOK_AGAIN)
                 continue
             plan: dict[str, list[str]] = {}
             for i, session_id in enumerate(alone):
@@ -208,7 +214,7 @@ class Decommissioner:
                 progress.failed.pop(session_id, None)
             progress.failed.update(result.failed)
             if not result.moved and not handed:
-                await asyncio.sleep(POLL)
+                await self._until_a_request_ends(worker, deadline, LOOK_AGAIN)
         return []
 
     async def _hand_over(
@@ -260,7 +266,7 @@ class Decommissioner:
                 if time.monotonic() >= final or worker.state != "live":
                     return False
                 if not await self._hand_over_running(worker, heirs, final, progress):
-                    await asyncio.sleep(POLL)
+                    await self._until_a_request_ends(worker, final, LOOK_AGAIN)
             targets = [h for h in heirs() if h is not worker]
             if not targets:
                 return False
@@ -299,7 +305,7 @@ class Decommissioner:
     ) -> None:
         """Retire a worker left serving, as soon as its sessions let it."""
         while worker.state == "live":
-            await asyncio.sleep(RETRY_RETIRE)
+            await self._until_a_request_ends(worker, math.inf, RETRY_RETIRE)
             if not self.exclusion.is_free():
                 continue
             # Only an attempt that can succeed takes the exclusion (checkpoints get 409
@@ -344,6 +350,13 @@ class Decommissioner:
         with contextlib.suppress(ChannelClosed, ChannelTimeout, RemoteError):
             await worker.live_channel.request(ResumeEpisodes(keys), within=10.0)
         return False
+
+    async def _until_a_request_ends(
+        self, worker: WorkerProcess, deadline: float, at_most: float
+    ) -> None:
+        """Until a request of `worker` ends, `deadline` or `at_most` seconds from now."""
+        until = min(deadline, time.monotonic() + at_most)
+        await self.mover.table.until_a_request_ends([worker_watch(worker.owner)], until)
 
     async def listing(self, worker: WorkerProcess) -> Any:
         try:

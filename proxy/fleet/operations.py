@@ -57,7 +57,9 @@ __all__ = ["Operations", "WorkerPool", "Progress", "RESTART_PAUSE"]
 
 log = logging.getLogger("gym_proxy.operations")
 
-SIGNAL_POLL = 0.5  # seconds between looks, for a queued signal, at whether it may run
+# A queued signal's operation runs as the exclusion becomes free (woken by it); this is
+# only how long one wait lasts before it looks again.
+SIGNAL_WAIT = 60.0
 RECYCLE_BACKOFF = 60.0  # seconds before a failed recycle of a slot is tried again
 RESTART_PAUSE = 1.0  # seconds between the slots of a rolling restart (module docstring)
 
@@ -335,8 +337,7 @@ class Operations:
 
     async def _run_signals(self) -> None:
         while self._signals:
-            if not self.exclusion.is_free():
-                await asyncio.sleep(SIGNAL_POLL)
+            if not await self.exclusion.until_free(SIGNAL_WAIT):
                 continue
             name = self._signals.pop(0)
             within = float(self.pool.config.graceful_timeout or 30.0)
