@@ -169,7 +169,9 @@ class ProxyProcess:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
-    def wait_ready(self, timeout: float = 30.0) -> ProxyProcess:
+    def wait_ready(self, timeout: float = 120.0) -> ProxyProcess:
+        # Generous: four NeMo Gym workers import for 20 s of CPU, beside another test on a
+        # shared 2-core machine (a CI run's 30 s ran out). A stuck start still fails.
         def ready() -> bool:
             if self.popen.poll() is not None:
                 raise AssertionError(f"gym-proxy exited early:\n{self.log()}")

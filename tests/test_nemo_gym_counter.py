@@ -53,9 +53,11 @@ def nemo_http(force_close: bool = False) -> aiohttp.ClientSession:
 
 
 def start_counter(start_proxy, *args: str, workers: int = 4, mcp: bool = False, **kwargs):  # type: ignore[no-untyped-def]
+    # --boot-timeout: as the stacks' (tests/nemo_gym_stack.py), for a busy machine.
     return start_proxy(
-        "--name", INSTANCE, *args, workers=workers, app=COUNTER, env=counter_env(mcp), **kwargs
-    )
+        "--name", INSTANCE, "--boot-timeout", "180", *args,
+        workers=workers, app=COUNTER, env=counter_env(mcp), **kwargs,
+    )  # fmt: skip
 
 
 def movable_counter(start_proxy):  # type: ignore[no-untyped-def]
