@@ -158,7 +158,9 @@ async def test_an_episode_that_reaches_no_boundary_in_time_is_handed_over_later(
     proxy = start_proxy(workers=1, control_token=CONTROL)
     (old,) = proxy.worker_pids()
     async with aiohttp.ClientSession() as http:
-        run = await start_run(http, proxy.url, run_body("ep-slow", 1, pause=7.5))
+        # 15 s: past the replacement's boot, the 0.2 s timeout, the 5 s last sweep and the
+        # background retire's first look, on a busy machine too (7.5 s once ran out).
+        run = await start_run(http, proxy.url, run_body("ep-slow", 1, pause=15))
         await wait_until(lambda: _in_flight(http, proxy.url), 10, "the episode to be running")
         status, reply = await operate(http, proxy.url, "restart", timeout_s=0.2)
         assert status == 200 and not reply["complete"], reply

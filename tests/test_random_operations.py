@@ -773,8 +773,16 @@ class Walk:
                 code, _, body = await self.post("/whoami", headers={OWNER: worker["owner"]})
                 assert code == 200, body
         elif self.model.phase in ("preparing", "prepared"):
-            report = status["report"]
             expect = self.model.blockers(self.expected, len(live))
+            unreported = [b for b in expect if b.startswith("resources-workers-unreported")]
+
+            async def reported() -> bool:  # a worker's first report lags on a busy machine
+                blockers = (await self.status())["report"]["blockers"]
+                late = [b for b in blockers if b.startswith("resources-workers-unreported")]
+                return late == unreported
+
+            await wait_until(reported, 10, "every live worker's report")
+            report = (await self.status())["report"]
             assert sorted(report["blockers"]) == sorted(expect), (report, expect)
             assert report["blocker_count"] == len(expect)
 
