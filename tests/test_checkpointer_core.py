@@ -14,6 +14,7 @@ import socket
 import threading
 from dataclasses import dataclass, field
 
+import orjson
 import pytest
 
 from gym_proxy.coordinator import checkpoint_files as files
@@ -498,6 +499,45 @@ async def test_resume_rolls_back_a_running_restore(make_rig, tmp_path):
         assert w.types() == ["close", "install", "uninstall", "tables", "reopen"]
     assert rig.view.alias_table == {} and rig.cp.status()["phase"] == "idle"
     assert (await rig.cp.restore("rst2", NOW + 5, str(tmp_path), []))["phase"] == "restored"
+
+
+DAMAGES = {
+    "records": lambda base, m: _rewrite(base / m["records_file"], b"session", b"sessiom"),
+    "manifest": lambda base, m: (base / files.MANIFEST).unlink(),
+    "digest": lambda base, m: _edit_manifest(base, m, records_sha256="0" * 64),
+    "count": lambda base, m: _edit_manifest(base, m, record_count=7),
+    "kind": lambda base, m: _edit_manifest(base, m, kind="agent"),
+    "instance": lambda base, m: _edit_manifest(base, m, instance="other"),
+}
+
+
+def _rewrite(path, old, new):
+    path.write_bytes(path.read_bytes().replace(old, new))
+
+
+def _edit_manifest(base, manifest, **fields):
+    (base / files.MANIFEST).write_bytes(orjson.dumps({**manifest, **fields}))
+
+
+@pytest.mark.parametrize("damage", DAMAGES)
+async def test_a_damaged_checkpoint_is_refused_and_installs_nothing(make_rig, tmp_path, damage):
+    """Every way a commit's files can be damaged or foreign is `invalid_checkpoint_state`
+    (422) before any worker is asked to install: the participant stays idle with no alias
+    and nothing pending (tests/test_checkpoint_protocol.py keeps one real-process case)."""
+    old = await make_rig()
+    old.workers[0].records = [session("a", "w0")]
+    await old.prepared()
+    reply = await old.cp.commit("c1", NOW + 5, str(tmp_path), None)
+    base = files.checkpoint_path(str(tmp_path), "resources", INSTANCE)
+    DAMAGES[damage](base, reply["manifest"])
+    rig = await make_rig(("n0", "n1"))
+    err = await refusal(rig.cp.restore("rst", NOW + 5, str(tmp_path), []))
+    assert err.code == "invalid_checkpoint_state", err
+    for w in rig.workers:
+        assert w.received(msg.Install) == []
+    status = rig.cp.status()
+    assert status["phase"] == "idle" and status["restored_pending"] == []
+    assert rig.view.alias_table == {}
 
 
 async def test_second_restore_is_invalid_phase(make_rig, tmp_path):

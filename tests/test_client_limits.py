@@ -42,8 +42,8 @@ async def stream_until_answered(proxy, first: bytes, filler: bytes, megabytes: i
     return status, orjson.loads(body)["error"]["code"], sent
 
 
-async def test_never_ending_request_line_and_header_are_cut_off(start_proxy):
-    proxy = start_proxy(workers=1)
+async def test_never_ending_request_line_and_header_are_cut_off(shared_proxy):
+    proxy = shared_proxy(workers=1)
     base = rss_kib(proxy.pid)
     megabyte = b"a" * (1 << 20)
     status, code, sent = await stream_until_answered(proxy, b"GET /", megabyte, 64)
@@ -58,8 +58,8 @@ async def test_never_ending_request_line_and_header_are_cut_off(start_proxy):
     assert rss_kib(proxy.pid) - base < 16 * 1024, "the proxy buffered an unbounded head"
 
 
-async def test_heads_within_the_limits_pass(start_proxy, http):
-    proxy = start_proxy(workers=1)
+async def test_heads_within_the_limits_pass(shared_proxy, http):
+    proxy = shared_proxy(workers=1)
     path = "/whoami?" + "q" * 8000
     async with http.get(f"{proxy.url}{path}") as resp:
         assert resp.status == 200

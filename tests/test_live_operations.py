@@ -331,8 +331,9 @@ async def test_operations_and_checkpoints_exclude_each_other(start_proxy, tmp_pa
         ("resize", {"workers": 2, "extra": True}, "unknown fields: extra"),
     ],
 )
-async def test_bad_operation_calls_are_refused_with_what_is_wrong(start_proxy, name, body, detail):
-    proxy = start_proxy(workers=2, control_token=CONTROL)
+async def test_bad_operation_calls_are_refused_with_what_is_wrong(shared_proxy, name, body, detail):
+    """A refused call changes nothing, so the cases share one gym-proxy."""
+    proxy = shared_proxy(workers=2, control_token=CONTROL)
     async with aiohttp.ClientSession() as http:
         status, reply = await operate(http, proxy.url, name, **body)
         assert status == 400 and reply["error"]["code"] == "invalid_request", reply

@@ -286,8 +286,8 @@ async def test_every_shape_reaches_the_worker_as_exactly_one_request(start_proxy
         "Connection: transfer-encoding\r\nTransfer-Encoding: chunked\r\n",
     ],
 )
-async def test_worker_sees_the_proxys_framing(start_proxy, framing):
-    proxy = start_proxy(workers=1)
+async def test_worker_sees_the_proxys_framing(shared_proxy, framing):
+    proxy = shared_proxy(workers=1)
     body = b'{"echo": "framed"}'
     raw = head(framing.format(n=len(body)), path="/whoami")
     raw += chunked(body) if "chunked" in framing else body
