@@ -8,6 +8,7 @@ gym-proxy). The session is named by `x-ng-session-id`, as gym-proxy would pass i
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import orjson
@@ -22,6 +23,8 @@ async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
     if scope["path"] == "/sse":
         await _sse(scope, send)
         return
+    if scope["path"] == "/wait":  # bench/per_call.py: an app that takes `ms` to answer
+        await asyncio.sleep(int(scope["query_string"].partition(b"=")[2] or 0) / 1000)
     body = await read_body(receive)
     session = dict(scope["headers"]).get(b"x-ng-session-id", b"")
     count = orjson.loads(body).get("count", 1) if body else 1
