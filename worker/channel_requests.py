@@ -45,6 +45,7 @@ from gym_proxy.coordinator.contract.messages import (
 )
 from gym_proxy.coordinator.contract.telemetry import ATTRIBUTE
 from gym_proxy.worker import handovers
+from gym_proxy.worker.collector import collector_paused
 from gym_proxy.worker.runtime import ParticipantRuntime
 
 __all__ = ["handle_coordinator_message", "apply_tables"]
@@ -103,13 +104,15 @@ async def _handle(runtime: ParticipantRuntime, message: Message) -> Message:
             return Done()
         case Export():
             # Encoded here, as the records file holds them: the coordinator only joins bytes.
-            encoded = records.encode(await _export(runtime, message), message.kind)
+            with collector_paused():
+                encoded = records.encode(await _export(runtime, message), message.kind)
             return ExportReply(encoded.data, encoded.count, sorted(encoded.keys))
         case Release():
             dropped = runtime.store.release(set(message.keep))
             return Released(await runtime.forget_sessions(dropped))
         case Install():
-            return Installed(await runtime.install(message.sessions))
+            with collector_paused():
+                return Installed(await runtime.install(message.sessions))
         case Uninstall():
             runtime.claims.clear()
             return Released(await runtime.forget_sessions(runtime.store.uninstall()))
