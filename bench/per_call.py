@@ -8,8 +8,8 @@ nothing to do, and sleeps. This bench puts the routing bench's app (`asgi_counte
 its `/wait?ms=N` path) behind gym-proxy with one worker and behind HAProxy (one thread,
 to the same worker's socket), and makes `--calls` calls one at a time over one
 keep-alive connection (an aiohttp client, as NeMo Gym's), for each app time. Per cell:
-calls per second and the front end's CPU per call (its own process), gym-proxy and
-HAProxy alternating, and their ratio. Raw results go to bench/results/per-call-<date>.json.
+calls per second and the front end's CPU per call (its own process), gym-proxy then
+HAProxy at each app time, and their ratio. Raw results go to bench/results/per-call-<date>.json.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import aiohttp
 import orjson
-from servers import GymProxy, HAProxy, cpu_seconds
+from servers import GymProxy, HAProxy, cpu_seconds, post
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -58,7 +58,8 @@ async def main() -> None:
     haproxy = HAProxy(proxy.sockets(), proxy.workers(), 8)
     rows = []
     try:
-        token = proxy.front_end(1).sessions[0][1].split(": ", 1)[1].strip()
+        _, seeded, _ = post(proxy.port, "/seed_session")
+        token = seeded["x-nemo-gym-session-token"]
         ends = {
             "gym-proxy": (f"http://127.0.0.1:{proxy.port}", proxy.proc.pid,
                           {"x-nemo-gym-session-token": token}),
