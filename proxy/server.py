@@ -50,6 +50,7 @@ from gym_proxy.proxy.descriptor_budget import (
 from gym_proxy.proxy.fleet.mover import Mover
 from gym_proxy.proxy.fleet.operations import Operations
 from gym_proxy.proxy.fleet.supervisor import Supervisor, WorkerBootError
+from gym_proxy.proxy.fleet.worker_records import WorkerLauncher
 from gym_proxy.proxy.metrics import Metrics
 from gym_proxy.proxy.metrics_listener import MetricsListener
 from gym_proxy.proxy.ray_cluster import RAY_ERROR, RayCluster, RayError, RayPlan
@@ -69,10 +70,15 @@ LINGER = 2.0  # a refused client gets this long (since its last byte) to stop se
 
 
 async def run(
-    config: Config, listen_sock: socket.socket, secret: bytes, ray_plan: RayPlan | None = None
+    config: Config,
+    listen_sock: socket.socket,
+    secret: bytes,
+    ray_plan: RayPlan | None = None,
+    launcher: WorkerLauncher | None = None,
 ) -> int:
     """Serve until a signal or a fatal worker error; return the process exit code.
-    `ray_plan`: the Ray cluster the workers join (`proxy.ray_cluster`), if they use Ray."""
+    `ray_plan`: the Ray cluster the workers join (`proxy.ray_cluster`), if they use Ray.
+    `launcher`: what starts the workers, if not a subprocess each (or the zygote)."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     force = asyncio.Event()
@@ -134,7 +140,7 @@ async def run(
             state.request_spans = RequestSpans()
         else:
             log.warning("--trace-requests needs NeMo Gym's telemetry on (NEMO_GYM_OTEL_ENABLED)")
-    supervisor = Supervisor(config, runtime.path, coordinator_socket, router)
+    supervisor = Supervisor(config, runtime.path, coordinator_socket, router, launcher=launcher)
     checkpointer = Checkpointer(supervisor, config.instance, config.lease_grace)
 
     def on_register(registration: Register, channel: Channel) -> RegisterReply:

@@ -3,12 +3,13 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 
 import aiohttp
 import pytest
 
+from tests.in_process import InProcessProxy, in_process_proxies
 from tests.support import ProxyProcess
 
 # Here and in every gym-proxy a test starts: a state change the data path's tables do not
@@ -122,6 +123,13 @@ def shared_proxy(request: pytest.FixtureRequest) -> Iterator[Callable[..., Proxy
         if request.session.testsfailed > failed_before:
             print(f"---- gym-proxy log (port {proxy.port}) ----\n{proxy.log()}")
         proxy.cleanup()
+
+
+@pytest.fixture
+async def in_process() -> AsyncIterator[Callable[..., Awaitable[InProcessProxy]]]:
+    """Start gym-proxy in the test's event loop (`tests/in_process.py`), stopped after."""
+    async with in_process_proxies() as start:
+        yield start
 
 
 @pytest.fixture

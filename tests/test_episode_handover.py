@@ -1,5 +1,6 @@
 """Running `/run` episodes handed over between workers (`proxy.fleet.handovers`,
-`worker.handovers`), with real processes: a rolling restart, a drain and a shrink move a
+`worker.handovers`), gym-proxy in process (`tests/in_process.py`) except where a process
+dies: a rolling restart, a drain and a shrink move a
 long episode at its boundary; its client's one request is answered by the new worker,
 and every step ran exactly once (the episode's log is carried in its boundary state)."""
 
@@ -56,16 +57,18 @@ async def until_step(
 
 
 @BOTH_APP_KINDS
-async def test_a_restart_hands_a_running_episode_to_the_replacement(start_proxy):
-    """One worker, an episode of 120 steps of 50 ms running: the restart parks it at its
+async def test_a_restart_hands_a_running_episode_to_the_replacement(in_process, test_app):
+    """One worker, an episode of 40 steps of 50 ms running: the restart parks it at its
     next boundary, the replacement continues it, the client's request is answered once,
     by the replacement, with each step done once; the old worker stops at once. (The
-    replacement boots while the episode runs on: 2-3 s on a busy machine, so 6 s of
-    steps; with 2 s, it once ended before the hand-over.)"""
-    proxy = start_proxy("--metrics", "127.0.0.1:0", workers=1, control_token=CONTROL)
+    replacement boots while the episode runs on: milliseconds in process, so 2 s of
+    steps is ample.)"""
+    proxy = await in_process(
+        "--metrics", "127.0.0.1:0", workers=1, control_token=CONTROL, app=test_app
+    )
     (old,) = proxy.worker_pids()
     async with aiohttp.ClientSession() as http:
-        run = await start_run(http, proxy.url, run_body("ep-r", 120, pause=0.05))
+        run = await start_run(http, proxy.url, run_body("ep-r", 40, pause=0.05))
         await until_step(http, proxy.url, "ep-r", 3)
         status, reply = await operate(http, proxy.url, "restart", timeout_s=10)
         assert status == 200 and reply["complete"], reply
@@ -74,8 +77,8 @@ async def test_a_restart_hands_a_running_episode_to_the_replacement(start_proxy)
         assert slot["outcome"] == "stopped", slot
         code, answer = await asyncio.wait_for(run, 30)
         assert code == 200, answer
-        assert answer["pid"] == slot["new_pid"] and answer["pid"] != old, answer
-        assert answer["restored"] is True and answer["state"]["log"] == log_of("ep-r", 120)
+        assert answer["owner"] == slot["new_owner"] != slot["old_owner"], answer
+        assert answer["restored"] is True and answer["state"]["log"] == log_of("ep-r", 40)
         assert old not in proxy.worker_pids()
         async with http.get(metrics_url(proxy)) as response:
             text = await response.text()
@@ -84,12 +87,12 @@ async def test_a_restart_hands_a_running_episode_to_the_replacement(start_proxy)
 
 
 @BOTH_APP_KINDS
-async def test_an_episode_in_a_replay_step_moves_as_the_step_ends(start_proxy):
+async def test_an_episode_in_a_replay_step_moves_as_the_step_ends(in_process, test_app):
     """An episode waits inside a replay step (a gate): it is not handed over mid-step
     (its callee would run the step twice at once); once the gate opens on the old worker
     it parks, is handed over, and the replacement runs the step again (its own gate),
     so the step is in the log once."""
-    proxy = start_proxy(workers=1, control_token=CONTROL)
+    proxy = await in_process(workers=1, control_token=CONTROL, app=test_app)
     (old,) = proxy.worker_pids()
     async with aiohttp.ClientSession() as http:
         old_owner = (await status_of(http, proxy.url))["workers"][0]["owner"]
@@ -107,7 +110,7 @@ async def test_an_episode_in_a_replay_step_moves_as_the_step_ends(start_proxy):
             await release(http, proxy.url, f"g-{i}")
             await until_step(http, proxy.url, "ep-g", i + 1)
         code, answer = await asyncio.wait_for(run, 30)
-        assert code == 200 and answer["pid"] == reply["slots"][0]["new_pid"], answer
+        assert code == 200 and answer["owner"] == reply["slots"][0]["new_owner"], answer
         assert answer["state"]["log"] == log_of("ep-g", 3), answer
 
 
@@ -121,10 +124,10 @@ async def _handing_over(http: aiohttp.ClientSession, url: str) -> bool:
 
 
 @BOTH_APP_KINDS
-async def test_a_drain_hands_episodes_and_their_sessions_to_the_other_worker(start_proxy):
+async def test_a_drain_hands_episodes_and_their_sessions_to_the_other_worker(in_process, test_app):
     """Episodes that came under a session of the drained worker move with it: the
     session then answers from the other worker and the episode's answer too."""
-    proxy = start_proxy(workers=2, control_token=CONTROL)
+    proxy = await in_process(workers=2, control_token=CONTROL, app=test_app)
     async with aiohttp.ClientSession() as http:
         tokens: dict[int, list[str]] = {0: [], 1: []}
         while len(tokens[0]) < 3:
@@ -150,12 +153,14 @@ async def test_a_drain_hands_episodes_and_their_sessions_to_the_other_worker(sta
             assert answer["state"]["log"] == log_of(f"ep-d{i}", 30), answer
 
 
-async def test_an_episode_that_reaches_no_boundary_in_time_is_handed_over_later(start_proxy):
+async def test_an_episode_that_reaches_no_boundary_in_time_is_handed_over_later(
+    in_process, test_app
+):
     """A step runs past the restart's timeout (and its last sweep): the episode is not
     handed over then (reported, with why), the old worker is left serving it, and the
     background retire parks it at its next boundary and hands it over: its client is
     answered by the replacement, each step done once, and the old worker stops."""
-    proxy = start_proxy(workers=1, control_token=CONTROL)
+    proxy = await in_process(workers=1, control_token=CONTROL, app=test_app)
     (old,) = proxy.worker_pids()
     async with aiohttp.ClientSession() as http:
         # 15 s: past the replacement's boot, the 0.2 s timeout, the 5 s last sweep and the
@@ -171,7 +176,7 @@ async def test_an_episode_that_reaches_no_boundary_in_time_is_handed_over_later(
         (slot,) = reply["slots"]
         assert slot["outcome"] == "left serving what it holds; retired when it can be", slot
         code, answer = await asyncio.wait_for(run, 30)
-        assert code == 200 and answer["pid"] == slot["new_pid"], answer
+        assert code == 200 and answer["owner"] == slot["new_owner"], answer
         assert answer["restored"] is True and answer["state"]["log"] == log_of("ep-slow", 1)
 
         # The old worker exits inside the background retire, before it records itself last.

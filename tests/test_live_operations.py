@@ -1,6 +1,11 @@
-"""Live operations with real processes (`proxy.fleet.operations`): rolling restart, resize,
-drain and recycle while a pooled client (any session on any connection) increments
-counters; every counter must come out exact and no request may fail."""
+"""Live operations (`proxy.fleet.operations`): rolling restart, resize, drain and recycle
+while a pooled client (any session on any connection) increments counters; every counter
+must come out exact and no request may fail.
+
+Most run gym-proxy in process (`tests/in_process.py`: the real proxy and worker code in
+the test's event loop, over real sockets, without the process starts). The ones that
+need processes start real ones: signals and the log they leave, a kill -9 and a restore,
+a worker's resident memory, a SIGSTOPped worker, the `gym-proxy-ctl` command."""
 
 from __future__ import annotations
 
@@ -115,8 +120,8 @@ async def under_load(
 
 
 @BOTH_APP_KINDS
-async def test_rolling_restart_of_four_workers_loses_no_request_and_no_count(start_proxy):
-    proxy = start_proxy(workers=4, control_token=CONTROL)
+async def test_rolling_restart_of_four_workers_loses_no_request_and_no_count(in_process, test_app):
+    proxy = await in_process(workers=4, control_token=CONTROL, app=test_app)
     before = set(proxy.worker_pids())
 
     async def restart(http: aiohttp.ClientSession, load: Load) -> None:
@@ -135,8 +140,8 @@ async def test_rolling_restart_of_four_workers_loses_no_request_and_no_count(sta
     assert set(proxy.worker_pids()).isdisjoint(before)
 
 
-async def test_resize_two_to_four_to_one_under_load(start_proxy):
-    proxy = start_proxy(workers=2, control_token=CONTROL)
+async def test_resize_two_to_four_to_one_under_load(in_process):
+    proxy = await in_process(workers=2, control_token=CONTROL)
 
     async def resize(http: aiohttp.ClientSession, load: Load) -> None:
         status, reply = await operate(http, proxy.url, "resize", workers=4)
@@ -162,8 +167,8 @@ async def test_resize_two_to_four_to_one_under_load(start_proxy):
     await wait_until(lambda: len(proxy.worker_pids()) == 1, 30, "one worker left")
 
 
-async def test_drain_moves_a_thousand_sessions_and_takes_no_new_ones(start_proxy):
-    proxy = start_proxy(workers=2, control_token=CONTROL)
+async def test_drain_moves_a_thousand_sessions_and_takes_no_new_ones(in_process):
+    proxy = await in_process(workers=2, control_token=CONTROL)
     async with aiohttp.ClientSession() as http:
         tokens = await asyncio.gather(*(seed(http, proxy.url) for _ in range(1000)))
         for i, token in enumerate(tokens[:50]):
@@ -191,11 +196,11 @@ async def test_drain_moves_a_thousand_sessions_and_takes_no_new_ones(start_proxy
         assert 0 in {(await whoami(http, proxy.url, t))["slot"] for t in fresh}
 
 
-async def test_a_shrink_after_a_drain_keeps_a_worker_taking_sessions(start_proxy):
+async def test_a_shrink_after_a_drain_keeps_a_worker_taking_sessions(in_process):
     """Drain slot 0, then resize to one worker: refused (it would remove slot 1, the only
     worker taking sessions), nothing changes, and new sessions still reach slot 1; once
     slot 0 is undrained the same resize runs."""
-    proxy = start_proxy(workers=2, control_token=CONTROL)
+    proxy = await in_process(workers=2, control_token=CONTROL)
     async with aiohttp.ClientSession() as http:
         status, reply = await operate(http, proxy.url, "drain", slot=0)
         assert status == 200 and reply["complete"], reply
@@ -216,10 +221,10 @@ async def test_a_shrink_after_a_drain_keeps_a_worker_taking_sessions(start_proxy
             assert (await whoami(http, proxy.url, token))["slot"] == 0
 
 
-async def test_status_lists_each_worker_once_with_its_state(start_proxy):
+async def test_status_lists_each_worker_once_with_its_state(in_process):
     """`status` has one list of workers: each registered worker, with the checkpoint
     fields and the operations' state and count; `operations` lists none again."""
-    proxy = start_proxy(workers=2, control_token=CONTROL)
+    proxy = await in_process(workers=2, control_token=CONTROL)
     async with aiohttp.ClientSession() as http:
         await whoami(http, proxy.url, await seed(http, proxy.url))
         status = await status_of(http, proxy.url)
@@ -230,8 +235,8 @@ async def test_status_lists_each_worker_once_with_its_state(start_proxy):
     assert sum(w["requests_served"] for w in status["workers"]) == 2, status["workers"]
 
 
-async def test_a_worker_is_recycled_after_max_requests(start_proxy):
-    proxy = start_proxy(
+async def test_a_worker_is_recycled_after_max_requests(in_process):
+    proxy = await in_process(
         "--max-requests", "150", "--max-requests-jitter", "20", workers=2, control_token=CONTROL
     )
     before = set(proxy.worker_pids())
@@ -286,8 +291,8 @@ async def test_signals_restart_grow_and_shrink(start_proxy):
     ], taken
 
 
-async def test_operations_and_checkpoints_exclude_each_other(start_proxy, tmp_path):
-    proxy = start_proxy(workers=2, control_token=CONTROL)
+async def test_operations_and_checkpoints_exclude_each_other(in_process, tmp_path):
+    proxy = await in_process(workers=2, control_token=CONTROL)
     async with aiohttp.ClientSession() as http:
         control = Control(http, proxy.url)
         await control.ok("prepare", checkpoint_id="ck-op")
@@ -379,11 +384,12 @@ async def test_a_restore_onto_a_resized_server_places_every_session(start_proxy,
             assert (await whoami(http, second.url, token))["slot"] in (1, 2)
 
 
-async def test_a_replacement_that_cannot_boot_aborts_the_restart(start_proxy, tmp_path):
+async def test_a_replacement_that_cannot_boot_aborts_the_restart(in_process, tmp_path, monkeypatch):
     """The first replacement fails to build the app: the restart stops there, reports
     it, and every old worker keeps serving its sessions; the server does not stop."""
     broken = tmp_path / "broken"
-    proxy = start_proxy(workers=2, control_token=CONTROL, env={"GYM_TEST_BROKEN_FILE": str(broken)})
+    monkeypatch.setenv("GYM_TEST_BROKEN_FILE", str(broken))  # read as a worker builds the app
+    proxy = await in_process(workers=2, control_token=CONTROL)
     before = sorted(proxy.worker_pids())
     async with aiohttp.ClientSession() as http:
         tokens = [await seed(http, proxy.url) for _ in range(10)]
@@ -403,11 +409,11 @@ async def test_a_replacement_that_cannot_boot_aborts_the_restart(start_proxy, tm
     assert not set(proxy.worker_pids()) & set(before)
 
 
-async def test_a_long_request_leaves_the_old_worker_serving_until_it_ends(start_proxy):
+async def test_a_long_request_leaves_the_old_worker_serving_until_it_ends(in_process):
     """A request outlives the restart's timeout: its slot gets its replacement, the old
     worker finishes the request (state leaving), and is retired in the background after:
     the session then answers from the replacement, its count exact."""
-    proxy = start_proxy(workers=1, control_token=CONTROL)
+    proxy = await in_process(workers=1, control_token=CONTROL)
     old = proxy.worker_pids()
     async with aiohttp.ClientSession() as http:
         busy, idle = await seed(http, proxy.url), await seed(http, proxy.url)
@@ -434,9 +440,9 @@ async def test_a_long_request_leaves_the_old_worker_serving_until_it_ends(start_
         assert await count(http, proxy.url, busy) == 0
 
 
-async def test_restart_pause_is_checked_and_spaces_the_slots(start_proxy):
+async def test_restart_pause_is_checked_and_spaces_the_slots(in_process):
     """pause_s outside 0-600 is refused; with a pause the slots are restarted apart."""
-    proxy = start_proxy(workers=2, control_token=CONTROL)
+    proxy = await in_process(workers=2, control_token=CONTROL)
     async with aiohttp.ClientSession() as http:
         status, reply = await operate(http, proxy.url, "restart", pause_s=-1)
         assert status == 400 and "pause_s must be" in reply["error"]["detail"], reply

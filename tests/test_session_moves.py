@@ -1,5 +1,6 @@
-"""Moving live sessions between running workers (`POST /ng-control/v1/gym-proxy/sessions/move`)
-with real processes: under load from a pooled client whose session calls arrive on any
+"""Moving live sessions between running workers (`POST /ng-control/v1/gym-proxy/sessions/move`),
+gym-proxy in process (`tests/in_process.py`) unless a test needs processes (a crash, a
+SIGSTOPped worker): under load from a pooled client whose session calls arrive on any
 connection, every counter stays exact, tokens do not change, and a session whose request
 outlives the move's timeout stays where it was, serving."""
 
@@ -29,8 +30,8 @@ CTL_MAIN = "from gym_proxy.coordinator.clients.controller_cli import main; main(
 
 
 @pytest.fixture
-def proxy(start_proxy):
-    return start_proxy(workers=2, control_token=CONTROL)
+async def proxy(in_process, test_app):
+    return await in_process(workers=2, control_token=CONTROL, app=test_app)
 
 
 async def seed(http: aiohttp.ClientSession, url: str) -> tuple[str, str, int]:
@@ -260,7 +261,10 @@ async def test_gym_proxy_ctl_moves_a_session(proxy):
         assert (await whoami(http, proxy.url, token))["slot"] == 1 - slot
 
 
-async def test_a_target_that_does_not_answer_leaves_the_sessions_serving_where_they_were(proxy):
+async def test_a_target_that_does_not_answer_leaves_the_sessions_serving_where_they_were(
+    start_proxy,
+):
+    proxy = start_proxy(workers=2, control_token=CONTROL)  # a process: it is SIGSTOPped
     """The target stops answering (SIGSTOP) during the move: the move reports every
     session as not taken, and each still answers, with its count, from its old worker."""
     url = proxy.url
@@ -297,11 +301,12 @@ def resident_mib(pid: int) -> float:
     raise AssertionError(f"no VmRSS for {pid}")
 
 
-async def test_a_held_upload_waits_at_the_client_not_in_the_proxys_memory(proxy):
+async def test_a_held_upload_waits_at_the_client_not_in_the_proxys_memory(start_proxy):
     """A 64 MiB upload on a session whose move waits for its running request: the proxy
     keeps reading paused while it is held (the client gets no further than the socket
     buffers), its RSS does not grow with the body, and once the move ends the upload
     reaches the target whole."""
+    proxy = start_proxy(workers=2, control_token=CONTROL)  # a process: its memory is measured
     url = proxy.url
     size = 64 << 20
     block = pattern_block(7)

@@ -31,7 +31,11 @@ __all__ = [
 PARTICIPANT_KIND = web.AppKey[Kind]("gym_proxy_participant_kind")
 PARTICIPATION = web.AppKey("gym_proxy_participation", Participation)
 RUNTIME = web.AppKey("gym_proxy_participant_runtime", ParticipantRuntime)
-FLIGHT = "gym_proxy.flight"
+# A request key (aiohttp >= 3.13 warns at a plain string one), or the string on an
+# older aiohttp.
+FLIGHT: Any = (
+    web.RequestKey("gym_proxy_flight", object) if hasattr(web, "RequestKey") else "gym_proxy.flight"
+)
 # Names as aiohttp's headers take them. Only an app's own token reaches a worker.
 _SESSION_ID = names.text(names.SESSION_ID)
 _SESSION_NEW = names.text(names.SESSION_NEW)

@@ -110,8 +110,10 @@ def _host(
     return runtime, server
 
 
-async def serve(args: argparse.Namespace) -> int:
-    """Run the app until SIGTERM or the coordinator goes away; return the exit code."""
+async def serve(args: argparse.Namespace, stop: asyncio.Event | None = None) -> int:
+    """Run the app until `stop` is set (without one, until SIGTERM) or the coordinator
+    goes away; return the exit code. Tests run workers as tasks with their own `stop`
+    (`tests/in_process.py`): one process, one SIGTERM, many workers."""
     info = WorkerInfo(args.slot, args.owner, os.getpid(), args.socket)
     try:
         app = await build_app(args.app, args.app_dir, args.workers, args.session_state)
@@ -125,11 +127,12 @@ async def serve(args: argparse.Namespace) -> int:
         print(f"gym-proxy worker {args.slot}: cannot start app {args.app}", file=sys.stderr)
         return BOOT_ERROR
 
-    loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
-    loop.add_signal_handler(signal.SIGTERM, stop.set)
-    # Ctrl-C reaches the whole process group; the proxy decides and sends SIGTERM.
-    loop.add_signal_handler(signal.SIGINT, lambda: None)
+    if stop is None:
+        loop = asyncio.get_running_loop()
+        stop = asyncio.Event()
+        loop.add_signal_handler(signal.SIGTERM, stop.set)
+        # Ctrl-C reaches the whole process group; the proxy decides and sends SIGTERM.
+        loop.add_signal_handler(signal.SIGINT, lambda: None)
 
     async def handle(message: Message) -> Message:
         return await handle_coordinator_message(runtime, message)
@@ -169,19 +172,26 @@ async def serve(args: argparse.Namespace) -> int:
     if args.session_idle_ttl > 0:
         expiry = asyncio.create_task(runtime.expire_sessions(args.session_idle_ttl))
     stop_task = asyncio.create_task(stop.wait())
-    await asyncio.wait({channel_task, stop_task}, return_when=asyncio.FIRST_COMPLETED)
     code = 0
-    if not stop.is_set():
-        log.warning("worker %d lost the coordinator; stopping", info.slot)
-        code = LOST_COORDINATOR
-    stop_task.cancel()
-    runtime.loop_lag.stop()
-    if expiry is not None:
-        expiry.cancel()
-    await server.stop()
-    channel.close()
-    channel_task.cancel()
-    telemetry.shutdown()
+    try:
+        await asyncio.wait({channel_task, stop_task}, return_when=asyncio.FIRST_COMPLETED)
+        if not stop.is_set():
+            log.warning("worker %d lost the coordinator; stopping", info.slot)
+            code = LOST_COORDINATOR
+    except asyncio.CancelledError:
+        # A worker run as a task, killed: its channel goes first, as a killed process's
+        # would, so the proxy stops routing to it at once.
+        channel.close()
+        raise
+    finally:
+        stop_task.cancel()
+        runtime.loop_lag.stop()
+        if expiry is not None:
+            expiry.cancel()
+        await server.stop()
+        channel.close()
+        channel_task.cancel()
+        telemetry.shutdown()
     return code
 
 

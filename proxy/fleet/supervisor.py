@@ -42,8 +42,14 @@ from gym_proxy.coordinator.placement import Placement
 from gym_proxy.coordinator.worker_channels import RegistrationRefused
 from gym_proxy.proxy.config import Config
 from gym_proxy.proxy.exchange import start_held, start_held_by_worker
-from gym_proxy.proxy.fleet.worker_records import Slot, WorkerProcess, resident_bytes
-from gym_proxy.proxy.fleet.zygote_client import ForkedProcess, Zygote
+from gym_proxy.proxy.fleet.worker_records import (
+    Slot,
+    WorkerHandle,
+    WorkerLauncher,
+    WorkerProcess,
+    resident_bytes,
+)
+from gym_proxy.proxy.fleet.zygote_client import Zygote
 from gym_proxy.proxy.routing import ExpectedHandover, Router, WorkerRoute
 from gym_proxy.proxy.session_tokens import new_owner_id
 from gym_proxy.proxy.session_watch import until_a_request_ends
@@ -89,7 +95,9 @@ class Supervisor:
     # `python -P`: the current directory never shadows gym-proxy's packages. Tests of the
     # supervisor start stand-in workers instead.
     worker_command: tuple[str, ...] = (sys.executable, "-P", "-m", "gym_proxy.worker")
-    zygote: Zygote | None = None  # --preload: workers are forked from it
+    # Starts workers instead of a subprocess: the zygote with --preload (workers are
+    # forked from it), or a test's in-process launcher.
+    launcher: WorkerLauncher | None = None
     _owners: list[str] = field(
         default_factory=lambda: list(filter(None, os.environ.get(TEST_OWNERS_ENV, "").split(",")))
     )
@@ -97,9 +105,9 @@ class Supervisor:
     def __post_init__(self) -> None:
         self.slots = [Slot() for _ in range(self.config.workers)]
         self.fatal = asyncio.get_running_loop().create_future()
-        if self.config.preload:
+        if self.config.preload and self.launcher is None:
             config = self.config
-            self.zygote = Zygote(
+            self.launcher = Zygote(
                 config.app, config.app_dir, config.limit_request_line, config.limit_request_headers
             )
 
@@ -166,10 +174,10 @@ class Supervisor:
             coordinator=self.coordinator_socket,
             instance=self.config.instance,
         )
-        process: asyncio.subprocess.Process | ForkedProcess
+        process: WorkerHandle
         try:
-            if self.zygote is not None:
-                process = await self.zygote.spawn(argv)
+            if self.launcher is not None:
+                process = await self.launcher.spawn(argv)
             else:
                 process = await asyncio.create_subprocess_exec(
                     *self.worker_command, *argv, stdin=asyncio.subprocess.DEVNULL
@@ -638,8 +646,8 @@ class Supervisor:
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        if self.zygote is not None:
-            await self.zygote.close()
+        if self.launcher is not None:
+            await self.launcher.close()
 
     def _fail(self, exc: Exception) -> None:
         if self.fatal is not None and not self.fatal.done():

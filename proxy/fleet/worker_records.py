@@ -10,10 +10,9 @@ from __future__ import annotations
 import asyncio
 import os
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 from gym_proxy.coordinator.contract.channel import Channel
-from gym_proxy.proxy.fleet.zygote_client import ForkedProcess
 from gym_proxy.proxy.routing import WorkerRoute
 
 __all__ = [
@@ -21,6 +20,8 @@ __all__ = [
     "WorkerStatus",
     "WORKER_STATUSES",
     "WorkerProcess",
+    "WorkerHandle",
+    "WorkerLauncher",
     "Slot",
     "resident_bytes",
 ]
@@ -41,6 +42,32 @@ WORKER_STATUSES: tuple[WorkerStatus, ...] = (
 )
 
 
+class WorkerHandle(Protocol):
+    """A started worker, as the supervisor uses it: an asyncio subprocess, or one forked
+    by the zygote (`proxy.fleet.zygote_client.ForkedProcess`)."""
+
+    @property
+    def pid(self) -> int: ...
+
+    @property
+    def returncode(self) -> int | None: ...
+
+    async def wait(self) -> int: ...
+
+    def send_signal(self, sig: int, /) -> None: ...
+
+    def kill(self) -> None: ...
+
+
+class WorkerLauncher(Protocol):
+    """What starts workers when a plain subprocess does not: the zygote (--preload), or
+    a test's in-process launcher (`tests/in_process.py`)."""
+
+    async def spawn(self, argv: list[str]) -> WorkerHandle: ...
+
+    async def close(self) -> None: ...
+
+
 @dataclass(eq=False)
 class WorkerProcess:
     """One worker incarnation."""
@@ -48,7 +75,7 @@ class WorkerProcess:
     slot: int
     owner: str
     socket_path: str
-    process: asyncio.subprocess.Process | ForkedProcess  # ForkedProcess: with --preload
+    process: WorkerHandle
     started_at: float
     state: WorkerState = "starting"
     channel: Channel | None = None

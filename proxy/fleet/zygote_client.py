@@ -47,9 +47,6 @@ class ForkedProcess:
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
 
-    def terminate(self) -> None:
-        self.send_signal(signal.SIGTERM)
-
     def exited(self, code: int) -> None:
         if self.returncode is None:
             self.returncode = code
