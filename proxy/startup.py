@@ -35,6 +35,7 @@ from gym_proxy.proxy.ray_cluster import RayPlan
 from gym_proxy.proxy.runtime_dir import ensure_parent
 from gym_proxy.proxy.server import run
 from gym_proxy.worker.app_loading import AppLoadError, import_app_target
+from gym_proxy.worker.collector import freeze_startup_heap
 from gym_proxy.worker.nemo_gym_server import (
     NemoGymConfigError,
     check_session_state,
@@ -155,6 +156,7 @@ def start(argv: Sequence[str] | None = None) -> None:
     except OSError as exc:
         where = f"fd {config.fd}" if config.fd is not None else f"{config.host}:{config.port}"
         _fail(f"cannot listen on {where}: {exc.strerror or exc}")
+    freeze_startup_heap()  # every module is imported: no full pass walks them again
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         code = runner.run(run(config, sock, secret, ray_plan))
     exit_process(code)

@@ -39,6 +39,7 @@ from gym_proxy.worker.app_sessions import app_session_cookie
 from gym_proxy.worker.asgi_door import AsgiDoor, answer_runtime_errors
 from gym_proxy.worker.asgi_server import AsgiWorkerServer
 from gym_proxy.worker.channel_requests import apply_tables, handle_coordinator_message
+from gym_proxy.worker.collector import freeze_startup_heap
 from gym_proxy.worker.head_limits import HeadLimits, head_limits
 from gym_proxy.worker.identity import WORKER_BACKLOG, WORKER_INFO, WorkerInfo
 from gym_proxy.worker.nemo_gym_server import NemoGymConfigError
@@ -127,7 +128,8 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event | None = None) -> 
         print(f"gym-proxy worker {args.slot}: cannot start app {args.app}", file=sys.stderr)
         return BOOT_ERROR
 
-    if stop is None:
+    if stop is None:  # the process is this worker's
+        freeze_startup_heap()
         loop = asyncio.get_running_loop()
         stop = asyncio.Event()
         loop.add_signal_handler(signal.SIGTERM, stop.set)
