@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import tempfile
@@ -8,6 +9,7 @@ from pathlib import Path
 
 import aiohttp
 import pytest
+import uvloop
 
 from tests.in_process import InProcessProxy, in_process_proxies
 from tests.support import ProxyProcess
@@ -123,6 +125,15 @@ def shared_proxy(request: pytest.FixtureRequest) -> Iterator[Callable[..., Proxy
         if request.session.testsfailed > failed_before:
             print(f"---- gym-proxy log (port {proxy.port}) ----\n{proxy.log()}")
         proxy.cleanup()
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_asyncio_loop_factories(
+    config: pytest.Config, item: pytest.Item
+) -> dict[str, Callable[[], asyncio.AbstractEventLoop]]:
+    """Every async test runs on uvloop, the loop gym-proxy and its workers run on: an
+    in-process gym-proxy (`in_process`) then runs as it does in production."""
+    return {"uvloop": uvloop.new_event_loop}
 
 
 @pytest.fixture

@@ -6,8 +6,11 @@ Everything talks over real sockets (the public port on loopback, the workers' an
 coordinator's Unix sockets), so a request, a move or a rolling restart takes the path it
 takes in production; only process starts are left out (a worker is ready in milliseconds,
 not the 0.4 s its imports take). The proxy stops the way users stop it, with SIGTERM
-(`signal.raise_signal`: its handler is the proxy's while it runs). What needs a process
-stays with `tests.support.ProxyProcess`: kill -9, a worker's memory, its exit code.
+(`signal.raise_signal`: its handler is the proxy's while it runs). The test runs on
+uvloop, as gym-proxy does (`tests/conftest.py`). What needs a process stays with
+`tests.support.ProxyProcess`: kill -9, SIGSTOP, a process's memory, its log and exit
+code, environment a process reads once at start (websockets' header limits, read when
+it is first imported, are the test process's).
 """
 
 from __future__ import annotations
@@ -32,6 +35,9 @@ from tests.support import TEST_SECRET, wait_until
 __all__ = ["InProcessProxy", "TaskWorker", "TaskLauncher", "in_process_proxies"]
 
 log = logging.getLogger("tests.in_process")
+
+# The test apps' aiohttp and ASGI twins, one server to checkpoints (`tests/conftest.py`).
+TWIN_APPS = ("tests.apps:create_app", "tests.asgi_apps:create_app")
 
 # Past any real PID (Linux's pid_max is at most 2**22): a signal sent to one by mistake
 # finds no process instead of the test's own.
@@ -114,6 +120,8 @@ class InProcessProxy:
         self.listener.bind(("127.0.0.1", 0))
         self.port = self.listener.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
+        if app in TWIN_APPS and "--name" not in args:
+            args = (*args, "--name", "apps")  # as `start_proxy` names them: one server
         argv = [app, "--workers", str(workers), "--runtime-dir", self.runtime_parent]
         argv += ["--secret", TEST_SECRET, *args]
         if control_token is not None:

@@ -255,8 +255,10 @@ def test_control_token_requires_secret(tmp_path):
 
 
 @BOTH_APP_KINDS
-async def test_lease_expiry_resumes(start_proxy, http):
-    proxy = start_proxy("--lease-grace", "0.5", workers=1, control_token=CONTROL_TOKEN)
+async def test_lease_expiry_resumes(in_process, http, test_app):
+    proxy = await in_process(
+        "--lease-grace", "0.5", workers=1, control_token=CONTROL_TOKEN, app=test_app
+    )
     control = Control(http, proxy.url)
     await control.ok("prepare", checkpoint_id="lease", deadline_ts=time.time() + 1)
     renewed = await control.ok("renew", checkpoint_id="lease", deadline_ts=time.time() + 1.5)

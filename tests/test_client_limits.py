@@ -93,8 +93,10 @@ async def test_a_worker_takes_every_head_the_proxy_takes(start_proxy, http):
         assert resp.status == 200, await resp.text()
 
 
-async def test_limits_are_flags(start_proxy, http):
-    proxy = start_proxy("--limit-request-line", "100", "--limit-request-headers", "1000", workers=1)
+async def test_limits_are_flags(in_process, http, test_app):
+    proxy = await in_process(
+        "--limit-request-line", "100", "--limit-request-headers", "1000", workers=1, app=test_app
+    )
     async with http.get(f"{proxy.url}/whoami?{'q' * 200}") as resp:
         assert resp.status == 414
         assert resp.headers["Connection"] == "close"
@@ -103,8 +105,8 @@ async def test_limits_are_flags(start_proxy, http):
         assert (await resp.json())["error"]["code"] == "headers_too_large"
 
 
-async def test_slow_heads_time_out(start_proxy):
-    proxy = start_proxy("--header-timeout", "1", workers=1)
+async def test_slow_heads_time_out(in_process, test_app):
+    proxy = await in_process("--header-timeout", "1", workers=1, app=test_app)
     partial = []
     for _ in range(20):
         reader, writer = await open_raw(proxy)
@@ -135,8 +137,8 @@ async def test_slow_heads_time_out(start_proxy):
     await close(slow_writer)
 
 
-async def test_keep_alive_connection_is_not_a_slow_head(start_proxy):
-    proxy = start_proxy("--header-timeout", "1", workers=1)
+async def test_keep_alive_connection_is_not_a_slow_head(in_process, test_app):
+    proxy = await in_process("--header-timeout", "1", workers=1, app=test_app)
     reader, writer = await open_raw(proxy)
     writer.write(b"GET /whoami HTTP/1.1\r\nHost: t\r\n\r\n")
     [(status, _, _)] = await read_responses(reader, 1)
@@ -148,8 +150,8 @@ async def test_keep_alive_connection_is_not_a_slow_head(start_proxy):
     await close(writer)
 
 
-async def test_connection_cap(start_proxy):
-    proxy = start_proxy("--max-connections", "3", workers=1)
+async def test_connection_cap(in_process, test_app):
+    proxy = await in_process("--max-connections", "3", workers=1, app=test_app)
     held = []
     for _ in range(3):
         reader, writer = await open_raw(proxy)
@@ -202,12 +204,12 @@ async def test_connection_cap(start_proxy):
         await close(writer)
 
 
-async def test_early_worker_answer_is_relayed_not_502(start_proxy):
+async def test_early_worker_answer_is_relayed_not_502(in_process, test_app):
     """aiohttp answers 413 to a body over its client_max_size (1 MiB) once it has read
     that much, and closes; the upload is still being written (it announces 64 MiB and
     sends at most 8: were the whole body sent, the answer could rightly keep the
     connection)."""
-    proxy = start_proxy(workers=1)
+    proxy = await in_process(workers=1, app=test_app)
     statuses = []
     for _ in range(30):
         reader, writer = await open_raw(proxy)

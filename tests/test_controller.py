@@ -71,12 +71,14 @@ async def test_checkpoint_and_restore_two_participants(start_proxy, http, tmp_pa
     assert await value(http, res2.url, tokens[res.url]) == (200, 5)
 
 
-async def test_a_partial_checkpoint_exits_3_and_names_its_restarts(start_proxy, http, tmp_path):
+async def test_a_partial_checkpoint_exits_3_and_names_its_restarts(
+    in_process, http, tmp_path, test_app
+):
     """A restart-only server (it declares no state) with requests in flight bound to
     rollouts: the checkpoint holds none of them. gym-proxy-ctl prints them by server,
     rollout ID and attempt, says so on stderr and exits 3; with --allow-restarts it exits 0
     and still prints them. The rollouts keep running: the checkpoint does not stop them."""
-    proxy = start_proxy(workers=2, app=RESTART_ONLY_APP, control_token=CONTROL_TOKEN)
+    proxy = await in_process(workers=2, app=RESTART_ONLY_APP, control_token=CONTROL_TOKEN)
     tokens = {}
     for key in ("ro-1", "ro-2-a1", "ro-3"):  # ro-2-a1: rollout ro-2, attempt 1
         url = f"{proxy.url}/ng-rollout/{key}/seed_session"

@@ -34,8 +34,8 @@ async def _run_session(http: aiohttp.ClientSession, url: str, start: int) -> tup
 
 @pytest.mark.parametrize("workers", [2, 4])
 @BOTH_APP_KINDS
-async def test_counters_exact_and_spread(start_proxy, http, workers):
-    proxy = start_proxy(workers=workers)
+async def test_counters_exact_and_spread(in_process, http, workers, test_app):
+    proxy = await in_process(workers=workers, app=test_app)
     results = await asyncio.gather(*(_run_session(http, proxy.url, i) for i in range(200)))
     per_owner = Counter(owner for owner, _ in results)
     assert len(per_owner) == workers, per_owner
@@ -44,9 +44,9 @@ async def test_counters_exact_and_spread(start_proxy, http, workers):
 
 
 @BOTH_APP_KINDS
-async def test_cookie_session_round_trip(start_proxy):
+async def test_cookie_session_round_trip(in_process, test_app):
     """A browser-style client: the cookie alone carries the session."""
-    proxy = start_proxy(workers=2)
+    proxy = await in_process(workers=2, app=test_app)
     async with aiohttp.ClientSession(cookie_jar=aiohttp.CookieJar(unsafe=True)) as http:
         async with http.post(f"{proxy.url}/seed_session", json={"initial_count": 7}) as resp:
             cookie = resp.headers["Set-Cookie"]

@@ -256,7 +256,7 @@ def test_disk_full_leaves_no_files_behind(tmp_path, monkeypatch):
 
 
 async def test_cookies_of_a_checkpoint_from_before_instance_tokens_still_route(
-    start_proxy, http, tmp_path
+    in_process, http, tmp_path, test_app
 ):
     """A checkpoint taken before tokens named their instance: its clients hold `v1.`
     tokens in the `ng_session` cookie, naming the owners of that time. Restored onto new
@@ -266,7 +266,7 @@ async def test_cookies_of_a_checkpoint_from_before_instance_tokens_still_route(
         for i, owner in enumerate(["old1", "old1", "old2"])
     ]
     craft(tmp_path, lines, session_owners={"old1": "old1", "old2": "old2"})
-    proxy = start_proxy(workers=2, control_token=CONTROL_TOKEN)
+    proxy = await in_process(workers=2, control_token=CONTROL_TOKEN, app=test_app)
     control = Control(http, proxy.url)
     await control.ok("restore", checkpoint_id="old", checkpoint_dir=str(tmp_path), episode_ids=[])
     await control.ok("resume", checkpoint_id="old")

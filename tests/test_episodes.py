@@ -37,9 +37,11 @@ def write_episode_checkpoint(directory, count):
 
 
 @BOTH_APP_KINDS
-async def test_two_workers_race_to_claim_each_restored_episode(start_proxy, http, tmp_path):
+async def test_two_workers_race_to_claim_each_restored_episode(
+    in_process, http, tmp_path, test_app
+):
     write_episode_checkpoint(tmp_path, RACES)
-    proxy = start_proxy(workers=2, control_token=CONTROL_TOKEN)
+    proxy = await in_process(workers=2, control_token=CONTROL_TOKEN, app=test_app)
     control = Control(http, proxy.url)
     ids = [{"rollout_id": f"race-{i}", "attempt": 0} for i in range(RACES)]
     reply = await control.ok(

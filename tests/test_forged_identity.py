@@ -72,8 +72,10 @@ async def operate(http: aiohttp.ClientSession, url: str, name: str, **body) -> d
 
 @BOTH_APP_KINDS
 @pytest.mark.parametrize("operation", ["restart", "move", "drain"])
-async def test_a_session_id_alone_does_not_open_a_placed_session(start_proxy, http, operation):
-    proxy = start_proxy(workers=2, control_token=CONTROL)
+async def test_a_session_id_alone_does_not_open_a_placed_session(
+    in_process, http, operation, test_app
+):
+    proxy = await in_process(workers=2, control_token=CONTROL, app=test_app)
     victim, session_id = await seed_victim(http, proxy.url)
     await attack(http, proxy.url, victim, session_id)  # before: routed by its owner
     if operation == "restart":
@@ -109,7 +111,7 @@ async def test_a_session_id_alone_does_not_open_a_restored_session(start_proxy, 
 
 
 async def test_a_session_id_alone_does_not_open_an_ownerless_restored_session(
-    start_proxy, http, tmp_path
+    in_process, http, tmp_path, test_app
 ):
     """A single-process server's record names no owner: the restore places it in the
     session table, which only this instance's own token reaches."""
@@ -123,7 +125,7 @@ async def test_a_session_id_alone_does_not_open_an_ownerless_restored_session(
         checkpoint_id="c0",
         session_owners=[],
     )
-    proxy = start_proxy(workers=2, control_token=CONTROL)
+    proxy = await in_process(workers=2, control_token=CONTROL, app=test_app)
     control = Control(http, proxy.url)
     await control.ok("restore", checkpoint_id="r1", checkpoint_dir=str(tmp_path), episode_ids=[])
     await control.ok("resume", checkpoint_id="r1")

@@ -127,8 +127,8 @@ async def test_upgrade_the_worker_declines_is_answered_and_closed(shared_proxy):
     await close(writer)
 
 
-async def test_client_going_away_cancels_the_worker_request(start_proxy, http):
-    proxy = start_proxy(workers=1)
+async def test_client_going_away_cancels_the_worker_request(in_process, http, test_app):
+    proxy = await in_process(workers=1, app=test_app)
     async with http.post(f"{proxy.url}/whoami") as resp:
         owner = (await resp.json())["owner"]
     reader, writer = await open_raw(proxy)
@@ -150,8 +150,8 @@ async def test_client_going_away_cancels_the_worker_request(start_proxy, http):
     await wait_until(cancelled, 10, "the worker handler to be cancelled")
 
 
-async def test_upstream_timeout_is_504(start_proxy, http):
-    proxy = start_proxy("--upstream-timeout", "1", workers=1)
+async def test_upstream_timeout_is_504(in_process, http, test_app):
+    proxy = await in_process("--upstream-timeout", "1", workers=1, app=test_app)
     async with http.get(f"{proxy.url}/slow?seconds=20") as resp:
         assert resp.status == 504
         assert (await resp.json())["error"]["code"] == "upstream_timeout"

@@ -38,8 +38,8 @@ def participant(start_proxy):
     return start_proxy(workers=2, control_token=CONTROL_TOKEN)
 
 
-async def test_commit_takes_stop_and_answers_capture_keys(start_proxy, http, tmp_path):
-    proxy = start_proxy(workers=2, control_token=CONTROL_TOKEN)
+async def test_commit_takes_stop_and_answers_capture_keys(in_process, http, tmp_path, test_app):
+    proxy = await in_process(workers=2, control_token=CONTROL_TOKEN, app=test_app)
     control = Control(http, proxy.url)
     # a resources session seeded under a rollout is bound to its episode
     status, _ = await post(

@@ -233,8 +233,10 @@ SHAPES: dict[str, tuple[bytes, int, int]] = {
 }
 
 
-async def test_every_shape_reaches_the_worker_as_exactly_one_request(start_proxy, http):
-    proxy = start_proxy(workers=1)  # one worker: one pooled connection, one record of paths
+async def test_every_shape_reaches_the_worker_as_exactly_one_request(in_process, http, test_app):
+    proxy = await in_process(
+        workers=1, app=test_app
+    )  # one worker: one pooled connection, one record of paths
     async with http.post(f"{proxy.url}/seed_session", json={"initial_count": 0}) as resp:
         canary = resp.headers[TOKEN]
     expected_count = 0
@@ -304,9 +306,9 @@ async def test_worker_sees_the_proxys_framing(shared_proxy, framing):
     assert "connection" not in headers and headers["host"] == "t"
 
 
-async def test_pipelined_attack_cannot_desync_the_pool(start_proxy, http):
+async def test_pipelined_attack_cannot_desync_the_pool(in_process, http, test_app):
     """Many attacks and honest requests interleaved on many connections at once."""
-    proxy = start_proxy(workers=2)
+    proxy = await in_process(workers=2, app=test_app)
     tokens = []
     for i in range(8):
         async with http.post(f"{proxy.url}/seed_session", json={"initial_count": i}) as resp:

@@ -124,8 +124,8 @@ async def test_legacy_cookie_of_a_known_owner_still_routes(shared_proxy, http):
             assert TOKEN not in resp.headers
 
 
-async def test_unknown_owner_is_410_and_owner_header_lands(start_proxy, http):
-    proxy = start_proxy(workers=3)
+async def test_unknown_owner_is_410_and_owner_header_lands(in_process, http, test_app):
+    proxy = await in_process(workers=3, app=test_app)
     owners = await discover_owners(http, proxy.url, 3)
     codec = TokenCodec(TEST_SECRET.encode(), "apps")  # this instance (--name apps)
     ghost = codec.sign("sess-x", "ghostowner")
@@ -191,11 +191,13 @@ async def test_ownerless_token_is_placed_once_and_keeps_its_token(shared_proxy, 
 
 
 @BOTH_APP_KINDS
-async def test_an_app_token_naming_no_session_reaches_the_app_with_no_session(start_proxy, http):
+async def test_an_app_token_naming_no_session_reaches_the_app_with_no_session(
+    in_process, http, test_app
+):
     """What an MCP client sends after its session ended: the app's own token (not `v1.`)
     naming a session no worker announced. The proxy passes it on, mints nothing, and the
     app decides; asked for its gym-proxy session, the runtime says what is true."""
-    proxy = start_proxy(workers=2)
+    proxy = await in_process(workers=2, app=test_app)
     dead = base64.urlsafe_b64encode(b'{"sid": "ended-session"}').rstrip(b"=").decode()
     for token in (f"{dead}.signature", "v2.something-else"):
         async with http.post(f"{proxy.url}/whoami", headers={TOKEN: token}) as resp:

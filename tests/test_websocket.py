@@ -26,8 +26,8 @@ async def seed(http: aiohttp.ClientSession, url: str) -> tuple[str, str]:
 
 
 @BOTH_APP_KINDS
-async def test_websocket_reaches_the_worker_that_holds_the_session(start_proxy, http):
-    proxy = start_proxy(workers=2)
+async def test_websocket_reaches_the_worker_that_holds_the_session(in_process, http, test_app):
+    proxy = await in_process(workers=2, app=test_app)
     sessions = [await seed(http, proxy.url) for _ in range(4)]
     assert len({owner for _, owner in sessions}) == 2
     big = "x" * (1 << 20)  # more than any socket buffer: back-pressure both ways
@@ -42,9 +42,9 @@ async def test_websocket_reaches_the_worker_that_holds_the_session(start_proxy, 
 
 @BOTH_APP_KINDS
 async def test_a_checkpoint_closes_open_websockets_and_a_reconnect_waits_for_resume(
-    start_proxy, http
+    in_process, http, test_app
 ):
-    proxy = start_proxy(workers=2, control_token=CONTROL_TOKEN)
+    proxy = await in_process(workers=2, control_token=CONTROL_TOKEN, app=test_app)
     control = Control(http, proxy.url)
     token, owner = await seed(http, proxy.url)
     ws = await http.ws_connect(f"{proxy.url}/ws", headers={TOKEN: token})
@@ -98,8 +98,10 @@ async def test_a_blocking_app_names_its_open_websocket_as_a_blocker(start_proxy,
 
 
 @pytest.mark.parametrize("side", ["idle"])
-async def test_an_idle_tunnel_is_closed_after_the_tunnel_idle_timeout(start_proxy, http, side):
-    proxy = start_proxy("--tunnel-idle-timeout", "1", workers=1)
+async def test_an_idle_tunnel_is_closed_after_the_tunnel_idle_timeout(
+    in_process, http, side, test_app
+):
+    proxy = await in_process("--tunnel-idle-timeout", "1", workers=1, app=test_app)
     token, _ = await seed(http, proxy.url)
     async with http.ws_connect(
         f"{proxy.url}/ws", headers={TOKEN: token}, autoping=False, heartbeat=None
@@ -127,11 +129,11 @@ async def slot_of(http: aiohttp.ClientSession, url: str, token: str) -> int:
 
 @BOTH_APP_KINDS
 async def test_a_moving_session_s_tunnel_is_closed_and_the_reconnect_reaches_the_target(
-    start_proxy, http
+    in_process, http, test_app
 ):
     """tunnels="close": a move closes the session's WebSocket with 1012, moves the
     session, and the client's reconnect reaches the target worker."""
-    proxy = start_proxy(workers=2, control_token=CONTROL_TOKEN)
+    proxy = await in_process(workers=2, control_token=CONTROL_TOKEN, app=test_app)
     token, _ = await seed(http, proxy.url)
     source = await slot_of(http, proxy.url, token)
     ws = await http.ws_connect(f"{proxy.url}/ws", headers={TOKEN: token})
