@@ -72,8 +72,20 @@ async def test_retire_in_restored_drops_the_continuation(start_proxy, http, tmp_
         http.post(f"{first.url}/run", json={"_ng_rollout_id": "r7", "steps": 2, "gate": "g"})
     )
     control = Control(http, first.url)
-    await wait_until(lambda: _in_flight(control), 10, "the episode to run")
-    await control.checkpoint("ck", str(tmp_path), episode_ids=[{"rollout_id": "r7", "attempt": 0}])
+
+    async def at_first_boundary():
+        async with http.get(f"{first.url}/progress") as resp:
+            return (await resp.json())["progress"].get("r7") == 1
+
+    # the proxy counts a request in flight before the worker's app has read its rollout
+    # ID: wait for the episode's first boundary, which only the app can reach
+    async with http.post(f"{first.url}/release?name=g-0") as resp:
+        assert resp.status == 200
+    await wait_until(at_first_boundary, 10, "the episode to reach its first boundary")
+    reply = await control.checkpoint(
+        "ck", str(tmp_path), episode_ids=[{"rollout_id": "r7", "attempt": 0}]
+    )
+    assert reply["episode_ids"] == ["r7"]
     first.kill_all()
     with pytest.raises(aiohttp.ClientError):
         await run
@@ -119,10 +131,6 @@ async def test_retire_in_restored_drops_the_continuation(start_proxy, http, tmp_
         http, second.url, "/run", json={"_ng_rollout_id": "r7", "_ng_attempt_index": 1, "steps": 0}
     )
     assert code == 200
-
-
-async def _in_flight(control):
-    return sum(w["in_flight"] for w in (await control.ok("status"))["workers"]) == 1
 
 
 async def test_retire_marks_reach_late_workers_and_forget_is_fenced(start_proxy, http, tmp_path):
