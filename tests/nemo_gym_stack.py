@@ -4,6 +4,7 @@ by one NeMo Gym global config and driven by NeMo Gym's rollout collection.
     environment  environment_servers/legacy_agent       relays /run to the agent
     agent        responses_api_agents/simple_agent       seeds, loops model <-> tools, verifies
     resources    resources_servers/example_session_state_mgmt   the stateful counter
+                 (or resources_servers/structeval: STRUCTEVAL)
     model        responses_api_models/openai_model       calls the scripted policy backend
 
 Each server runs behind its own `gym-proxy <its class> --workers N`, started as NeMo Gym's
@@ -58,45 +59,58 @@ class ServerSpec:
 
 
 WORKER_ACCESS = re.compile(r"worker (\d+) (\S+) (\d+) session=(\S+)")
-RESOURCES = "example_session_state_mgmt_resources_server"
-AGENT = "example_session_state_mgmt_simple_agent"
-ENVIRONMENT = "example_session_state_mgmt_environment_server"
 MODEL = "policy_model"
-SPECS = [
-    ServerSpec(
-        "env",
-        ENVIRONMENT,
-        "environment_servers.legacy_agent.app:LegacyAgentEnvironmentServer",
-        {"agent_server": {"type": "responses_api_agents", "name": AGENT}},
-    ),
-    ServerSpec(
-        "agent",
-        AGENT,
-        "responses_api_agents.simple_agent.app:SimpleAgent",
-        {
-            "resources_server": {"type": "resources_servers", "name": RESOURCES},
-            "model_server": {"type": "responses_api_models", "name": MODEL},
-        },
-    ),
-    ServerSpec(
-        "resources",
-        RESOURCES,
-        "resources_servers.example_session_state_mgmt.app:StatefulCounterResourcesServer",
-        {"domain": "agent", "verified": False, "description": "counter"},
-    ),
-    ServerSpec(
-        "model",
-        MODEL,
-        "responses_api_models.openai_model.app:SimpleModelServer",
-        {
-            "openai_base_url": "${policy_base_url}",
-            "openai_api_key": "${policy_api_key}",
-            "openai_model": "${policy_model_name}",
-            "openai_default_headers": {},
-            "drop_input_reasoning_items": False,
-        },
-    ),
-]
+
+
+def stack_specs(name: str, resources_app: str, resources_block: dict[str, Any]) -> list[ServerSpec]:
+    """The four servers of a NeMo Gym stack around one resources server, named as NeMo
+    Gym's own config files name them (`<name>_resources_server`, `<name>_simple_agent`,
+    `<name>_environment_server`, `policy_model`)."""
+    resources, agent = f"{name}_resources_server", f"{name}_simple_agent"
+    return [
+        ServerSpec(
+            "env",
+            f"{name}_environment_server",
+            "environment_servers.legacy_agent.app:LegacyAgentEnvironmentServer",
+            {"agent_server": {"type": "responses_api_agents", "name": agent}},
+        ),
+        ServerSpec(
+            "agent",
+            agent,
+            "responses_api_agents.simple_agent.app:SimpleAgent",
+            {
+                "resources_server": {"type": "resources_servers", "name": resources},
+                "model_server": {"type": "responses_api_models", "name": MODEL},
+            },
+        ),
+        ServerSpec("resources", resources, resources_app, resources_block),
+        ServerSpec(
+            "model",
+            MODEL,
+            "responses_api_models.openai_model.app:SimpleModelServer",
+            {
+                "openai_base_url": "${policy_base_url}",
+                "openai_api_key": "${policy_api_key}",
+                "openai_model": "${policy_model_name}",
+                "openai_default_headers": {},
+                "drop_input_reasoning_items": False,
+            },
+        ),
+    ]
+
+
+SPECS = stack_specs(
+    "example_session_state_mgmt",
+    "resources_servers.example_session_state_mgmt.app:StatefulCounterResourcesServer",
+    {"domain": "agent", "verified": False, "description": "counter"},
+)
+# NeMo Gym's structeval_nonrenderable config: a verifier whose CPU is its own event loop's
+# (tests/nemo_gym/structured.py), stateless
+STRUCTEVAL = stack_specs(
+    "structeval_nonrenderable",
+    "resources_servers.structeval.app:StructEvalResourcesServer",
+    {"domain": "instruction_following", "verified": False, "description": "structeval"},
+)
 TOOLS = [
     {
         "type": "function",
@@ -219,6 +233,7 @@ class NemoStack:
     preload: bool = True
     gym_proxy_args: dict[str, list[str]] = field(default_factory=dict)  # role -> extra flags
     expose_mcp: bool = False
+    specs: list[ServerSpec] = field(default_factory=lambda: SPECS)  # SPECS or stack_specs()
     ports: dict[str, int] = field(default_factory=dict)
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     collections: list[Rollouts] = field(default_factory=list)  # ended by stop() if running
@@ -227,12 +242,17 @@ class NemoStack:
         self.directory.mkdir(parents=True, exist_ok=True)
         # Socket paths must fit sockaddr_un: the runtime directories live in a short one.
         self.runtime = tempfile.mkdtemp(prefix="ngs-", dir="/tmp")
-        for role in ("head", "backend", *(spec.role for spec in SPECS)):
+        for role in ("head", "backend", *(spec.role for spec in self.specs)):
             self.ports.setdefault(role, free_port())
         (self.directory / "secret").write_text(TEST_SECRET)
         (self.directory / "control").write_text(CONTROL_TOKEN)
         self.config_path = self.directory / "config.yaml"
         self.config_path.write_text(json.dumps(self.global_config()))  # JSON is YAML
+
+    @property
+    def agent(self) -> str:
+        """The agent the rollout collection drives."""
+        return next(spec.instance for spec in self.specs if spec.role == "agent")
 
     def url(self, role: str) -> str:
         return f"http://127.0.0.1:{self.ports[role]}"
@@ -247,7 +267,7 @@ class NemoStack:
             "policy_model_name": "scripted-policy",
             "ray_head_node_address": SharedRay.get()["address"],
         }
-        for spec in SPECS:
+        for spec in self.specs:
             block = {"entrypoint": "app.py", "host": "127.0.0.1", "port": self.ports[spec.role]}
             block.update(spec.block)
             if spec.role == "resources" and self.expose_mcp:
@@ -279,7 +299,7 @@ class NemoStack:
                 REPO,
                 dict(os.environ),
             )
-        for spec in SPECS:
+        for spec in self.specs:
             if roles is None or spec.role in roles:
                 self._spawn(spec.role, self.command(spec), spec.directory, self.environment(spec))
         return self
@@ -343,7 +363,7 @@ class NemoStack:
 
     def kill(self, roles: tuple[str, ...] | None = None) -> None:
         """SIGKILL the process groups of these servers (default: every server): a crash."""
-        for role in roles or tuple(spec.role for spec in SPECS):
+        for role in roles or tuple(spec.role for spec in self.specs):
             proc = self.procs.get(role)
             if proc is not None and proc.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
@@ -378,7 +398,7 @@ class NemoStack:
         log = open(self.directory / f"{name}.log", "wb")  # noqa: SIM115
         proc = subprocess.Popen(
             [sys.executable, "-m", "tests.nemo_gym.drive", str(self.config_path), str(source),
-             str(out), AGENT, str(concurrency)],
+             str(out), self.agent, str(concurrency)],
             cwd=REPO, stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL,
             env={**os.environ, "PYTHONPATH": str(REPO)}, start_new_session=True,
         )  # fmt: skip

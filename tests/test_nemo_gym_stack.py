@@ -6,13 +6,15 @@ rollout collection (tests/nemo_gym_stack.py). It runs in the Python 3.13 virtual
 from __future__ import annotations
 
 import asyncio
+import re
 
 import aiohttp
 import pytest
 
 pytest.importorskip("nemo_gym", reason="the NeMo Gym tier runs in tests/nemo_gym/install.sh's venv")
 
-from tests.nemo_gym_stack import NemoStack, counter_rows  # noqa: E402
+from tests.nemo_gym import structured  # noqa: E402
+from tests.nemo_gym_stack import STRUCTEVAL, NemoStack, counter_rows  # noqa: E402
 from tests.support import CONTROL_TOKEN, wait_until  # noqa: E402
 
 ROLLOUTS = 200
@@ -116,5 +118,26 @@ async def test_a_rolling_restart_of_every_server_mid_collection_loses_no_rollout
         for role in roles:
             states = [w["state"] for w in (await status(role))["workers"]]
             assert states == ["ready", "ready"], (role, states)
+    finally:
+        stack.stop()
+
+
+async def test_structeval_behind_two_workers_scores_every_long_answer(http, tmp_path):
+    """NeMo Gym's released structeval server (the bench's CPU-bound verifier) behind
+    gym-proxy with 2 workers, the rest with one: 24 rollouts whose answers are 40-item
+    YAML documents all score 1.0, and both workers verified some."""
+    stack = NemoStack(
+        tmp_path / "stack",
+        workers={"env": 1, "agent": 1, "resources": 2, "model": 1},
+        specs=STRUCTEVAL,
+    )
+    try:
+        stack.start()
+        await stack.wait_serving(http)
+        run = stack.start_rollouts(structured.rows(24, items=40), 8).result()
+        assert run.failures == [], run.failures[:3]
+        assert (run.finished, run.right) == (24, 24), run.rewards
+        verified = re.findall(r"worker (\d+) /verify 200", stack.log("resources"))
+        assert set(verified) == {"0", "1"} and len(verified) == 24, verified
     finally:
         stack.stop()

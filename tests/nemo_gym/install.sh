@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
 # The NeMo Gym tier's virtualenv: the documented install (docs/examples/nemo_gym/install.sh:
 # NeMo Gym 0.7.0 and the real Ray beside gym-proxy, Python 3.13), with gym-proxy's test
-# extras. Usage: bash tests/nemo_gym/install.sh VENV_DIR
+# extras, and the requirements of the released resources servers the tier and the benches
+# run beyond NeMo Gym's own (servers-requirements.txt), as a NeMo Gym user installs a
+# server's requirements.txt. Usage: bash tests/nemo_gym/install.sh VENV_DIR
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
-exec bash "$here/../../docs/examples/nemo_gym/install.sh" "${1:?usage: install.sh VENV_DIR}" test
+venv=${1:?usage: install.sh VENV_DIR}
+bash "$here/../../docs/examples/nemo_gym/install.sh" "$venv" test
+"$venv/bin/pip" install --quiet -r "$here/servers-requirements.txt"

@@ -8,7 +8,8 @@ holds the session: for a prompt "add 3 then add 5 ... then get the count" it cal
 `increment_counter` once per number, then `get_counter_value`, then answers with the
 count it read. The counter's `/verify` compares the session's counter with the row's
 `expected_count`, so one increment on a worker that does not hold the session (where the
-counter starts at 0) makes the reward 0.
+counter starts at 0) makes the reward 0. For a structured-output prompt
+(`tests/nemo_gym/structured.py`) it answers with the document the prompt asks for.
 
 `POST /control/hold` makes the final turn of every rollout wait (the rollout is then in
 flight, its resources session seeded and incremented), `POST /control/release` lets them
@@ -28,6 +29,8 @@ from typing import Any
 
 import orjson
 from aiohttp import web
+
+from tests.nemo_gym import structured
 
 STATE = web.AppKey("state", dict)
 
@@ -83,7 +86,11 @@ async def responses(request: web.Request) -> web.Response:
         if isinstance(body["input"], list)
         else [{"role": "user", "content": body["input"]}]
     )
-    numbers = [int(n) for n in re.findall(r"add (\d+)", _prompt(items))]
+    text = _prompt(items)
+    document = structured.answer(text)
+    if document is not None:
+        return _response([_message(document)])
+    numbers = [int(n) for n in re.findall(r"add (\d+)", text)]
     outputs = [i for i in items if i.get("type") == "function_call_output"]
     turn = len(outputs)
     if turn < len(numbers):
@@ -98,14 +105,17 @@ async def responses(request: web.Request) -> web.Response:
         finally:
             state["held"] -= 1
     count = orjson.loads(outputs[-1]["output"])["count"]
-    message = {
+    return _response([_message(f"The count is {count}.")])
+
+
+def _message(text: str) -> dict[str, Any]:
+    return {
         "type": "message",
         "id": f"msg_{uuid.uuid4().hex[:16]}",
         "role": "assistant",
         "status": "completed",
-        "content": [{"type": "output_text", "text": f"The count is {count}.", "annotations": []}],
+        "content": [{"type": "output_text", "text": text, "annotations": []}],
     }
-    return _response([message])
 
 
 async def hold(request: web.Request) -> web.Response:
