@@ -1,5 +1,5 @@
 """What one full pass of CPython's cyclic collector costs a worker, before and after
-`freeze_startup_heap()` (worker/collector.py).
+`freeze_startup_heap()` (coordinator/contract/collector.py).
 
     .venv313/bin/python bench/gc_pause.py
 
@@ -34,7 +34,7 @@ PROBE = """
 import gc, json, sys, time
 import gym_proxy.worker.process
 from gym_proxy.worker.app_loading import import_app_target
-from gym_proxy.worker.collector import freeze_startup_heap
+from gym_proxy.coordinator.contract.collector import freeze_startup_heap
 
 import_app_target(sys.argv[1], ".")
 gc.collect()

@@ -33,6 +33,7 @@ from gym_proxy.coordinator.contract.channel import (
     ChannelTimeout,
     RemoteError,
 )
+from gym_proxy.coordinator.contract.collector import collector_paused
 from gym_proxy.coordinator.contract.episodes import EpisodeId, parse_episode_key
 from gym_proxy.coordinator.contract.errors import GymError
 from gym_proxy.coordinator.contract.marks import RestoredClaims, RetireMarks
@@ -447,10 +448,14 @@ class Checkpointer:
         checkpoint_dir: str,
         episode_ids: list[EpisodeId],
     ) -> dict[str, Any]:
-        return await self._exclusive(
-            checkpoint_id,
-            lambda: self._restore(checkpoint_id, deadline_ts, checkpoint_dir, episode_ids),
-        )
+
+        async def restore() -> dict[str, Any]:
+            # The parsed records are freed by reference counting or kept as claims: a
+            # collector pass over them would only stall the phase (collector.py).
+            with collector_paused():
+                return await self._restore(checkpoint_id, deadline_ts, checkpoint_dir, episode_ids)
+
+        return await self._exclusive(checkpoint_id, restore)
 
     async def _restore(
         self,

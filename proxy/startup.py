@@ -22,6 +22,7 @@ from typing import Any
 
 import uvloop
 
+from gym_proxy.coordinator.contract.collector import freeze_startup_heap
 from gym_proxy.coordinator.contract.exit_codes import USAGE_ERROR, exit_process
 from gym_proxy.proxy.config import (
     SECRET_ENV,
@@ -35,7 +36,6 @@ from gym_proxy.proxy.ray_cluster import RayPlan
 from gym_proxy.proxy.runtime_dir import ensure_parent
 from gym_proxy.proxy.server import run
 from gym_proxy.worker.app_loading import AppLoadError, import_app_target
-from gym_proxy.worker.collector import freeze_startup_heap
 from gym_proxy.worker.nemo_gym_server import (
     NemoGymConfigError,
     check_session_state,

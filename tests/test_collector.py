@@ -8,7 +8,7 @@ import gc
 
 import pytest
 
-from gym_proxy.worker.collector import collector_paused
+from gym_proxy.coordinator.contract.collector import collector_paused
 
 pytestmark = pytest.mark.fast
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from gym_proxy.coordinator.contract import failpoints, records, telemetry
+from gym_proxy.coordinator.contract.collector import collector_paused
 from gym_proxy.coordinator.contract.episodes import EpisodeId
 from gym_proxy.coordinator.contract.errors import GymError
 from gym_proxy.coordinator.contract.marks import RestoredClaims
@@ -45,7 +46,6 @@ from gym_proxy.coordinator.contract.messages import (
 )
 from gym_proxy.coordinator.contract.telemetry import ATTRIBUTE
 from gym_proxy.worker import handovers
-from gym_proxy.worker.collector import collector_paused
 from gym_proxy.worker.runtime import ParticipantRuntime
 
 __all__ = ["handle_coordinator_message", "apply_tables"]

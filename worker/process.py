@@ -30,6 +30,7 @@ from gym_proxy.coordinator.contract.channel import (
     ChannelTimeout,
     RemoteError,
 )
+from gym_proxy.coordinator.contract.collector import freeze_startup_heap
 from gym_proxy.coordinator.contract.exit_codes import BOOT_ERROR, LOST_COORDINATOR, exit_process
 from gym_proxy.coordinator.contract.keepalive import WORKER_KEEPALIVE
 from gym_proxy.coordinator.contract.messages import Message, Register, RegisterReply
@@ -39,7 +40,6 @@ from gym_proxy.worker.app_sessions import app_session_cookie
 from gym_proxy.worker.asgi_door import AsgiDoor, answer_runtime_errors
 from gym_proxy.worker.asgi_server import AsgiWorkerServer
 from gym_proxy.worker.channel_requests import apply_tables, handle_coordinator_message
-from gym_proxy.worker.collector import freeze_startup_heap
 from gym_proxy.worker.head_limits import HeadLimits, head_limits
 from gym_proxy.worker.identity import WORKER_BACKLOG, WORKER_INFO, WorkerInfo
 from gym_proxy.worker.nemo_gym_server import NemoGymConfigError

@@ -53,7 +53,7 @@ def _preload(app: str, app_dir: str, line: int, headers: int) -> str:
         import_app_target(app, app_dir)
     except BaseException:  # noqa: BLE001 - reported by each worker's own import
         pass
-    from gym_proxy.worker.collector import freeze_startup_heap
+    from gym_proxy.coordinator.contract.collector import freeze_startup_heap
 
     freeze_startup_heap()  # before any fork: no worker's collection copies these pages
     threads = threading.active_count()

@@ -7,7 +7,10 @@ records allocates tens of thousands of objects at once, which sets off passes in
 middle of the phase a controller is timing. `collector_paused()` holds the collector
 off for such a phase: what it allocates is either freed by reference counting (the
 exported records, once encoded) or kept (installed sessions), and a later pass runs as
-usual once the phase is over. A collector the app turned off stays off.
+usual once the phase is over. The proxy holds it off while it reads, places and sends a
+restore's records: parsing 16 MB of them set off a full pass of about 0.2 s, half of the
+16,000-rollout restore (bench/HISTORY.md, 2026-12-03). A collector the app turned off
+stays off. Phases nest (a counter), on one thread: the event loop's.
 
 `freeze_startup_heap()` takes what a process built before serving (the modules it
 imported, the app) out of every later pass: a NeMo Gym server's imports leave about
