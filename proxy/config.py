@@ -156,6 +156,17 @@ class Config:
         metavar="S",
         doc="on SIGTERM/SIGINT, time in-flight requests get to finish",
     )
+    orphan_grace: float = option(
+        0.0,
+        "seconds a worker whose gym-proxy died keeps its sessions, waiting for a gym-proxy "
+        "started again with the same command and --runtime-dir to adopt it (0: it stops)",
+        type=float,
+        metavar="S",
+        doc="a worker whose gym-proxy died (kill -9, OOM) keeps its sessions this long, "
+        "waiting for the same command, started again with the same `--runtime-dir`, to adopt "
+        "it (0 = it stops at once, as before; [When gym-proxy dies]"
+        "(operations.md#when-gym-proxy-dies))",
+    )
     upstream_timeout: float = option(
         3600.0,
         "seconds without a byte from the worker before a request fails with 504 (0: never)",
@@ -409,6 +420,7 @@ class Config:
             raise ConfigError(f"--port must be between 0 and 65535, got {self.port}")
         for name in (
             "graceful_timeout",
+            "orphan_grace",
             "upstream_timeout",
             "keepalive_timeout",
             "header_timeout",

@@ -11,18 +11,33 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
+import hmac
 import logging
 import os
 import shutil
+import socket
+import stat
 import tempfile
 import time
 
-__all__ = ["RuntimeDir", "ensure_parent", "remove_stale", "longest_parent"]
+import orjson
+
+__all__ = [
+    "RuntimeDir",
+    "RuntimeDirBusy",
+    "ensure_parent",
+    "remove_stale",
+    "longest_parent",
+    "adoptable_name",
+    "secret_fingerprint",
+]
 
 log = logging.getLogger("gym_proxy")
 
 PREFIX = "gym-proxy-"
 LOCK_NAME = "instance.lock"
+IDENTITY_NAME = "instance.json"  # which instance, signing with which secret (adoption)
 # A directory this young may belong to an instance still setting up its lock.
 STALE_AFTER = 10.0
 
@@ -79,24 +94,99 @@ def remove_stale(parent: str | None) -> list[str]:
             continue  # a live instance holds it
         finally:
             os.close(fd)
+        if _live_worker_in(entry.path):
+            continue  # an orphaned worker waits there for its instance to be started again
         shutil.rmtree(entry.path, ignore_errors=True)
         removed.append(entry.path)
     return removed
 
 
-class RuntimeDir:
-    """This instance's runtime directory, locked while it lives."""
+def _live_worker_in(path: str) -> bool:
+    """Whether a worker still listens on one of the directory's worker sockets."""
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(path):
+            if entry.name.startswith("w") and entry.name.endswith(".sock"):
+                probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                try:
+                    probe.connect(entry.path)
+                    return True
+                except OSError:
+                    continue
+                finally:
+                    probe.close()
+    return False
 
-    def __init__(self, parent: str | None) -> None:
-        self.path = tempfile.mkdtemp(prefix=PREFIX, dir=parent)
-        os.chmod(self.path, 0o700)
+
+def adoptable_name(instance: str, address: str) -> str:
+    """The runtime directory name of an instance whose workers outlive it (`--orphan-grace`):
+    the same for the same instance name and listen address, so the same command started
+    again finds it; as long as a random one (socket paths must fit)."""
+    digest = hashlib.sha256(f"{instance}\0{address}".encode()).hexdigest()
+    return PREFIX + digest[:8]
+
+
+def secret_fingerprint(secret: bytes, instance: str) -> str:
+    """What the identity file records of the secret: enough to tell another secret, no
+    more (an HMAC of the instance name, not the secret)."""
+    return hmac.new(secret, f"gym-proxy runtime {instance}".encode(), "sha256").hexdigest()
+
+
+class RuntimeDirBusy(Exception):
+    """Another live gym-proxy holds the runtime directory this one would take."""
+
+
+class RuntimeDir:
+    """This instance's runtime directory, locked while it lives. With a `name` (an
+    instance whose workers outlive it), the directory a dead instance of the same name
+    left is taken over, workers and all (`found` then holds its identity file)."""
+
+    def __init__(self, parent: str | None, name: str | None = None) -> None:
+        self.found: dict[str, object] | None = None
+        if name is None:
+            self.path = tempfile.mkdtemp(prefix=PREFIX, dir=parent)
+            os.chmod(self.path, 0o700)
+            self._lock_fd = os.open(
+                os.path.join(self.path, LOCK_NAME), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600
+            )
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
+            return
+        self.path = os.path.join(parent or tempfile.gettempdir(), name)
+        try:
+            os.mkdir(self.path, 0o700)
+        except FileExistsError:
+            info = os.lstat(self.path)
+            if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
+                raise RuntimeDirBusy(f"{self.path} is not a directory of this user") from None
+            os.chmod(self.path, 0o700)
         self._lock_fd = os.open(
-            os.path.join(self.path, LOCK_NAME), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600
+            os.path.join(self.path, LOCK_NAME), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600
         )
-        fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(self._lock_fd)
+            raise RuntimeDirBusy(
+                f"another gym-proxy of this instance runs with {self.path} (it holds the lock)"
+            ) from None
+        with contextlib.suppress(OSError, orjson.JSONDecodeError):
+            with open(self.join(IDENTITY_NAME), "rb") as identity:
+                found = orjson.loads(identity.read())
+            self.found = found if isinstance(found, dict) else None
+
+    def write_identity(self, identity: dict[str, object]) -> None:
+        """Record which instance this is (read by the one that may adopt its workers)."""
+        temp = self.join(IDENTITY_NAME + ".tmp")
+        with open(temp, "wb") as out:
+            out.write(orjson.dumps(identity))
+        os.replace(temp, self.join(IDENTITY_NAME))
 
     def join(self, name: str) -> str:
         return os.path.join(self.path, name)
+
+    def release(self) -> None:
+        """Let go of the directory without removing it (another instance's workers)."""
+        with contextlib.suppress(OSError):
+            os.close(self._lock_fd)
 
     def remove(self) -> None:
         """Delete the directory and release the lock."""

@@ -19,6 +19,7 @@ import os
 import signal
 import socket
 import time
+from dataclasses import replace
 from typing import Any
 
 from aiohttp import web
@@ -56,7 +57,13 @@ from gym_proxy.proxy.metrics_listener import MetricsListener
 from gym_proxy.proxy.ray_cluster import RAY_ERROR, RayCluster, RayError, RayPlan
 from gym_proxy.proxy.request_spans import RequestSpans
 from gym_proxy.proxy.routing import Router, WorkerRoute
-from gym_proxy.proxy.runtime_dir import RuntimeDir, remove_stale
+from gym_proxy.proxy.runtime_dir import (
+    RuntimeDir,
+    RuntimeDirBusy,
+    adoptable_name,
+    remove_stale,
+    secret_fingerprint,
+)
 from gym_proxy.proxy.session_tokens import TokenCodec
 from gym_proxy.proxy.upstream import UpstreamPool
 from gym_proxy.worker.nemo_gym_server import CONFIG_DICT_ENV, with_ray_address
@@ -112,7 +119,17 @@ async def run(
     max_connections = connection_cap(config.max_connections, reserved)
     for stale in remove_stale(config.runtime_dir):
         log.info("removed the runtime directory of a dead instance: %s", stale)
-    runtime = RuntimeDir(config.runtime_dir)
+    if ray_plan is not None and ray_plan.address is None and config.orphan_grace > 0:
+        log.warning(
+            "--orphan-grace ignored: the Ray cluster gym-proxy starts for this server ends "
+            "with gym-proxy, so its workers could not go on without it"
+        )
+        config = replace(config, orphan_grace=0.0)
+    try:
+        runtime = _runtime_dir(config, secret, listen_sock)
+    except RuntimeDirBusy as exc:
+        log.error("%s; stopping", exc)
+        return USAGE_ERROR
     coordinator_socket = runtime.join("coordinator.sock")
     control_socket = runtime.join("control.sock")
     router = Router()
@@ -141,6 +158,7 @@ async def run(
         else:
             log.warning("--trace-requests needs NeMo Gym's telemetry on (NEMO_GYM_OTEL_ENABLED)")
     supervisor = Supervisor(config, runtime.path, coordinator_socket, router, launcher=launcher)
+    supervisor.adopting = runtime.found is not None
     checkpointer = Checkpointer(supervisor, config.instance, config.lease_grace)
 
     def on_register(registration: Register, channel: Channel) -> RegisterReply:
@@ -284,6 +302,29 @@ async def run(
         for sig in OPERATION_SIGNALS:
             loop.remove_signal_handler(sig)
         log.info("stopped in %.2f s", time.monotonic() - stopping_since)
+
+
+def _runtime_dir(config: Config, secret: bytes, listen_sock: socket.socket) -> RuntimeDir:
+    """This instance's runtime directory. With `--orphan-grace`, the one the same
+    command's earlier instance used: if it died, its workers wait there to be adopted,
+    which only an instance signing with the same secret may do (RuntimeDirBusy otherwise,
+    the directory left as it was)."""
+    if config.orphan_grace <= 0:
+        return RuntimeDir(config.runtime_dir)
+    host, port = listen_sock.getsockname()[:2]  # the address bound, --fd's too
+    address = f"{host}:{port}"
+    runtime = RuntimeDir(config.runtime_dir, adoptable_name(config.instance, address))
+    fingerprint = secret_fingerprint(secret, config.instance)
+    if runtime.found is not None and runtime.found.get("secret") != fingerprint:
+        runtime.release()
+        raise RuntimeDirBusy(
+            f"cannot adopt the workers a dead instance left in {runtime.path}: they serve "
+            "tokens signed with another secret (start with the same --secret-file)"
+        )
+    if runtime.found is not None:
+        log.info("adopting the workers a dead instance left in %s", runtime.path)
+    runtime.write_identity({"instance": config.instance, "secret": fingerprint})
+    return runtime
 
 
 async def _boot(supervisor: Supervisor, cluster: RayCluster | None) -> None:

@@ -146,6 +146,11 @@ def start(argv: Sequence[str] | None = None) -> None:
         _fail(f"--runtime-dir {config.runtime_dir or tempfile.gettempdir()} {exc}")
     except OSError as exc:
         _fail(f"--runtime-dir {config.runtime_dir}: {exc.strerror or exc}")
+    if config.secret is None and config.orphan_grace > 0:
+        _fail(
+            "--orphan-grace needs --secret or --secret-file: the workers' sessions outlive "
+            "gym-proxy only for one that verifies their tokens, which a random secret cannot"
+        )
     if config.secret is None:
         log.warning("no --secret: using a random one, so session cookies do not survive a restart")
         secret = secrets.token_bytes(32)

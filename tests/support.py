@@ -109,12 +109,19 @@ class ProxyProcess:
         cwd: str | Path = REPO,
         nofile: int | None = None,
         new_session: bool = False,
+        same_as: ProxyProcess | None = None,
     ) -> None:
-        """`nofile`: the process's descriptor limit, soft and hard (`ulimit -n`)."""
-        self.runtime_parent = tempfile.mkdtemp(prefix="gpt-", dir="/tmp")
-        self.log_path = Path(self.runtime_parent) / "proxy.log"
-        self.listener = socket.socket()
-        self.listener.bind(("127.0.0.1", 0))
+        """`nofile`: the process's descriptor limit, soft and hard (`ulimit -n`).
+        `same_as`: an earlier proxy whose listening socket and runtime parent this one
+        takes (the same command started again)."""
+        if same_as is None:
+            self.runtime_parent = tempfile.mkdtemp(prefix="gpt-", dir="/tmp")
+            self.listener = socket.socket()
+            self.listener.bind(("127.0.0.1", 0))
+        else:
+            self.runtime_parent, self.listener = same_as.runtime_parent, same_as.listener
+        logs = len(list(Path(self.runtime_parent).glob("proxy*.log")))
+        self.log_path = Path(self.runtime_parent) / f"proxy{logs or ''}.log"
         self.port = self.listener.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         command = [

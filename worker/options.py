@@ -38,6 +38,7 @@ FROM_CONFIG = (
     WorkerOption("session_state"),
     WorkerOption("kind"),
     WorkerOption("graceful_timeout", float),
+    WorkerOption("orphan_grace", float),  # how long it waits to be adopted
     WorkerOption("limit_request_line", int),  # the worker parses what the proxy lets through
     WorkerOption("limit_request_headers", int),
     WorkerOption("session_idle_ttl", float),

@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import os
 import signal
 import sys
+import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, NoReturn, Protocol
 
 import uvloop
@@ -50,6 +52,7 @@ from gym_proxy.worker.runtime import ParticipantRuntime
 __all__ = ["main"]
 
 REGISTER_WAIT = 30.0
+REJOIN_EVERY = 0.1  # seconds between a lost worker's looks for a new gym-proxy
 
 log = logging.getLogger("gym_proxy.worker")
 
@@ -139,11 +142,8 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event | None = None) -> 
     async def handle(message: Message) -> Message:
         return await handle_coordinator_message(runtime, message)
 
-    try:
-        reader, writer = await asyncio.open_unix_connection(args.coordinator)
-        channel = Channel(reader, writer, handle)
-        channel_task = asyncio.create_task(channel.serve())
-        registration = Register(
+    def registration(rejoining: bool) -> Register:
+        return Register(
             slot=info.slot,
             owner=info.owner,
             pid=info.pid,
@@ -152,16 +152,18 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event | None = None) -> 
             framework="aiohttp" if isinstance(app, web.Application) else "asgi",
             app_cookie=app_session_cookie(app),
             restart_only=runtime.participation.restart_only,
+            rejoining=rejoining,
+            held=runtime.store.ids() if rejoining else [],
         )
-        reply: RegisterReply = await channel.request(registration, within=REGISTER_WAIT)
+
+    try:
+        channel, channel_task = await _register(
+            args.coordinator, handle, runtime, registration(False)
+        )
     except (OSError, ChannelClosed, ChannelTimeout, RemoteError) as exc:
         log.error("worker %d could not register with the coordinator: %s", info.slot, exc)
         await server.stop()
         return LOST_COORDINATOR
-    runtime.channel = channel
-    apply_tables(runtime, reply.tables)
-    if reply.checkpoint_id is not None:
-        runtime.close_gate(reply.checkpoint_id)
     log.debug("worker %d registered as %s", info.slot, info.owner)
 
     runtime.loop_lag.start()
@@ -176,10 +178,16 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event | None = None) -> 
     stop_task = asyncio.create_task(stop.wait())
     code = 0
     try:
-        await asyncio.wait({channel_task, stop_task}, return_when=asyncio.FIRST_COMPLETED)
-        if not stop.is_set():
-            log.warning("worker %d lost the coordinator; stopping", info.slot)
-            code = LOST_COORDINATOR
+        while True:
+            await asyncio.wait({channel_task, stop_task}, return_when=asyncio.FIRST_COMPLETED)
+            if stop.is_set():
+                break
+            channel.close()
+            joined = await _rejoin(args, info.slot, stop, handle, runtime, registration)
+            if joined is None:
+                code = 0 if stop.is_set() else LOST_COORDINATOR
+                break
+            channel, channel_task = joined
     except asyncio.CancelledError:
         # A worker run as a task, killed: its channel goes first, as a killed process's
         # would, so the proxy stops routing to it at once.
@@ -195,6 +203,75 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event | None = None) -> 
         channel_task.cancel()
         telemetry.shutdown()
     return code
+
+
+async def _register(
+    path: str,
+    handle: Callable[[Message], Awaitable[Message]],
+    runtime: ParticipantRuntime,
+    registration: Register,
+) -> tuple[Channel, asyncio.Task[None]]:
+    """Connect to the coordinator at `path`, register, and take the reply's tables;
+    raises OSError, ChannelClosed, ChannelTimeout or RemoteError (refused)."""
+    reader, writer = await asyncio.open_unix_connection(path)
+    channel = Channel(reader, writer, handle)
+    channel_task = asyncio.create_task(channel.serve())
+    try:
+        reply: RegisterReply = await channel.request(registration, within=REGISTER_WAIT)
+    except BaseException:
+        channel.close()
+        channel_task.cancel()
+        raise
+    runtime.channel = channel
+    apply_tables(runtime, reply.tables)
+    if reply.checkpoint_id is not None:
+        runtime.close_gate(reply.checkpoint_id)
+    elif registration.rejoining and not runtime.is_open:
+        # The checkpoint that closed the gate died with the old proxy: the new one
+        # reports itself idle, and a controller that goes on is refused and starts again.
+        runtime.open_gate()
+    return channel, channel_task
+
+
+async def _rejoin(
+    args: argparse.Namespace,
+    slot: int,
+    stop: asyncio.Event,
+    handle: Callable[[Message], Awaitable[Message]],
+    runtime: ParticipantRuntime,
+    registration: Callable[[bool], Register],
+) -> tuple[Channel, asyncio.Task[None]] | None:
+    """The coordinator is gone. With `--orphan-grace`, keep the sessions and the requests
+    running, and register with a gym-proxy started again on the same coordinator socket
+    within the grace; None when none did (or it refused, or SIGTERM came): stop."""
+    grace = args.orphan_grace
+    if grace <= 0:
+        log.warning("worker %d lost the coordinator; stopping", slot)
+        return None
+    log.warning(
+        "worker %d lost the coordinator; keeping its %d sessions up to %g s for a gym-proxy "
+        "started again with the same --runtime-dir to adopt it",
+        slot,
+        len(runtime.store),
+        grace,
+    )
+    deadline = time.monotonic() + grace
+    while not stop.is_set() and time.monotonic() < deadline:
+        try:
+            joined = await _register(args.coordinator, handle, runtime, registration(True))
+        except RemoteError as exc:
+            log.error("worker %d: the new gym-proxy refused to adopt it: %s", slot, exc)
+            return None
+        except (OSError, ChannelClosed, ChannelTimeout):
+            # Nobody listens yet (or the socket is the dead proxy's): look again shortly.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), REJOIN_EVERY)
+            continue
+        log.warning("worker %d adopted by the new gym-proxy", slot)
+        return joined
+    if not stop.is_set():
+        log.warning("worker %d: no gym-proxy adopted it within %g s; stopping", slot, grace)
+    return None
 
 
 def _joined_ray() -> bool:

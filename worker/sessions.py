@@ -51,6 +51,10 @@ class SessionStore:
     def __contains__(self, session_id: object) -> bool:
         return session_id in self._entries
 
+    def ids(self) -> list[str]:
+        """Every session this store holds (a rejoining worker names them)."""
+        return list(self._entries)
+
     def get(self, session_id: str, default: Any = None) -> Any:
         """The session's value, or `default` when it has none."""
         entry = self._entries.get(session_id)

@@ -288,6 +288,10 @@ class Register(Message):
     framework: Literal["aiohttp", "asgi"]
     app_cookie: str | None
     restart_only: bool
+    # A worker whose gym-proxy died, joining the one started again to adopt it
+    # (`--orphan-grace`): the session IDs it holds, which the new proxy's tables place on it.
+    rejoining: bool = False
+    held: list[str] = dataclasses.field(default_factory=list)
 
 
 @message("ready")

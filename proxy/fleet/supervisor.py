@@ -43,6 +43,7 @@ from gym_proxy.coordinator.worker_channels import RegistrationRefused
 from gym_proxy.proxy.config import Config
 from gym_proxy.proxy.exchange import start_held, start_held_by_worker
 from gym_proxy.proxy.fleet.worker_records import (
+    AdoptedProcess,
     Slot,
     WorkerHandle,
     WorkerLauncher,
@@ -64,6 +65,9 @@ BACKOFF_FIRST = 0.1
 BACKOFF_MAX = 5.0
 STABLE_AFTER = 10.0  # a worker that lived this long resets its slot's backoff
 PING_INTERVAL = 1.0
+# How long a gym-proxy that took over a dead instance's runtime directory waits for its
+# workers to rejoin (they look every 0.1 s) before it starts the slots still empty.
+ADOPT_WINDOW = 5.0
 # Owner IDs handed out before random ones, in order (tests choose owners with it).
 TEST_OWNERS_ENV = "GYM_PROXY_TEST_OWNERS"
 
@@ -88,6 +92,11 @@ class Supervisor:
     _warned_ceiling: bool = False
     _leaving: set[WorkerProcess] = field(default_factory=set)
     _trial_slots: int = 0  # slots an operation is adding: their boot errors are not fatal
+    # Set when a dead instance's runtime directory was taken over: its workers may be
+    # waiting to rejoin (`--orphan-grace`); until the adoption window ends they are
+    # adopted into their slots, and only then are the empty slots started.
+    adopting: bool = False
+    _all_adopted: asyncio.Event = field(default_factory=asyncio.Event)
     _stop_began: float = 0.0  # monotonic time stop() sent SIGTERM
     # What a worker asks of its operator: recycle(slot, reason) (live operations set it).
     on_recycle: Any = None
@@ -113,7 +122,19 @@ class Supervisor:
 
     # ---- lifecycle ----------------------------------------------------------------
     async def start(self) -> None:
-        """Spawn every slot and wait until all have registered (or one cannot boot)."""
+        """Adopt a dead instance's workers (when it left any), spawn every slot still
+        empty and wait until all have registered (or one cannot boot)."""
+        if self.adopting:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._all_adopted.wait(), ADOPT_WINDOW)
+            self.adopting = False
+            adopted = [s.worker for s in self.slots if s.worker is not None]
+            log.info(
+                "adopted %d worker%s of the dead instance (pids %s)",
+                len(adopted),
+                "" if len(adopted) == 1 else "s",
+                ", ".join(str(w.pid) for w in adopted) or "none",
+            )
         self.reconcile()
         waiter = asyncio.ensure_future(self._registered.wait())
         either: set[asyncio.Future[Any]] = {waiter, self.fatal}
@@ -280,14 +301,18 @@ class Supervisor:
         if not 0 <= slot_index < len(self.slots):
             raise RegistrationRefused(f"no slot {slot_index!r}")
         slot = self.slots[slot_index]
-        worker = next(
-            (
-                w
-                for w in (slot.worker, slot.successor)
-                if w is not None and w.owner == registration.owner and w.state == "starting"
-            ),
-            None,
-        )
+        worker: WorkerProcess | None
+        if registration.rejoining:
+            worker = self._adopt(registration)
+        else:
+            worker = next(
+                (
+                    w
+                    for w in (slot.worker, slot.successor)
+                    if w is not None and w.owner == registration.owner and w.state == "starting"
+                ),
+                None,
+            )
         if worker is None:
             raise RegistrationRefused(
                 f"slot {slot_index} does not expect owner {registration.owner!r}"
@@ -314,11 +339,48 @@ class Supervisor:
                 self.config.app,
             )
         self.router.add_worker(worker.route)
+        if registration.rejoining:
+            # Its sessions route to it whatever owner their tokens name (a restore or a
+            # move put some there): the dead instance's tables are not kept.
+            kept = self.router.kept
+            for session_id in registration.held:
+                kept[session_id] = worker.owner
         log.info("worker %d registered (owner %s)", slot_index, worker.owner)
         if not worker.registered.done():
             worker.registered.set_result(None)
         if all(s.worker is not None and s.worker.state == "live" for s in self.slots):
             self._registered.set()
+
+    def _adopt(self, registration: Register) -> WorkerProcess:
+        """A dead instance's worker rejoins: it takes its slot, as it was."""
+        slot_index = registration.slot
+        if not self.adopting:
+            raise RegistrationRefused(
+                "gym-proxy adopts a dead instance's workers only while it starts"
+            )
+        slot = self.slots[slot_index]
+        if slot.worker is not None:
+            raise RegistrationRefused(f"slot {slot_index} has a worker already")
+        try:
+            process = AdoptedProcess(registration.pid)
+        except OSError as exc:
+            raise RegistrationRefused(f"pid {registration.pid}: {exc.strerror}") from None
+        worker = WorkerProcess(
+            slot_index, registration.owner, registration.socket, process, time.monotonic()
+        )
+        worker.started_unix = time.time()
+        slot.worker = worker
+        log.info(
+            "worker %d (pid %d, owner %s) adopted with %d sessions",
+            slot_index,
+            registration.pid,
+            registration.owner,
+            len(registration.held),
+        )
+        self._track(self._watch(worker))
+        if all(s.worker is not None for s in self.slots):
+            self._all_adopted.set()
+        return worker
 
     def on_lost(self, owner: str) -> None:
         """A worker's channel ended: stop routing to it at once (its sessions get 410)."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
@@ -22,6 +23,7 @@ __all__ = [
     "WorkerProcess",
     "WorkerHandle",
     "WorkerLauncher",
+    "AdoptedProcess",
     "Slot",
     "resident_bytes",
 ]
@@ -154,3 +156,38 @@ def resident_bytes(pid: int) -> int:
             return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
         return 0
+
+
+class AdoptedProcess:
+    """A `WorkerHandle` for a worker this process did not start (a dead gym-proxy's,
+    adopted): not its child, so it is watched and signalled through a pidfd, which
+    names the process itself, never a later one that reuses its pid. Its exit status
+    belongs to its parent: `wait` gives EXIT_UNKNOWN."""
+
+    EXIT_UNKNOWN = -1
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self._fd = os.pidfd_open(pid)
+        self.returncode: int | None = None
+        self._exited: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        asyncio.get_running_loop().add_reader(self._fd, self._on_exit)
+
+    def _on_exit(self) -> None:
+        asyncio.get_running_loop().remove_reader(self._fd)
+        os.close(self._fd)
+        self._fd = -1
+        self.returncode = self.EXIT_UNKNOWN
+        if not self._exited.done():
+            self._exited.set_result(self.EXIT_UNKNOWN)
+
+    async def wait(self) -> int:
+        return await asyncio.shield(self._exited)
+
+    def send_signal(self, sig: int, /) -> None:
+        if self._fd < 0:
+            raise ProcessLookupError(self.pid)
+        signal.pidfd_send_signal(self._fd, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)

@@ -1,0 +1,156 @@
+"""When gym-proxy dies, its workers are not lost (`--orphan-grace`): they keep their
+sessions and wait, and the same command started again adopts them, every session as it
+was, in the same processes. Real processes: the proxy is killed with SIGKILL alone."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import aiohttp
+import pytest
+
+from tests.conftest import BOTH_APP_KINDS
+from tests.support import CONTROL_TOKEN, Control, ProxyProcess, pid_alive, wait_until_sync
+
+TOKEN_HEADER = "X-NeMo-Gym-Session-Token"
+MOVE = "/ng-control/v1/gym-proxy/sessions/move"
+CONTROL = "adoption-control-token"
+
+GRACE = ("--orphan-grace", "60")
+
+
+def crash(proxy: ProxyProcess) -> list[int]:
+    """kill -9 the proxy alone; its workers' pids (alive)."""
+    pids = proxy.worker_pids()
+    os.kill(proxy.pid, signal.SIGKILL)
+    proxy.popen.wait(10)
+    assert pids and all(pid_alive(p) for p in pids)
+    return pids
+
+
+async def seed(http, url: str, count: int) -> list[tuple[str, int]]:
+    sessions = []
+    for i in range(count):
+        async with http.post(f"{url}/seed_session", json={"initial_count": i}) as resp:
+            assert resp.status == 200
+            sessions.append((resp.headers[TOKEN_HEADER], i))
+    return sessions
+
+
+async def counts_and_pids(http, url: str, sessions: list[tuple[str, int]]) -> tuple[list, set]:
+    """Each session's count after one more increment, and the pids that answered."""
+    counts, pids = [], set()
+    for token, _ in sessions:
+        async with http.post(
+            f"{url}/increment_counter", json={"count": 1}, headers={TOKEN_HEADER: token}
+        ) as resp:
+            assert resp.status == 200, await resp.text()
+            counts.append((await resp.json())["count"])
+        async with http.get(f"{url}/whoami", headers={TOKEN_HEADER: token}) as resp:
+            pids.add((await resp.json())["pid"])
+    return counts, pids
+
+
+@BOTH_APP_KINDS
+@pytest.mark.parametrize("preload", [False, True], ids=["spawned", "preloaded"])
+async def test_the_same_command_started_again_adopts_every_session(start_proxy, http, preload):
+    """40 sessions on 2 workers, those of worker 0 moved to worker 1 (so the table, not
+    their tokens, places them); kill -9 of the proxy; the same command again: the same
+    two processes serve every session, counters exact, the moved ones still on worker 1."""
+    args = (*GRACE, "--control-token", CONTROL, *(["--preload"] if preload else []))
+    first = start_proxy(*args, workers=2)
+    sessions = await seed(http, first.url, 40)
+    slots = await slots_of(http, first.url, sessions)
+    on_zero = [token for (token, _), slot in zip(sessions, slots, strict=True) if slot == 0]
+    moving = [token.split(".")[2] for token in on_zero]
+    async with http.post(
+        f"{first.url}{MOVE}",
+        json={"session_ids": moving, "to_slot": 1},
+        headers={"Authorization": f"Bearer {CONTROL}"},
+    ) as resp:
+        assert resp.status == 200 and (await resp.json())["moved"] == sorted(moving)
+    before, _ = await counts_and_pids(http, first.url, sessions)
+    pids = crash(first)
+    second = start_proxy(*args, workers=2, same_as=first)
+    assert "adopted 2 workers of the dead instance" in second.log()
+    assert second.worker_pids() == []  # none started: the old ones serve
+    # A new client session: the old one's keep-alive connections died with the proxy.
+    async with aiohttp.ClientSession() as again:
+        after, answered = await counts_and_pids(again, second.url, sessions)
+        assert after == [count + 1 for count in before]  # every counter exact
+        assert len(answered) == 1 and answered < set(pids)  # worker 1, since the move
+        assert set(await slots_of(again, second.url, sessions)) == {1}
+        # new sessions go to the adopted workers too, and a stop ends them
+        fresh = await seed(again, second.url, 4)
+        assert (await counts_and_pids(again, second.url, fresh))[1] <= set(pids)
+    second.signal(signal.SIGTERM)
+    assert second.wait_exit() == 0
+    wait_until_sync(lambda: not any(pid_alive(p) for p in pids), 15, "the workers to stop")
+
+
+async def slots_of(http, url: str, sessions: list[tuple[str, int]]) -> list[int]:
+    slots = []
+    for token, _ in sessions:
+        async with http.get(f"{url}/whoami", headers={TOKEN_HEADER: token}) as resp:
+            slots.append((await resp.json())["slot"])
+    return slots
+
+
+async def test_with_no_proxy_started_again_the_workers_stop_after_the_grace(start_proxy, http):
+    first = start_proxy("--orphan-grace", "1", workers=2)
+    await seed(http, first.url, 2)
+    pids = crash(first)
+    wait_until_sync(lambda: not any(pid_alive(p) for p in pids), 20, "the grace to end them")
+    assert "no gym-proxy adopted it within 1 s; stopping" in first.log()
+
+
+async def test_a_proxy_with_another_secret_refuses_to_adopt(start_proxy, http):
+    first = start_proxy(*GRACE, workers=1)
+    sessions = await seed(http, first.url, 3)
+    pids = crash(first)
+    other = start_proxy(*GRACE, workers=1, same_as=first, secret="another-secret", ready=False)
+    assert other.wait_exit() == 2
+    assert "cannot adopt the workers a dead instance left in" in other.log()
+    assert all(pid_alive(p) for p in pids)  # left to the one that may adopt them
+    again = start_proxy(*GRACE, workers=1, same_as=first)
+    async with aiohttp.ClientSession() as client:
+        counts, _ = await counts_and_pids(client, again.url, sessions)
+    assert counts == [1, 2, 3]
+
+
+async def test_a_second_proxy_while_the_first_lives_is_refused(start_proxy, http):
+    first = start_proxy(*GRACE, workers=1)
+    second = start_proxy(*GRACE, workers=1, same_as=first, ready=False)
+    assert second.wait_exit() == 2
+    assert "another gym-proxy of this instance runs with" in second.log()
+    async with http.get(f"{first.url}/whoami") as resp:
+        assert resp.status == 200
+
+
+def test_orphan_grace_needs_a_secret():
+    proxy = ProxyProcess(*GRACE, workers=1, app="tests.apps:create_app", secret=None)
+    try:
+        assert proxy.wait_exit() == 2
+        assert "--orphan-grace needs --secret or --secret-file" in proxy.log()
+    finally:
+        proxy.close()
+
+
+async def test_a_checkpoint_open_at_the_crash_is_refused_after_the_adoption(start_proxy, http):
+    """A checkpoint prepared (every worker's gate closed) when the proxy dies: the new
+    proxy reports idle, the controller's commit of it is refused (it starts again), and
+    the adopted workers serve again (their gates reopened)."""
+    args = (*GRACE, "--control-token", CONTROL_TOKEN)
+    first = start_proxy(*args, workers=2)
+    sessions = await seed(http, first.url, 6)
+    assert (await Control(http, first.url).ok("prepare", checkpoint_id="ck"))["phase"] == "prepared"
+    crash(first)
+    second = start_proxy(*args, workers=2, same_as=first)
+    async with aiohttp.ClientSession() as again:
+        control = Control(again, second.url)
+        assert (await control.ok("status"))["phase"] == "idle"
+        code, body = await control.call("commit", checkpoint_id="ck", checkpoint_dir="/tmp/x")
+        assert code == 409 and body["error"]["code"] == "invalid_phase", body
+        counts, _ = await counts_and_pids(again, second.url, sessions)
+        assert counts == [1, 2, 3, 4, 5, 6]
