@@ -194,3 +194,39 @@ def test_a_gym_proxy_block_that_cannot_work_is_one_line_before_any_worker(tmp_pa
         "gym-proxy: error: counter.resources_servers.example_session_state_mgmt.gym_proxy."
         "workers cannot be set here: set the server's own `num_workers`"
     ], lines
+
+
+async def test_the_counter_outlives_a_killed_gym_proxy_and_is_adopted(tmp_path):
+    """NeMo Gym's counter on 2 workers with `--orphan-grace`: gym-proxy alone is killed
+    (kill -9) with 8 sessions live, the same command is started again, and every
+    session answers from the same worker processes with its count, through its NeMo Gym
+    session cookie and gym-proxy's, as before the crash."""
+    port = free_port()
+    config = tmp_path / "config.yaml"
+    config.write_text(json.dumps(counter_config(port, workers=2)))
+    args = (COUNTER, "--nemo-gym-config", str(config), "--orphan-grace", "60")
+    url = f"http://127.0.0.1:{port}"
+    proc = gym_proxy(tmp_path, *args, "--session-state", "session_id_to_counter")
+    try:
+        async with aiohttp.ClientSession(cookie_jar=aiohttp.DummyCookieJar()) as http:
+            await wait_healthy(http, url, proc, tmp_path)
+            pids = {w["pid"] for w in (await Control(http, url).ok("status"))["workers"]}
+            clients = [CounterClient(http, url, task) for task in range(8)]
+            for n, client in enumerate(clients):
+                await client.seed(n)
+                await client.post("/increment_counter", {"count": 10})
+        proc.kill()
+        proc.wait(10)
+        proc = gym_proxy(tmp_path, *args, "--session-state", "session_id_to_counter")
+        async with aiohttp.ClientSession(cookie_jar=aiohttp.DummyCookieJar()) as http:
+            await wait_healthy(http, url, proc, tmp_path)
+            status = await Control(http, url).ok("status")
+            assert {w["pid"] for w in status["workers"]} == pids
+            for n, client in enumerate(clients):
+                client.http = http
+                await client.post("/increment_counter", {"count": 1})
+                assert await client.count() == n + 11
+        assert "adopted 2 workers of the dead instance" in (tmp_path / "proxy.log").read_text()
+    finally:
+        proc.terminate()
+        proc.wait(30)

@@ -154,3 +154,21 @@ async def test_a_checkpoint_open_at_the_crash_is_refused_after_the_adoption(star
         assert code == 409 and body["error"]["code"] == "invalid_phase", body
         counts, _ = await counts_and_pids(again, second.url, sessions)
         assert counts == [1, 2, 3, 4, 5, 6]
+
+
+async def test_a_crash_during_the_adoption_leaves_the_workers_to_the_next(start_proxy, http):
+    """The adopting proxy dies with one worker half adopted (a crash point): both workers
+    go back to waiting, and the next start adopts them, every count exact."""
+    first = start_proxy(*GRACE, workers=2)
+    sessions = await seed(http, first.url, 10)
+    pids = crash(first)
+    dying = start_proxy(
+        *GRACE, workers=2, same_as=first, env={"GYM_PROXY_FAILPOINTS": "adopting"}, ready=False
+    )
+    assert dying.wait_exit() == 97  # failpoints.FAILPOINT_EXIT
+    assert all(pid_alive(p) for p in pids)
+    third = start_proxy(*GRACE, workers=2, same_as=first)
+    assert "adopted 2 workers of the dead instance" in third.log()
+    async with aiohttp.ClientSession() as again:
+        counts, answered = await counts_and_pids(again, third.url, sessions)
+    assert counts == [n + 1 for n in range(10)] and answered <= set(pids)

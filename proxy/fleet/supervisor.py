@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gym_proxy.coordinator.checkpointer import LiveWorker
+from gym_proxy.coordinator.contract import failpoints
 from gym_proxy.coordinator.contract.channel import Channel
 from gym_proxy.coordinator.contract.exit_codes import BOOT_ERROR
 from gym_proxy.coordinator.contract.messages import Ping, Register
@@ -370,6 +371,7 @@ class Supervisor:
         )
         worker.started_unix = time.time()
         slot.worker = worker
+        failpoints.hit("adopting")  # a crash with a worker half adopted (tests)
         log.info(
             "worker %d (pid %d, owner %s) adopted with %d sessions",
             slot_index,

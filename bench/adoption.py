@@ -1,0 +1,153 @@
+"""When gym-proxy dies: from the kill to serving again, its workers adopted.
+
+    python bench/adoption.py [--sessions 1000 10000] [--workers 4]
+
+gym-proxy with the routing bench's counter (`asgi_counter.py`), `--workers 4` and
+`--orphan-grace`, holding `--sessions` sessions (each incremented once). gym-proxy alone
+is killed (SIGKILL) and the same command started again at once. Per size: the seconds
+from the kill to the first old session answered right, and to every session answered
+right (one more increment each, 32 at a time: every count exact), beside the baseline
+in the same run, a cold start of the same command (no workers to adopt, every session
+lost): its seconds from start to serving. And whether the workers are the same
+processes. Raw results go to bench/results/adoption-<date>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import aiohttp
+import orjson
+from servers import HERE, REPO, children, free_port
+
+RESULTS = HERE / "results"
+TOKEN = "x-nemo-gym-session-token"
+
+
+class Server:
+    """The same gym-proxy command, started again as often as asked."""
+
+    def __init__(self, workers: int, runtime: str, port: int) -> None:
+        self.command = [
+            sys.executable, "-m", "gym_proxy", "asgi_counter:app", "--app-dir", str(HERE),
+            "--workers", str(workers), "--port", str(port), "--runtime-dir", runtime,
+            "--log-level", "warning", "--secret", "bench", "--orphan-grace", "60",
+        ]  # fmt: skip
+        self.url = f"http://127.0.0.1:{port}"
+        self.log = Path(runtime) / "proxy.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> float:
+        with open(self.log, "ab") as out:
+            self.proc = subprocess.Popen(self.command, cwd=REPO, stdout=out, stderr=out)
+        return time.monotonic()
+
+    def kill(self) -> float:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait()
+        return time.monotonic()
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            self.proc.wait(60)
+
+
+async def call(http: aiohttp.ClientSession, url: str, token: str | None) -> tuple[str, int]:
+    headers = {TOKEN: token} if token else {}
+    async with http.post(f"{url}/increment_counter", data=b"{}", headers=headers) as resp:
+        if resp.status != 200:
+            raise aiohttp.ClientResponseError(resp.request_info, (), status=resp.status)
+        return resp.headers.get(TOKEN, token or ""), (await resp.json())["count"]
+
+
+async def until_answered(url: str, token: str | None, within: float = 120) -> None:
+    """Until a call answers 200 (connections refused while nothing listens)."""
+    deadline = time.monotonic() + within
+    while True:
+        try:
+            async with aiohttp.ClientSession() as http:
+                await call(http, url, token)
+                return
+        except (aiohttp.ClientError, OSError):
+            if time.monotonic() > deadline:
+                raise SystemExit(f"nothing answered at {url}") from None
+            await asyncio.sleep(0.01)
+
+
+async def each(url: str, tokens: list[str | None], expected: int) -> list[str]:
+    """One increment per token, 32 at a time; every count must be `expected`."""
+    out: list[str] = []
+    connector = aiohttp.TCPConnector(limit=32)
+    async with aiohttp.ClientSession(connector=connector) as http:
+        for start in range(0, len(tokens), 256):
+            batch = tokens[start : start + 256]
+            answers = await asyncio.gather(*(call(http, url, t) for t in batch))
+            for token, count in answers:
+                assert count == expected, f"a session counted {count}, not {expected}"
+                out.append(token)
+    return out
+
+
+def same_workers(proxy: int, pids: list[int]) -> bool:
+    """The new proxy started no worker, and the old ones still run."""
+    return children(proxy) == [] and all(Path(f"/proc/{p}").exists() for p in pids)
+
+
+async def measure(sessions: int, workers: int) -> dict[str, object]:
+    runtime = tempfile.mkdtemp(prefix="gpa-", dir="/tmp")
+    server = Server(workers, runtime, free_port())
+    try:
+        started = server.start()
+        await until_answered(server.url, None)
+        cold = time.monotonic() - started
+        tokens = await each(server.url, [None] * sessions, 1)
+        assert server.proc is not None
+        pids = sorted(p for p in children(server.proc.pid))
+        killed = server.kill()
+        server.start()
+        await until_answered(server.url, tokens[0])
+        first = time.monotonic() - killed
+        await each(server.url, tokens[1:], 2)
+        every = time.monotonic() - killed
+        assert server.proc is not None
+        same = same_workers(server.proc.pid, pids)
+        return {"sessions": sessions, "cold_start_s": cold, "first_s": first, "all_s": every,
+                "same_workers": same}  # fmt: skip
+    finally:
+        server.stop()
+
+
+async def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sessions", type=int, nargs="+", default=[1000, 10000])
+    parser.add_argument("--workers", type=int, default=4)
+    opts = parser.parse_args()
+    rows = [await measure(n, opts.workers) for n in opts.sessions]
+    print(f"\n{opts.workers} workers, {os.cpu_count()} cores\n")
+    print("| sessions | cold start to serving s | kill to first session served s | vs cold start "
+          "| kill to every session served s | same worker processes |")  # fmt: skip
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        print(
+            f"| {r['sessions']:,} | {r['cold_start_s']:.2f} | {r['first_s']:.2f} "
+            f"| {float(r['first_s']) / float(r['cold_start_s']):.2f}x | {r['all_s']:.2f} "  # type: ignore[arg-type]
+            f"| {'yes' if r['same_workers'] else 'no'} |"
+        )
+    RESULTS.mkdir(exist_ok=True)
+    stamp = datetime.datetime.now().strftime("%Y-%m-%dT%H%M%S")
+    (RESULTS / f"adoption-{stamp}.json").write_bytes(orjson.dumps(rows, option=orjson.OPT_INDENT_2))
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
