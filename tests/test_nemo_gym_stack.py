@@ -141,3 +141,60 @@ async def test_structeval_behind_two_workers_scores_every_long_answer(http, tmp_
         assert set(verified) == {"0", "1"} and len(verified) == 24, verified
     finally:
         stack.stop()
+
+
+async def test_every_gym_proxy_of_the_stack_killed_mid_collection_and_started_again(
+    http, tmp_path
+):
+    """NeMo Gym's rollout collection runs 64 rollouts with 32 waiting for their last
+    model turn (their counter sessions seeded and incremented) when all four gym-proxies
+    are killed (kill -9, the proxies alone) and the same commands started again: they
+    adopt the workers, NeMo Gym's clients retry what the crash cut, and every rollout
+    finishes with reward 1.0, served by the same worker processes."""
+    grace = ["--orphan-grace", "120"]
+    stack = NemoStack(
+        tmp_path / "stack",
+        workers={"env": 2, "agent": 2, "resources": 2, "model": 2},
+        gym_proxy_args={
+            "resources": ["--session-state", "session_id_to_counter", *grace],
+            "env": grace,
+            "agent": grace,
+            "model": grace,
+        },
+    )
+    backend = stack.url("backend")
+    roles = ("env", "agent", "resources", "model")
+
+    async def held() -> bool:
+        async with http.get(f"{backend}/control/held") as response:
+            return (await response.json())["held"] == CONCURRENCY
+
+    async def worker_pids(role: str) -> set[int]:
+        url = f"{stack.url(role)}/ng-control/v1/checkpoint/status"
+        auth = {"Authorization": f"Bearer {CONTROL_TOKEN}"}
+        async with aiohttp.ClientSession() as fresh, fresh.get(url, headers=auth) as response:
+            return {w["pid"] for w in (await response.json())["workers"]}
+
+    try:
+        stack.start()
+        await stack.wait_serving(http)
+        before = {role: await worker_pids(role) for role in roles}
+        async with http.post(f"{backend}/control/hold") as response:
+            assert response.status == 200
+        rollouts = stack.start_rollouts(counter_rows(64), CONCURRENCY)
+        await wait_until(held, 60, "32 rollouts to wait for their last turn")
+        for role in roles:  # the proxies alone: their workers go on
+            stack.procs[role].kill()
+            stack.procs[role].wait(10)
+        stack.start(roles=roles)
+        async with aiohttp.ClientSession() as fresh:
+            await stack.wait_serving(fresh)
+        for role in roles:  # adopted: the same processes, no new one
+            assert await worker_pids(role) == before[role], role
+        async with http.post(f"{backend}/control/release") as response:
+            assert response.status == 200
+        run = rollouts.result()
+        assert run.failures == [], run.failures[:3]
+        assert (run.finished, run.right) == (64, 64), run.rewards
+    finally:
+        stack.stop()
