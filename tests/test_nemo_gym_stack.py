@@ -143,9 +143,7 @@ async def test_structeval_behind_two_workers_scores_every_long_answer(http, tmp_
         stack.stop()
 
 
-async def test_every_gym_proxy_of_the_stack_killed_mid_collection_and_started_again(
-    http, tmp_path
-):
+async def test_every_gym_proxy_killed_mid_collection_adopts_its_workers(http, tmp_path):
     """NeMo Gym's rollout collection runs 64 rollouts with 32 waiting for their last
     model turn (their counter sessions seeded and incremented) when all four gym-proxies
     are killed (kill -9, the proxies alone) and the same commands started again: they
