@@ -4,14 +4,23 @@ was, in the same processes. Real processes: the proxy is killed with SIGKILL alo
 
 from __future__ import annotations
 
+import asyncio
 import os
+import random
 import signal
 
 import aiohttp
 import pytest
 
 from tests.conftest import BOTH_APP_KINDS
-from tests.support import CONTROL_TOKEN, Control, ProxyProcess, pid_alive, wait_until_sync
+from tests.support import (
+    CONTROL_TOKEN,
+    Control,
+    ProxyProcess,
+    pid_alive,
+    wait_until,
+    wait_until_sync,
+)
 
 TOKEN_HEADER = "X-NeMo-Gym-Session-Token"
 MOVE = "/ng-control/v1/gym-proxy/sessions/move"
@@ -172,3 +181,54 @@ async def test_a_crash_during_the_adoption_leaves_the_workers_to_the_next(start_
     async with aiohttp.ClientSession() as again:
         counts, answered = await counts_and_pids(again, third.url, sessions)
     assert counts == [n + 1 for n in range(10)] and answered <= set(pids)
+
+
+async def test_a_crash_under_load_keeps_1000_sessions_on_4_workers(start_proxy, http):
+    """Eight pooled clients increment random sessions of 1,000 (on 4 workers) while
+    gym-proxy alone is killed and started again. Calls cut by the crash are retried, as
+    NeMo Gym's clients retry; one whose answer was lost may have counted, so a session's
+    count is its confirmed increments plus at most its cut ones, and no session is lost:
+    every count is in that range, served by the same 4 processes."""
+    first = start_proxy(*GRACE, workers=4)
+    sessions = await seed(http, first.url, 1000)
+    pids = first.worker_pids()
+    confirmed = [n for _, n in sessions]
+    cut = [0] * len(sessions)
+    url = {"now": first.url}
+    stop = asyncio.Event()
+    crashed = asyncio.Event()
+    served = {"before": 0, "after": 0}  # calls answered before and after the crash
+
+    async def client(seed_: int) -> None:
+        rng = random.Random(seed_)
+        connector = aiohttp.TCPConnector(limit=4)
+        async with aiohttp.ClientSession(connector=connector) as pooled:
+            while not stop.is_set():
+                i = rng.randrange(len(sessions))
+                try:
+                    async with pooled.post(
+                        f"{url['now']}/increment_counter",
+                        json={"count": 1},
+                        headers={TOKEN_HEADER: sessions[i][0]},
+                    ) as resp:
+                        assert resp.status == 200, await resp.text()
+                        await resp.read()
+                    confirmed[i] += 1
+                    served["after" if crashed.is_set() else "before"] += 1
+                except (TimeoutError, aiohttp.ClientConnectionError):
+                    cut[i] += 1  # it may have counted on the worker: unknown
+                    await asyncio.sleep(0.01)  # a retrying client's pause
+
+    load = [asyncio.ensure_future(client(n)) for n in range(8)]
+    await wait_until(lambda: served["before"] >= 300, 30, "the load to run")
+    crash(first)
+    crashed.set()
+    second = start_proxy(*GRACE, workers=4, same_as=first)
+    await wait_until(lambda: served["after"] >= 300, 30, "the load to be served again")
+    stop.set()
+    await asyncio.gather(*load)
+    async with aiohttp.ClientSession() as again:
+        counts, answered = await counts_and_pids(again, second.url, sessions)
+    assert answered <= set(pids) and second.worker_pids() == []
+    for i, count in enumerate(counts):
+        assert confirmed[i] + 1 <= count <= confirmed[i] + cut[i] + 1, (i, count, confirmed[i])
