@@ -232,3 +232,26 @@ async def test_a_crash_under_load_keeps_1000_sessions_on_4_workers(start_proxy, 
     assert answered <= set(pids) and second.worker_pids() == []
     for i, count in enumerate(counts):
         assert confirmed[i] + 1 <= count <= confirmed[i] + cut[i] + 1, (i, count, confirmed[i])
+
+
+async def test_adopted_workers_take_a_rolling_restart(start_proxy, http):
+    """The live operations treat an adopted worker as any other: a rolling restart after
+    the adoption moves every session to new processes and stops the adopted ones (through
+    their pidfds: they are not this proxy's children), every count exact."""
+    args = (*GRACE, "--control-token", CONTROL)
+    first = start_proxy(*args, workers=2)
+    sessions = await seed(http, first.url, 12)
+    pids = crash(first)
+    second = start_proxy(*args, workers=2, same_as=first)
+    async with aiohttp.ClientSession() as again:
+        async with again.post(
+            f"{second.url}/ng-control/v1/gym-proxy/workers/restart",
+            json={"timeout_s": 30},
+            headers={"Authorization": f"Bearer {CONTROL}"},
+        ) as resp:
+            reply = await resp.json()
+            assert resp.status == 200 and reply["complete"], reply
+        wait_until_sync(lambda: not any(pid_alive(p) for p in pids), 15, "the old to stop")
+        counts, answered = await counts_and_pids(again, second.url, sessions)
+    assert counts == [n + 1 for n in range(12)]
+    assert answered and answered.isdisjoint(pids) and answered <= set(second.worker_pids())
