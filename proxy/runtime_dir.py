@@ -31,6 +31,7 @@ __all__ = [
     "longest_parent",
     "adoptable_name",
     "secret_fingerprint",
+    "live_worker_in",
 ]
 
 log = logging.getLogger("gym_proxy")
@@ -94,14 +95,14 @@ def remove_stale(parent: str | None) -> list[str]:
             continue  # a live instance holds it
         finally:
             os.close(fd)
-        if _live_worker_in(entry.path):
+        if live_worker_in(entry.path):
             continue  # an orphaned worker waits there for its instance to be started again
         shutil.rmtree(entry.path, ignore_errors=True)
         removed.append(entry.path)
     return removed
 
 
-def _live_worker_in(path: str) -> bool:
+def live_worker_in(path: str) -> bool:
     """Whether a worker still listens on one of the directory's worker sockets."""
     with contextlib.suppress(OSError):
         for entry in os.scandir(path):

@@ -61,6 +61,7 @@ from gym_proxy.proxy.runtime_dir import (
     RuntimeDir,
     RuntimeDirBusy,
     adoptable_name,
+    live_worker_in,
     remove_stale,
     secret_fingerprint,
 )
@@ -158,7 +159,8 @@ async def run(
         else:
             log.warning("--trace-requests needs NeMo Gym's telemetry on (NEMO_GYM_OTEL_ENABLED)")
     supervisor = Supervisor(config, runtime.path, coordinator_socket, router, launcher=launcher)
-    supervisor.adopting = runtime.found is not None
+    # A dead instance's directory where a worker still listens: its workers wait to rejoin.
+    supervisor.adopting = runtime.found is not None and live_worker_in(runtime.path)
     checkpointer = Checkpointer(supervisor, config.instance, config.lease_grace)
 
     def on_register(registration: Register, channel: Channel) -> RegisterReply:
@@ -321,7 +323,7 @@ def _runtime_dir(config: Config, secret: bytes, listen_sock: socket.socket) -> R
             f"cannot adopt the workers a dead instance left in {runtime.path}: they serve "
             "tokens signed with another secret (start with the same --secret-file)"
         )
-    if runtime.found is not None:
+    if runtime.found is not None and live_worker_in(runtime.path):
         log.info("adopting the workers a dead instance left in %s", runtime.path)
     runtime.write_identity({"instance": config.instance, "secret": fingerprint})
     return runtime

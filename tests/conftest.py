@@ -95,9 +95,11 @@ def start_proxy(
     for proxy in started:
         proxy.close_process()
     failed = getattr(request.node, "report_call", None)
+    if failed is not None and failed.failed:
+        for proxy in started:  # all first: proxies started `same_as` share one directory
+            print(f"---- gym-proxy log (port {proxy.port}, {proxy.log_path.name}) ----")
+            print(proxy.log())
     for proxy in started:
-        if failed is not None and failed.failed:
-            print(f"---- gym-proxy log (port {proxy.port}) ----\n{proxy.log()}")
         proxy.cleanup()
 
 

@@ -255,3 +255,45 @@ async def test_adopted_workers_take_a_rolling_restart(start_proxy, http):
         counts, answered = await counts_and_pids(again, second.url, sessions)
     assert counts == [n + 1 for n in range(12)]
     assert answered and answered.isdisjoint(pids) and answered <= set(second.worker_pids())
+
+
+async def test_a_restored_episode_not_yet_claimed_is_refused_after_an_adoption(
+    start_proxy, http, tmp_path
+):
+    """The restored episodes awaiting their replacement live in the proxy that restored
+    them: when it dies before the claim, the adopting proxy cannot continue them, and the
+    replacement is refused (409 stale_attempt), never run from its start in silence."""
+    args = (*GRACE, "--control-token", CONTROL_TOKEN)
+    first = start_proxy(*args, workers=1)
+    run = asyncio.ensure_future(
+        http.post(f"{first.url}/run", json={"_ng_rollout_id": "r7", "steps": 2, "gate": "g"})
+    )
+    async with http.post(f"{first.url}/release?name=g-0") as resp:
+        assert resp.status == 200
+
+    async def at_boundary() -> bool:
+        async with http.get(f"{first.url}/progress") as resp:
+            return (await resp.json())["progress"].get("r7") == 1
+
+    await wait_until(at_boundary, 10, "the episode's first boundary")
+    scope = [{"rollout_id": "r7", "attempt": 0}]
+    await Control(http, first.url).checkpoint("ck", str(tmp_path), episode_ids=scope)
+    first.kill_all()
+    with pytest.raises(aiohttp.ClientError):
+        await run
+    async with aiohttp.ClientSession() as client:
+        second = start_proxy(*args, workers=1, same_as=first)
+        control = Control(client, second.url)
+        reply = await control.ok(
+            "restore", checkpoint_id="rs", checkpoint_dir=str(tmp_path), episode_ids=scope
+        )
+        assert reply["restored"] == ["r7-a1"]
+        await control.ok("resume", checkpoint_id="rs")
+        crash(second)
+    third = start_proxy(*args, workers=1, same_as=first)
+    async with aiohttp.ClientSession() as client:
+        body = {"_ng_rollout_id": "r7", "_ng_attempt_index": 1, "steps": 2}
+        async with client.post(f"{third.url}/run", json=body) as resp:
+            error = (await resp.json())["error"]
+            assert resp.status == 409 and error["code"] == "stale_attempt", error
+            assert "no unclaimed restored record" in error["detail"]

@@ -223,7 +223,13 @@ async def _register(
         channel_task.cancel()
         raise
     runtime.channel = channel
-    apply_tables(runtime, reply.tables)
+    if registration.rejoining:
+        # The new coordinator holds none of the dead one's restored records: the claims
+        # this worker still lists stay, so a replacement that would continue one is
+        # refused (409 stale_attempt), never run from its start in silence.
+        runtime.marks.merge(reply.tables.marks)
+    else:
+        apply_tables(runtime, reply.tables)
     if reply.checkpoint_id is not None:
         runtime.close_gate(reply.checkpoint_id)
     elif registration.rejoining and not runtime.is_open:
