@@ -38,6 +38,7 @@ __all__ = ["WorkerChannels", "RegistrationRefused"]
 log = logging.getLogger("gym_proxy.coordinator")
 
 REGISTER_TIMEOUT = 10.0
+LET_GO_WAIT = 5.0  # seconds the channels' connections get to end after they close
 LOG_EVERY = 10.0  # seconds between log lines about dropped connections
 
 
@@ -149,6 +150,17 @@ class WorkerChannels:
             if self.channels.get(owner) is channel:
                 del self.channels[owner]
             self._on_lost(owner)
+
+    async def let_go(self) -> None:
+        """Stop listening and close every channel, the workers left running (a new
+        gym-proxy takes them over): each connection ends as its channel closes."""
+        if self._server is not None:
+            self._server.close()
+        for channel in list(self.channels.values()):
+            channel.close()
+        if self._connections:
+            await asyncio.wait(set(self._connections), timeout=LET_GO_WAIT)
+        await self.close()
 
     async def close(self) -> None:
         """Stop listening and close every worker channel."""

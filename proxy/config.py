@@ -167,6 +167,17 @@ class Config:
         "it (0 = it stops at once, as before; [When gym-proxy dies]"
         "(operations.md#when-gym-proxy-dies))",
     )
+    take_over: bool = option(
+        False,
+        "start beside a running gym-proxy of the same command and take over its port and "
+        "its workers (an upgrade: needs --orphan-grace)",
+        type=bool,
+        flag=True,
+        doc="start beside the running gym-proxy of the same command (same `--runtime-dir`, "
+        "instance and secret) and take over its listening socket and its workers, every "
+        "session kept; the old one finishes its connections' requests and exits "
+        "([Upgrading gym-proxy](operations.md#upgrading-gym-proxy))",
+    )
     upstream_timeout: float = option(
         3600.0,
         "seconds without a byte from the worker before a request fails with 504 (0: never)",
@@ -414,6 +425,8 @@ class Config:
 
     def validate(self) -> None:
         """Raise ConfigError for values that cannot work."""
+        if self.take_over and not self.orphan_grace > 0:
+            raise ConfigError("--take-over needs --orphan-grace: the workers change proxies")
         if self.workers < 1:
             raise ConfigError(f"--workers must be at least 1, got {self.workers}")
         if not 0 <= self.port <= 65535:

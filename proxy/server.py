@@ -66,6 +66,7 @@ from gym_proxy.proxy.runtime_dir import (
     secret_fingerprint,
 )
 from gym_proxy.proxy.session_tokens import TokenCodec
+from gym_proxy.proxy.takeover import TAKEOVER_NAME, TakeOverListener
 from gym_proxy.proxy.upstream import UpstreamPool
 from gym_proxy.worker.nemo_gym_server import CONFIG_DICT_ENV, with_ray_address
 
@@ -74,6 +75,7 @@ __all__ = ["run"]
 log = logging.getLogger("gym_proxy")
 
 SWEEP_INTERVAL = 1.0
+TAKEOVER_WAIT = 30.0  # seconds --take-over waits for the running instance's directory
 LINGER = 2.0  # a refused client gets this long (since its last byte) to stop sending
 
 
@@ -126,11 +128,17 @@ async def run(
             "with gym-proxy, so its workers could not go on without it"
         )
         config = replace(config, orphan_grace=0.0)
-    try:
-        runtime = _runtime_dir(config, secret, listen_sock)
-    except RuntimeDirBusy as exc:
-        log.error("%s; stopping", exc)
-        return USAGE_ERROR
+    # Taking over, the running instance lets the directory go once its workers are free.
+    deadline = time.monotonic() + (TAKEOVER_WAIT if config.take_over else 0.0)
+    while True:
+        try:
+            runtime = _runtime_dir(config, secret, listen_sock)
+            break
+        except RuntimeDirBusy as exc:
+            if time.monotonic() >= deadline or "lock" not in str(exc):
+                log.error("%s; stopping", exc)
+                return USAGE_ERROR
+            await asyncio.sleep(0.01)
     coordinator_socket = runtime.join("coordinator.sock")
     control_socket = runtime.join("control.sock")
     router = Router()
@@ -192,6 +200,8 @@ async def run(
     cluster: RayCluster | None = None
     server: asyncio.AbstractServer | None = None
     timers: list[asyncio.Task[None]] = []
+    takeover: TakeOverListener | None = None
+    handed_over = False  # to a new gym-proxy (--take-over): the workers and the directory go on
     code = 0
     try:
         log.info("runtime directory %s", runtime.path)
@@ -220,7 +230,9 @@ async def run(
                 lambda: ClientConnection(state), sock=listen_sock, backlog=config.backlog
             )
 
-        if _listening(listen_sock):
+        # Taking over, the socket is the running instance's: until this one has adopted
+        # the workers, connections wait in its backlog rather than get a 503.
+        if _listening(listen_sock) and not config.take_over:
             state.booting = True
             server = await serve()
         # Separate tasks on purpose: the data path's timers never wait on the coordinator.
@@ -263,15 +275,33 @@ async def run(
         log.info("ready on http://%s:%d with %s", host, port, workers)
         log.info("data path: %s (%s)", *data_path.mode())
         timers.append(asyncio.ensure_future(supervisor.watch_liveness()))
+        taken = loop.create_future()
+        if config.orphan_grace > 0:
+            takeover = TakeOverListener(
+                secret_fingerprint(secret, config.instance), listen_sock, taken.set_result
+            )
+            await takeover.start(runtime.join(TAKEOVER_NAME))
         accepting_signals = True
         stopped = asyncio.ensure_future(stop.wait())
-        either: set[asyncio.Future[Any]] = {stopped, supervisor.fatal}
+        either: set[asyncio.Future[Any]] = {stopped, supervisor.fatal, taken}
         await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
         stopped.cancel()
         if supervisor.fatal.done():
             log.error("%s; stopping", supervisor.fatal.exception())
             code = BOOT_ERROR
         server.close()
+        if taken.done() and not supervisor.fatal.done():
+            handed_over = True
+            log.info("taken over by a new gym-proxy (pid %d): it has the port", taken.result())
+            for timer in timers:  # liveness pings must not kill the workers now
+                timer.cancel()
+            supervisor.hand_over()
+            await worker_channels.let_go()  # the workers look for the new proxy now
+            runtime.release()
+            handed = len(supervisor.workers())
+            log.info("%d workers handed over; finishing the open connections", handed)
+            await _drain(state, config.graceful_timeout, force, close_idle=False)
+            return code
         await _drain(state, config.graceful_timeout, force)
         return code
     finally:
@@ -287,7 +317,12 @@ async def run(
             server.close()
         for client in list(state.clients):
             client.abort()
-        await supervisor.stop(config.graceful_timeout)
+        if handed_over:
+            await supervisor.let_go()
+        else:
+            await supervisor.stop(config.graceful_timeout)
+        if takeover is not None:
+            await takeover.close()
         if supervisor.fatal is not None and supervisor.fatal.done():
             supervisor.fatal.exception()  # retrieved: it was reported above
         if cluster is not None:
@@ -295,7 +330,8 @@ async def run(
         await worker_channels.close()
         control.pool.close()
         await control_runner.cleanup()
-        runtime.remove()
+        if not handed_over:
+            runtime.remove()
         listen_sock.close()
         telemetry.shutdown()
         # Held again before the loop closes and takes the handlers away: until the
@@ -371,12 +407,16 @@ def _access_logger(name: str) -> logging.Logger:
     return logger
 
 
-async def _drain(state: ProxyState, grace: float, force: asyncio.Event) -> None:
-    """Close idle connections now and busy ones after their response, within `grace`."""
+async def _drain(
+    state: ProxyState, grace: float, force: asyncio.Event, close_idle: bool = True
+) -> None:
+    """Close idle connections now and busy ones after their response, within `grace`.
+    Handed over (`close_idle` false), an idle connection is closed after its next
+    response instead: closing it now could race the client's next request on it."""
     state.draining = True
     state.drained = asyncio.Event()
     for client in list(state.clients):
-        if not client.pipeline:
+        if close_idle and not client.pipeline:
             client.close()
     if not state.clients:
         log.info("shutting down: no request in flight")

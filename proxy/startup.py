@@ -33,8 +33,9 @@ from gym_proxy.proxy.config import (
 )
 from gym_proxy.proxy.config_block import apply_block
 from gym_proxy.proxy.ray_cluster import RayPlan
-from gym_proxy.proxy.runtime_dir import ensure_parent
+from gym_proxy.proxy.runtime_dir import ensure_parent, secret_fingerprint
 from gym_proxy.proxy.server import run
+from gym_proxy.proxy.takeover import TakeOverError, take_over_listener
 from gym_proxy.worker.app_loading import AppLoadError, import_app_target
 from gym_proxy.worker.nemo_gym_server import (
     NemoGymConfigError,
@@ -156,11 +157,19 @@ def start(argv: Sequence[str] | None = None) -> None:
         secret = secrets.token_bytes(32)
     else:
         secret = config.secret.encode()
-    try:
-        sock = bind_listener(config)
-    except OSError as exc:
-        where = f"fd {config.fd}" if config.fd is not None else f"{config.host}:{config.port}"
-        _fail(f"cannot listen on {where}: {exc.strerror or exc}")
+    if config.take_over:
+        try:
+            fingerprint = secret_fingerprint(secret, config.instance)
+            sock = take_over_listener(config.runtime_dir, config.instance, fingerprint)
+        except TakeOverError as exc:
+            _fail(f"--take-over: {exc}")
+        sock.setblocking(False)
+    else:
+        try:
+            sock = bind_listener(config)
+        except OSError as exc:
+            where = f"fd {config.fd}" if config.fd is not None else f"{config.host}:{config.port}"
+            _fail(f"cannot listen on {where}: {exc.strerror or exc}")
     freeze_startup_heap()  # every module is imported: no full pass walks them again
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         code = runner.run(run(config, sock, secret, ray_plan))

@@ -110,19 +110,22 @@ class ProxyProcess:
         nofile: int | None = None,
         new_session: bool = False,
         same_as: ProxyProcess | None = None,
+        inherit: bool = True,
     ) -> None:
         """`nofile`: the process's descriptor limit, soft and hard (`ulimit -n`).
         `same_as`: an earlier proxy whose listening socket and runtime parent this one
-        takes (the same command started again)."""
+        takes (the same command started again). `inherit`: the listening socket is
+        passed as `--fd` (without: the process gets it otherwise, e.g. `--take-over`)."""
         if same_as is None:
             self.runtime_parent = tempfile.mkdtemp(prefix="gpt-", dir="/tmp")
             self.listener = socket.socket()
             self.listener.bind(("127.0.0.1", 0))
+            self.port = self.listener.getsockname()[1]
         else:
             self.runtime_parent, self.listener = same_as.runtime_parent, same_as.listener
+            self.port = same_as.port  # its listener may be closed: the proxy holds the socket
         logs = len(list(Path(self.runtime_parent).glob("proxy*.log")))
         self.log_path = Path(self.runtime_parent) / f"proxy{logs or ''}.log"
-        self.port = self.listener.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         command = [
             sys.executable,
@@ -130,8 +133,7 @@ class ProxyProcess:
             "gym_proxy",
             "--workers",
             str(workers),
-            "--fd",
-            str(self.listener.fileno()),
+            *(["--fd", str(self.listener.fileno())] if inherit else []),
             "--runtime-dir",
             self.runtime_parent,
         ]
@@ -161,7 +163,7 @@ class ProxyProcess:
             cwd=cwd,
             stdout=self._log,
             stderr=subprocess.STDOUT,
-            pass_fds=[self.listener.fileno()],
+            pass_fds=[self.listener.fileno()] if inherit else [],
             env={**os.environ, **(env or {})},
             stdin=subprocess.DEVNULL,
             preexec_fn=None if nofile is None else lambda: _limit_descriptors(nofile),

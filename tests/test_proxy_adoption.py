@@ -297,3 +297,66 @@ async def test_a_restored_episode_not_yet_claimed_is_refused_after_an_adoption(
             error = (await resp.json())["error"]
             assert resp.status == 409 and error["code"] == "stale_attempt", error
             assert "no unclaimed restored record" in error["detail"]
+
+
+async def test_a_take_over_under_load_fails_no_request(start_proxy, http):
+    """An upgrade: the same command with `--take-over` started beside the running proxy
+    takes its listening socket (the test's copy closed: only the proxy holds the port)
+    and its workers while 8 pooled clients that never retry increment random sessions of
+    200: no request fails, every count is exactly its increments, the same 2 processes
+    serve, and the old proxy finishes its connections and exits 0."""
+    first = start_proxy(*GRACE, workers=2)
+    sessions = await seed(http, first.url, 200)
+    pids = first.worker_pids()
+    first.listener.close()
+    confirmed = [n for _, n in sessions]
+    stop = asyncio.Event()
+    served = {"before": 0, "after": 0}
+    taken = asyncio.Event()
+
+    async def client(seed_: int) -> None:
+        rng = random.Random(seed_)
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=4)) as pooled:
+            while not stop.is_set():
+                i = rng.randrange(len(sessions))
+                async with pooled.post(
+                    f"{first.url}/increment_counter",
+                    json={"count": 1},
+                    headers={TOKEN_HEADER: sessions[i][0]},
+                ) as resp:
+                    assert resp.status == 200, await resp.text()
+                    await resp.read()
+                confirmed[i] += 1
+                served["after" if taken.is_set() else "before"] += 1
+
+    load = [asyncio.ensure_future(client(n)) for n in range(8)]
+    await wait_until(lambda: served["before"] >= 300, 30, "the load to run")
+    # Not `ready=True`: its wait blocks, and the load must go on meanwhile.
+    second = start_proxy(
+        *GRACE, "--take-over", workers=2, same_as=first, inherit=False, ready=False
+    )
+    await wait_until(lambda: first.popen.poll() is not None, 60, "the old proxy to exit")
+    taken.set()
+    assert first.popen.returncode == 0
+    await wait_until(lambda: served["after"] >= 300, 30, "the load to be served by the new one")
+    assert "ready on http://" in second.log()
+    stop.set()
+    await asyncio.gather(*load)  # an exception here is a failed request
+    assert second.worker_pids() == [] and all(pid_alive(p) for p in pids)
+    assert "taken over by a new gym-proxy" in first.log()
+    async with aiohttp.ClientSession() as again:
+        counts, answered = await counts_and_pids(again, second.url, sessions)
+    assert counts == [n + 1 for n in confirmed] and answered <= set(pids)
+
+
+def test_a_take_over_with_nothing_to_take_is_refused_in_one_line():
+    alone = ProxyProcess(*GRACE, "--take-over", workers=1, app="tests.apps:create_app")
+    other = ProxyProcess("--take-over", workers=1, app="tests.apps:create_app")
+    try:
+        assert alone.wait_exit() == 2
+        assert "--take-over: no running gym-proxy of instance" in alone.log()
+        assert other.wait_exit() == 2
+        assert "--take-over needs --orphan-grace" in other.log()
+    finally:
+        alone.close()
+        other.close()

@@ -97,6 +97,7 @@ class Supervisor:
     # waiting to rejoin (`--orphan-grace`); until the adoption window ends they are
     # adopted into their slots, and only then are the empty slots started.
     adopting: bool = False
+    handing_over: bool = False  # a new gym-proxy is taking the workers (`hand_over`)
     _all_adopted: asyncio.Event = field(default_factory=asyncio.Event)
     _stop_began: float = 0.0  # monotonic time stop() sent SIGTERM
     # What a worker asks of its operator: recycle(slot, reason) (live operations set it).
@@ -384,8 +385,26 @@ class Supervisor:
             self._all_adopted.set()
         return worker
 
+    def hand_over(self) -> None:
+        """A new gym-proxy takes the workers (`--take-over`): start, restart and stop none,
+        and keep routing the requests still coming on this one's open connections."""
+        self.stopping = True
+        self.handing_over = True
+        if self._timer is not None:
+            self._timer.cancel()
+
+    async def let_go(self) -> None:
+        """After a hand-over: stop watching the workers, leave them running."""
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.launcher is not None:
+            await self.launcher.close()
+
     def on_lost(self, owner: str) -> None:
         """A worker's channel ended: stop routing to it at once (its sessions get 410)."""
+        if self.handing_over:
+            return  # it goes to the new proxy; this one still routes its open connections
         for worker in self.workers():
             if worker.owner == owner:
                 self._mark_dead(worker)

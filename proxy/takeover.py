@@ -1,0 +1,128 @@
+"""An upgrade: a new gym-proxy takes over a running one's listening socket and workers.
+
+A running instance with `--orphan-grace` listens on `takeover.sock` in its runtime
+directory (0700, so only its user reaches it). A new instance started with the same
+command plus `--take-over` finds that directory (the one whose identity file names its
+instance), asks for the listening socket with its secret's fingerprint, and receives the
+socket's descriptor over the Unix socket (SCM_RIGHTS: how HAProxy's `-x` and Envoy's hot
+restart pass listeners). The port never closes: the old instance stops accepting, and
+connections that come before the new one serves wait in the socket's backlog. The old
+instance then lets its workers go (they rejoin the new one as after a crash, see
+`worker.process`), releases its runtime directory and finishes its open connections'
+requests (`proxy.server`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import socket
+import tempfile
+from collections.abc import Callable
+
+import orjson
+
+from gym_proxy.proxy.runtime_dir import IDENTITY_NAME, PREFIX
+
+__all__ = ["TAKEOVER_NAME", "TakeOverError", "TakeOverListener", "take_over_listener"]
+
+TAKEOVER_NAME = "takeover.sock"
+REQUEST_WAIT = 5.0  # seconds a connection gets to send its request
+
+
+class TakeOverError(Exception):
+    """Nothing to take over, or the running instance refused (the message says which)."""
+
+
+def take_over_listener(parent: str | None, instance: str, fingerprint: str) -> socket.socket:
+    """The listening socket of the running instance `instance` under `parent`."""
+    parent = parent or tempfile.gettempdir()
+    path = _running(parent, instance)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+        conn.settimeout(30)
+        try:
+            conn.connect(path)
+            conn.sendall(orjson.dumps({"secret": fingerprint}) + b"\n")
+            message, fds, _, _ = socket.recv_fds(conn, 4096, 1)
+        except OSError as exc:
+            raise TakeOverError(f"cannot take over the gym-proxy at {path}: {exc}") from None
+    if not fds:
+        reason = orjson.loads(message).get("error", "no reason given") if message else "it closed"
+        raise TakeOverError(f"the running gym-proxy of instance {instance} refused: {reason}")
+    return socket.socket(fileno=fds[0])
+
+
+def _running(parent: str, instance: str) -> str:
+    """The take-over socket of the running instance named `instance` under `parent`."""
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(parent):
+            if not entry.name.startswith(PREFIX) or not entry.is_dir(follow_symlinks=False):
+                continue
+            try:
+                with open(os.path.join(entry.path, IDENTITY_NAME), "rb") as identity:
+                    named = orjson.loads(identity.read()).get("instance")
+            except (OSError, orjson.JSONDecodeError, AttributeError):
+                continue
+            path = os.path.join(entry.path, TAKEOVER_NAME)
+            if named == instance and os.path.exists(path):
+                return path
+    raise TakeOverError(
+        f"no running gym-proxy of instance {instance} under {parent} to take over "
+        "(it must run with --orphan-grace and the same --runtime-dir)"
+    )
+
+
+class TakeOverListener:
+    """The running instance's end: hands `listen_sock` to the first new instance that
+    proves the same secret, then calls `on_taken` (once)."""
+
+    def __init__(
+        self, fingerprint: str, listen_sock: socket.socket, on_taken: Callable[[int], None]
+    ) -> None:
+        self._fingerprint = fingerprint
+        self._listen_sock = listen_sock
+        self._on_taken = on_taken
+        self._server: asyncio.AbstractServer | None = None
+        self.taken = False
+
+    async def start(self, path: str) -> None:
+        self._server = await asyncio.start_unix_server(self._handle, path)
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            line = await asyncio.wait_for(reader.readline(), REQUEST_WAIT)
+            request = orjson.loads(line)
+            if not isinstance(request, dict):
+                raise ValueError("not a JSON object")
+        except (TimeoutError, ValueError, orjson.JSONDecodeError, ConnectionError):
+            writer.close()
+            return
+        if self.taken or request.get("secret") != self._fingerprint:
+            why = "it is being taken over already" if self.taken else "another secret"
+            writer.write(orjson.dumps({"error": why}))
+            writer.close()
+            return
+        self.taken = True
+        transport_socket = writer.get_extra_info("socket")
+        peer = socket.socket(fileno=os.dup(transport_socket.fileno()))
+        try:  # one small message on a new connection: it fits the socket's buffer
+            socket.send_fds(peer, [orjson.dumps({"ok": True})], [self._listen_sock.fileno()])
+            pid = _peer_pid(peer)
+        finally:
+            peer.close()
+        writer.close()
+        self._on_taken(pid)
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+
+
+def _peer_pid(sock: socket.socket) -> int:
+    """The pid of the process at the other end (SO_PEERCRED), for the log."""
+    with contextlib.suppress(OSError):
+        creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)
+        return int.from_bytes(creds[:4], "little")
+    return 0
