@@ -9,7 +9,10 @@ from the kill to the first old session answered right, and to every session answ
 right (one more increment each, 32 at a time: every count exact), beside the baseline
 in the same run, a cold start of the same command (no workers to adopt, every session
 lost): its seconds from start to serving. And whether the workers are the same
-processes. Raw results go to bench/results/adoption-<date>.json.
+processes. Then, per size, a planned upgrade: the same command with `--take-over` under
+8 pooled clients that never retry (failed requests, p99 before and during, the seconds
+to the old process's exit, every count checked). Raw results go to
+bench/results/adoption-<date>.json.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import argparse
 import asyncio
 import datetime
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -128,6 +132,81 @@ async def measure(sessions: int, workers: int) -> dict[str, object]:
         server.stop()
 
 
+def p99(latencies: list[float]) -> float:
+    ordered = sorted(latencies)
+    return ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))] if ordered else 0.0
+
+
+async def upgrade(sessions: int, workers: int, clients: int = 8) -> dict[str, object]:
+    """A take-over (`--take-over`) under load: `clients` pooled clients that never retry
+    increment random sessions; the requests that failed, p99 latency in the 2 s before
+    and from the start of the new process to 1 s after the old one's exit, the seconds
+    to that exit, and every count checked after."""
+    runtime = tempfile.mkdtemp(prefix="gpa-", dir="/tmp")
+    server = Server(workers, runtime, free_port())
+    try:
+        server.start()
+        await until_answered(server.url, None)
+        tokens = await each(server.url, [None] * sessions, 1)
+        sent = dict.fromkeys(tokens, 1)
+        done: list[tuple[float, float]] = []  # (end time, latency)
+        failed = 0
+        stop = asyncio.Event()
+
+        async def client(seed: int) -> None:
+            nonlocal failed
+            rng = random.Random(seed)
+            async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=4)) as http:
+                while not stop.is_set():
+                    token = tokens[rng.randrange(len(tokens))]
+                    began = time.monotonic()
+                    try:
+                        await call(http, server.url, token)
+                    except (aiohttp.ClientError, OSError):
+                        failed += 1
+                        continue
+                    sent[token] += 1
+                    ended = time.monotonic()
+                    done.append((ended, ended - began))
+
+        load = [asyncio.ensure_future(client(n)) for n in range(clients)]
+        await asyncio.sleep(2.0)  # the steady window the p99 compares with (a measurement)
+        old, began = server.proc, time.monotonic()
+        assert old is not None
+        pids = children(old.pid)
+        server.command.append("--take-over")
+        server.start()
+        await asyncio.to_thread(old.wait)
+        exited = time.monotonic()
+        await asyncio.sleep(1.0)
+        stop.set()
+        await asyncio.gather(*load)
+        steady = [lat for end, lat in done if began - 2.0 <= end < began]
+        during = [lat for end, lat in done if began <= end < exited + 1.0]
+        assert server.proc is not None
+        counts = await each_count(server.url, tokens)
+        return {
+            "sessions": sessions, "requests": len(done), "failed": failed,
+            "old_exit_s": exited - began, "p99_steady_ms": 1000 * p99(steady),
+            "p99_during_ms": 1000 * p99(during), "exact": counts == [sent[t] + 1 for t in tokens],
+            "same_workers": same_workers(server.proc.pid, pids), "old_exit_code": old.returncode,
+        }  # fmt: skip
+    finally:
+        server.stop()
+
+
+async def each_count(url: str, tokens: list[str]) -> list[int]:
+    """Every session's count after one more increment (32 at a time)."""
+    counts: list[int] = []
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=32)) as http:
+        for start in range(0, len(tokens), 256):
+            answers = await asyncio.gather(
+                *(call(http, url, t) for t in tokens[start : start + 256])
+            )
+            counts.extend(count for _, count in answers)
+    return counts
+
+
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sessions", type=int, nargs="+", default=[1000, 10000])
@@ -144,9 +223,22 @@ async def main() -> None:
             f"| {float(r['first_s']) / float(r['cold_start_s']):.2f}x | {r['all_s']:.2f} "  # type: ignore[arg-type]
             f"| {'yes' if r['same_workers'] else 'no'} |"
         )
+    upgrades = [await upgrade(n, opts.workers) for n in opts.sessions]
+    print("\nA take-over (`--take-over`) under 8 pooled clients that never retry:\n")
+    print("| sessions | requests | failed | new process start to old exit s | p99 steady ms "
+          "| p99 during ms | counts exact | same workers | old exit status |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|")
+    for u in upgrades:
+        print(
+            f"| {u['sessions']:,} | {u['requests']:,} | {u['failed']} | {u['old_exit_s']:.2f} "
+            f"| {u['p99_steady_ms']:.1f} | {u['p99_during_ms']:.1f} "
+            f"| {'yes' if u['exact'] else 'NO'} | {'yes' if u['same_workers'] else 'no'} "
+            f"| {u['old_exit_code']} |"
+        )
     RESULTS.mkdir(exist_ok=True)
     stamp = datetime.datetime.now().strftime("%Y-%m-%dT%H%M%S")
-    (RESULTS / f"adoption-{stamp}.json").write_bytes(orjson.dumps(rows, option=orjson.OPT_INDENT_2))
+    raw = {"adoption": rows, "take_over": upgrades}
+    (RESULTS / f"adoption-{stamp}.json").write_bytes(orjson.dumps(raw, option=orjson.OPT_INDENT_2))
 
 
 if __name__ == "__main__":
