@@ -32,6 +32,7 @@ __all__ = [
     "adoptable_name",
     "secret_fingerprint",
     "live_worker_in",
+    "waiting_workers",
 ]
 
 log = logging.getLogger("gym_proxy")
@@ -100,6 +101,31 @@ def remove_stale(parent: str | None) -> list[str]:
         shutil.rmtree(entry.path, ignore_errors=True)
         removed.append(entry.path)
     return removed
+
+
+def waiting_workers(parent: str | None) -> dict[str, str]:
+    """Runtime directories under `parent` of dead instances whose workers still wait to
+    be adopted (`--orphan-grace`): path -> the instance name their identity file gives."""
+    waiting: dict[str, str] = {}
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(parent or tempfile.gettempdir()):
+            if not entry.name.startswith(PREFIX) or not entry.is_dir(follow_symlinks=False):
+                continue
+            try:
+                with open(os.path.join(entry.path, IDENTITY_NAME), "rb") as identity:
+                    instance = orjson.loads(identity.read()).get("instance")
+                fd = os.open(os.path.join(entry.path, LOCK_NAME), os.O_RDWR | os.O_NOFOLLOW)
+            except (OSError, orjson.JSONDecodeError, AttributeError):
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                continue  # a live instance holds it
+            finally:
+                os.close(fd)
+            if live_worker_in(entry.path):
+                waiting[entry.path] = str(instance)
+    return waiting
 
 
 def live_worker_in(path: str) -> bool:

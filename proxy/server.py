@@ -64,6 +64,7 @@ from gym_proxy.proxy.runtime_dir import (
     live_worker_in,
     remove_stale,
     secret_fingerprint,
+    waiting_workers,
 )
 from gym_proxy.proxy.session_tokens import TokenCodec
 from gym_proxy.proxy.takeover import TAKEOVER_NAME, TakeOverListener
@@ -167,6 +168,17 @@ async def run(
         else:
             log.warning("--trace-requests needs NeMo Gym's telemetry on (NEMO_GYM_OTEL_ENABLED)")
     supervisor = Supervisor(config, runtime.path, coordinator_socket, router, launcher=launcher)
+    for path, instance in waiting_workers(config.runtime_dir).items():
+        if path != runtime.path:  # another instance's, or this one's at another address
+            log.warning(
+                "the workers of a dead gym-proxy (instance %r) wait in %s; this one is %r at "
+                "%s: it does not adopt them (start that command again; they stop when their "
+                "--orphan-grace ends)",
+                instance,
+                path,
+                config.instance,
+                "{}:{}".format(*listen_sock.getsockname()[:2]),
+            )
     # A dead instance's directory where a worker still listens: its workers wait to rejoin.
     supervisor.adopting = runtime.found is not None and live_worker_in(runtime.path)
     checkpointer = Checkpointer(supervisor, config.instance, config.lease_grace)

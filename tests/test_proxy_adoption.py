@@ -360,3 +360,13 @@ def test_a_take_over_with_nothing_to_take_is_refused_in_one_line():
     finally:
         alone.close()
         other.close()
+
+
+async def test_another_instance_leaves_waiting_workers_alone_and_says_so(start_proxy, http):
+    first = start_proxy(*GRACE, workers=1)
+    await seed(http, first.url, 2)
+    pids = crash(first)
+    other = start_proxy(*GRACE, "--name", "other", workers=1, same_as=first)
+    line = "the workers of a dead gym-proxy (instance 'apps') wait in"
+    assert line in other.log() and "this one is 'other'" in other.log()
+    assert all(pid_alive(p) for p in pids) and other.worker_pids()  # its own, started
