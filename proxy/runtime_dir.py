@@ -32,6 +32,7 @@ __all__ = [
     "adoptable_name",
     "secret_fingerprint",
     "live_worker_in",
+    "live_workers_in",
     "waiting_workers",
 ]
 
@@ -130,18 +131,27 @@ def waiting_workers(parent: str | None) -> dict[str, str]:
 
 def live_worker_in(path: str) -> bool:
     """Whether a worker still listens on one of the directory's worker sockets."""
+    return live_workers_in(path, stop_at=1) > 0
+
+
+def live_workers_in(path: str, stop_at: int = 0) -> int:
+    """How many workers still listen on the directory's worker sockets (counting stops
+    at `stop_at` when it is set)."""
+    live = 0
     with contextlib.suppress(OSError):
         for entry in os.scandir(path):
             if entry.name.startswith("w") and entry.name.endswith(".sock"):
                 probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
                 try:
                     probe.connect(entry.path)
-                    return True
+                    live += 1
+                    if live == stop_at:
+                        break
                 except OSError:
                     continue
                 finally:
                     probe.close()
-    return False
+    return live
 
 
 def adoptable_name(instance: str, address: str) -> str:

@@ -62,6 +62,7 @@ from gym_proxy.proxy.runtime_dir import (
     RuntimeDirBusy,
     adoptable_name,
     live_worker_in,
+    live_workers_in,
     remove_stale,
     secret_fingerprint,
     waiting_workers,
@@ -180,7 +181,8 @@ async def run(
                 "{}:{}".format(*listen_sock.getsockname()[:2]),
             )
     # A dead instance's directory where a worker still listens: its workers wait to rejoin.
-    supervisor.adopting = runtime.found is not None and live_worker_in(runtime.path)
+    supervisor.orphans = live_workers_in(runtime.path) if runtime.found is not None else 0
+    supervisor.adopting = supervisor.orphans > 0
     checkpointer = Checkpointer(supervisor, config.instance, config.lease_grace)
 
     def on_register(registration: Register, channel: Channel) -> RegisterReply:

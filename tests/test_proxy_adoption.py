@@ -370,3 +370,18 @@ async def test_another_instance_leaves_waiting_workers_alone_and_says_so(start_p
     line = "the workers of a dead gym-proxy (instance 'apps') wait in"
     assert line in other.log() and "this one is 'other'" in other.log()
     assert all(pid_alive(p) for p in pids) and other.worker_pids()  # its own, started
+
+
+async def test_workers_past_the_new_worker_count_are_adopted_not_dropped(start_proxy, http):
+    """The dead instance ran 3 workers (resized up, say); the command started again says
+    --workers 2: all 3 are adopted, with their sessions, and the server keeps 3."""
+    first = start_proxy(*GRACE, "--control-token", CONTROL_TOKEN, workers=3)
+    sessions = await seed(http, first.url, 12)
+    pids = crash(first)
+    second = start_proxy(*GRACE, "--control-token", CONTROL_TOKEN, workers=2, same_as=first)
+    assert "adopting worker 2 beyond --workers 2" in second.log()
+    async with aiohttp.ClientSession() as again:
+        counts, answered = await counts_and_pids(again, second.url, sessions)
+        status = await Control(again, second.url).ok("status")
+    assert counts == [n + 1 for n in range(12)] and answered == set(pids)
+    assert status["expected_workers"] == 3 and len(status["workers"]) == 3

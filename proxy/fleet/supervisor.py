@@ -69,6 +69,7 @@ PING_INTERVAL = 1.0
 # How long a gym-proxy that took over a dead instance's runtime directory waits for its
 # workers to rejoin (they look every 0.1 s) before it starts the slots still empty.
 ADOPT_WINDOW = 5.0
+MAX_GROWTH = 64  # slots an adoption may add past those it found listening
 # Owner IDs handed out before random ones, in order (tests choose owners with it).
 TEST_OWNERS_ENV = "GYM_PROXY_TEST_OWNERS"
 
@@ -97,6 +98,7 @@ class Supervisor:
     # waiting to rejoin (`--orphan-grace`); until the adoption window ends they are
     # adopted into their slots, and only then are the empty slots started.
     adopting: bool = False
+    orphans: int = 0  # the dead instance's workers still listening when this one started
     handing_over: bool = False  # a new gym-proxy is taking the workers (`hand_over`)
     _all_adopted: asyncio.Event = field(default_factory=asyncio.Event)
     _stop_began: float = 0.0  # monotonic time stop() sent SIGTERM
@@ -300,6 +302,8 @@ class Supervisor:
         slot_index = registration.slot
         if self.stopping:
             raise RegistrationRefused("gym-proxy is stopping")
+        if registration.rejoining and self.adopting:
+            self._grow_for(slot_index)
         if not 0 <= slot_index < len(self.slots):
             raise RegistrationRefused(f"no slot {slot_index!r}")
         slot = self.slots[slot_index]
@@ -353,6 +357,22 @@ class Supervisor:
         if all(s.worker is not None and s.worker.state == "live" for s in self.slots):
             self._registered.set()
 
+    def _grow_for(self, slot_index: int) -> None:
+        """A dead instance's worker in a slot past `--workers` (it had been resized up):
+        adopted, not dropped with its sessions; the server keeps that many workers."""
+        if not len(self.slots) <= slot_index < max(len(self.slots), self.orphans) + MAX_GROWTH:
+            return
+        log.warning(
+            "adopting worker %d beyond --workers %d (the dead instance had been resized): "
+            "the server now has %d workers (resize to change that)",
+            slot_index,
+            len(self.slots),
+            slot_index + 1,
+        )
+        while len(self.slots) <= slot_index:
+            self.slots.append(Slot())
+        self._resized()
+
     def _adopt(self, registration: Register) -> WorkerProcess:
         """A dead instance's worker rejoins: it takes its slot, as it was."""
         slot_index = registration.slot
@@ -381,8 +401,8 @@ class Supervisor:
             len(registration.held),
         )
         self._track(self._watch(worker))
-        if all(s.worker is not None for s in self.slots):
-            self._all_adopted.set()
+        if sum(1 for s in self.slots if s.worker is not None) >= self.orphans:
+            self._all_adopted.set()  # every worker found listening is back
         return worker
 
     def hand_over(self) -> None:
