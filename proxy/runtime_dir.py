@@ -34,6 +34,7 @@ __all__ = [
     "live_worker_in",
     "live_workers_in",
     "waiting_workers",
+    "read_identity",
 ]
 
 log = logging.getLogger("gym_proxy")
@@ -88,17 +89,10 @@ def remove_stale(parent: str | None) -> list[str]:
                 continue
             if time.time() - info.st_mtime < STALE_AFTER:
                 continue
-            fd = os.open(os.path.join(entry.path, LOCK_NAME), os.O_RDWR | os.O_NOFOLLOW)
         except OSError:
-            continue  # no lock file: not ours to judge
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            continue  # a live instance holds it
-        finally:
-            os.close(fd)
-        if live_worker_in(entry.path):
-            continue  # an orphaned worker waits there for its instance to be started again
+            continue
+        if not _abandoned(entry.path) or live_worker_in(entry.path):
+            continue  # alive, or an orphaned worker waits there for its instance to return
         shutil.rmtree(entry.path, ignore_errors=True)
         removed.append(entry.path)
     return removed
@@ -112,21 +106,36 @@ def waiting_workers(parent: str | None) -> dict[str, str]:
         for entry in os.scandir(parent or tempfile.gettempdir()):
             if not entry.name.startswith(PREFIX) or not entry.is_dir(follow_symlinks=False):
                 continue
-            try:
-                with open(os.path.join(entry.path, IDENTITY_NAME), "rb") as identity:
-                    instance = orjson.loads(identity.read()).get("instance")
-                fd = os.open(os.path.join(entry.path, LOCK_NAME), os.O_RDWR | os.O_NOFOLLOW)
-            except (OSError, orjson.JSONDecodeError, AttributeError):
-                continue
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError:
-                continue  # a live instance holds it
-            finally:
-                os.close(fd)
-            if live_worker_in(entry.path):
-                waiting[entry.path] = str(instance)
+            identity = read_identity(entry.path)
+            if identity is not None and _abandoned(entry.path) and live_worker_in(entry.path):
+                waiting[entry.path] = str(identity.get("instance"))
     return waiting
+
+
+def read_identity(path: str) -> dict[str, object] | None:
+    """The identity file of the runtime directory at `path`, None without a readable one."""
+    try:
+        with open(os.path.join(path, IDENTITY_NAME), "rb") as identity:
+            found = orjson.loads(identity.read())
+    except (OSError, orjson.JSONDecodeError):
+        return None
+    return found if isinstance(found, dict) else None
+
+
+def _abandoned(path: str) -> bool:
+    """Whether the instance that made the directory is dead: its lock can be taken (one
+    without a lock file is not ours to judge)."""
+    try:
+        fd = os.open(os.path.join(path, LOCK_NAME), os.O_RDWR | os.O_NOFOLLOW)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except OSError:
+        return False  # a live instance holds it
+    finally:
+        os.close(fd)
 
 
 def live_worker_in(path: str) -> bool:
@@ -205,10 +214,7 @@ class RuntimeDir:
             raise RuntimeDirBusy(
                 f"another gym-proxy of this instance runs with {self.path} (it holds the lock)"
             ) from None
-        with contextlib.suppress(OSError, orjson.JSONDecodeError):
-            with open(self.join(IDENTITY_NAME), "rb") as identity:
-                found = orjson.loads(identity.read())
-            self.found = found if isinstance(found, dict) else None
+        self.found = read_identity(self.path)
 
     def write_identity(self, identity: dict[str, object]) -> None:
         """Record which instance this is (read by the one that may adopt its workers)."""

@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 import orjson
 
-from gym_proxy.proxy.runtime_dir import IDENTITY_NAME, PREFIX
+from gym_proxy.proxy.runtime_dir import PREFIX, read_identity
 
 __all__ = ["TAKEOVER_NAME", "TakeOverError", "TakeOverListener", "take_over_listener"]
 
@@ -59,14 +59,11 @@ def _running(parent: str, instance: str) -> str:
         for entry in os.scandir(parent):
             if not entry.name.startswith(PREFIX) or not entry.is_dir(follow_symlinks=False):
                 continue
-            try:
-                with open(os.path.join(entry.path, IDENTITY_NAME), "rb") as identity:
-                    named = orjson.loads(identity.read()).get("instance")
-            except (OSError, orjson.JSONDecodeError, AttributeError):
-                continue
+            identity = read_identity(entry.path)
             path = os.path.join(entry.path, TAKEOVER_NAME)
-            if named == instance and os.path.exists(path):
-                return path
+            if identity is not None and identity.get("instance") == instance:
+                if os.path.exists(path):
+                    return path
     raise TakeOverError(
         f"no running gym-proxy of instance {instance} under {parent} to take over "
         "(it must run with --orphan-grace and the same --runtime-dir)"

@@ -61,6 +61,47 @@ async def counts_and_pids(http, url: str, sessions: list[tuple[str, int]]) -> tu
     return counts, pids
 
 
+class Load:
+    """Eight pooled clients incrementing random sessions until `finish`: each session's
+    confirmed increments and (with `retry`) the calls a connection error cut, which may
+    or may not have counted; the calls answered before and after `marked` is set."""
+
+    def __init__(self, url: str, sessions: list[tuple[str, int]], retry: bool) -> None:
+        self.url, self.sessions, self.retry = url, sessions, retry
+        self.confirmed = [n for _, n in sessions]
+        self.cut = [0] * len(sessions)
+        self.served = {"before": 0, "after": 0}
+        self.marked, self._stop = asyncio.Event(), asyncio.Event()
+        self._tasks = [asyncio.ensure_future(self._client(n)) for n in range(8)]
+
+    async def _client(self, seed_: int) -> None:
+        rng = random.Random(seed_)
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=4)) as pooled:
+            while not self._stop.is_set():
+                i = rng.randrange(len(self.sessions))
+                try:
+                    async with pooled.post(
+                        f"{self.url}/increment_counter",
+                        json={"count": 1},
+                        headers={TOKEN_HEADER: self.sessions[i][0]},
+                    ) as resp:
+                        assert resp.status == 200, await resp.text()
+                        await resp.read()
+                except (TimeoutError, aiohttp.ClientConnectionError):
+                    if not self.retry:
+                        raise
+                    self.cut[i] += 1  # it may have counted on the worker: unknown
+                    await asyncio.sleep(0.01)  # a retrying client's pause
+                    continue
+                self.confirmed[i] += 1
+                self.served["after" if self.marked.is_set() else "before"] += 1
+
+    async def finish(self) -> None:
+        """Stop the clients; a failed request (without `retry`) raises here."""
+        self._stop.set()
+        await asyncio.gather(*self._tasks)
+
+
 @BOTH_APP_KINDS
 @pytest.mark.parametrize("preload", [False, True], ids=["spawned", "preloaded"])
 async def test_the_same_command_started_again_adopts_every_session(start_proxy, http, preload):
@@ -192,46 +233,19 @@ async def test_a_crash_under_load_keeps_1000_sessions_on_4_workers(start_proxy, 
     first = start_proxy(*GRACE, workers=4)
     sessions = await seed(http, first.url, 1000)
     pids = first.worker_pids()
-    confirmed = [n for _, n in sessions]
-    cut = [0] * len(sessions)
-    url = {"now": first.url}
-    stop = asyncio.Event()
-    crashed = asyncio.Event()
-    served = {"before": 0, "after": 0}  # calls answered before and after the crash
-
-    async def client(seed_: int) -> None:
-        rng = random.Random(seed_)
-        connector = aiohttp.TCPConnector(limit=4)
-        async with aiohttp.ClientSession(connector=connector) as pooled:
-            while not stop.is_set():
-                i = rng.randrange(len(sessions))
-                try:
-                    async with pooled.post(
-                        f"{url['now']}/increment_counter",
-                        json={"count": 1},
-                        headers={TOKEN_HEADER: sessions[i][0]},
-                    ) as resp:
-                        assert resp.status == 200, await resp.text()
-                        await resp.read()
-                    confirmed[i] += 1
-                    served["after" if crashed.is_set() else "before"] += 1
-                except (TimeoutError, aiohttp.ClientConnectionError):
-                    cut[i] += 1  # it may have counted on the worker: unknown
-                    await asyncio.sleep(0.01)  # a retrying client's pause
-
-    load = [asyncio.ensure_future(client(n)) for n in range(8)]
-    await wait_until(lambda: served["before"] >= 300, 30, "the load to run")
+    load = Load(first.url, sessions, retry=True)
+    await wait_until(lambda: load.served["before"] >= 300, 30, "the load to run")
     crash(first)
-    crashed.set()
+    load.marked.set()
     second = start_proxy(*GRACE, workers=4, same_as=first)
-    await wait_until(lambda: served["after"] >= 300, 30, "the load to be served again")
-    stop.set()
-    await asyncio.gather(*load)
+    await wait_until(lambda: load.served["after"] >= 300, 30, "the load to be served again")
+    await load.finish()
     async with aiohttp.ClientSession() as again:
         counts, answered = await counts_and_pids(again, second.url, sessions)
     assert answered <= set(pids) and second.worker_pids() == []
     for i, count in enumerate(counts):
-        assert confirmed[i] + 1 <= count <= confirmed[i] + cut[i] + 1, (i, count, confirmed[i])
+        confirmed, cut = load.confirmed[i], load.cut[i]
+        assert confirmed + 1 <= count <= confirmed + cut + 1, (i, count, confirmed)
 
 
 async def test_adopted_workers_take_a_rolling_restart(start_proxy, http):
@@ -309,44 +323,25 @@ async def test_a_take_over_under_load_fails_no_request(start_proxy, http):
     sessions = await seed(http, first.url, 200)
     pids = first.worker_pids()
     first.listener.close()
-    confirmed = [n for _, n in sessions]
-    stop = asyncio.Event()
-    served = {"before": 0, "after": 0}
-    taken = asyncio.Event()
-
-    async def client(seed_: int) -> None:
-        rng = random.Random(seed_)
-        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=4)) as pooled:
-            while not stop.is_set():
-                i = rng.randrange(len(sessions))
-                async with pooled.post(
-                    f"{first.url}/increment_counter",
-                    json={"count": 1},
-                    headers={TOKEN_HEADER: sessions[i][0]},
-                ) as resp:
-                    assert resp.status == 200, await resp.text()
-                    await resp.read()
-                confirmed[i] += 1
-                served["after" if taken.is_set() else "before"] += 1
-
-    load = [asyncio.ensure_future(client(n)) for n in range(8)]
-    await wait_until(lambda: served["before"] >= 300, 30, "the load to run")
+    load = Load(first.url, sessions, retry=False)
+    await wait_until(lambda: load.served["before"] >= 300, 30, "the load to run")
     # Not `ready=True`: its wait blocks, and the load must go on meanwhile.
     second = start_proxy(
         *GRACE, "--take-over", workers=2, same_as=first, inherit=False, ready=False
     )
     await wait_until(lambda: first.popen.poll() is not None, 60, "the old proxy to exit")
-    taken.set()
+    load.marked.set()
     assert first.popen.returncode == 0
-    await wait_until(lambda: served["after"] >= 300, 30, "the load to be served by the new one")
+    await wait_until(
+        lambda: load.served["after"] >= 300, 30, "the load to be served by the new one"
+    )
     assert "ready on http://" in second.log()
-    stop.set()
-    await asyncio.gather(*load)  # an exception here is a failed request
+    await load.finish()  # an exception here is a failed request
     assert second.worker_pids() == [] and all(pid_alive(p) for p in pids)
     assert "taken over by a new gym-proxy" in first.log()
     async with aiohttp.ClientSession() as again:
         counts, answered = await counts_and_pids(again, second.url, sessions)
-    assert counts == [n + 1 for n in confirmed] and answered <= set(pids)
+    assert counts == [n + 1 for n in load.confirmed] and answered <= set(pids)
 
 
 def test_a_take_over_with_nothing_to_take_is_refused_in_one_line():
