@@ -24,6 +24,7 @@ from tests.support import CONTROL_TOKEN, wait_until, wait_until_sync
 
 NOFILE = 256
 HEADER_TIMEOUT = 5.0
+SWEEP_SLACK = 2.0  # the header timeout is enforced by a 1 s sweep, on a busy machine
 SCRAPE = b"GET /metrics HTTP/1.1\r\nHost: t\r\n\r\n"
 PARTIAL = b"GET /metrics HTTP/1.1\r\nHost: t\r\n"
 Connection = tuple[asyncio.StreamReader, asyncio.StreamWriter]
@@ -54,6 +55,12 @@ async def open_many(port: int, count: int, first: bytes = b"") -> list[Connectio
     for _, writer in connections:
         writer.write(first)
     return connections
+
+
+async def closed_at(reader: asyncio.StreamReader, within: float) -> tuple[bytes, float]:
+    """What the peer sent until it closed, and when it closed (monotonic)."""
+    received = await until_closed(reader, within)
+    return received, time.monotonic()
 
 
 async def until_closed(reader: asyncio.StreamReader, within: float) -> bytes:
@@ -141,13 +148,26 @@ async def test_idle_metrics_connections_leave_the_data_path_its_cap(start_proxy)
 
     # Every flood connection is closed: those over the listener's cap at once with a 503,
     # the few it held by the header timeout (a partial head is answered 408 first).
-    ends = await asyncio.gather(
-        *(until_closed(r, HEADER_TIMEOUT + 10) for r, _ in [*partial, *idle])
-    )
+    ends = await asyncio.gather(*(closed_at(r, HEADER_TIMEOUT + 10) for r, _ in [*partial, *idle]))
     assert time.monotonic() - flooded < HEADER_TIMEOUT + 10
-    codes = [error_code(received) for received in ends]
-    held = [code for code in codes if code != "too_many_connections"]
-    assert 0 < len(held) <= METRICS_CONNECTIONS, held
+    codes = [error_code(received) for received, _ in ends]
+    held = sorted(
+        at for (_, at), code in zip(ends, codes, strict=True) if code != "too_many_connections"
+    )
+    # At most METRICS_CONNECTIONS held at once. A held connection ends HEADER_TIMEOUT
+    # after its accept (plus up to a sweep interval): two that end less than
+    # HEADER_TIMEOUT - SWEEP_SLACK apart were held together. On a busy machine the
+    # listener accepts the flood's backlog over more than one timeout, so more may be
+    # held in all, one timeout's worth at a time.
+    together = (
+        max(
+            sum(1 for other in held if at <= other < at + HEADER_TIMEOUT - SWEEP_SLACK)
+            for at in held
+        )
+        if held
+        else 0
+    )
+    assert 0 < together <= METRICS_CONNECTIONS, (together, len(held))
     assert set(codes[: len(partial)]) <= {"too_many_connections", "request_timeout"}
     assert set(codes[len(partial) :]) <= {"too_many_connections", None}
     for _, writer in [*idle, *partial, *clients]:
