@@ -26,6 +26,7 @@ import orjson
 __all__ = [
     "RuntimeDir",
     "RuntimeDirBusy",
+    "RuntimeDirLocked",
     "ensure_parent",
     "remove_stale",
     "longest_parent",
@@ -178,7 +179,11 @@ def secret_fingerprint(secret: bytes, instance: str) -> str:
 
 
 class RuntimeDirBusy(Exception):
-    """Another live gym-proxy holds the runtime directory this one would take."""
+    """The runtime directory this instance would take cannot be its own."""
+
+
+class RuntimeDirLocked(RuntimeDirBusy):
+    """Another live gym-proxy holds it (one being taken over lets it go soon)."""
 
 
 class RuntimeDir:
@@ -211,7 +216,7 @@ class RuntimeDir:
             fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
             os.close(self._lock_fd)
-            raise RuntimeDirBusy(
+            raise RuntimeDirLocked(
                 f"another gym-proxy of this instance runs with {self.path} (it holds the lock)"
             ) from None
         self.found = read_identity(self.path)

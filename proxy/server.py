@@ -60,8 +60,8 @@ from gym_proxy.proxy.routing import Router, WorkerRoute
 from gym_proxy.proxy.runtime_dir import (
     RuntimeDir,
     RuntimeDirBusy,
+    RuntimeDirLocked,
     adoptable_name,
-    live_worker_in,
     live_workers_in,
     remove_stale,
     secret_fingerprint,
@@ -136,11 +136,14 @@ async def run(
         try:
             runtime = _runtime_dir(config, secret, listen_sock)
             break
-        except RuntimeDirBusy as exc:
-            if time.monotonic() >= deadline or "lock" not in str(exc):
+        except RuntimeDirLocked as exc:
+            if time.monotonic() >= deadline:
                 log.error("%s; stopping", exc)
                 return USAGE_ERROR
             await asyncio.sleep(0.01)
+        except RuntimeDirBusy as exc:
+            log.error("%s; stopping", exc)
+            return USAGE_ERROR
     coordinator_socket = runtime.join("coordinator.sock")
     control_socket = runtime.join("control.sock")
     router = Router()
@@ -178,11 +181,13 @@ async def run(
                 instance,
                 path,
                 config.instance,
-                "{}:{}".format(*listen_sock.getsockname()[:2]),
+                _bound_address(listen_sock),
             )
     # A dead instance's directory where a worker still listens: its workers wait to rejoin.
     supervisor.orphans = live_workers_in(runtime.path) if runtime.found is not None else 0
     supervisor.adopting = supervisor.orphans > 0
+    if supervisor.adopting:
+        log.info("adopting the workers a dead instance left in %s", runtime.path)
     checkpointer = Checkpointer(supervisor, config.instance, config.lease_grace)
 
     def on_register(registration: Register, channel: Channel) -> RegisterReply:
@@ -363,9 +368,8 @@ def _runtime_dir(config: Config, secret: bytes, listen_sock: socket.socket) -> R
     the directory left as it was)."""
     if config.orphan_grace <= 0:
         return RuntimeDir(config.runtime_dir)
-    host, port = listen_sock.getsockname()[:2]  # the address bound, --fd's too
-    address = f"{host}:{port}"
-    runtime = RuntimeDir(config.runtime_dir, adoptable_name(config.instance, address))
+    name = adoptable_name(config.instance, _bound_address(listen_sock))
+    runtime = RuntimeDir(config.runtime_dir, name)
     fingerprint = secret_fingerprint(secret, config.instance)
     if runtime.found is not None and runtime.found.get("secret") != fingerprint:
         runtime.release()
@@ -373,10 +377,14 @@ def _runtime_dir(config: Config, secret: bytes, listen_sock: socket.socket) -> R
             f"cannot adopt the workers a dead instance left in {runtime.path}: they serve "
             "tokens signed with another secret (start with the same --secret-file)"
         )
-    if runtime.found is not None and live_worker_in(runtime.path):
-        log.info("adopting the workers a dead instance left in %s", runtime.path)
     runtime.write_identity({"instance": config.instance, "secret": fingerprint})
     return runtime
+
+
+def _bound_address(listen_sock: socket.socket) -> str:
+    """The address the public socket is bound to (an inherited one's too)."""
+    host, port = listen_sock.getsockname()[:2]
+    return f"{host}:{port}"
 
 
 async def _boot(supervisor: Supervisor, cluster: RayCluster | None) -> None:
