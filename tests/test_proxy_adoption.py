@@ -313,14 +313,17 @@ async def test_a_restored_episode_not_yet_claimed_is_refused_after_an_adoption(
             assert "no unclaimed restored record" in error["detail"]
 
 
-async def test_a_take_over_under_load_fails_no_request(start_proxy, http):
+async def test_a_take_over_under_load_fails_no_request(start_proxy):
     """An upgrade: the same command with `--take-over` started beside the running proxy
     takes its listening socket (the test's copy closed: only the proxy holds the port)
     and its workers while 8 pooled clients that never retry increment random sessions of
     200: no request fails, every count is exactly its increments, the same 2 processes
     serve, and the old proxy finishes its connections and exits 0."""
     first = start_proxy(*GRACE, workers=2)
-    sessions = await seed(http, first.url, 200)
+    # Seeded on a connection closed at once: an idle keep-alive connection would keep the
+    # old proxy (and the load) going until its client drops it.
+    async with aiohttp.ClientSession() as seeding:
+        sessions = await seed(seeding, first.url, 200)
     pids = first.worker_pids()
     first.listener.close()
     load = Load(first.url, sessions, retry=False)
