@@ -64,14 +64,23 @@ class SessionIdentity:
     legacy: bool = False
 
 
+def _random_id(nbytes: int) -> str:
+    # IDs are typed on command lines (`gym-proxy-ctl move --session ID`), where one that
+    # begins with '-' reads as an option; redrawing those costs 1/64 of the values.
+    while True:
+        value = secrets.token_urlsafe(nbytes)
+        if not value.startswith("-"):
+            return value
+
+
 def new_session_id() -> str:
-    """A fresh random session ID (128 bits)."""
-    return secrets.token_urlsafe(16)
+    """A fresh random session ID (128 bits), never beginning with '-'."""
+    return _random_id(16)
 
 
 def new_owner_id() -> str:
-    """A fresh random owner ID for one worker incarnation (64 bits)."""
-    return secrets.token_urlsafe(8)
+    """A fresh random owner ID for one worker incarnation (64 bits), never beginning with '-'."""
+    return _random_id(8)
 
 
 def _b64(digest: bytes) -> str:

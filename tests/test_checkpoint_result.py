@@ -157,3 +157,11 @@ async def test_checkpoint_result_carries_the_restarts_and_the_retired(aiohttp_se
     ops = [op for op, _ in fake.calls]
     # resumed before the retire, never after the commit (kept open)
     assert ops == ["status", "prepare", "resume", "retire", "prepare", "commit"], ops
+
+
+def test_a_session_id_that_begins_with_a_dash_is_given_with_equals():
+    """IDs not minted by gym-proxy may begin with '-': `--session=ID` carries them."""
+    args = _parser().parse_args(
+        ["--server", "http://h:1", "move", "--session=-x1", "--to-slot", "1"]
+    )
+    assert args.session == ["-x1"]

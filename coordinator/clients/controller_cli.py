@@ -144,7 +144,12 @@ def _parser() -> argparse.ArgumentParser:
     move = _command(
         commands, "move", "move live sessions of one gym-proxy (--server) to another worker"
     )
-    move.add_argument("--session", action="append", required=True, help="a session ID")
+    move.add_argument(
+        "--session",
+        action="append",
+        required=True,
+        help="a session ID (one that begins with '-' as --session=ID)",
+    )
     move.add_argument("--to-slot", type=int, required=True, help="the worker slot to move to")
     for name, help_text in (
         ("drain", "no new sessions on a worker; move its sessions to the others"),
