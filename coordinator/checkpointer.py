@@ -49,6 +49,7 @@ from gym_proxy.coordinator.contract.messages import (
     Install,
     Message,
     Ready,
+    Register,
     RegisterReply,
     Release,
     Reopen,
@@ -162,10 +163,13 @@ class Checkpointer:
         self.machine.on_idle = self.exclusion.freed
 
     # ---- worker side ------------------------------------------------------------
-    def register_reply(self, kind: str) -> RegisterReply:
-        """What a (late) joining worker needs: pending claims, marks, an open checkpoint."""
+    def register_reply(self, registration: Register) -> RegisterReply:
+        """What a (late) joining worker needs: pending claims, marks, an open checkpoint.
+        A worker a dead instance left brings the marks it enforces (marks only grow)."""
         if self.kind is None:
-            self.kind = kind
+            self.kind = registration.kind
+        if registration.rejoining:
+            self.marks.merge(registration.marks)
         open_id = self.machine.checkpoint_id if self.machine.is_open else None
         return RegisterReply(self._tables(), open_id)
 

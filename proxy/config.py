@@ -26,6 +26,12 @@ __all__ = [
 
 DEFAULT_APP = "gym_proxy.worker.counter:create_app"
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+# How long workers wait for a successor when gym-proxy dies (with a secret, so that one
+# can verify their tokens). A supervisor restarts a process well within it: systemd's
+# Restart=on-failure after RestartSec (100 ms by default), supervisord after its backoff
+# of a few seconds, a shell loop at once; an adoption takes 0.3 s (bench/adoption.py).
+# With no successor, idle workers hold their memory this long, then stop.
+DEFAULT_ORPHAN_GRACE = 30.0
 COOKIE_NAME = re.compile(r"[A-Za-z0-9!#$%&'*+.^_`|~-]{1,128}\Z")  # an RFC 6265 token
 
 
@@ -156,16 +162,18 @@ class Config:
         metavar="S",
         doc="on SIGTERM/SIGINT, time in-flight requests get to finish",
     )
-    orphan_grace: float = option(
-        0.0,
+    orphan_grace: float | None = option(
+        None,
         "seconds a worker whose gym-proxy died keeps its sessions, waiting for a gym-proxy "
-        "started again with the same command and --runtime-dir to adopt it (0: it stops)",
+        f"started again with the same command and --runtime-dir to adopt it (default "
+        f"{DEFAULT_ORPHAN_GRACE:g} with a secret, 0 without; 0: it stops)",
         type=float,
         metavar="S",
         doc="a worker whose gym-proxy died (kill -9, OOM) keeps its sessions this long, "
         "waiting for the same command, started again with the same `--runtime-dir`, to adopt "
-        "it (0 = it stops at once, as before; [When gym-proxy dies]"
-        "(operations.md#when-gym-proxy-dies))",
+        "it (without a secret 0: no successor could verify the workers' tokens; 0 = it "
+        "stops at once; [When gym-proxy dies](operations.md#when-gym-proxy-dies))",
+        doc_default=f"{DEFAULT_ORPHAN_GRACE:g} with a secret",
     )
     take_over: bool = option(
         False,
@@ -423,17 +431,27 @@ class Config:
     # in the NeMo Gym config overrides them (proxy/config_block.py), a flag it does not.
     from_env: frozenset[str] = field(default=frozenset(), metadata={"internal": True})
 
+    def with_orphan_grace(self) -> Config:
+        """`--orphan-grace` settled once every source of the secret was read: when not
+        given, DEFAULT_ORPHAN_GRACE with a secret, 0 without (no successor could verify
+        the workers' tokens)."""
+        if self.orphan_grace is not None:
+            return self
+        grace = DEFAULT_ORPHAN_GRACE if self.secret is not None else 0.0
+        return replace(self, orphan_grace=grace)
+
     def validate(self) -> None:
         """Raise ConfigError for values that cannot work."""
-        if self.take_over and not self.orphan_grace > 0:
-            raise ConfigError("--take-over needs --orphan-grace: the workers change proxies")
+        if self.take_over and self.orphan_grace == 0:
+            raise ConfigError(
+                "--take-over needs --orphan-grace above 0: the workers change proxies"
+            )
         if self.workers < 1:
             raise ConfigError(f"--workers must be at least 1, got {self.workers}")
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"--port must be between 0 and 65535, got {self.port}")
         for name in (
             "graceful_timeout",
-            "orphan_grace",
             "upstream_timeout",
             "keepalive_timeout",
             "header_timeout",
@@ -447,6 +465,8 @@ class Config:
             value = getattr(self, name)
             if not 0 <= value < float("inf"):
                 raise ConfigError(f"--{name.replace('_', '-')} must be a non-negative number")
+        if self.orphan_grace is not None and not 0 <= self.orphan_grace < float("inf"):
+            raise ConfigError("--orphan-grace must be a non-negative number")
         for name in ("worker_timeout", "tunnel_idle_timeout"):
             if not 0 < getattr(self, name) < float("inf"):
                 raise ConfigError(f"--{name.replace('_', '-')} must be a positive number")

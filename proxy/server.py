@@ -14,6 +14,7 @@ stopping each is logged as ignored (held from the process's start: `proxy.cli`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import signal
@@ -26,10 +27,10 @@ from aiohttp import web
 
 from gym_proxy.coordinator.checkpointer import Checkpointer
 from gym_proxy.coordinator.contract import telemetry
-from gym_proxy.coordinator.contract.channel import Channel
+from gym_proxy.coordinator.contract.channel import Channel, ChannelClosed
 from gym_proxy.coordinator.contract.exit_codes import BOOT_ERROR, USAGE_ERROR
 from gym_proxy.coordinator.contract.keepalive import POOL_IDLE
-from gym_proxy.coordinator.contract.messages import Register, RegisterReply
+from gym_proxy.coordinator.contract.messages import ProxyStopping, Register, RegisterReply
 from gym_proxy.coordinator.worker_channels import WorkerChannels
 from gym_proxy.proxy import data_path
 from gym_proxy.proxy.cli import OPERATION_SIGNALS, hold_operation_signals, release_operation_signals
@@ -91,6 +92,7 @@ async def run(
     """Serve until a signal or a fatal worker error; return the process exit code.
     `ray_plan`: the Ray cluster the workers join (`proxy.ray_cluster`), if they use Ray.
     `launcher`: what starts the workers, if not a subprocess each (or the zygote)."""
+    config = config.with_orphan_grace()
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     force = asyncio.Event()
@@ -124,11 +126,12 @@ async def run(
     max_connections = connection_cap(config.max_connections, reserved)
     for stale in remove_stale(config.runtime_dir):
         log.info("removed the runtime directory of a dead instance: %s", stale)
-    if ray_plan is not None and ray_plan.address is None and config.orphan_grace > 0:
-        log.warning(
-            "--orphan-grace ignored: the Ray cluster gym-proxy starts for this server ends "
-            "with gym-proxy, so its workers could not go on without it"
-        )
+    if ray_plan is not None and ray_plan.address is None and config.orphan_grace:
+        if "orphan_grace" in config.given:
+            log.warning(
+                "--orphan-grace ignored: the Ray cluster gym-proxy starts for this server ends "
+                "with gym-proxy, so its workers could not go on without it"
+            )
         config = replace(config, orphan_grace=0.0)
     # Taking over, the running instance lets the directory go once its workers are free.
     deadline = time.monotonic() + (TAKEOVER_WAIT if config.take_over else 0.0)
@@ -188,11 +191,12 @@ async def run(
     supervisor.adopting = supervisor.orphans > 0
     if supervisor.adopting:
         log.info("adopting the workers a dead instance left in %s", runtime.path)
+        supervisor.take_intent()
     checkpointer = Checkpointer(supervisor, config.instance, config.lease_grace)
 
     def on_register(registration: Register, channel: Channel) -> RegisterReply:
         supervisor.on_register(registration, channel)
-        return checkpointer.register_reply(registration.kind)
+        return checkpointer.register_reply(registration)
 
     def on_lost(owner: str) -> None:
         supervisor.on_lost(owner)
@@ -290,12 +294,13 @@ async def run(
                 return code
             server = await serve()
         host, port = listen_sock.getsockname()[:2]
-        workers = f"{config.workers} worker{'s' if config.workers != 1 else ''}"
+        count = supervisor.expected  # an adoption may have kept another count
+        workers = f"{count} worker{'s' if count != 1 else ''}"
         log.info("ready on http://%s:%d with %s", host, port, workers)
         log.info("data path: %s (%s)", *data_path.mode())
         timers.append(asyncio.ensure_future(supervisor.watch_liveness()))
         taken = loop.create_future()
-        if config.orphan_grace > 0:
+        if config.orphan_grace:
             takeover = TakeOverListener(
                 secret_fingerprint(secret, config.instance), listen_sock, taken.set_result
             )
@@ -309,6 +314,10 @@ async def run(
             log.error("%s; stopping", supervisor.fatal.exception())
             code = BOOT_ERROR
         server.close()
+        if not taken.done():
+            for worker in supervisor.live():  # none should wait for a successor
+                with contextlib.suppress(ChannelClosed):
+                    worker.channel.notify(ProxyStopping())
         if taken.done() and not supervisor.fatal.done():
             handed_over = True
             log.info("taken over by a new gym-proxy (pid %d): it has the port", taken.result())
@@ -366,7 +375,7 @@ def _runtime_dir(config: Config, secret: bytes, listen_sock: socket.socket) -> R
     command's earlier instance used: if it died, its workers wait there to be adopted,
     which only an instance signing with the same secret may do (RuntimeDirBusy otherwise,
     the directory left as it was)."""
-    if config.orphan_grace <= 0:
+    if not config.orphan_grace:
         return RuntimeDir(config.runtime_dir)
     name = adoptable_name(config.instance, _bound_address(listen_sock))
     runtime = RuntimeDir(config.runtime_dir, name)

@@ -147,11 +147,13 @@ def start(argv: Sequence[str] | None = None) -> None:
         _fail(f"--runtime-dir {config.runtime_dir or tempfile.gettempdir()} {exc}")
     except OSError as exc:
         _fail(f"--runtime-dir {config.runtime_dir}: {exc.strerror or exc}")
-    if config.secret is None and config.orphan_grace > 0:
+    if config.secret is None and (config.orphan_grace or config.take_over):
         _fail(
-            "--orphan-grace needs --secret or --secret-file: the workers' sessions outlive "
-            "gym-proxy only for one that verifies their tokens, which a random secret cannot"
+            f"{'--take-over' if config.take_over else '--orphan-grace'} needs --secret or "
+            "--secret-file: the workers' sessions outlive gym-proxy only for one that "
+            "verifies their tokens, which a random secret cannot"
         )
+    config = config.with_orphan_grace()
     if config.secret is None:
         log.warning("no --secret: using a random one, so session cookies do not survive a restart")
         secret = secrets.token_bytes(32)

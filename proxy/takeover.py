@@ -66,7 +66,7 @@ def _running(parent: str, instance: str) -> str:
                     return path
     raise TakeOverError(
         f"no running gym-proxy of instance {instance} under {parent} to take over "
-        "(it must run with --orphan-grace and the same --runtime-dir)"
+        "(it must run with the same secret and --runtime-dir, --orphan-grace not 0)"
     )
 
 

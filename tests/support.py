@@ -204,8 +204,9 @@ class ProxyProcess:
         return [p for p in Path(self.runtime_parent).iterdir() if p.is_dir()]
 
     def kill_all(self) -> None:
-        """kill -9 the proxy and every worker at once (a crash of the whole server)."""
-        pids = [self.pid, *self.worker_pids()]
+        """kill -9 the proxy and every worker at once (a crash of the whole server);
+        workers it adopted (`seen_pids`: not its children) too."""
+        pids = [self.pid, *self.worker_pids(), *(p for p in self.seen_pids if pid_alive(p))]
         for pid in pids:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)

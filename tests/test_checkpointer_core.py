@@ -205,7 +205,7 @@ async def make_rig():
             w.link = Channel(reader, writer, lambda m, o=w.owner: cp.on_message(o, m))
             w.channel = Channel(w_reader, w_writer, w.handle)
             opened.append((w, [asyncio.ensure_future(c.serve()) for c in (w.link, w.channel)]))
-            cp.register_reply("resources")
+            cp.register_reply(joining(w.owner))
         return Rig(cp, view, workers, clock, changed)
 
     yield make
@@ -654,6 +654,25 @@ async def test_lease_covers_a_running_commit(make_rig, tmp_path):
     assert expired is False
 
 
+def joining(owner: str, **rejoin) -> msg.Register:
+    """A worker's registration (`rejoin`: `rejoining`, `held`, `marks` of one a dead
+    instance left)."""
+    return msg.Register(0, owner, 1, "/w.sock", "resources", "aiohttp", None, False, **rejoin)
+
+
+async def test_a_rejoining_worker_brings_the_marks_it_enforces(make_rig):
+    """After a proxy crash the new coordinator learns the retire marks from the workers it
+    adopts (marks only grow), so it counts them and a `forget` reaches them; a first
+    registration's marks are not taken (a fresh worker holds none)."""
+    rig = await make_rig()
+    rig.cp.register_reply(joining("w0", marks={"r1": 2}))
+    assert rig.cp.status()["retired_rollouts"] == 0
+    rig.cp.register_reply(joining("w0", rejoining=True, marks={"r1": 2, "r2": 0}))
+    rig.cp.register_reply(joining("w1", rejoining=True, marks={"r1": 1}))
+    assert rig.cp.marks.as_dict() == {"r1": 2, "r2": 0}
+    assert rig.cp.status()["retired_rollouts"] == 2
+
+
 async def test_inbox_routes_ended_sessions_and_refuses_the_rest(make_rig):
     """SessionsEnded reaches the router; a coordinator-bound request that is not for the
     coordinator is refused; a late joiner hears of the open checkpoint."""
@@ -663,4 +682,4 @@ async def test_inbox_routes_ended_sessions_and_refuses_the_rest(make_rig):
     assert rig.view.ended == [("w0", ["s1", "s2"])]
     await rig.prepared()
     assert (await refusal(rig.cp.on_message("w0", msg.Reopen()))).code == "invalid_request"
-    assert rig.cp.register_reply("resources").checkpoint_id == "c1"
+    assert rig.cp.register_reply(joining("w0")).checkpoint_id == "c1"

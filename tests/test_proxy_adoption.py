@@ -12,6 +12,7 @@ import signal
 import aiohttp
 import pytest
 
+from gym_proxy.coordinator.contract.headers import WORKERS_PATH
 from tests.conftest import BOTH_APP_KINDS
 from tests.support import (
     CONTROL_TOKEN,
@@ -153,6 +154,40 @@ async def test_with_no_proxy_started_again_the_workers_stop_after_the_grace(star
     pids = crash(first)
     wait_until_sync(lambda: not any(pid_alive(p) for p in pids), 20, "the grace to end them")
     assert "no gym-proxy adopted it within 1 s; stopping" in first.log()
+
+
+async def test_by_default_workers_wait_only_for_a_proxy_that_dies_not_one_that_stops(
+    start_proxy, http
+):
+    """With a secret and no --orphan-grace, the grace is 30 s: a crash leaves the workers
+    waiting. A stop (SIGINT, as NeMo Gym's launcher sends) tells them first, so one that
+    the launcher SIGKILLs a second later, before it stopped its workers (a request in
+    flight holds it), leaves none behind."""
+    first = start_proxy("--control-token", CONTROL_TOKEN, workers=2)
+    await seed(http, first.url, 1)
+    pids = crash(first)
+    wait_until_sync(lambda: "up to 30 s for a gym-proxy" in first.log(), 10, "the wait")
+    second = start_proxy("--control-token", CONTROL_TOKEN, workers=2, same_as=first)
+    assert second.worker_pids() == [] and "adopted 2 workers" in second.log()
+    async with aiohttp.ClientSession() as client:
+        held = asyncio.ensure_future(client.get(f"{second.url}/slow?seconds=60&tag=held"))
+        await wait_until(lambda: seen_slow(client, second.url), 10, "the request to run")
+        second.signal(signal.SIGINT)
+        wait_until_sync(lambda: "waiting up to" in second.log(), 10, "the stop to begin")
+        os.kill(second.pid, signal.SIGKILL)
+        second.popen.wait(10)
+        wait_until_sync(lambda: not any(pid_alive(p) for p in pids), 15, "the workers to stop")
+        held.cancel()  # aiohttp sent the GET again, to the listening socket no one serves
+
+
+async def seen_slow(http, url: str) -> bool:
+    """Whether a worker runs a /slow request."""
+    for worker in (await Control(http, url).ok("status"))["workers"]:
+        owner = {"x-ng-session-owner": worker["owner"]}
+        async with http.get(f"{url}/seen", headers=owner) as resp:
+            if "/slow" in (await resp.json())["paths"]:
+                return True
+    return False
 
 
 async def test_a_proxy_with_another_secret_refuses_to_adopt(start_proxy, http):
@@ -348,16 +383,20 @@ async def test_a_take_over_under_load_fails_no_request(start_proxy):
 
 
 def test_a_take_over_with_nothing_to_take_is_refused_in_one_line():
-    alone = ProxyProcess(*GRACE, "--take-over", workers=1, app="tests.apps:create_app")
-    other = ProxyProcess("--take-over", workers=1, app="tests.apps:create_app")
+    app = "tests.apps:create_app"
+    alone = ProxyProcess("--take-over", workers=1, app=app)
+    no_grace = ProxyProcess("--take-over", "--orphan-grace", "0", workers=1, app=app)
+    no_secret = ProxyProcess("--take-over", workers=1, app=app, secret=None)
     try:
         assert alone.wait_exit() == 2
         assert "--take-over: no running gym-proxy of instance" in alone.log()
-        assert other.wait_exit() == 2
-        assert "--take-over needs --orphan-grace" in other.log()
+        assert no_grace.wait_exit() == 2
+        assert "--take-over needs --orphan-grace above 0" in no_grace.log()
+        assert no_secret.wait_exit() == 2
+        assert "--take-over needs --secret or --secret-file" in no_secret.log()
     finally:
-        alone.close()
-        other.close()
+        for proxy in (alone, no_grace, no_secret):
+            proxy.close()
 
 
 async def test_another_instance_leaves_waiting_workers_alone_and_says_so(start_proxy, http):
@@ -383,3 +422,44 @@ async def test_workers_past_the_new_worker_count_are_adopted_not_dropped(start_p
         status = await Control(again, second.url).ok("status")
     assert counts == [n + 1 for n in range(12)] and answered == set(pids)
     assert status["expected_workers"] == 3 and len(status["workers"]) == 3
+
+
+async def test_a_resize_a_drain_and_the_retire_marks_outlive_the_crash(start_proxy, http):
+    """What only the proxy knew survives it: the worker count a resize left (down, here:
+    the command says 3), the drain of a worker (it still takes no new session), and the
+    retire marks (the workers report them: counted, and a late call of a retired attempt
+    is refused, until a `forget` that reaches the workers)."""
+    args = (*GRACE, "--control-token", CONTROL_TOKEN)
+    first = start_proxy(*args, workers=3)
+    control = Control(http, first.url)
+    auth = {"Authorization": f"Bearer {CONTROL_TOKEN}"}
+    workers = f"{first.url}{WORKERS_PATH}"
+    async with http.post(f"{workers}/resize", json={"workers": 2}, headers=auth) as resp:
+        assert resp.status == 200, await resp.text()
+    async with http.post(f"{workers}/drain", json={"slot": 0}, headers=auth) as resp:
+        assert resp.status == 200, await resp.text()
+    episode = {"rollout_id": "r9", "attempt": 0}
+    assert await control.ok("retire", checkpoint_id="c1", episode_ids=[episode])
+    drained = (await control.ok("status"))["workers"][0]["owner"]
+    pids = crash(first)
+    second = start_proxy(*args, workers=3, same_as=first)
+    assert "keeping the 2 workers the dead instance was resized to (--workers 3" in second.log()
+    async with aiohttp.ClientSession() as again:
+        control = Control(again, second.url)
+        status = await control.ok("status")
+        assert status["expected_workers"] == 2 and status["retired_rollouts"] == 1, status
+        assert {w["pid"] for w in status["workers"]} == set(pids)
+        assert [w["state"] for w in status["workers"]] == ["draining", "ready"], status
+        fresh = await seed(again, second.url, 6)
+        assert set(await slots_of(again, second.url, fresh)) == {1}  # not the drained one
+        late = {"_ng_rollout_id": "r9", "_ng_attempt_index": 0, "steps": 1}
+        async with again.post(f"{second.url}/run", json=late) as resp:
+            assert resp.status == 409 and (await resp.json())["error"]["code"] == "stale_attempt"
+        await control.ok("forget", checkpoint_id="c2", rollout_ids=["r9"])
+        async with again.post(f"{second.url}/run", json=late) as resp:
+            assert resp.status == 200, await resp.text()
+        async with again.post(f"{second.url}{WORKERS_PATH}/undrain", json={"slot": 0},
+                              headers=auth) as resp:  # fmt: skip
+            assert (await resp.json())["slots"] == [
+                {"slot": 0, "owner": drained, "draining": False}
+            ]

@@ -16,7 +16,13 @@ name a wrong attempt), and the live operations:
   takes sessions) and an undrain;
 - a resize to 1-3 workers (grow at the end; shrink moves the last slots' sessions;
   refused when every slot it keeps is draining);
-- a rolling restart of some slots or all (each slot's worker a new process).
+- a rolling restart of some slots or all (each slot's worker a new process);
+- a kill -9 of gym-proxy alone and the same command started again (`--orphan-grace`): it
+  adopts the same worker processes, every session where it was with its count, the
+  drains, the worker count and the retire marks kept; a checkpoint open at the crash is
+  gone (idle), the restored episodes awaiting a claim with it; a request running at the
+  crash is cancelled on its worker as when its client goes away (a held request, a
+  running episode).
 
 Each hands the running episodes of the workers it empties over to the workers taking
 over (an episode runs a 50 ms step at a time: it is handed over at its next boundary).
@@ -50,6 +56,7 @@ import os
 import random
 import signal
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -84,6 +91,8 @@ class Model:
     draining: set[str] = field(default_factory=set)  # owners a drain took out of new sessions
     held: dict[str, asyncio.Task] = field(default_factory=dict)  # sid -> request task
     held_owner: dict[str, tuple[str, str]] = field(default_factory=dict)  # sid -> (owner, tag)
+    recalled: Counter[str] = field(default_factory=Counter)  # tag -> crashes that cut it
+    slow_seen: Counter[str] = field(default_factory=Counter)  # owner -> its /slow requests
     episodes: dict[str, str] = field(default_factory=dict)  # running: capture key -> owner
     pending: set[str] = field(default_factory=set)  # restored, awaiting a claim: N+1 keys
     tasks_of: dict[str, str] = field(default_factory=dict)  # rollout -> its task (in the body)
@@ -149,14 +158,22 @@ class Walk:
         self.last_log = ""
 
     # ---- plumbing ---------------------------------------------------------------
-    def start(self, workers: int) -> None:
-        self.expected = workers
+    def start(self, workers: int, same_as: ProxyProcess | None = None) -> None:
+        """Start gym-proxy with `workers` (`same_as`: the same command again, which
+        adopts the workers `same_as` left)."""
+        self.expected = workers if same_as is None else self.expected
+        self.workers_arg = workers
         self.proxy = ProxyProcess(
+            "--orphan-grace",
+            "30",
             workers=workers,
             app="tests.apps:create_app",
             control_token=CONTROL_TOKEN,
             env={"GYM_TEST_HOLD_FILE": str(self.hold)},
+            same_as=same_as,
         )
+        if same_as is not None:
+            self.proxy.seen_pids |= same_as.seen_pids  # adopted: a failed walk stops them
         self.proxy.wait_ready()
         self.control = Control(self.http, self.proxy.url)
 
@@ -197,8 +214,10 @@ class Walk:
             except aiohttp.ClientError as exc:
                 assert self.model.door_kill, exc
                 continue
-            if status == 502 and self.model.door_kill:
-                assert body["error"]["code"] == "upstream_connection_lost", body
+            if status in (410, 502) and self.model.door_kill:
+                # 410 when the proxy saw the worker's channel end before its connection
+                codes = {410: "session_owner_gone", 502: "upstream_connection_lost"}
+                assert body["error"]["code"] == codes[status], body
                 continue
             assert status == 200, body
             self.model.add(headers[TOKEN], count)
@@ -239,6 +258,7 @@ class Walk:
             return await self._seen_count(owner, "/slow") > before
 
         await wait_until(arrived, 10, "the held request to arrive")
+        self.model.slow_seen[owner] = await self._seen_count(owner, "/slow")
         self.model.held[sid] = task
         self.model.held_owner[sid] = (owner, tag)
         self.model.tasks.append(task)
@@ -253,8 +273,7 @@ class Walk:
         async def gone() -> bool:
             if self.model.phase != "idle":  # workers are closed: ask the coordinator
                 return f"session:{sid}" not in (await self.status())["report"]["blockers"]
-            async with self.http.get(f"{self.proxy.url}/cancelled", headers={OWNER: owner}) as resp:
-                return tag in (await resp.json())["cancelled"]
+            return await self._cancelled(owner, tag, self.model.recalled[tag] + 1)
 
         await wait_until(gone, 10, "the held request to be cancelled")
 
@@ -502,6 +521,58 @@ class Walk:
             self.model.sessions[sid] = (token, count)
             self.model.where[sid] = (await self.whoami(sid))["owner"]
             assert self.model.where[sid] in owners, (sid, self.model.where[sid], owners)
+
+    async def op_crash(self) -> None:
+        """kill -9 of gym-proxy alone, the same command again: everything the model holds
+        is as it was, in the same worker processes, but an open checkpoint and the requests
+        running at the crash. A held request (a GET) is cancelled on its worker as when its
+        client goes away, and the client (aiohttp, as NeMo Gym's) sends it again on a new
+        connection, which the new proxy serves: it is held again, on the same worker. A
+        running episode's /run (a POST) fails and its episode ends. (The model skips the
+        crash while seeds wait at the door or a replacement is held back: both would leave
+        it sessions or workers it cannot know.)"""
+        if self.model.door_seeds or self.model.held_back:
+            return
+        before = {w["owner"]: w["pid"] for w in await self.live()}
+        old = self.proxy
+        os.kill(old.pid, signal.SIGKILL)
+        old.popen.wait(10)
+        self.last_log = old.log()
+        self.start(self.workers_arg, same_as=old)
+        old._log.close()  # its workers, listener and directory are the new proxy's
+        assert {w["owner"]: w["pid"] for w in await self.live()} == before
+        self.trail[-1] += f"({self.model.phase}, {len(self.model.held)} held)"
+        sent_again: Counter[str] = Counter()
+        for sid, (owner, tag) in list(self.model.held_owner.items()):
+            self.model.recalled[tag] += 1
+            await wait_until(
+                lambda o=owner, t=tag: self._cancelled(o, t, self.model.recalled[t]),
+                10,
+                f"{sid}'s request cancelled by the crash",
+            )
+            if self.model.recalled[tag] == 1:
+                sent_again[owner] += 1
+                continue
+            with pytest.raises(aiohttp.ClientError):  # aiohttp sends a request again once
+                await asyncio.wait_for(self.model.held.pop(sid), 10)
+            del self.model.held_owner[sid]
+        for owner, count in sent_again.items():
+            self.model.slow_seen[owner] += count
+
+            async def arrived(owner: str = owner) -> bool:
+                return await self._seen_count(owner, "/slow") >= self.model.slow_seen[owner]
+
+            await wait_until(arrived, 10, "the held requests sent again")
+        self.model.episodes.clear()
+        self.model.pending.clear()
+        self.model.phase = "idle"
+        self.model.lost = False
+        await self.verify_sessions()
+
+    async def _cancelled(self, owner: str, tag: str, times: int) -> bool:
+        """Whether `owner`'s worker cancelled the held request `tag` `times` times."""
+        async with self.http.get(f"{self.proxy.url}/cancelled", headers={OWNER: owner}) as resp:
+            return (await resp.json())["cancelled"].count(tag) >= times
 
     # ---- live operations ----------------------------------------------------------
     async def operate(self, path: str, **body) -> tuple[int, dict]:
@@ -807,6 +878,7 @@ class Walk:
             (self.op_drain, 2),
             (self.op_resize, 1),
             (self.op_restart, 1),
+            (self.op_crash, 1),
         ]
         functions, weights = zip(*operations, strict=True)
         self.start(self.rng.randint(1, 3))

@@ -130,7 +130,7 @@ def test_boot_failure_stops_the_proxy(tmp_path):
 
 
 def test_workers_exit_when_the_proxy_dies(start_proxy):
-    proxy = start_proxy(workers=2)
+    proxy = start_proxy("--orphan-grace", "0", workers=2)
     workers = proxy.worker_pids()
     assert len(workers) == 2
     os.kill(proxy.pid, signal.SIGKILL)

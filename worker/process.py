@@ -35,7 +35,13 @@ from gym_proxy.coordinator.contract.channel import (
 from gym_proxy.coordinator.contract.collector import freeze_startup_heap
 from gym_proxy.coordinator.contract.exit_codes import BOOT_ERROR, LOST_COORDINATOR, exit_process
 from gym_proxy.coordinator.contract.keepalive import WORKER_KEEPALIVE
-from gym_proxy.coordinator.contract.messages import Message, Register, RegisterReply
+from gym_proxy.coordinator.contract.messages import (
+    Done,
+    Message,
+    ProxyStopping,
+    Register,
+    RegisterReply,
+)
 from gym_proxy.worker.aiohttp_door import RUNTIME, install_door, participation_of
 from gym_proxy.worker.app_loading import build_app
 from gym_proxy.worker.app_sessions import app_session_cookie
@@ -139,7 +145,12 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event | None = None) -> 
         # Ctrl-C reaches the whole process group; the proxy decides and sends SIGTERM.
         loop.add_signal_handler(signal.SIGINT, lambda: None)
 
+    proxy_stopping = asyncio.Event()
+
     async def handle(message: Message) -> Message:
+        if isinstance(message, ProxyStopping):
+            proxy_stopping.set()
+            return Done()
         return await handle_coordinator_message(runtime, message)
 
     def registration(rejoining: bool) -> Register:
@@ -154,6 +165,7 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event | None = None) -> 
             restart_only=runtime.participation.restart_only,
             rejoining=rejoining,
             held=runtime.store.ids() if rejoining else [],
+            marks=runtime.marks.as_dict() if rejoining else {},
         )
 
     try:
@@ -180,8 +192,8 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event | None = None) -> 
     try:
         while True:
             await asyncio.wait({channel_task, stop_task}, return_when=asyncio.FIRST_COMPLETED)
-            if stop.is_set():
-                break
+            if stop.is_set() or proxy_stopping.is_set():
+                break  # a gym-proxy that stops for good leaves no worker waiting for it
             channel.close()
             joined = await _rejoin(args, info.slot, stop, handle, runtime, registration)
             if joined is None:

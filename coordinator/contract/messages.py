@@ -289,9 +289,11 @@ class Register(Message):
     app_cookie: str | None
     restart_only: bool
     # A worker whose gym-proxy died, joining the one started again to adopt it
-    # (`--orphan-grace`): the session IDs it holds, which the new proxy's tables place on it.
+    # (`--orphan-grace`): the session IDs it holds, which the new proxy's tables place on it,
+    # and the retire marks it enforces, which the new coordinator takes in.
     rejoining: bool = False
     held: list[str] = dataclasses.field(default_factory=list)
+    marks: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
 @message("ready")
@@ -417,6 +419,13 @@ class Forgotten(Message):
 @message("forget", Forgotten)
 class Forget(Message):
     rollout_ids: list[str]
+
+
+@message("proxy_stopping", Done)
+class ProxyStopping(Message):
+    """gym-proxy stops for good (SIGTERM/SIGINT, not a take-over): a worker whose channel
+    then ends stops too, instead of waiting `--orphan-grace` for a successor (the proxy
+    may be killed before it stops the workers: NeMo Gym's launcher waits 1 s)."""
 
 
 @message("stop", Done)

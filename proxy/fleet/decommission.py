@@ -76,6 +76,8 @@ class WorkerPool(Protocol):
 
     def inherit_owner(self, old: str, heir: str) -> None: ...
 
+    def set_drained(self, worker: WorkerProcess, drained: bool) -> None: ...
+
 
 # What an operation is doing now (`Progress.step`; `detail` says it in words, with its
 # numbers). A controller or a test acts on the step, never on the words.

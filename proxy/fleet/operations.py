@@ -90,6 +90,7 @@ class Operations:
         async with self._exclusive("drain", "operator") as progress:
             worker = self._live_in(slot)
             self._keep_one_taking_sessions([worker], f"draining slot {slot}")
+            self.pool.set_drained(worker, True)
             deadline = time.monotonic() + within
             progress.at(
                 "moving_sessions", slot, f"slot {slot}: moving its sessions to the other workers"
@@ -114,7 +115,7 @@ class Operations:
         """The slot's worker takes new sessions again."""
         async with self._exclusive("undrain", "operator") as progress:
             worker = self._live_in(slot)
-            worker.live_route.draining = False
+            self.pool.set_drained(worker, False)
             progress.slots.append({"slot": slot, "owner": worker.owner, "draining": False})
             return self._answer(progress)
 

@@ -43,6 +43,7 @@ from gym_proxy.coordinator.placement import Placement
 from gym_proxy.coordinator.worker_channels import RegistrationRefused
 from gym_proxy.proxy.config import Config
 from gym_proxy.proxy.exchange import start_held, start_held_by_worker
+from gym_proxy.proxy.fleet.intent import FleetIntent, load_intent, save_intent
 from gym_proxy.proxy.fleet.worker_records import (
     AdoptedProcess,
     Slot,
@@ -100,6 +101,7 @@ class Supervisor:
     adopting: bool = False
     orphans: int = 0  # the dead instance's workers still listening when this one started
     handing_over: bool = False  # a new gym-proxy is taking the workers (`hand_over`)
+    drained: set[str] = field(default_factory=set)  # owners an operator drained (`intent`)
     _all_adopted: asyncio.Event = field(default_factory=asyncio.Event)
     _stop_began: float = 0.0  # monotonic time stop() sent SIGTERM
     # What a worker asks of its operator: recycle(slot, reason) (live operations set it).
@@ -123,6 +125,37 @@ class Supervisor:
             self.launcher = Zygote(
                 config.app, config.app_dir, config.limit_request_line, config.limit_request_headers
             )
+
+    # ---- what the operator asked (proxy.fleet.intent) -------------------------------
+    def take_intent(self) -> None:
+        """Adopting: keep the worker count and the drains the dead instance left."""
+        intent = load_intent(self.runtime_dir)
+        if intent is None:
+            return
+        if intent.workers != len(self.slots):
+            log.warning(
+                "keeping the %d workers the dead instance was resized to (--workers %d; "
+                "resize to change that)",
+                intent.workers,
+                len(self.slots),
+            )
+            self.slots = [Slot() for _ in range(intent.workers)]
+            self._resized()
+        self.drained = set(intent.drained)
+
+    def set_drained(self, worker: WorkerProcess, drained: bool) -> None:
+        """An operator's drain (or undrain) of `worker`: kept for an adopting successor."""
+        worker.live_route.draining = drained
+        (self.drained.add if drained else self.drained.discard)(worker.owner)
+        self._keep_intent()
+
+    def _keep_intent(self) -> None:
+        if not self.adopting:  # a drained worker that died took its drain with it
+            self.drained &= {w.owner for w in self.workers()}
+        try:
+            save_intent(self.runtime_dir, FleetIntent(len(self.slots), frozenset(self.drained)))
+        except OSError as exc:  # the directory went away: the server goes on without it
+            log.warning("could not keep the fleet's intent in %s: %s", self.runtime_dir, exc)
 
     # ---- lifecycle ----------------------------------------------------------------
     async def start(self) -> None:
@@ -346,6 +379,7 @@ class Supervisor:
             )
         self.router.add_worker(worker.route)
         if registration.rejoining:
+            worker.route.draining = worker.owner in self.drained
             # Its sessions route to it whatever owner their tokens name (a restore or a
             # move put some there): the dead instance's tables are not kept.
             kept = self.router.kept
@@ -670,6 +704,7 @@ class Supervisor:
     def _resized(self) -> None:
         # Workers started from now on are told the new count (a NeMo Gym class reads it).
         self.config = dataclasses.replace(self.config, workers=len(self.slots))
+        self._keep_intent()
 
     # ---- the mover's view (proxy.fleet.mover.MoveTable) ---------------------------
     def hold_sessions(self, session_ids: list[str]) -> None:

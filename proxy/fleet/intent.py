@@ -1,0 +1,65 @@
+"""What an operator asked of the fleet that no worker knows, kept where a successor finds it.
+
+The workers report their sessions when a new gym-proxy adopts them (`--orphan-grace`), but
+two things live only in the proxy: how many workers a resize left, and which workers a
+`drain` took out of new sessions until `undrain`. The supervisor writes them to
+`fleet.json` in the runtime directory whenever they change, and an adopting proxy reads
+them back, so that a crash does not undo a resize or a drain. A missing file (the dead
+instance never changed either) or a damaged one (said in one warning line) keeps the
+command line's values.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import orjson
+
+__all__ = ["FleetIntent", "INTENT_NAME", "load_intent", "save_intent"]
+
+log = logging.getLogger("gym_proxy.supervisor")
+
+INTENT_NAME = "fleet.json"
+
+
+@dataclass(frozen=True, slots=True)
+class FleetIntent:
+    workers: int  # the slot count (after any resize)
+    drained: frozenset[str] = field(default_factory=frozenset)  # owners an operator drained
+
+
+def save_intent(directory: str, intent: FleetIntent) -> None:
+    """Write `intent` into `directory` at once (a crash leaves the old file or the new)."""
+    path = Path(directory) / INTENT_NAME
+    temp = path.with_suffix(".tmp")
+    temp.write_bytes(orjson.dumps({"workers": intent.workers, "drained": sorted(intent.drained)}))
+    os.replace(temp, path)
+
+
+def load_intent(directory: str) -> FleetIntent | None:
+    """The intent a dead instance left in `directory`; None when it left none (or a
+    damaged one, which is logged)."""
+    path = Path(directory) / INTENT_NAME
+    try:
+        document = orjson.loads(path.read_bytes())
+    except FileNotFoundError:
+        return None
+    except (OSError, orjson.JSONDecodeError) as exc:
+        log.warning("%s unreadable (%s): the command line's worker count, no drains", path, exc)
+        return None
+    if not isinstance(document, dict):
+        document = {}
+    workers, drained = document.get("workers"), document.get("drained")
+    if not (
+        isinstance(workers, int)
+        and not isinstance(workers, bool)
+        and workers > 0
+        and isinstance(drained, list)
+        and all(isinstance(owner, str) for owner in drained)
+    ):
+        log.warning("%s is not a fleet intent: the command line's worker count, no drains", path)
+        return None
+    return FleetIntent(workers, frozenset(drained))
