@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from gym_proxy.coordinator import checkpoint_files as files
+from gym_proxy.coordinator import claims_recovery
 from gym_proxy.coordinator.broadcast import broadcast
 from gym_proxy.coordinator.contract import telemetry
 from gym_proxy.coordinator.contract.channel import (
@@ -150,6 +151,10 @@ class Checkpointer:
     claims: RestoredClaims[dict[str, Any]] = field(default_factory=RestoredClaims)
     marks: RetireMarks = field(default_factory=RetireMarks)
     restored_once: bool = False
+    # Where a restore notes its checkpoint for a gym-proxy that adopts the workers
+    # (claims_recovery.py; None: nowhere), and what the adopted workers still expect.
+    restored_note: str | None = None
+    _expected_by_adopted: list[dict[str, int]] = field(default_factory=list)
     exclusion: Exclusion = field(init=False)  # shared with the moves and live operations
     _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     _op: tuple[str, asyncio.Task[Any]] | None = None
@@ -170,6 +175,8 @@ class Checkpointer:
             self.kind = registration.kind
         if registration.rejoining:
             self.marks.merge(registration.marks)
+            self.restored_once = True  # its state is the dead instance's: no restore onto it
+            self._expected_by_adopted.append(registration.expected)
         open_id = self.machine.checkpoint_id if self.machine.is_open else None
         return RegisterReply(self._tables(), open_id)
 
@@ -530,6 +537,11 @@ class Checkpointer:
         self.workers.set_tables(placement)
         self.claims = claims
         self.restored_once = True
+        if self.restored_note is not None:
+            try:
+                claims_recovery.remember(self.restored_note, checkpoint_dir, scope)
+            except OSError as exc:
+                log.warning("could not note the restore in %s: %s", self.restored_note, exc)
         continued = set(claims.keys())
         continued.update(key for r in sessions if (key := record_key(r)))
         restored = {
@@ -538,6 +550,38 @@ class Checkpointer:
             "restored": sorted(continued),
         }
         return self.machine.succeed("restore", "restored", restored, arguments)
+
+    async def recover_claims(self) -> None:
+        """After an adoption: hold again the records of the restored episodes the adopted
+        workers still expect, read from the checkpoint the dead instance restored."""
+        expected = claims_recovery.still_expected(self._expected_by_adopted)
+        self._expected_by_adopted = []
+        note = claims_recovery.recall(self.restored_note) if self.restored_note else None
+        if not expected or note is None:
+            return
+        checkpoint_dir, scope = note
+        base = files.checkpoint_path(checkpoint_dir, self._kind(), self.instance)
+        try:
+            with collector_paused():
+                _, records = await asyncio.to_thread(
+                    files.read, base, kind=self._kind(), instance=self.instance
+                )
+                self.claims = claims_recovery.claims_from(
+                    _select(records, scope)[1], expected, self.marks
+                )
+        except (OSError, files.InvalidCheckpoint) as exc:
+            log.warning(
+                "the %d restored episodes awaiting their replacement cannot be continued "
+                "(their replacements are refused 409 stale_attempt): %s",
+                len(expected),
+                exc,
+            )
+            return
+        log.info(
+            "%d restored episodes awaiting their replacement, read again from %s",
+            len(self.claims),
+            checkpoint_dir,
+        )
 
     async def _rollback(self, live: list[LiveWorker]) -> None:
         """Undo an install on every worker and reopen it (each worker handles the three

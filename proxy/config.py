@@ -171,8 +171,9 @@ class Config:
         metavar="S",
         doc="a worker whose gym-proxy died (kill -9, OOM) keeps its sessions this long, "
         "waiting for the same command, started again with the same `--runtime-dir`, to adopt "
-        "it (without a secret 0: no successor could verify the workers' tokens; 0 = it "
-        "stops at once; [When gym-proxy dies](operations.md#when-gym-proxy-dies))",
+        "it (0 without a secret, which no successor could verify, and under NeMo Gym's "
+        "launcher, which restarts no server; 0 = it stops at once; "
+        "[When gym-proxy dies](operations.md#when-gym-proxy-dies))",
         doc_default=f"{DEFAULT_ORPHAN_GRACE:g} with a secret",
     )
     take_over: bool = option(

@@ -26,6 +26,7 @@ from typing import Any
 from aiohttp import web
 
 from gym_proxy.coordinator.checkpointer import Checkpointer
+from gym_proxy.coordinator.claims_recovery import RESTORED_NAME
 from gym_proxy.coordinator.contract import telemetry
 from gym_proxy.coordinator.contract.channel import Channel, ChannelClosed
 from gym_proxy.coordinator.contract.exit_codes import BOOT_ERROR, USAGE_ERROR
@@ -193,6 +194,8 @@ async def run(
         log.info("adopting the workers a dead instance left in %s", runtime.path)
         supervisor.take_intent()
     checkpointer = Checkpointer(supervisor, config.instance, config.lease_grace)
+    if config.orphan_grace:  # a successor may have to continue what a restore left
+        checkpointer.restored_note = runtime.join(RESTORED_NAME)
 
     def on_register(registration: Register, channel: Channel) -> RegisterReply:
         supervisor.on_register(registration, channel)
@@ -282,6 +285,7 @@ async def run(
             log.error("%s; stopping", exc)
             code = RAY_ERROR
             return code
+        await checkpointer.recover_claims()  # before a replacement may come to claim one
         state.booting = False
         if server is None:
             try:

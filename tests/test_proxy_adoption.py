@@ -306,12 +306,13 @@ async def test_adopted_workers_take_a_rolling_restart(start_proxy, http):
     assert answered and answered.isdisjoint(pids) and answered <= set(second.worker_pids())
 
 
-async def test_a_restored_episode_not_yet_claimed_is_refused_after_an_adoption(
+async def test_a_restored_episode_not_yet_claimed_continues_after_an_adoption(
     start_proxy, http, tmp_path
 ):
-    """The restored episodes awaiting their replacement live in the proxy that restored
-    them: when it dies before the claim, the adopting proxy cannot continue them, and the
-    replacement is refused (409 stale_attempt), never run from its start in silence."""
+    """The restored episodes awaiting their replacement were held by the proxy that
+    restored them: when it dies before the claim, the adopting proxy reads their records
+    again from the checkpoint (the workers say which are unclaimed), and the replacement
+    continues from the boundary, once; a wrong attempt is still refused."""
     args = (*GRACE, "--control-token", CONTROL_TOKEN)
     first = start_proxy(*args, workers=1)
     run = asyncio.ensure_future(
@@ -340,12 +341,22 @@ async def test_a_restored_episode_not_yet_claimed_is_refused_after_an_adoption(
         await control.ok("resume", checkpoint_id="rs")
         crash(second)
     third = start_proxy(*args, workers=1, same_as=first)
+    assert "1 restored episodes awaiting their replacement, read again from" in third.log()
     async with aiohttp.ClientSession() as client:
-        body = {"_ng_rollout_id": "r7", "_ng_attempt_index": 1, "steps": 2}
+        status = await Control(client, third.url).ok("status")
+        assert status["restored_pending"] == ["r7-a1"], status
+        body = {"_ng_rollout_id": "r7", "_ng_attempt_index": 2, "steps": 2, "gate": "g"}
         async with client.post(f"{third.url}/run", json=body) as resp:
-            error = (await resp.json())["error"]
-            assert resp.status == 409 and error["code"] == "stale_attempt", error
-            assert "no unclaimed restored record" in error["detail"]
+            assert resp.status == 409 and (await resp.json())["error"]["code"] == "stale_attempt"
+        async with client.post(f"{third.url}/release?name=g-1") as resp:
+            assert resp.status == 200
+        body["_ng_attempt_index"] = 1  # the same task: its digest is the record's
+        async with client.post(f"{third.url}/run", json=body) as resp:
+            reply = await resp.json()
+            assert resp.status == 200 and reply["restored"], reply
+            assert reply["state"]["log"] == ["r7:0", "r7-a1:1"], reply
+        status = await Control(client, third.url).ok("status")
+        assert status["restored_pending"] == [], status  # claimed
 
 
 async def test_a_take_over_under_load_fails_no_request(start_proxy):

@@ -19,8 +19,8 @@ name a wrong attempt), and the live operations:
 - a rolling restart of some slots or all (each slot's worker a new process);
 - a kill -9 of gym-proxy alone and the same command started again (`--orphan-grace`): it
   adopts the same worker processes, every session where it was with its count, the
-  drains, the worker count and the retire marks kept; a checkpoint open at the crash is
-  gone (idle), the restored episodes awaiting a claim with it; a request running at the
+  drains, the worker count, the retire marks and the restored episodes awaiting a claim
+  kept; a checkpoint open at the crash is gone (idle); a request running at the
   crash is cancelled on its worker as when its client goes away (a held request, a
   running episode).
 
@@ -563,8 +563,7 @@ class Walk:
                 return await self._seen_count(owner, "/slow") >= self.model.slow_seen[owner]
 
             await wait_until(arrived, 10, "the held requests sent again")
-        self.model.episodes.clear()
-        self.model.pending.clear()
+        self.model.episodes.clear()  # the restored ones awaiting a claim stay: read again
         self.model.phase = "idle"
         self.model.lost = False
         await self.verify_sessions()

@@ -166,6 +166,7 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event | None = None) -> 
             rejoining=rejoining,
             held=runtime.store.ids() if rejoining else [],
             marks=runtime.marks.as_dict() if rejoining else {},
+            expected=runtime.claims.attempts() if rejoining else {},
         )
 
     try:
@@ -236,9 +237,9 @@ async def _register(
         raise
     runtime.channel = channel
     if registration.rejoining:
-        # The new coordinator holds none of the dead one's restored records: the claims
-        # this worker still lists stay, so a replacement that would continue one is
-        # refused (409 stale_attempt), never run from its start in silence.
+        # The claims this worker still lists stay: the new coordinator reads their records
+        # again from the checkpoint (coordinator/claims_recovery.py), or refuses the
+        # replacement (409 stale_attempt), never running it from its start in silence.
         runtime.marks.merge(reply.tables.marks)
     else:
         apply_tables(runtime, reply.tables)

@@ -290,10 +290,12 @@ class Register(Message):
     restart_only: bool
     # A worker whose gym-proxy died, joining the one started again to adopt it
     # (`--orphan-grace`): the session IDs it holds, which the new proxy's tables place on it,
-    # and the retire marks it enforces, which the new coordinator takes in.
+    # the retire marks it enforces, which the new coordinator takes in, and the restored
+    # attempts it still expects (rollout -> attempt), which tell it the unclaimed ones.
     rejoining: bool = False
     held: list[str] = dataclasses.field(default_factory=list)
     marks: dict[str, int] = dataclasses.field(default_factory=dict)
+    expected: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
 @message("ready")
