@@ -160,6 +160,8 @@ def start(argv: Sequence[str] | None = None) -> None:
     if by_launcher and config.orphan_grace is None:
         config = replace(config, orphan_grace=0.0)
     config = config.with_orphan_grace()
+    if config.take_over and not config.orphan_grace:
+        _fail("--take-over needs --orphan-grace above 0: the workers change proxies")
     if config.secret is None:
         log.warning("no --secret: using a random one, so session cookies do not survive a restart")
         secret = secrets.token_bytes(32)

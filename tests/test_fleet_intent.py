@@ -34,16 +34,16 @@ def test_no_intent_is_none(tmp_path):
     assert load_intent(str(tmp_path)) is None
 
 
-def test_the_grace_is_30_s_with_a_secret_from_any_source_and_0_without(tmp_path):
+def test_the_grace_is_the_default_with_a_secret_from_any_source_and_0_without(tmp_path):
     assert config_from_args([]).with_orphan_grace().orphan_grace == 0
     flag = config_from_args(["--secret", "s"]).with_orphan_grace()
-    assert flag.orphan_grace == DEFAULT_ORPHAN_GRACE == 30
+    assert flag.orphan_grace == DEFAULT_ORPHAN_GRACE
     secret = tmp_path / "secret"
     secret.write_text("s\n")
     block = apply_block(config_from_args([]), {"secret_file": str(secret)}, "x.gym_proxy")
-    assert block.with_orphan_grace().orphan_grace == 30
-    given = config_from_args(["--secret", "s", "--orphan-grace", "0"]).with_orphan_grace()
-    assert given.orphan_grace == 0
+    assert block.with_orphan_grace().orphan_grace == DEFAULT_ORPHAN_GRACE
+    given = config_from_args(["--secret", "s", "--orphan-grace", "7"]).with_orphan_grace()
+    assert given.orphan_grace == 7
 
 
 def test_a_take_over_with_no_grace_is_refused():

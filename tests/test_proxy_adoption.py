@@ -156,18 +156,15 @@ async def test_with_no_proxy_started_again_the_workers_stop_after_the_grace(star
     assert "no gym-proxy adopted it within 1 s; stopping" in first.log()
 
 
-async def test_by_default_workers_wait_only_for_a_proxy_that_dies_not_one_that_stops(
-    start_proxy, http
-):
-    """With a secret and no --orphan-grace, the grace is 30 s: a crash leaves the workers
-    waiting. A stop (SIGINT, as NeMo Gym's launcher sends) tells them first, so one that
-    the launcher SIGKILLs a second later, before it stopped its workers (a request in
-    flight holds it), leaves none behind."""
-    first = start_proxy("--control-token", CONTROL_TOKEN, workers=2)
+async def test_workers_wait_only_for_a_proxy_that_dies_not_one_that_stops(start_proxy, http):
+    """A crash leaves the workers waiting (`--orphan-grace`). A stop (SIGINT, as NeMo
+    Gym's launcher sends) tells them first, so one that the launcher SIGKILLs a second
+    later, before it stopped its workers (a request in flight holds it), leaves none."""
+    first = start_proxy(*GRACE, "--control-token", CONTROL_TOKEN, workers=2)
     await seed(http, first.url, 1)
     pids = crash(first)
-    wait_until_sync(lambda: "up to 30 s for a gym-proxy" in first.log(), 10, "the wait")
-    second = start_proxy("--control-token", CONTROL_TOKEN, workers=2, same_as=first)
+    wait_until_sync(lambda: "up to 60 s for a gym-proxy" in first.log(), 10, "the wait")
+    second = start_proxy(*GRACE, "--control-token", CONTROL_TOKEN, workers=2, same_as=first)
     assert second.worker_pids() == [] and "adopted 2 workers" in second.log()
     async with aiohttp.ClientSession() as client:
         held = asyncio.ensure_future(client.get(f"{second.url}/slow?seconds=60&tag=held"))
@@ -395,9 +392,9 @@ async def test_a_take_over_under_load_fails_no_request(start_proxy):
 
 def test_a_take_over_with_nothing_to_take_is_refused_in_one_line():
     app = "tests.apps:create_app"
-    alone = ProxyProcess("--take-over", workers=1, app=app)
+    alone = ProxyProcess(*GRACE, "--take-over", workers=1, app=app)
     no_grace = ProxyProcess("--take-over", "--orphan-grace", "0", workers=1, app=app)
-    no_secret = ProxyProcess("--take-over", workers=1, app=app, secret=None)
+    no_secret = ProxyProcess(*GRACE, "--take-over", workers=1, app=app, secret=None)
     try:
         assert alone.wait_exit() == 2
         assert "--take-over: no running gym-proxy of instance" in alone.log()
