@@ -46,6 +46,7 @@ __all__ = [
     "checkpoint_path",
     "write",
     "read",
+    "read_lines",
 ]
 
 SCHEMA_VERSION = 1
@@ -200,6 +201,15 @@ def _id_map(manifest: dict[str, Any], key: str, keys_are: str) -> dict[str, str]
 
 def read(base: Path, *, kind: str, instance: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """Load and verify a checkpoint; raise InvalidCheckpoint on any doubt."""
+    manifest, records, _ = read_lines(base, kind=kind, instance=instance)
+    return manifest, records
+
+
+def read_lines(
+    base: Path, *, kind: str, instance: str
+) -> tuple[dict[str, Any], list[dict[str, Any]], list[bytes]]:
+    """`read`, and each record's line as the file holds it (what a restore sends its
+    workers, so it does not encode the records again)."""
     path = base / MANIFEST
     try:
         manifest = orjson.loads(_read_regular(path, _MANIFEST_LIMIT))
@@ -257,4 +267,4 @@ def read(base: Path, *, kind: str, instance: str) -> tuple[dict[str, Any], list[
         if problem is not None:
             raise InvalidCheckpoint(f"{name} line {number} {problem}")
         records.append(record)
-    return manifest, records
+    return manifest, records, lines

@@ -35,7 +35,7 @@ from gym_proxy.coordinator.contract.channel import (
     RemoteError,
 )
 from gym_proxy.coordinator.contract.collector import collector_paused
-from gym_proxy.coordinator.contract.episodes import EpisodeId, parse_episode_key
+from gym_proxy.coordinator.contract.episodes import EpisodeId, episode_key
 from gym_proxy.coordinator.contract.errors import GymError
 from gym_proxy.coordinator.contract.marks import RestoredClaims, RetireMarks
 from gym_proxy.coordinator.contract.messages import (
@@ -61,7 +61,7 @@ from gym_proxy.coordinator.contract.messages import (
     TablesUpdate,
     Uninstall,
 )
-from gym_proxy.coordinator.contract.records import EncodedRecords, is_session, record_key
+from gym_proxy.coordinator.contract.records import EncodedRecords, record_key
 from gym_proxy.coordinator.contract.telemetry import ATTRIBUTE
 from gym_proxy.coordinator.exclusion import Exclusion
 from gym_proxy.coordinator.phases import PhaseMachine
@@ -490,8 +490,10 @@ class Checkpointer:
         base = files.checkpoint_path(checkpoint_dir, self._kind(), self.instance)
         try:
             with telemetry.span("gym.checkpoint.read") as traced:
-                manifest, records = await asyncio.wait_for(
-                    asyncio.to_thread(files.read, base, kind=self._kind(), instance=self.instance),
+                manifest, records, lines = await asyncio.wait_for(
+                    asyncio.to_thread(
+                        files.read_lines, base, kind=self._kind(), instance=self.instance
+                    ),
                     self._remaining(deadline_ts, "reading the checkpoint"),
                 )
                 if traced is not None:
@@ -507,9 +509,10 @@ class Checkpointer:
             raise GymError("invalid_checkpoint_state", str(exc)) from exc
         self.io.records_read += len(records)
         self.io.bytes_read += _size(checkpoint_dir, self._kind(), self.instance, manifest)
-        sessions, episodes = _select(records, scope)
+        selection = _select(records, lines, scope)
+        del records, lines  # what is not selected is freed before the installs
         placement = place(
-            sessions,
+            selection.sessions,
             manifest["session_owners"],
             manifest["placed_sessions"],
             [w.owner for w in live],
@@ -517,7 +520,10 @@ class Checkpointer:
             self.workers.keeps_app_sessions,
         )
         claims = RestoredClaims(
-            {r["episode_id"]["rollout_id"]: (r["episode_id"]["attempt"] + 1, r) for r in episodes}
+            {
+                r["episode_id"]["rollout_id"]: (r["episode_id"]["attempt"] + 1, r)
+                for r in selection.episodes
+            }
         )
         self.machine.open(checkpoint_id, "restored", deadline_ts)
         self.readiness.reset()
@@ -525,7 +531,7 @@ class Checkpointer:
             closed: list[CloseReply] = await self._gather(live, Close(checkpoint_id), deadline_ts)
             for worker, reply in zip(live, closed, strict=True):
                 self.readiness.update(worker.owner, reply.report)  # status tells the truth
-            await self._gather(live, lambda w: Install(placement.records[w.owner]), deadline_ts)
+            await self._gather(live, lambda w: _install(placement.records[w.owner]), deadline_ts)
             tables = TablesUpdate(claims.attempts(), self.marks.as_dict())
             await self._gather(live, tables, deadline_ts)
         except GymError as exc:
@@ -542,8 +548,7 @@ class Checkpointer:
                 claims_recovery.remember(self.restored_note, checkpoint_dir, scope)
             except OSError as exc:
                 log.warning("could not note the restore in %s: %s", self.restored_note, exc)
-        continued = set(claims.keys())
-        continued.update(key for r in sessions if (key := record_key(r)))
+        continued = set(claims.keys()) | selection.continued
         restored = {
             "phase": "restored",
             "source_checkpoint_id": manifest["checkpoint_id"],
@@ -563,11 +568,11 @@ class Checkpointer:
         base = files.checkpoint_path(checkpoint_dir, self._kind(), self.instance)
         try:
             with collector_paused():
-                _, records = await asyncio.to_thread(
-                    files.read, base, kind=self._kind(), instance=self.instance
+                _, records, lines = await asyncio.to_thread(
+                    files.read_lines, base, kind=self._kind(), instance=self.instance
                 )
                 self.claims = claims_recovery.claims_from(
-                    _select(records, scope)[1], expected, self.marks
+                    _select(records, lines, scope).episodes, expected, self.marks
                 )
         except (OSError, files.InvalidCheckpoint) as exc:
             log.warning(
@@ -758,23 +763,41 @@ def _retrieve(task: asyncio.Future[Any]) -> None:
         task.exception()
 
 
-def _select(
-    records: list[dict[str, Any]], scope: set[str]
-) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+@dataclass
+class _Selection:
+    """What a restore continues: each session record as placement and its worker need it
+    (`owner`, `session_id`, and its `line` as the records file holds it), the episode
+    records in scope, and the capture keys the bound sessions continue as."""
+
+    sessions: list[dict[str, Any]]
+    episodes: list[dict[str, Any]]
+    continued: set[str]
+
+
+def _select(records: list[dict[str, Any]], lines: list[bytes], scope: set[str]) -> _Selection:
     """Records a restore continues: sessions bound to no episode, and what `scope` lists;
-    bound sessions move to the next attempt (episodes move when claimed)."""
-    sessions, episodes = [], []
-    for record in records:
-        key = record_key(record)
-        if not is_session(record):
-            if key in scope:
-                episodes.append(record)
-        elif key is None:
-            sessions.append(record)
-        elif key in scope:
-            continues = parse_episode_key(key).next_attempt().as_json()
-            sessions.append({**record, "episode_id": continues})
-    return sessions, episodes
+    bound sessions continue as the next attempt (the worker moves them, `continuing`;
+    episodes move when claimed)."""
+    selection = _Selection([], [], set())
+    for record, line in zip(records, lines, strict=True):
+        if "session_id" not in record:  # an episode at its boundary
+            if record_key(record) in scope:
+                selection.episodes.append(record)
+            continue
+        bound = record["episode_id"]
+        if bound is not None:
+            if episode_key(bound["rollout_id"], bound["attempt"]) not in scope:
+                continue
+            selection.continued.add(episode_key(bound["rollout_id"], bound["attempt"] + 1))
+        selection.sessions.append(
+            {"owner": record["owner"], "session_id": record["session_id"], "line": line}
+        )
+    return selection
+
+
+def _install(sessions: list[dict[str, Any]]) -> Install:
+    """The Install of a worker's placed sessions: their lines, joined."""
+    return Install(b"".join(s["line"] + b"\n" for s in sessions), len(sessions))
 
 
 def _size(checkpoint_dir: str, kind: str, instance: str, manifest: dict[str, Any]) -> int:

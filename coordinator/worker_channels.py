@@ -25,7 +25,7 @@ import time
 from collections.abc import Awaitable, Callable
 
 from gym_proxy.coordinator.contract.channel import Channel
-from gym_proxy.coordinator.contract.framing import FramingError, read_frame
+from gym_proxy.coordinator.contract.framing import STREAM_LIMIT, FramingError, read_frame
 from gym_proxy.coordinator.contract.messages import (
     MalformedMessage,
     Message,
@@ -74,7 +74,9 @@ class WorkerChannels:
 
     async def start(self, socket_path: str) -> None:
         """Listen on `socket_path` (inside the 0700 runtime directory)."""
-        self._server = await asyncio.start_unix_server(self._accept, socket_path)
+        self._server = await asyncio.start_unix_server(
+            self._accept, socket_path, limit=STREAM_LIMIT
+        )
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         if self._limit is not None and len(self._connections) >= self._limit():

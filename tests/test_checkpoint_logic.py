@@ -243,3 +243,22 @@ def test_records_in_nemo_gym_shapes(tmp_path):
         {"type": "session", "session_id": "x", "owner": "o", "episode": "r-a1", "value": 4}
     )
     assert legacy == session("x", "o", {"rollout_id": "r", "attempt": 1}) | {"state": 4}
+
+
+def test_a_restore_sends_the_lines_it_read_and_the_worker_continues_them(tmp_path):
+    """The coordinator sends a worker the records' lines as the file holds them (an
+    agent's session_key/session, and a legacy line); the worker reads them in memory's
+    shape, each bound session on its episode's next attempt, an unbound one as it was."""
+    bound = {"rollout_id": "r1", "attempt": 2}
+    recs = [session("s1", "o", bound), session("s2", None)]
+    base = records.checkpoint_path(str(tmp_path), "agent", "inst")
+    records.write(base, kind="agent", instance="inst", checkpoint_id="c", records=recs, extras={})
+    _, back, lines = records.read_lines(base, kind="agent", instance="inst")
+    assert back == recs and [orjson.loads(line)["session_key"] for line in lines] == ["s1", "s2"]
+    legacy = b'{"type":"session","session_id":"x","owner":"o","episode":"r-a1","value":4}'
+    sent = b"".join(line + b"\n" for line in [*lines, legacy])
+    assert record_format.restored_sessions(sent) == [
+        session("s1", "o", {"rollout_id": "r1", "attempt": 3}),
+        session("s2", None),
+        session("x", "o", {"rollout_id": "r", "attempt": 2}) | {"state": 4},
+    ]

@@ -25,7 +25,7 @@ from gym_proxy.coordinator.contract import messages as msg
 from gym_proxy.coordinator.contract.channel import Channel
 from gym_proxy.coordinator.contract.episodes import EpisodeId
 from gym_proxy.coordinator.contract.errors import GymError
-from gym_proxy.coordinator.contract.records import encode, record_key
+from gym_proxy.coordinator.contract.records import encode, record_key, restored_sessions
 from gym_proxy.coordinator.readiness import Readiness
 
 pytestmark = pytest.mark.fast
@@ -38,6 +38,11 @@ GRACE = 5.0
 def session(sid, owner, episode=None):
     bound = None if episode is None else episode.as_json()
     return {"episode_id": bound, "session_id": sid, "state": {"n": sid}, "owner": owner}
+
+
+def installed(install: msg.Install) -> list[dict]:
+    """The session records an Install carries, as the worker reads them."""
+    return restored_sessions(bytes(install.blob))
 
 
 def episode(rollout_id, attempt, digest="digest-1"):
@@ -105,7 +110,7 @@ class FakeWorker:
                 encoded = encode(out, message.kind)
                 return msg.ExportReply(encoded.data, encoded.count, sorted(encoded.keys))
             case msg.Install():
-                return msg.Installed(len(message.sessions))
+                return msg.Installed(message.count)
             case msg.Release() | msg.Uninstall():
                 return msg.Released(0)
             case msg.Retire():
@@ -452,7 +457,7 @@ async def test_restore_installs_what_a_commit_wrote(make_rig, tmp_path):
     for w in rig.workers:
         assert w.types() == ["close", "install", "tables"]
         assert w.received(msg.TablesUpdate) == [msg.TablesUpdate({"r1": 1}, {})]
-    n0, n1 = (w.received(msg.Install)[0].sessions for w in rig.workers)
+    n0, n1 = (installed(w.received(msg.Install)[0]) for w in rig.workers)
     assert n0 == [session("a", "w0")]
     assert n1 == [session("b", "w1", EpisodeId("r1", 1))]
     assert rig.view.alias_table == {"w0": "n0", "w1": "n1"}
@@ -475,7 +480,7 @@ async def test_restore_holds_the_collector_off_and_gives_it_back(make_rig, tmp_p
     release.set()
     await asyncio.wait_for(restore, 5)
     assert gc.isenabled()
-    assert len(rig.workers[0].received(msg.Install)[0].sessions) == 50
+    assert len(installed(rig.workers[0].received(msg.Install)[0])) == 50
 
 
 async def test_restore_refused_by_a_worker_rolls_back(make_rig, tmp_path):

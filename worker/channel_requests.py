@@ -112,7 +112,13 @@ async def _handle(runtime: ParticipantRuntime, message: Message) -> Message:
             return Released(await runtime.forget_sessions(dropped))
         case Install():
             with collector_paused():
-                return Installed(await runtime.install(message.sessions))
+                sessions = records.restored_sessions(bytes(message.blob))
+                if len(sessions) != message.count:
+                    raise GymError(
+                        "invalid_checkpoint_state",
+                        f"install announced {message.count} records and holds {len(sessions)}",
+                    )
+                return Installed(await runtime.install(sessions))
         case Uninstall():
             runtime.claims.clear()
             return Released(await runtime.forget_sessions(runtime.store.uninstall()))

@@ -34,6 +34,7 @@ from gym_proxy.coordinator.contract.channel import (
 )
 from gym_proxy.coordinator.contract.collector import freeze_startup_heap
 from gym_proxy.coordinator.contract.exit_codes import BOOT_ERROR, LOST_COORDINATOR, exit_process
+from gym_proxy.coordinator.contract.framing import STREAM_LIMIT
 from gym_proxy.coordinator.contract.keepalive import WORKER_KEEPALIVE
 from gym_proxy.coordinator.contract.messages import (
     Done,
@@ -226,7 +227,7 @@ async def _register(
 ) -> tuple[Channel, asyncio.Task[None]]:
     """Connect to the coordinator at `path`, register, and take the reply's tables;
     raises OSError, ChannelClosed, ChannelTimeout or RemoteError (refused)."""
-    reader, writer = await asyncio.open_unix_connection(path)
+    reader, writer = await asyncio.open_unix_connection(path, limit=STREAM_LIMIT)
     channel = Channel(reader, writer, handle)
     channel_task = asyncio.create_task(channel.serve())
     try:

@@ -33,6 +33,7 @@ import orjson
 
 __all__ = [
     "MAX_FRAME",
+    "STREAM_LIMIT",
     "FramingError",
     "FrameTooLarge",
     "TruncatedFrame",
@@ -43,6 +44,10 @@ __all__ = [
 ]
 
 MAX_FRAME = 1 << 30
+# What a channel's StreamReader buffers before it stops reading: asyncio's default (64 KiB)
+# pauses and resumes the socket every 128 KiB, about 60 loop turns for a restore's 8 MB
+# install; this many bytes of a large frame arrive in a few.
+STREAM_LIMIT = 1 << 22
 _HEADER = struct.Struct(">I")
 
 

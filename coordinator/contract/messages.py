@@ -380,9 +380,11 @@ class Installed(Message):
 
 @message("install", Installed)
 class Install(Message):
-    """Install these restored session records (all or none)."""
+    """Install these restored session records (all or none): `blob` holds their lines as
+    the records file holds them (`records.restored_sessions` reads them)."""
 
-    sessions: list[dict[str, Any]]
+    blob: bytes
+    count: int
 
 
 @message("uninstall", Released)

@@ -32,6 +32,8 @@ __all__ = [
     "record_key",
     "to_disk",
     "from_disk",
+    "continuing",
+    "restored_sessions",
 ]
 
 
@@ -171,3 +173,21 @@ def validate_record(record: Any) -> str | None:
             return "has no task_digest (a string)"
         return None
     return "is neither a session nor an episode record"
+
+
+def continuing(record: dict[str, Any]) -> dict[str, Any]:
+    """A restored session record as it continues: bound to its episode's next attempt
+    (the attempt a replacement runs), or unchanged when bound to none."""
+    episode = record.get("episode_id")
+    if episode is None:
+        return record
+    return {**record, "episode_id": {**episode, "attempt": episode["attempt"] + 1}}
+
+
+def restored_sessions(lines: bytes) -> list[dict[str, Any]]:
+    """The session records a restore installs, from their lines as the records file
+    holds them (the coordinator read and validated these bytes, and sends them on
+    untouched rather than parsing them and encoding them again): converted as read back,
+    each continuing (`continuing`)."""
+    loads = orjson.loads
+    return [continuing(from_disk(loads(line))) for line in lines.splitlines()]
