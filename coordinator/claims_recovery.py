@@ -13,14 +13,11 @@ so an episode every rejoining worker still expects was claimed by none of them.
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Iterable
-from pathlib import Path
 from typing import Any
 
-import orjson
-
 from gym_proxy.coordinator.contract.marks import RestoredClaims, RetireMarks
+from gym_proxy.coordinator.contract.state_files import load_document, replace_document
 
 __all__ = ["RESTORED_NAME", "remember", "recall", "still_expected", "claims_from"]
 
@@ -31,21 +28,13 @@ RESTORED_NAME = "restored.json"
 
 def remember(path: str, checkpoint_dir: str, scope: Iterable[str]) -> None:
     """Note the restore's checkpoint and scope at `path`, at once (old file or new)."""
-    temp = Path(path + ".tmp")
-    temp.write_bytes(orjson.dumps({"checkpoint_dir": checkpoint_dir, "scope": sorted(scope)}))
-    os.replace(temp, path)
+    replace_document(path, {"checkpoint_dir": checkpoint_dir, "scope": sorted(scope)})
 
 
 def recall(path: str) -> tuple[str, set[str]] | None:
     """The checkpoint directory and scope a dead instance restored; None when it did not
     (or its note is unreadable, which is logged)."""
-    try:
-        note = orjson.loads(Path(path).read_bytes())
-    except FileNotFoundError:
-        return None
-    except (OSError, orjson.JSONDecodeError) as exc:
-        log.warning("%s unreadable (%s): restored episodes cannot be continued", path, exc)
-        return None
+    note = load_document(path, log, "restored episodes cannot be continued")
     directory = note.get("checkpoint_dir") if isinstance(note, dict) else None
     scope = note.get("scope") if isinstance(note, dict) else None
     if not isinstance(directory, str) or not isinstance(scope, list):

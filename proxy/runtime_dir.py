@@ -21,7 +21,7 @@ import stat
 import tempfile
 import time
 
-import orjson
+from gym_proxy.coordinator.contract.state_files import load_document, replace_document
 
 __all__ = [
     "RuntimeDir",
@@ -115,11 +115,7 @@ def waiting_workers(parent: str | None) -> dict[str, str]:
 
 def read_identity(path: str) -> dict[str, object] | None:
     """The identity file of the runtime directory at `path`, None without a readable one."""
-    try:
-        with open(os.path.join(path, IDENTITY_NAME), "rb") as identity:
-            found = orjson.loads(identity.read())
-    except (OSError, orjson.JSONDecodeError):
-        return None
+    found = load_document(os.path.join(path, IDENTITY_NAME))
     return found if isinstance(found, dict) else None
 
 
@@ -223,10 +219,7 @@ class RuntimeDir:
 
     def write_identity(self, identity: dict[str, object]) -> None:
         """Record which instance this is (read by the one that may adopt its workers)."""
-        temp = self.join(IDENTITY_NAME + ".tmp")
-        with open(temp, "wb") as out:
-            out.write(orjson.dumps(identity))
-        os.replace(temp, self.join(IDENTITY_NAME))
+        replace_document(self.join(IDENTITY_NAME), identity)
 
     def join(self, name: str) -> str:
         return os.path.join(self.path, name)

@@ -12,11 +12,10 @@ command line's values.
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import orjson
+from gym_proxy.coordinator.contract.state_files import load_document, replace_document
 
 __all__ = ["FleetIntent", "INTENT_NAME", "load_intent", "save_intent"]
 
@@ -33,22 +32,16 @@ class FleetIntent:
 
 def save_intent(directory: str, intent: FleetIntent) -> None:
     """Write `intent` into `directory` at once (a crash leaves the old file or the new)."""
-    path = Path(directory) / INTENT_NAME
-    temp = path.with_suffix(".tmp")
-    temp.write_bytes(orjson.dumps({"workers": intent.workers, "drained": sorted(intent.drained)}))
-    os.replace(temp, path)
+    document = {"workers": intent.workers, "drained": sorted(intent.drained)}
+    replace_document(Path(directory) / INTENT_NAME, document)
 
 
 def load_intent(directory: str) -> FleetIntent | None:
     """The intent a dead instance left in `directory`; None when it left none (or a
     damaged one, which is logged)."""
     path = Path(directory) / INTENT_NAME
-    try:
-        document = orjson.loads(path.read_bytes())
-    except FileNotFoundError:
-        return None
-    except (OSError, orjson.JSONDecodeError) as exc:
-        log.warning("%s unreadable (%s): the command line's worker count, no drains", path, exc)
+    document = load_document(path, log, "the command line's worker count, no drains")
+    if document is None:
         return None
     if not isinstance(document, dict):
         document = {}
