@@ -26,9 +26,11 @@ __all__ = [
 
 DEFAULT_APP = "gym_proxy.worker.counter:create_app"
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
-# How long workers wait for a successor when gym-proxy dies, unless --orphan-grace says.
-# 0 for now: a 30 s default (with a secret) awaits a clean CI run (docs/operations.md).
-DEFAULT_ORPHAN_GRACE = 0.0
+# How long workers wait for a successor when gym-proxy dies, unless --orphan-grace says:
+# long enough for a supervisor's restart (systemd's RestartSec is 100 ms by default,
+# supervisord backs off a few seconds) and an adoption (0.3 s), short enough that idle
+# workers of a proxy nobody restarts do not linger (docs/operations.md).
+DEFAULT_ORPHAN_GRACE = 30.0
 COOKIE_NAME = re.compile(r"[A-Za-z0-9!#$%&'*+.^_`|~-]{1,128}\Z")  # an RFC 6265 token
 
 
