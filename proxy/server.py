@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import signal
@@ -32,6 +33,7 @@ from gym_proxy.coordinator.contract.channel import Channel, ChannelClosed
 from gym_proxy.coordinator.contract.exit_codes import BOOT_ERROR, USAGE_ERROR
 from gym_proxy.coordinator.contract.keepalive import POOL_IDLE
 from gym_proxy.coordinator.contract.messages import ProxyStopping, Register, RegisterReply
+from gym_proxy.coordinator.exclusion import Exclusion
 from gym_proxy.coordinator.worker_channels import WorkerChannels
 from gym_proxy.proxy import data_path
 from gym_proxy.proxy.cli import OPERATION_SIGNALS, hold_operation_signals, release_operation_signals
@@ -306,7 +308,10 @@ async def run(
         taken = loop.create_future()
         if config.orphan_grace:
             takeover = TakeOverListener(
-                secret_fingerprint(secret, config.instance), listen_sock, taken.set_result
+                secret_fingerprint(secret, config.instance),
+                listen_sock,
+                functools.partial(_taken, checkpointer.exclusion, taken),
+                functools.partial(_take_over_blocked, checkpointer.exclusion),
             )
             await takeover.start(runtime.join(TAKEOVER_NAME))
         accepting_signals = True
@@ -425,6 +430,24 @@ def _bind(host: str, port: int) -> socket.socket:
         raise
     sock.setblocking(False)
     return sock
+
+
+def _take_over_blocked(exclusion: Exclusion) -> str | None:
+    """Why a take-over must wait: what runs here whose state the new gym-proxy would not
+    have (the controller, or the operator, finishes it first)."""
+    open_id = exclusion.open_checkpoint()
+    if open_id is not None:
+        return f"checkpoint {open_id} is open; take over after its resume"
+    if exclusion.operation is not None:
+        return f"a {exclusion.operation} is running; take over after it"
+    return None
+
+
+def _taken(exclusion: Exclusion, taken: asyncio.Future[int], pid: int) -> None:
+    """Taken over: from now on a checkpoint or an operation here is refused (409 naming
+    the take-over), so none starts that the new gym-proxy would not know."""
+    exclusion.operation = "take-over"
+    taken.set_result(pid)
 
 
 def _where(config: Config) -> str:

@@ -72,14 +72,21 @@ def _running(parent: str, instance: str) -> str:
 
 class TakeOverListener:
     """The running instance's end: hands `listen_sock` to the first new instance that
-    proves the same secret, then calls `on_taken` (once)."""
+    proves the same secret, then calls `on_taken` (once). While `busy` names something
+    the new instance could not carry on (an open checkpoint, a running move or live
+    operation: their state is this process's), the take-over is refused with that."""
 
     def __init__(
-        self, fingerprint: str, listen_sock: socket.socket, on_taken: Callable[[int], None]
+        self,
+        fingerprint: str,
+        listen_sock: socket.socket,
+        on_taken: Callable[[int], None],
+        busy: Callable[[], str | None] = lambda: None,
     ) -> None:
         self._fingerprint = fingerprint
         self._listen_sock = listen_sock
         self._on_taken = on_taken
+        self._busy = busy
         self._server: asyncio.AbstractServer | None = None
         self.taken = False
 
@@ -95,8 +102,14 @@ class TakeOverListener:
         except (TimeoutError, ValueError, orjson.JSONDecodeError, ConnectionError):
             writer.close()
             return
-        if self.taken or request.get("secret") != self._fingerprint:
-            why = "it is being taken over already" if self.taken else "another secret"
+        why = None
+        if self.taken:
+            why = "it is being taken over already"
+        elif request.get("secret") != self._fingerprint:
+            why = "another secret"
+        else:
+            why = self._busy()
+        if why is not None:
             writer.write(orjson.dumps({"error": why}))
             writer.close()
             return

@@ -35,6 +35,7 @@ SAMPLES: dict[str, Any] = {
     "list[str]": ["a"],
     "list[str] | None": ["k"],
     "dict[str, int]": {"a": 1},
+    "dict[str, float]": {"a": 1.5},
     "dict[str, list[str]]": {"a": ["b"]},
     "dict[str, str]": {"k": "v"},
     "list[RunningEpisode]": [messages.RunningEpisode("k", None, ["s"], "")],

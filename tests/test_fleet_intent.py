@@ -15,19 +15,32 @@ pytestmark = pytest.mark.fast
 
 
 def test_an_intent_reads_back_as_written(tmp_path):
-    save_intent(str(tmp_path), FleetIntent(3, frozenset({"ownerA", "ownerB"})))
-    assert load_intent(str(tmp_path)) == FleetIntent(3, frozenset({"ownerA", "ownerB"}))
+    intent = FleetIntent(3, frozenset({"ownerA", "ownerB"}), {"old": "ownerA"})
+    save_intent(str(tmp_path), intent)
+    assert load_intent(str(tmp_path)) == intent
     assert [p.name for p in tmp_path.iterdir()] == [INTENT_NAME]  # no temporary left
 
 
 @pytest.mark.parametrize(
-    "damaged", [b"{not json", b"[]", b'{"workers": 0, "drained": []}', b'{"workers": 2}']
+    "damaged",
+    [
+        b"{not json",
+        b"[]",
+        b'{"workers": 0, "drained": []}',
+        b'{"workers": 2}',
+        b'{"workers": 2, "drained": [], "aliases": {"old": 3}}',
+    ],
 )
 def test_a_damaged_intent_is_said_and_ignored(tmp_path, caplog, damaged):
     (tmp_path / INTENT_NAME).write_bytes(damaged)
     with caplog.at_level(logging.WARNING):
         assert load_intent(str(tmp_path)) is None
     assert "the command line's worker count, no drains" in caplog.text
+
+
+def test_an_intent_from_before_aliases_were_kept_has_none(tmp_path):
+    (tmp_path / INTENT_NAME).write_bytes(b'{"workers": 2, "drained": ["a"]}')
+    assert load_intent(str(tmp_path)) == FleetIntent(2, frozenset({"a"}), {})
 
 
 def test_no_intent_is_none(tmp_path):

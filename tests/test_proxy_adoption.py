@@ -10,6 +10,7 @@ import random
 import signal
 
 import aiohttp
+import orjson
 import pytest
 
 from gym_proxy.coordinator.contract.headers import WORKERS_PATH
@@ -280,10 +281,14 @@ async def test_a_crash_under_load_keeps_1000_sessions_on_4_workers(start_proxy, 
         assert confirmed + 1 <= count <= confirmed + cut + 1, (i, count, confirmed)
 
 
-async def test_adopted_workers_take_a_rolling_restart(start_proxy, http):
+async def test_adopted_workers_take_a_rolling_restart_and_its_heirs_outlive_a_crash(
+    start_proxy, http
+):
     """The live operations treat an adopted worker as any other: a rolling restart after
     the adoption moves every session to new processes and stops the adopted ones (through
-    their pidfds: they are not this proxy's children), every count exact."""
+    their pidfds: they are not this proxy's children), every count exact. The restart
+    made each new worker its old one's heir: after the next crash, a token whose session
+    no worker holds any more (closed) still reaches the heir, not 410."""
     args = (*GRACE, "--control-token", CONTROL)
     first = start_proxy(*args, workers=2)
     sessions = await seed(http, first.url, 12)
@@ -299,8 +304,22 @@ async def test_adopted_workers_take_a_rolling_restart(start_proxy, http):
             assert resp.status == 200 and reply["complete"], reply
         wait_until_sync(lambda: not any(pid_alive(p) for p in pids), 15, "the old to stop")
         counts, answered = await counts_and_pids(again, second.url, sessions)
+        closed, _ = sessions[0]
+        [heir] = await slots_of(again, second.url, [sessions[0]])
+        async with again.post(
+            f"{second.url}/close_session", headers={TOKEN_HEADER: closed}
+        ) as resp:
+            assert resp.status == 200
+        aliases = (await Control(again, second.url, CONTROL).ok("status"))["session_aliases"]
     assert counts == [n + 1 for n in range(12)]
     assert answered and answered.isdisjoint(pids) and answered <= set(second.worker_pids())
+    crash(second)
+    third = start_proxy(*args, workers=2, same_as=first)
+    async with aiohttp.ClientSession() as again:
+        assert (await Control(again, third.url, CONTROL).ok("status"))["session_aliases"] == aliases
+        async with again.get(f"{third.url}/whoami", headers={TOKEN_HEADER: closed}) as resp:
+            assert resp.status == 200, await resp.text()  # 410 without the kept aliases
+            assert (await resp.json())["slot"] == heir
 
 
 async def test_a_restored_episode_not_yet_claimed_continues_after_an_adoption(
@@ -471,3 +490,63 @@ async def test_a_resize_a_drain_and_the_retire_marks_outlive_the_crash(start_pro
             assert (await resp.json())["slots"] == [
                 {"slot": 0, "owner": drained, "draining": False}
             ]
+
+
+async def test_a_move_cut_by_the_crash_leaves_one_copy_of_each_session(start_proxy, http, tmp_path):
+    """The proxy dies after the target installed worker 0's sessions and before the table
+    sent them there (a crash point), so both workers hold them when the same command
+    adopts them: each stays with the copy installed last (the target's), the source drops
+    its own, every count is exact, and a checkpoint holds each session once."""
+    args = (*GRACE, "--control-token", CONTROL)
+    first = start_proxy(*args, workers=2, env={"GYM_PROXY_FAILPOINTS": "move-adopted"})
+    sessions = await seed(http, first.url, 12)
+    slots = await slots_of(http, first.url, sessions)
+    moving = [t.split(".")[2] for (t, _), slot in zip(sessions, slots, strict=True) if slot == 0]
+    assert moving
+    before, _ = await counts_and_pids(http, first.url, sessions)
+    with pytest.raises(aiohttp.ClientError):
+        await http.post(
+            f"{first.url}{MOVE}",
+            json={"session_ids": moving, "to_slot": 1},
+            headers={"Authorization": f"Bearer {CONTROL}"},
+        )
+    assert first.wait_exit(30) == 97  # failpoints.FAILPOINT_EXIT
+    second = start_proxy(*args, workers=2, same_as=first)
+    assert f"{len(moving)} sessions were held by two workers" in second.log()
+    async with aiohttp.ClientSession() as again:
+        after, _ = await counts_and_pids(again, second.url, sessions)
+        assert after == [count + 1 for count in before]
+        assert set(await slots_of(again, second.url, sessions)) == {1}
+        control = Control(again, second.url, CONTROL)
+        await control.checkpoint("after", str(tmp_path))
+    [records] = tmp_path.glob("gym/*/*/records-*.jsonl")
+    held = [orjson.loads(line)["session_id"] for line in records.read_bytes().splitlines()]
+    assert sorted(held) == sorted(t.split(".")[2] for t, _ in sessions)  # each once
+
+
+async def test_a_take_over_waits_for_an_open_checkpoint_to_resume(start_proxy):
+    """A checkpoint's phase lives in the running proxy: a take-over while one is open is
+    refused in one line (exit 2), the old proxy serves on, untouched; after the resume
+    the same take-over succeeds."""
+    args = (*GRACE, "--control-token", CONTROL)
+    first = start_proxy(*args, workers=2)
+    # A client session closed before the take-over: an idle keep-alive connection would
+    # keep the old proxy until its client drops it.
+    async with aiohttp.ClientSession() as before:
+        sessions = await seed(before, first.url, 4)
+        control = Control(before, first.url, CONTROL)
+        assert (await control.ok("prepare", checkpoint_id="up-1"))["phase"] == "prepared"
+        refused = start_proxy(
+            *args, "--take-over", workers=2, same_as=first, inherit=False, ready=False
+        )
+        assert refused.wait_exit() == 2
+        assert "checkpoint up-1 is open; take over after its resume" in refused.log()
+        assert (await control.ok("status"))["phase"] == "prepared"
+        await control.ok("resume", checkpoint_id="up-1")
+    second = start_proxy(*args, "--take-over", workers=2, same_as=first, inherit=False, ready=False)
+    await wait_until(lambda: first.popen.poll() is not None, 60, "the old proxy to exit")
+    assert first.popen.returncode == 0
+    second.wait_ready()
+    async with aiohttp.ClientSession() as again:
+        counts, _ = await counts_and_pids(again, second.url, sessions)
+    assert counts == [n + 1 for n in range(4)]

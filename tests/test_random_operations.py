@@ -22,7 +22,10 @@ name a wrong attempt), and the live operations:
   drains, the worker count, the retire marks and the restored episodes awaiting a claim
   kept; a checkpoint open at the crash is gone (idle); a request running at the
   crash is cancelled on its worker as when its client goes away (a held request, a
-  running episode).
+  running episode);
+- an upgrade (`--take-over`): refused in one line while a checkpoint is open, nothing
+  changed; when idle, the new gym-proxy serves everything as it was from the same worker
+  processes and the old one exits 0.
 
 Each hands the running episodes of the workers it empties over to the workers taking
 over (an episode runs a 50 ms step at a time: it is handed over at its next boundary).
@@ -155,27 +158,35 @@ class Walk:
         self.proxy: ProxyProcess | None = None
         self.expected = 0
         self.trail: list[str] = []  # operations so far, for the failure message
+        self.clients: list[aiohttp.ClientSession] = []  # opened after a take-over
         self.last_log = ""
 
     # ---- plumbing ---------------------------------------------------------------
-    def start(self, workers: int, same_as: ProxyProcess | None = None) -> None:
+    def start(
+        self, workers: int, same_as: ProxyProcess | None = None, take_over: bool = False
+    ) -> None:
         """Start gym-proxy with `workers` (`same_as`: the same command again, which
-        adopts the workers `same_as` left)."""
+        adopts the workers `same_as` left, or with `take_over` takes them from it)."""
         self.expected = workers if same_as is None else self.expected
         self.workers_arg = workers
-        self.proxy = ProxyProcess(
-            "--orphan-grace",
-            "30",
-            workers=workers,
-            app="tests.apps:create_app",
-            control_token=CONTROL_TOKEN,
-            env={"GYM_TEST_HOLD_FILE": str(self.hold)},
-            same_as=same_as,
-        )
+        self.proxy = self.command(same_as, take_over)
         if same_as is not None:
             self.proxy.seen_pids |= same_as.seen_pids  # adopted: a failed walk stops them
         self.proxy.wait_ready()
         self.control = Control(self.http, self.proxy.url)
+
+    def command(self, same_as: ProxyProcess | None, take_over: bool = False) -> ProxyProcess:
+        return ProxyProcess(
+            "--orphan-grace",
+            "30",
+            *(["--take-over"] if take_over else []),
+            workers=self.workers_arg,
+            app="tests.apps:create_app",
+            control_token=CONTROL_TOKEN,
+            env={"GYM_TEST_HOLD_FILE": str(self.hold)},
+            same_as=same_as,
+            inherit=not take_over,
+        )
 
     async def status(self) -> dict:
         return await self.control.ok("status")
@@ -568,6 +579,40 @@ class Walk:
         self.model.lost = False
         await self.verify_sessions()
 
+    async def op_take_over(self) -> None:
+        """An upgrade: the same command with `--take-over` beside the running gym-proxy.
+        While a checkpoint is open it is refused in one line and nothing changes; when
+        idle, the new one serves every session where it was with its count from the same
+        worker processes (the drains, the worker count, the retire marks and the restored
+        episodes awaiting a claim kept), and the old one exits 0 once its connections
+        close, which the walk's client does (an idle connection would reach the old
+        proxy, which refuses a control call: 409, a take-over is running). Skipped while
+        a request or an episode runs, seeds wait at the door or a replacement is held
+        back: they live on the old proxy's connections, or would leave the model workers
+        it cannot know."""
+        model = self.model
+        if model.held or model.episodes or model.door_seeds or model.held_back:
+            return
+        before = {w["owner"]: w["pid"] for w in await self.live()}
+        old = self.proxy
+        if model.phase != "idle":
+            refused = self.command(old, take_over=True)
+            assert refused.wait_exit() == 2, refused.log()
+            reason = f"checkpoint {self.open_id} is open; take over after its resume"
+            assert reason in refused.log(), refused.log()
+            refused._log.close()
+            self.trail[-1] += "(refused)"
+        else:
+            await self.http.close()  # nothing runs: the old proxy's connections all idle
+            self.http = client()
+            self.clients.append(self.http)
+            self.start(self.workers_arg, same_as=old, take_over=True)
+            self.proxy.seen_pids |= old.seen_pids
+            assert old.wait_exit(30) == 0, old.log()
+            old._log.close()
+        assert {w["owner"]: w["pid"] for w in await self.live()} == before
+        await self.verify_sessions()
+
     async def _cancelled(self, owner: str, tag: str, times: int) -> bool:
         """Whether `owner`'s worker cancelled the held request `tag` `times` times."""
         async with self.http.get(f"{self.proxy.url}/cancelled", headers={OWNER: owner}) as resp:
@@ -878,6 +923,7 @@ class Walk:
             (self.op_resize, 1),
             (self.op_restart, 1),
             (self.op_crash, 1),
+            (self.op_take_over, 1),
         ]
         functions, weights = zip(*operations, strict=True)
         self.start(self.rng.randint(1, 3))
@@ -898,26 +944,32 @@ class Walk:
                     result.release()
             self.last_log = self.proxy.log()
             self.proxy.close()
+            for opened in self.clients:
+                await opened.close()
 
 
 @pytest.mark.timeout(max(600, SEEDS * 6))
 async def test_random_operations(tmp_path):
-    async with aiohttp.ClientSession(
+    limit = asyncio.Semaphore(PARALLEL)
+
+    async def one(seed: int) -> None:
+        async with limit, client() as http:  # a take-over closes it: a walk's own
+            root = tmp_path / f"seed-{seed}"
+            root.mkdir()
+            walk = Walk(seed, http, root)
+            try:
+                await walk.run()
+            except BaseException as exc:
+                raise AssertionError(
+                    f"seed {seed} failed after {walk.trail}: {exc!r}\n"
+                    f"last gym-proxy log:\n{walk.last_log[-3000:]}"
+                ) from exc
+
+    await asyncio.gather(*(one(seed) for seed in range(FIRST_SEED, FIRST_SEED + SEEDS)))
+
+
+def client() -> aiohttp.ClientSession:
+    """A walk's HTTP client (as NeMo Gym's: pooled, no cookie jar)."""
+    return aiohttp.ClientSession(
         cookie_jar=aiohttp.DummyCookieJar(), timeout=aiohttp.ClientTimeout(total=30)
-    ) as http:
-        limit = asyncio.Semaphore(PARALLEL)
-
-        async def one(seed: int) -> None:
-            async with limit:
-                root = tmp_path / f"seed-{seed}"
-                root.mkdir()
-                try:
-                    walk = Walk(seed, http, root)
-                    await walk.run()
-                except BaseException as exc:
-                    raise AssertionError(
-                        f"seed {seed} failed after {walk.trail}: {exc!r}\n"
-                        f"last gym-proxy log:\n{walk.last_log[-3000:]}"
-                    ) from exc
-
-        await asyncio.gather(*(one(seed) for seed in range(FIRST_SEED, FIRST_SEED + SEEDS)))
+    )

@@ -165,7 +165,7 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event | None = None) -> 
             app_cookie=app_session_cookie(app),
             restart_only=runtime.participation.restart_only,
             rejoining=rejoining,
-            held=runtime.store.ids() if rejoining else [],
+            held=runtime.store.last_used() if rejoining else {},
             marks=runtime.marks.as_dict() if rejoining else {},
             expected=runtime.claims.attempts() if rejoining else {},
         )

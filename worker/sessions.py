@@ -51,9 +51,10 @@ class SessionStore:
     def __contains__(self, session_id: object) -> bool:
         return session_id in self._entries
 
-    def ids(self) -> list[str]:
-        """Every session this store holds (a rejoining worker names them)."""
-        return list(self._entries)
+    def last_used(self) -> dict[str, float]:
+        """Every session with when it was last used or installed (a rejoining worker
+        names them)."""
+        return {session_id: entry.used for session_id, entry in self._entries.items()}
 
     def get(self, session_id: str, default: Any = None) -> Any:
         """The session's value, or `default` when it has none."""

@@ -289,11 +289,13 @@ class Register(Message):
     app_cookie: str | None
     restart_only: bool
     # A worker whose gym-proxy died, joining the one started again to adopt it
-    # (`--orphan-grace`): the session IDs it holds, which the new proxy's tables place on it,
-    # the retire marks it enforces, which the new coordinator takes in, and the restored
-    # attempts it still expects (rollout -> attempt), which tell it the unclaimed ones.
+    # (`--orphan-grace`): the session IDs it holds, each with when it was last used or
+    # installed (monotonic: a session two workers hold stays with the later), which the new
+    # proxy's tables place on it; the retire marks it enforces, which the new coordinator
+    # takes in; and the restored attempts it still expects (rollout -> attempt), which tell
+    # it the unclaimed ones.
     rejoining: bool = False
-    held: list[str] = dataclasses.field(default_factory=list)
+    held: dict[str, float] = dataclasses.field(default_factory=dict)
     marks: dict[str, int] = dataclasses.field(default_factory=dict)
     expected: dict[str, int] = dataclasses.field(default_factory=dict)
 

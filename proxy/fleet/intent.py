@@ -1,11 +1,13 @@
 """What an operator asked of the fleet that no worker knows, kept where a successor finds it.
 
 The workers report their sessions when a new gym-proxy adopts them (`--orphan-grace`), but
-two things live only in the proxy: how many workers a resize left, and which workers a
-`drain` took out of new sessions until `undrain`. The supervisor writes them to
-`fleet.json` in the runtime directory whenever they change, and an adopting proxy reads
-them back, so that a crash does not undo a resize or a drain. A missing file (the dead
-instance never changed either) or a damaged one (said in one warning line) keeps the
+three things live only in the proxy: how many workers a resize left, which workers a
+`drain` took out of new sessions until `undrain`, and the alias table (the worker a
+restore put an old owner's sessions on, a retired worker's heir), which routes a token
+whose session no worker holds. The supervisor writes them to `fleet.json` in the runtime
+directory whenever they change, and an adopting proxy reads them back, so that a crash
+does not undo a resize or a drain, nor send such a token to 410. A missing file (the dead
+instance never changed any) or a damaged one (said in one warning line) keeps the
 command line's values.
 """
 
@@ -28,11 +30,18 @@ INTENT_NAME = "fleet.json"
 class FleetIntent:
     workers: int  # the slot count (after any resize)
     drained: frozenset[str] = field(default_factory=frozenset)  # owners an operator drained
+    # Owner -> owner its tokens now reach (a restore's placement, a retired worker's heir):
+    # a token whose session no worker holds still reaches its owner's heir.
+    aliases: dict[str, str] = field(default_factory=dict)
 
 
 def save_intent(directory: str, intent: FleetIntent) -> None:
     """Write `intent` into `directory` at once (a crash leaves the old file or the new)."""
-    document = {"workers": intent.workers, "drained": sorted(intent.drained)}
+    document = {
+        "workers": intent.workers,
+        "drained": sorted(intent.drained),
+        "aliases": intent.aliases,
+    }
     replace_document(Path(directory) / INTENT_NAME, document)
 
 
@@ -46,13 +55,16 @@ def load_intent(directory: str) -> FleetIntent | None:
     if not isinstance(document, dict):
         document = {}
     workers, drained = document.get("workers"), document.get("drained")
+    aliases = document.get("aliases", {})  # a file from before aliases were kept has none
     if not (
         isinstance(workers, int)
         and not isinstance(workers, bool)
         and workers > 0
         and isinstance(drained, list)
         and all(isinstance(owner, str) for owner in drained)
+        and isinstance(aliases, dict)
+        and all(isinstance(target, str) for target in aliases.values())
     ):
         log.warning("%s is not a fleet intent: the command line's worker count, no drains", path)
         return None
-    return FleetIntent(workers, frozenset(drained))
+    return FleetIntent(workers, frozenset(drained), aliases)

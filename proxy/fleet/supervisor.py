@@ -36,14 +36,21 @@ from typing import Any
 
 from gym_proxy.coordinator.checkpointer import LiveWorker
 from gym_proxy.coordinator.contract import failpoints
-from gym_proxy.coordinator.contract.channel import Channel
+from gym_proxy.coordinator.contract.channel import (
+    Channel,
+    ChannelClosed,
+    ChannelTimeout,
+    RemoteError,
+)
 from gym_proxy.coordinator.contract.exit_codes import BOOT_ERROR
-from gym_proxy.coordinator.contract.messages import Ping, Register
+from gym_proxy.coordinator.contract.messages import Drop, Ping, Register
 from gym_proxy.coordinator.placement import Placement
 from gym_proxy.coordinator.worker_channels import RegistrationRefused
 from gym_proxy.proxy.config import Config
 from gym_proxy.proxy.exchange import start_held, start_held_by_worker
+from gym_proxy.proxy.fleet.adopted_copies import AdoptedCopies
 from gym_proxy.proxy.fleet.intent import FleetIntent, load_intent, save_intent
+from gym_proxy.proxy.fleet.mover import DROP_WAIT
 from gym_proxy.proxy.fleet.worker_records import (
     AdoptedProcess,
     Slot,
@@ -103,6 +110,7 @@ class Supervisor:
     handing_over: bool = False  # a new gym-proxy is taking the workers (`hand_over`)
     drained: set[str] = field(default_factory=set)  # owners an operator drained (`intent`)
     _all_adopted: asyncio.Event = field(default_factory=asyncio.Event)
+    _copies: AdoptedCopies = field(default_factory=AdoptedCopies)
     _stop_began: float = 0.0  # monotonic time stop() sent SIGTERM
     # What a worker asks of its operator: recycle(slot, reason) (live operations set it).
     on_recycle: Any = None
@@ -142,6 +150,7 @@ class Supervisor:
             self.slots = [Slot() for _ in range(intent.workers)]
             self._resized()
         self.drained = set(intent.drained)
+        self.router.aliases = dict(intent.aliases)
 
     def set_drained(self, worker: WorkerProcess, drained: bool) -> None:
         """An operator's drain (or undrain) of `worker`: kept for an adopting successor."""
@@ -153,7 +162,8 @@ class Supervisor:
         if not self.adopting:  # a drained worker that died took its drain with it
             self.drained &= {w.owner for w in self.workers()}
         try:
-            save_intent(self.runtime_dir, FleetIntent(len(self.slots), frozenset(self.drained)))
+            intent = FleetIntent(len(self.slots), frozenset(self.drained), self.router.aliases)
+            save_intent(self.runtime_dir, intent)
         except OSError as exc:  # the directory went away: the server goes on without it
             log.warning("could not keep the fleet's intent in %s: %s", self.runtime_dir, exc)
 
@@ -165,6 +175,7 @@ class Supervisor:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._all_adopted.wait(), ADOPT_WINDOW)
             self.adopting = False
+            self._copies.clear()
             adopted = [s.worker for s in self.slots if s.worker is not None]
             log.info(
                 "adopted %d worker%s of the dead instance (pids %s)",
@@ -380,16 +391,40 @@ class Supervisor:
         self.router.add_worker(worker.route)
         if registration.rejoining:
             worker.route.draining = worker.owner in self.drained
-            # Its sessions route to it whatever owner their tokens name (a restore or a
-            # move put some there): the dead instance's tables are not kept.
-            kept = self.router.kept
-            for session_id in registration.held:
-                kept[session_id] = worker.owner
+            self._place_held(worker, registration.held)
         log.info("worker %d registered (owner %s)", slot_index, worker.owner)
         if not worker.registered.done():
             worker.registered.set_result(None)
         if all(s.worker is not None and s.worker.state == "live" for s in self.slots):
             self._registered.set()
+
+    def _place_held(self, worker: WorkerProcess, held: dict[str, float]) -> None:
+        """A rejoining worker's sessions route to it whatever owner their tokens name (a
+        restore or a move put some there): the dead instance's tables are not kept. A
+        session another adopted worker holds too stays with the one that used it last
+        (`adopted_copies`); the other copy is dropped."""
+        routed, stale = self._copies.take(worker.owner, held)
+        kept = self.router.kept
+        for session_id in routed:
+            kept[session_id] = worker.owner
+        by_owner = {w.owner: w for w in self.workers()}
+        for owner, session_ids in stale.items():
+            loser = by_owner.get(owner)
+            log.warning(
+                "%d sessions were held by two workers (a move cut by the crash): worker %s "
+                "drops its older copies (%s)",
+                len(session_ids),
+                "?" if loser is None else loser.slot,
+                ", ".join(session_ids[:3]) + (" ..." if len(session_ids) > 3 else ""),
+            )
+            if loser is not None:
+                self._track(self._drop_copies(loser, session_ids))
+
+    async def _drop_copies(self, worker: WorkerProcess, session_ids: list[str]) -> None:
+        try:
+            await worker.live_channel.request(Drop(session_ids, []), within=DROP_WAIT)
+        except (ChannelClosed, ChannelTimeout, RemoteError) as exc:
+            log.warning("worker %d did not drop its older copies: %s", worker.slot, exc)
 
     def _grow_for(self, slot_index: int) -> None:
         """A dead instance's worker in a slot past `--workers` (it had been resized up):
@@ -583,6 +618,7 @@ class Supervisor:
 
     def set_tables(self, placement: Placement) -> None:
         self.router.set_tables(placement.aliases, placement.sessions, placement.app_sessions)
+        self._keep_intent()  # the aliases
 
     def sessions_ended(self, owner: str, session_ids: list[str]) -> None:
         self.router.forget_sessions(owner, session_ids)
@@ -700,6 +736,7 @@ class Supervisor:
 
     def inherit_owner(self, old: str, heir: str) -> None:
         self.router.inherit_owner(old, heir)
+        self._keep_intent()  # the aliases
 
     def _resized(self) -> None:
         # Workers started from now on are told the new count (a NeMo Gym class reads it).
