@@ -12,7 +12,10 @@
 
 Restore opens regular files only (never blocking on a FIFO or a device), and verifies
 schema, kind, instance, digest, record count and the type of every field of the
-manifest and of every record before anything is installed.
+manifest and of every record before anything is kept: the coordinator checks every
+record it parses before it installs anything, and a session record whose line has the
+writers' shape is parsed and checked by the worker that installs it (`read_for_restore`),
+whose refusal undoes the whole install.
 
 The records' format is the contract's (`coordinator.contract.records`).
 """
@@ -36,6 +39,7 @@ from gym_proxy.coordinator.contract.records import (
     EncodedRecords,
     encode,
     from_disk,
+    routing_fields,
     validate_record,
 )
 
@@ -46,7 +50,7 @@ __all__ = [
     "checkpoint_path",
     "write",
     "read",
-    "read_lines",
+    "read_for_restore",
 ]
 
 SCHEMA_VERSION = 1
@@ -201,15 +205,43 @@ def _id_map(manifest: dict[str, Any], key: str, keys_are: str) -> dict[str, str]
 
 def read(base: Path, *, kind: str, instance: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """Load and verify a checkpoint; raise InvalidCheckpoint on any doubt."""
-    manifest, records, _ = read_lines(base, kind=kind, instance=instance)
-    return manifest, records
+    manifest, lines = _verified_lines(base, kind=kind, instance=instance)
+    return manifest, [_parsed(manifest, number, line) for number, line in enumerate(lines, 1)]
 
 
-def read_lines(
+def read_for_restore(
     base: Path, *, kind: str, instance: str
 ) -> tuple[dict[str, Any], list[dict[str, Any]], list[bytes]]:
-    """`read`, and each record's line as the file holds it (what a restore sends its
-    workers, so it does not encode the records again)."""
+    """`read` for a restore, and each record's line as the file holds it (what the
+    restore sends its workers). A session record whose line has the shape both writers
+    give it is read from the line's two ends (`records.routing_fields`: its episode,
+    session ID and owner, no state): the worker that installs it parses it whole and
+    checks it, so it is parsed once, not in the proxy and again in the worker."""
+    manifest, lines = _verified_lines(base, kind=kind, instance=instance)
+    records = []
+    for number, line in enumerate(lines, 1):
+        fields = routing_fields(line)
+        records.append(fields if fields is not None else _parsed(manifest, number, line))
+    return manifest, records, lines
+
+
+def _parsed(manifest: dict[str, Any], number: int, line: bytes) -> dict[str, Any]:
+    name = manifest["records_file"]
+    try:
+        record = orjson.loads(line)
+    except orjson.JSONDecodeError as exc:
+        raise InvalidCheckpoint(f"{name} line {number} is not JSON") from exc
+    if isinstance(record, dict):
+        record = from_disk(record)
+    problem = validate_record(record)
+    if problem is not None:
+        raise InvalidCheckpoint(f"{name} line {number} {problem}")
+    return record  # type: ignore[no-any-return]
+
+
+def _verified_lines(base: Path, *, kind: str, instance: str) -> tuple[dict[str, Any], list[bytes]]:
+    """The manifest and the records file's lines, every field of the manifest, the
+    digest and the count verified."""
     path = base / MANIFEST
     try:
         manifest = orjson.loads(_read_regular(path, _MANIFEST_LIMIT))
@@ -255,16 +287,4 @@ def read_lines(
     lines = data.splitlines()
     if len(lines) != count:
         raise InvalidCheckpoint(f"{name} holds {len(lines)} records, manifest says {count}")
-    records = []
-    for number, line in enumerate(lines, 1):
-        try:
-            record = orjson.loads(line)
-        except orjson.JSONDecodeError as exc:
-            raise InvalidCheckpoint(f"{name} line {number} is not JSON") from exc
-        if isinstance(record, dict):
-            record = from_disk(record)
-        problem = validate_record(record)
-        if problem is not None:
-            raise InvalidCheckpoint(f"{name} line {number} {problem}")
-        records.append(record)
-    return manifest, records, lines
+    return manifest, lines

@@ -61,7 +61,7 @@ from gym_proxy.coordinator.contract.messages import (
     TablesUpdate,
     Uninstall,
 )
-from gym_proxy.coordinator.contract.records import EncodedRecords, record_key
+from gym_proxy.coordinator.contract.records import EncodedRecords, identity, record_key
 from gym_proxy.coordinator.contract.telemetry import ATTRIBUTE
 from gym_proxy.coordinator.exclusion import Exclusion
 from gym_proxy.coordinator.phases import PhaseMachine
@@ -492,7 +492,7 @@ class Checkpointer:
             with telemetry.span("gym.checkpoint.read") as traced:
                 manifest, records, lines = await asyncio.wait_for(
                     asyncio.to_thread(
-                        files.read_lines, base, kind=self._kind(), instance=self.instance
+                        files.read_for_restore, base, kind=self._kind(), instance=self.instance
                     ),
                     self._remaining(deadline_ts, "reading the checkpoint"),
                 )
@@ -531,7 +531,10 @@ class Checkpointer:
             closed: list[CloseReply] = await self._gather(live, Close(checkpoint_id), deadline_ts)
             for worker, reply in zip(live, closed, strict=True):
                 self.readiness.update(worker.owner, reply.report)  # status tells the truth
-            await self._gather(live, lambda w: _install(placement.records[w.owner]), deadline_ts)
+            source = manifest["records_file"]
+            await self._gather(
+                live, lambda w: _install(placement.records[w.owner], source), deadline_ts
+            )
             tables = TablesUpdate(claims.attempts(), self.marks.as_dict())
             await self._gather(live, tables, deadline_ts)
         except GymError as exc:
@@ -569,7 +572,7 @@ class Checkpointer:
         try:
             with collector_paused():
                 _, records, lines = await asyncio.to_thread(
-                    files.read_lines, base, kind=self._kind(), instance=self.instance
+                    files.read_for_restore, base, kind=self._kind(), instance=self.instance
                 )
                 self.claims = claims_recovery.claims_from(
                     _select(records, lines, scope).episodes, expected, self.marks
@@ -766,8 +769,9 @@ def _retrieve(task: asyncio.Future[Any]) -> None:
 @dataclass
 class _Selection:
     """What a restore continues: each session record as placement and its worker need it
-    (`owner`, `session_id`, and its `line` as the records file holds it), the episode
-    records in scope, and the capture keys the bound sessions continue as."""
+    (`owner`, `session_id`, its `line` as the records file holds it, the line's `number`
+    and the `identity` the worker checks it against), the episode records in scope, and
+    the capture keys the bound sessions continue as."""
 
     sessions: list[dict[str, Any]]
     episodes: list[dict[str, Any]]
@@ -779,7 +783,7 @@ def _select(records: list[dict[str, Any]], lines: list[bytes], scope: set[str]) 
     bound sessions continue as the next attempt (the worker moves them, `continuing`;
     episodes move when claimed)."""
     selection = _Selection([], [], set())
-    for record, line in zip(records, lines, strict=True):
+    for number, (record, line) in enumerate(zip(records, lines, strict=True), 1):
         if "session_id" not in record:  # an episode at its boundary
             if record_key(record) in scope:
                 selection.episodes.append(record)
@@ -790,14 +794,26 @@ def _select(records: list[dict[str, Any]], lines: list[bytes], scope: set[str]) 
                 continue
             selection.continued.add(episode_key(bound["rollout_id"], bound["attempt"] + 1))
         selection.sessions.append(
-            {"owner": record["owner"], "session_id": record["session_id"], "line": line}
+            {
+                "owner": record["owner"],
+                "session_id": record["session_id"],
+                "line": line,
+                "number": number,
+                "identity": identity(record),
+            }
         )
     return selection
 
 
-def _install(sessions: list[dict[str, Any]]) -> Install:
-    """The Install of a worker's placed sessions: their lines, joined."""
-    return Install(b"".join(s["line"] + b"\n" for s in sessions), len(sessions))
+def _install(sessions: list[dict[str, Any]], source: str) -> Install:
+    """The Install of a worker's placed sessions: their lines, joined, and what the worker
+    checks each against."""
+    return Install(
+        b"".join(s["line"] + b"\n" for s in sessions),
+        [s["identity"] for s in sessions],
+        [s["number"] for s in sessions],
+        source,
+    )
 
 
 def _size(checkpoint_dir: str, kind: str, instance: str, manifest: dict[str, Any]) -> int:

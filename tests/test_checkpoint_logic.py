@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from dataclasses import dataclass
 
@@ -245,20 +246,37 @@ def test_records_in_nemo_gym_shapes(tmp_path):
     assert legacy == session("x", "o", {"rollout_id": "r", "attempt": 1}) | {"state": 4}
 
 
-def test_a_restore_sends_the_lines_it_read_and_the_worker_continues_them(tmp_path):
-    """The coordinator sends a worker the records' lines as the file holds them (an
-    agent's session_key/session, and a legacy line); the worker reads them in memory's
-    shape, each bound session on its episode's next attempt, an unbound one as it was."""
+def test_a_restore_reads_a_session_line_s_ends_and_the_worker_checks_the_whole(tmp_path):
+    """A restore reads a session record's episode, ID and owner from its line's two ends
+    (both writers' shape: NeMo Gym's agent `session_key`/`session`, gym-proxy's compact
+    lines, Python's `json.dumps` spacing); any other line is parsed whole. The worker gets
+    the lines as the file holds them, parses each, checks it holds what the coordinator
+    placed it by (else `invalid_checkpoint_state` naming the line) and moves each bound
+    session to its episode's next attempt."""
     bound = {"rollout_id": "r1", "attempt": 2}
     recs = [session("s1", "o", bound), session("s2", None)]
     base = records.checkpoint_path(str(tmp_path), "agent", "inst")
     records.write(base, kind="agent", instance="inst", checkpoint_id="c", records=recs, extras={})
-    _, back, lines = records.read_lines(base, kind="agent", instance="inst")
-    assert back == recs and [orjson.loads(line)["session_key"] for line in lines] == ["s1", "s2"]
+    _, routed, lines = records.read_for_restore(base, kind="agent", instance="inst")
+    assert routed == [{k: v for k, v in r.items() if k != "state"} for r in recs]  # no state
+    spaced = json.dumps({"episode_id": None, "session_id": "s3", "state": [1], "owner": "o"})
+    assert record_format.routing_fields(spaced.encode())["session_id"] == "s3"
+    inner_owner = b'{"episode_id":null,"session_id":"s4","state":{"owner":"x"}}'
+    assert record_format.routing_fields(inner_owner) is None  # no top-level owner at its end
     legacy = b'{"type":"session","session_id":"x","owner":"o","episode":"r-a1","value":4}'
+    assert record_format.routing_fields(legacy) is None
     sent = b"".join(line + b"\n" for line in [*lines, legacy])
-    assert record_format.restored_sessions(sent) == [
+    names = ["s1 o r1-a2", "s2 - -", "x o r-a1"]
+    assert record_format.restored_sessions(sent, names, [1, 2, 9], "f") == [
         session("s1", "o", {"rollout_id": "r1", "attempt": 3}),
         session("s2", None),
         session("x", "o", {"rollout_id": "r", "attempt": 2}) | {"state": 4},
     ]
+    twice = b'{"episode_id":null,"session_id":"s1","state":1,"session_id":"s9","owner":"o"}'
+    broken = b'{"episode_id":null,"session_id":"s1","state":{,"owner":"o"}'
+    assert record_format.routing_fields(twice) == {
+        "episode_id": None, "session_id": "s1", "owner": "o"
+    }  # fmt: skip
+    for line, why in ((twice, "holds other IDs"), (broken, "is not JSON")):
+        with pytest.raises(GymError, match=f"f line 7 {why}"):
+            record_format.restored_sessions(line + b"\n", ["s1 o -"], [7], "f")

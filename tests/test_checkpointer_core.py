@@ -42,7 +42,9 @@ def session(sid, owner, episode=None):
 
 def installed(install: msg.Install) -> list[dict]:
     """The session records an Install carries, as the worker reads them."""
-    return restored_sessions(bytes(install.blob))
+    return restored_sessions(
+        bytes(install.blob), install.identities, install.numbers, install.source
+    )
 
 
 def episode(rollout_id, attempt, digest="digest-1"):
@@ -110,7 +112,7 @@ class FakeWorker:
                 encoded = encode(out, message.kind)
                 return msg.ExportReply(encoded.data, encoded.count, sorted(encoded.keys))
             case msg.Install():
-                return msg.Installed(message.count)
+                return msg.Installed(len(message.identities))
             case msg.Release() | msg.Uninstall():
                 return msg.Released(0)
             case msg.Retire():

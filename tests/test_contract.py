@@ -33,6 +33,7 @@ SAMPLES: dict[str, Any] = {
     "Any": {"step": 1},
     "str | None": None,
     "list[str]": ["a"],
+    "list[int]": [3],
     "list[str] | None": ["k"],
     "dict[str, int]": {"a": 1},
     "dict[str, float]": {"a": 1.5},

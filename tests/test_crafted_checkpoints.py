@@ -85,6 +85,20 @@ CRAFTED: dict[str, tuple[list[bytes], dict]] = {
         {},
     ),
     "valid-then-invalid": ([record(), record(session_id="s2", owner={"x": 1})], {}),
+    # Lines whose two ends read right: their worker parses them whole and refuses them.
+    "state-not-json": (
+        [record(), b'{"episode_id":null,"session_id":"s2","state":{,"owner":"o1"}'],
+        {},
+    ),
+    "session_id-twice": (
+        [b'{"episode_id":null,"session_id":"s1","state":1,"session_id":"s9","owner":"o1"}'],
+        {},
+    ),
+}
+
+REFUSED_AT_INSTALL = {
+    "state-not-json": "line 2 is not JSON",
+    "session_id-twice": "line 1 holds other IDs than its first and last fields",
 }
 
 
@@ -115,6 +129,9 @@ async def test_crafted_fields_are_422(restorer, http, tmp_path):
         )
         assert code == 422, (name, code, body)
         assert body["error"]["code"] == "invalid_checkpoint_state", name
+        if name in REFUSED_AT_INSTALL:  # by a worker: the install is undone everywhere
+            assert REFUSED_AT_INSTALL[name] in body["error"]["detail"], body
+            assert body["error"]["detail"].endswith("nothing was installed"), body
         await assert_idle_and_open(control, http, restorer.url)
 
 

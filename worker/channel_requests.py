@@ -112,12 +112,9 @@ async def _handle(runtime: ParticipantRuntime, message: Message) -> Message:
             return Released(await runtime.forget_sessions(dropped))
         case Install():
             with collector_paused():
-                sessions = records.restored_sessions(bytes(message.blob))
-                if len(sessions) != message.count:
-                    raise GymError(
-                        "invalid_checkpoint_state",
-                        f"install announced {message.count} records and holds {len(sessions)}",
-                    )
+                sessions = records.restored_sessions(
+                    bytes(message.blob), message.identities, message.numbers, message.source
+                )
                 return Installed(await runtime.install(sessions))
         case Uninstall():
             runtime.claims.clear()

@@ -383,10 +383,13 @@ class Installed(Message):
 @message("install", Installed)
 class Install(Message):
     """Install these restored session records (all or none): `blob` holds their lines as
-    the records file holds them (`records.restored_sessions` reads them)."""
+    the records file `source` holds them, `numbers` their line numbers there, and
+    `identities` what each must hold (`records.restored_sessions` reads and checks them)."""
 
     blob: bytes
-    count: int
+    identities: list[str]
+    numbers: list[int]
+    source: str
 
 
 @message("uninstall", Released)

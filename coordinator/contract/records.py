@@ -15,6 +15,7 @@ resources field names whatever the kind; `to_disk` and `from_disk` convert.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,8 +34,22 @@ __all__ = [
     "to_disk",
     "from_disk",
     "continuing",
+    "routing_fields",
+    "identity",
     "restored_sessions",
 ]
+
+# The two ends of a session record's line as both writers (NeMo Gym's and gym-proxy's)
+# put them: the episode and the session ID first, the owner last, the state between. With
+# IDs of their patterns (no quote, no backslash), a match at both ends of a line that
+# ends its object there can only be the top-level keys; the state is not read.
+_LINE_HEAD = re.compile(
+    rb'\{"episode_id": ?(?:null|\{"rollout_id": ?"([A-Za-z0-9][A-Za-z0-9._-]{0,511})", ?'
+    rb'"attempt": ?(0|[1-9][0-9]{0,17})\}), ?'
+    rb'"(?:session_id|session_key)": ?"([A-Za-z0-9_-]{1,64})", ?"(?:state|session)": ?'
+)
+_LINE_TAIL = re.compile(rb', ?"owner": ?(?:null|"([A-Za-z0-9_-]{1,64})")\}\Z')
+_TAIL_REACH = 80  # bytes from a line's end where its owner must begin
 
 
 def is_session(record: dict[str, Any]) -> bool:
@@ -184,10 +199,66 @@ def continuing(record: dict[str, Any]) -> dict[str, Any]:
     return {**record, "episode_id": {**episode, "attempt": episode["attempt"] + 1}}
 
 
-def restored_sessions(lines: bytes) -> list[dict[str, Any]]:
+def routing_fields(line: bytes) -> dict[str, Any] | None:
+    """A session record's episode, session ID and owner read from the two ends of its line
+    (`{episode_id, session_id, owner}`, no state), when the line has the shape both
+    writers give it; None otherwise (parse the line). What is between is not checked
+    here: the worker that installs the record parses it whole and checks that it holds
+    what its ends said (`restored_sessions`)."""
+    head = _LINE_HEAD.match(line)
+    if head is None:
+        return None
+    tail = _LINE_TAIL.search(line, max(head.end(), len(line) - _TAIL_REACH))
+    if tail is None:
+        return None
+    rollout_id, attempt, session_id = head.groups()
+    owner = tail.group(1)
+    return {
+        "episode_id": None
+        if rollout_id is None
+        else {"rollout_id": rollout_id.decode(), "attempt": int(attempt)},
+        "session_id": session_id.decode(),
+        "owner": None if owner is None else owner.decode(),
+    }
+
+
+def identity(record: dict[str, Any]) -> str:
+    """What a session record must hold to be installed where it was placed: its session
+    ID, owner and episode key, one string (IDs hold no space)."""
+    return f"{record['session_id']} {record['owner'] or '-'} {record_key(record) or '-'}"
+
+
+def restored_sessions(
+    lines: bytes, identities: list[str], numbers: list[int], source: str
+) -> list[dict[str, Any]]:
     """The session records a restore installs, from their lines as the records file
-    holds them (the coordinator read and validated these bytes, and sends them on
-    untouched rather than parsing them and encoding them again): converted as read back,
-    each continuing (`continuing`)."""
+    holds them (the coordinator sends them on untouched rather than parsing them and
+    encoding them again): each parsed, converted as read back, checked (`validate_record`,
+    and that it holds the `identities` the coordinator placed it by), and continuing
+    (`continuing`). A line that fails is `invalid_checkpoint_state` naming its line in
+    `source` (`numbers`: the lines' numbers there)."""
     loads = orjson.loads
-    return [continuing(from_disk(loads(line))) for line in lines.splitlines()]
+    raw = lines.splitlines()
+    if len(raw) != len(identities) or len(raw) != len(numbers):
+        raise GymError(
+            "invalid_checkpoint_state",
+            f"install of {len(raw)} lines names {len(identities)} records",
+        )
+    records = []
+    for line, expected, number in zip(raw, identities, numbers, strict=True):
+        try:
+            record = loads(line)
+        except orjson.JSONDecodeError:
+            problem: str | None = "is not JSON"
+        else:
+            if isinstance(record, dict):
+                record = from_disk(record)
+            problem = validate_record(record)
+            if problem is None and not is_session(record):
+                problem = "is not a session record"
+            if problem is None and identity(record) != expected:
+                problem = "holds other IDs than its first and last fields"
+        if problem is not None:
+            raise GymError("invalid_checkpoint_state", f"{source} line {number} {problem}")
+        records.append(continuing(record))
+    return records
