@@ -17,7 +17,11 @@ uses Ray (NeMo Gym's own rule, `_server_uses_ray`): before any worker starts,
   nor would `ray start --address`), and the workers get the mode the check joined with;
 - else it starts one local cluster (`proxy.ray_head start`), never attaching to one found
   on the host by a session file, and stops it when gym-proxy stops (its process holds it;
-  if that process dies, Ray's reaper stops it).
+  if that process dies, Ray's reaper stops it). With `--orphan-grace`, a gym-proxy that
+  dies (or hands its workers over, `--take-over`) leaves the cluster waiting as long as
+  its workers wait, and the gym-proxy that adopts them takes the cluster over through
+  the socket its process listens on in the runtime directory (`HEAD_SOCKET`): the
+  adopted workers, already its drivers, and the new ones join the same cluster.
 
 Every worker, the first ones and every one that starts later (a restart, a rolling
 restart, a resize, a recycle), gets the address in the global config it is given, and
@@ -30,10 +34,14 @@ import asyncio
 import contextlib
 import json
 import logging
+import socket
+import struct
 import sys
 from dataclasses import dataclass
 
-__all__ = ["RAY_ERROR", "RayError", "RayPlan", "RayCluster"]
+from gym_proxy.proxy.fleet.worker_records import AdoptedProcess
+
+__all__ = ["RAY_ERROR", "HEAD_SOCKET", "RayError", "RayPlan", "RayCluster"]
 
 log = logging.getLogger("gym_proxy.ray")
 
@@ -42,6 +50,8 @@ START_WAIT = 120.0  # seconds for `ray.init()` of a local cluster (7 s here, idl
 CHECK_WAIT = 60.0  # seconds for joining a named cluster as a driver, and leaving
 STOP_WAIT = 10.0  # seconds for `ray.shutdown()` of the cluster gym-proxy started
 AUTH_MODE = "RAY_AUTH_MODE"
+HEAD_SOCKET = "ray-head.sock"  # in the runtime directory: where a successor takes the cluster
+TAKE_WAIT = 10.0  # seconds for a waiting cluster's process to answer its successor
 
 
 class RayError(RuntimeError):
@@ -61,11 +71,16 @@ class RayPlan:
 class RayCluster:
     """The cluster of a `RayPlan`: started or checked, then stopped (module docstring)."""
 
-    def __init__(self, plan: RayPlan) -> None:
+    def __init__(self, plan: RayPlan, keep_for: float = 0.0, socket_path: str = "") -> None:
+        """`keep_for`, `socket_path`: how long a local cluster waits for the next gym-proxy
+        when this one dies, and where that one takes it (module docstring)."""
         self.plan = plan
         self.address = ""
         self.auth_mode: str | None = None
         self._head: asyncio.subprocess.Process | None = None
+        self._keep_for = keep_for
+        self._socket_path = socket_path
+        self._taken: tuple[asyncio.StreamWriter, AdoptedProcess] | None = None
 
     @property
     def environment(self) -> dict[str, str]:
@@ -75,6 +90,14 @@ class RayCluster:
     async def start(self) -> None:
         """Start the local cluster, or check the named one; RayError if neither works."""
         if self.plan.address is None:
+            reply = await self._take_waiting()
+            if reply is not None:
+                self.address, self.auth_mode = reply["address"], reply.get("auth_mode")
+                log.info(
+                    "Ray: took over the local cluster at %s from the previous gym-proxy",
+                    self.address,
+                )
+                return
             reply = await self._start_head()
             self.address, self.auth_mode = reply["address"], reply.get("auth_mode")
             log.info(
@@ -105,8 +128,35 @@ class RayCluster:
             stdout=asyncio.subprocess.PIPE,
         )
 
+    async def _take_waiting(self) -> dict[str, str] | None:
+        """The address of the cluster a dead instance left waiting in the runtime
+        directory this one adopted; None when there is none to take."""
+        if not self._socket_path:
+            return None
+        try:
+            reader, writer = await asyncio.open_unix_connection(self._socket_path)
+            line = await asyncio.wait_for(reader.readline(), TAKE_WAIT)
+        except FileNotFoundError:
+            return None  # none waits: the dead instance's cluster is gone, or it had none
+        except (OSError, TimeoutError) as exc:
+            log.warning("Ray: the dead instance's cluster cannot be taken over (%s)", exc)
+            return None
+        reply = _reply(line)
+        if "address" not in reply:
+            writer.close()
+            return None
+        # Watched through a pidfd (it is not this process's child), named by the kernel.
+        creds = writer.get_extra_info("socket").getsockopt(
+            socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")
+        )
+        self._taken = (writer, AdoptedProcess(struct.unpack("3i", creds)[0]))
+        return reply
+
     async def _start_head(self) -> dict[str, str]:
-        head = self._head = await self._spawn("start")
+        keep = (
+            (str(self._keep_for), self._socket_path) if self._keep_for and self._socket_path else ()
+        )
+        head = self._head = await self._spawn("start", *keep)
         assert head.stdout is not None
         try:
             line = await asyncio.wait_for(head.stdout.readline(), START_WAIT)
@@ -134,21 +184,48 @@ class RayCluster:
             reply["error"] = f"cannot join the Ray cluster at {address} (its log is above)"
         return reply
 
-    async def stop(self) -> None:
-        """Stop the cluster gym-proxy started (nothing for a named one)."""
+    def stopping(self) -> None:
+        """gym-proxy stops: should it die before `stop`, the cluster waits for no successor
+        (its workers do not either: `ProxyStopping`)."""
+        if self._taken is not None:
+            self._taken[0].write(b"stopping\n")
+        elif self._head is not None and self._head.stdin is not None:
+            self._head.stdin.write(b"stopping\n")
+
+    async def stop(self, keep: bool = False) -> None:
+        """Stop the cluster gym-proxy started or took (nothing for a named one); `keep`: a
+        hand-over, the cluster waits for the new gym-proxy."""
         head, self._head = self._head, None
+        taken, self._taken = self._taken, None
+        if taken is not None:
+            writer, process = taken
+            if not keep:
+                writer.write(b"stop\n")
+            writer.close()
+            if not keep:
+                await _stopped(process)
+            return
         if head is None or head.returncode is not None:
             return
         assert head.stdin is not None
-        head.stdin.close()  # its signal to shut the cluster down
-        try:
-            await asyncio.wait_for(head.wait(), STOP_WAIT)
-            log.info("Ray: stopped the local cluster")
-        except TimeoutError:
-            log.warning("Ray: the local cluster did not stop in %g s; killing it", STOP_WAIT)
-            with contextlib.suppress(ProcessLookupError):
-                head.kill()  # Ray's reaper then stops what the cluster left
-            await head.wait()
+        if not keep:
+            head.stdin.write(b"stop\n")
+        head.stdin.close()
+        if keep:
+            return
+        await _stopped(head)
+
+
+async def _stopped(head: asyncio.subprocess.Process | AdoptedProcess) -> None:
+    """Wait for the cluster's process to shut it down and exit; kill it after STOP_WAIT."""
+    try:
+        await asyncio.wait_for(head.wait(), STOP_WAIT)
+        log.info("Ray: stopped the local cluster")
+    except TimeoutError:
+        log.warning("Ray: the local cluster did not stop in %g s; killing it", STOP_WAIT)
+        with contextlib.suppress(ProcessLookupError):
+            head.kill()  # Ray's reaper then stops what the cluster left
+        await head.wait()
 
 
 def _reply(line: bytes) -> dict[str, str]:

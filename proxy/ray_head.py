@@ -6,12 +6,17 @@ driver of the cluster is this process, never the proxy (Ray's driver threads and
 handlers stay out of the proxy's event loop, and the proxy never imports Ray for this;
 an app module that imports Ray at its top, as code_gen's does, is the app's doing).
 
-- `start`: `ray.init(address="local")`, a new cluster whatever the host runs (never one
-  found by a session file: gym-proxy attaches to no cluster nobody named), with Ray's own
-  defaults as NeMo Gym's `initialize_ray()` has them, token authentication included;
-  prints `{"address", "auth_mode"}`, then holds the cluster until its stdin ends (the
-  proxy stops it, or died) or it is sent SIGTERM/SIGINT, and shuts it down. Should this
-  process be killed, Ray's own reaper stops the cluster.
+- `start [KEEP_FOR SOCKET]`: `ray.init(address="local")`, a new cluster whatever the host
+  runs (never one found by a session file: gym-proxy attaches to no cluster nobody
+  named), with Ray's own defaults as NeMo Gym's `initialize_ray()` has them, token
+  authentication included; prints `{"address", "auth_mode"}`, then holds the cluster for
+  its holder, first the proxy at its stdin, and shuts it down when the holder says
+  `stop` (or said `stopping` earlier and then leaves), or on SIGTERM/SIGINT. A holder
+  that goes without either (gym-proxy died, or
+  handed its workers over) leaves the cluster waiting KEEP_FOR seconds for the next one
+  to connect to SOCKET (in the runtime directory, which a successor adopts), which gets
+  the same line and holds it from then on; with none, or no SOCKET, it shuts down. Should
+  this process be killed, Ray's own reaper stops the cluster.
 - `check ADDRESS`: joins the cluster as a driver, with token authentication when a token
   is at hand and RAY_AUTH_MODE is unset (as `ray start --head` decides it), prints
   `{"address", "auth_mode"}` and leaves; a cluster that cannot be joined prints
@@ -22,12 +27,14 @@ Ray's own chatter goes to stderr (the proxy's log).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import socket
 import sys
 import threading
+import time
 from typing import Any
 
 __all__ = ["main"]
@@ -42,23 +49,106 @@ def _say(**fields: Any) -> None:
     sys.stdout.flush()
 
 
-def _start() -> int:
+def _start(keep_for: float = 0.0, socket_path: str | None = None) -> int:
     import ray
 
     ray.init(address="local", include_dashboard=False, log_to_driver=False)
-    _say(address=ray.get_runtime_context().gcs_address, auth_mode=os.environ.get(AUTH_MODE))
-    done = threading.Event()
+    line = (
+        json.dumps(
+            {
+                "address": ray.get_runtime_context().gcs_address,
+                "auth_mode": os.environ.get(AUTH_MODE),
+            }
+        )
+        + "\n"
+    ).encode()
+    sys.stdout.buffer.write(line)
+    sys.stdout.flush()
+    holder = _Holder()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: done.set())
-
-    def until_stdin_closes() -> None:
-        sys.stdin.read()
-        done.set()
-
-    threading.Thread(target=until_stdin_closes, daemon=True).start()
-    done.wait()
+        signal.signal(sig, lambda *_: holder.stop())
+    holder.follow(sys.stdin.buffer.readline)
+    listener = _listen(socket_path) if socket_path and keep_for > 0 else None
+    while holder.wait():  # the holder left without `stop`
+        conn = _next_holder(listener, keep_for, holder) if listener is not None else None
+        if conn is None:
+            break
+        conn.sendall(line)
+        holder.follow(conn.makefile("rb").readline)
     ray.shutdown()
     return 0
+
+
+class _Holder:
+    """Who holds the cluster: `stop` ends it, a holder that leaves without it lets the
+    next one in (`_start`)."""
+
+    def __init__(self) -> None:
+        self._changed = threading.Event()
+        self._stopped = False
+        self._gone = False
+        self._final = False
+
+    def stop(self) -> None:
+        self._stopped = True
+        self._changed.set()
+
+    def follow(self, readline: Any) -> None:
+        """Read the holder's lines (in a thread) until `stop` or its end."""
+        self._gone = False
+        self._changed.clear()
+
+        def read() -> None:
+            try:
+                while line := readline():
+                    if line.strip() == b"stop":
+                        self.stop()
+                        return
+                    if line.strip() == b"stopping":  # its end will be a stop: wait for none
+                        self._final = True
+            except OSError:
+                pass
+            if self._final:
+                self.stop()
+                return
+            self._gone = True
+            self._changed.set()
+
+        threading.Thread(target=read, daemon=True).start()
+
+    def wait(self) -> bool:
+        """Until something changes: True when the holder left without `stop`."""
+        while not self._changed.wait(0.5):
+            pass
+        return self._gone and not self._stopped
+
+    @property
+    def stopped(self) -> bool:
+        return self._stopped
+
+
+def _listen(path: str) -> socket.socket:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(1)
+    listener.settimeout(0.5)  # a signal's stop is seen within this
+    return listener
+
+
+def _next_holder(listener: socket.socket, keep_for: float, holder: _Holder) -> socket.socket | None:
+    """The next holder to connect within `keep_for` seconds; None when none does (or a
+    signal stops the cluster meanwhile)."""
+    deadline = time.monotonic() + keep_for
+    while time.monotonic() < deadline and not holder.stopped:
+        try:
+            conn, _ = listener.accept()
+        except TimeoutError:
+            continue
+        conn.settimeout(None)
+        return conn
+    return None
 
 
 def _probe(address: str) -> str | None:
@@ -127,9 +217,14 @@ def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if args == ["start"]:
         return _start()
+    if len(args) == 3 and args[0] == "start":
+        return _start(float(args[1]), args[2])
     if len(args) == 2 and args[0] == "check":
         return _check(args[1])
-    print("usage: python -m gym_proxy.proxy.ray_head start | check HOST:PORT", file=sys.stderr)
+    print(
+        "usage: python -m gym_proxy.proxy.ray_head start [KEEP_FOR SOCKET] | check HOST:PORT",
+        file=sys.stderr,
+    )
     return 2
 
 

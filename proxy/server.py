@@ -21,7 +21,6 @@ import os
 import signal
 import socket
 import time
-from dataclasses import replace
 from typing import Any
 
 from aiohttp import web
@@ -58,7 +57,7 @@ from gym_proxy.proxy.fleet.supervisor import Supervisor, WorkerBootError
 from gym_proxy.proxy.fleet.worker_records import WorkerLauncher
 from gym_proxy.proxy.metrics import Metrics
 from gym_proxy.proxy.metrics_listener import MetricsListener
-from gym_proxy.proxy.ray_cluster import RAY_ERROR, RayCluster, RayError, RayPlan
+from gym_proxy.proxy.ray_cluster import HEAD_SOCKET, RAY_ERROR, RayCluster, RayError, RayPlan
 from gym_proxy.proxy.request_spans import RequestSpans
 from gym_proxy.proxy.routing import Router, WorkerRoute
 from gym_proxy.proxy.runtime_dir import (
@@ -129,13 +128,6 @@ async def run(
     max_connections = connection_cap(config.max_connections, reserved)
     for stale in remove_stale(config.runtime_dir):
         log.info("removed the runtime directory of a dead instance: %s", stale)
-    if ray_plan is not None and ray_plan.address is None and config.orphan_grace:
-        if "orphan_grace" in config.given:
-            log.warning(
-                "--orphan-grace ignored: the Ray cluster gym-proxy starts for this server ends "
-                "with gym-proxy, so its workers could not go on without it"
-            )
-        config = replace(config, orphan_grace=0.0)
     # Taking over, the running instance lets the directory go once its workers are free.
     deadline = time.monotonic() + (TAKEOVER_WAIT if config.take_over else 0.0)
     while True:
@@ -268,7 +260,11 @@ async def run(
             asyncio.ensure_future(_sweep(state, supervisor)),
             asyncio.ensure_future(_expire_leases(checkpointer)),
         ]
-        cluster = RayCluster(ray_plan) if ray_plan is not None else None
+        cluster = (
+            RayCluster(ray_plan, config.orphan_grace or 0.0, runtime.join(HEAD_SOCKET))
+            if ray_plan is not None
+            else None
+        )
         boot = asyncio.ensure_future(_boot(supervisor, cluster))
         stopped = asyncio.ensure_future(stop.wait())
         await asyncio.wait({boot, stopped}, return_when=asyncio.FIRST_COMPLETED)
@@ -327,6 +323,8 @@ async def run(
             for worker in supervisor.live():  # none should wait for a successor
                 with contextlib.suppress(ChannelClosed):
                     worker.channel.notify(ProxyStopping())
+            if cluster is not None:
+                cluster.stopping()
         if taken.done() and not supervisor.fatal.done():
             handed_over = True
             log.info("taken over by a new gym-proxy (pid %d): it has the port", taken.result())
@@ -334,6 +332,8 @@ async def run(
                 timer.cancel()
             supervisor.hand_over()
             await worker_channels.let_go()  # the workers look for the new proxy now
+            if cluster is not None:
+                await cluster.stop(keep=True)  # it waits for the new proxy, as they do
             runtime.release()
             handed = len(supervisor.workers())
             log.info("%d workers handed over; finishing the open connections", handed)

@@ -230,7 +230,10 @@ def test_a_stale_session_file_does_not_hang_the_start_and_a_killed_proxy_leaves_
     Path(ray_tmp, "ray").mkdir()
     Path(ray_tmp, "ray", "ray_current_cluster").write_text(f"127.0.0.1:{free_port()}\n")
     try:
-        proxy = start(write_config(tmp_path), workers=1, env={"RAY_TMPDIR": ray_tmp})
+        # No successor is started: without a grace, nothing waits for one.
+        proxy = start(
+            write_config(tmp_path), "--orphan-grace", "0", workers=1, env={"RAY_TMPDIR": ray_tmp}
+        )
         proxy.wait_ready(180)
         left = one_cluster(proxy) | set(proxy.worker_pids())
         os.kill(proxy.pid, signal.SIGKILL)
@@ -238,3 +241,36 @@ def test_a_stale_session_file_does_not_hang_the_start_and_a_killed_proxy_leaves_
         wait_until_sync(lambda: not any(pid_alive(p) for p in left), 60, "nothing left")
     finally:
         shutil.rmtree(ray_tmp, ignore_errors=True)
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("how", ["crash", "take-over"])
+async def test_the_proxy_that_adopts_the_workers_takes_the_cluster_over_too(start, tmp_path, how):
+    """With `--orphan-grace`, gym-proxy alone killed with -9, or an upgrade started beside
+    it (`--take-over`): its workers and the Ray cluster it started wait, and the new
+    gym-proxy takes both over (the same worker processes, the same cluster's processes),
+    every reward right; its stop then leaves nothing of either."""
+    config = write_config(tmp_path)
+    first = start(config, "--orphan-grace", "60", workers=2)
+    first.wait_ready(180)
+    cluster, workers = one_cluster(first), first.worker_pids()
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as http:
+        await verify_on_every_worker(http, first, 4)
+    if how == "crash":
+        os.kill(first.pid, signal.SIGKILL)
+        first.wait_exit(10)
+        second = start(config, "--orphan-grace", "60", workers=2, same_as=first)
+    else:
+        second = start(
+            config, "--orphan-grace", "60", "--take-over", workers=2, same_as=first, inherit=False
+        )
+        assert first.wait_exit(60) == 0, first.log()[-3000:]
+    assert all(pid_alive(p) for p in cluster | set(workers))
+    second.wait_ready(180)
+    address = CLUSTER.search(first.log()).group(1)  # type: ignore[union-attr]
+    assert f"Ray: took over the local cluster at {address}" in second.log()
+    assert "adopted 2 workers of the dead instance" in second.log()
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as http:
+        await verify_on_every_worker(http, second, 4)
+    assert second.worker_pids() == [] and all(pid_alive(p) for p in cluster)
+    stop_and_check_nothing_left(second, cluster | set(workers))
