@@ -73,7 +73,12 @@ def _start(keep_for: float = 0.0, socket_path: str | None = None) -> int:
         conn = _next_holder(listener, keep_for, holder) if listener is not None else None
         if conn is None:
             break
-        conn.sendall(line)
+        try:
+            conn.sendall(line)
+        except OSError:  # it went away at once: wait for another
+            conn.close()
+            holder.follow(lambda: b"")
+            continue
         holder.follow(conn.makefile("rb").readline)
     ray.shutdown()
     return 0
@@ -95,7 +100,7 @@ class _Holder:
 
     def follow(self, readline: Any) -> None:
         """Read the holder's lines (in a thread) until `stop` or its end."""
-        self._gone = False
+        self._gone = self._final = False
         self._changed.clear()
 
         def read() -> None:
@@ -118,8 +123,8 @@ class _Holder:
 
     def wait(self) -> bool:
         """Until something changes: True when the holder left without `stop`."""
-        while not self._changed.wait(0.5):
-            pass
+        while not (self._changed.wait(0.5) or self._stopped):
+            pass  # the timeout lets a signal's handler run, and its stop be seen
         return self._gone and not self._stopped
 
     @property
