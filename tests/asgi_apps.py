@@ -201,7 +201,19 @@ class RolloutPrefix:
                 scope = {**scope, "path": path, "raw_path": path.encode()}
             sid = dict(scope["headers"]).get(b"x-ng-session-id")
             STATE["seen"].append((scope["path"], sid.decode() if sid else None))
+            if scope["path"] == "/late_body":
+                await late_body(send)
+                return
         await self.app(scope, receive, send)
+
+
+async def late_body(send) -> None:  # type: ignore[no-untyped-def]
+    """A sized answer whose body comes 50 ms after its head, as a FastAPI app's does
+    through its middleware (loop turns apart)."""
+    headers = [(b"content-type", b"text/plain"), (b"content-length", b"4")]
+    await send({"type": "http.response.start", "status": 200, "headers": headers})
+    await asyncio.sleep(0.05)
+    await send({"type": "http.response.body", "body": b"late"})
 
 
 async def ws_echo(websocket: WebSocket) -> None:

@@ -7,6 +7,7 @@ import asyncio
 
 import orjson
 
+from tests.conftest import ASGI_TEST_APP
 from tests.raw_http import close, open_raw, post, read_responses
 from tests.support import wait_until
 
@@ -172,3 +173,19 @@ async def test_unreachable_worker_socket_is_502_and_connection_stays_usable(star
     [(status, _, _)] = await read_responses(reader, 1)  # must not hang: reading resumed
     assert status == 502
     await close(writer)
+
+
+async def test_a_sized_answer_leaves_the_worker_head_and_body_together(start_proxy):
+    """uvicorn writes an answer's head as the app sends it; the worker's door holds a
+    sized answer's head until its body, so the proxy reads one piece, not two (its
+    reads per NeMo Gym call fell from 2.39 to 2.12). Read from the worker's own socket:
+    the first bytes that come hold the body, sent 50 ms after the head."""
+    proxy = start_proxy(workers=1, app=ASGI_TEST_APP)
+    [socket_path] = proxy.runtime_dir().glob("w0-*.sock")
+    reader, writer = await asyncio.open_unix_connection(str(socket_path))
+    try:
+        writer.write(b"GET /late_body HTTP/1.1\r\nHost: w\r\n\r\n")
+        first = await asyncio.wait_for(reader.read(65536), 10)
+    finally:
+        writer.close()
+    assert first.startswith(b"HTTP/1.1 200") and first.endswith(b"\r\n\r\nlate"), first

@@ -133,6 +133,7 @@ class AsgiDoor:
             body = _KeptBody(app_receive)
             app_receive = body.receive
         answered: list[bool] = []  # the runtime was told the answer (at its last byte)
+        head: list[Message] = []  # a sized answer's start, sent with its first body
 
         async def watch(message: Message) -> None:
             nonlocal status, app_session
@@ -147,11 +148,20 @@ class AsgiDoor:
                 announce = _announcement(runtime, flight, app_session, status)
                 if announce is not None:
                     message["headers"] = [*message.get("headers", ()), announce]
-            elif message["type"] == "http.response.body" and not message.get("more_body"):
-                # Before the last byte leaves, as the aiohttp door does: a client that has
-                # the whole answer may send its next call (a prepare) at once.
-                answered.append(True)
-                runtime.answered(flight, status, app_session)
+                if _sized(message):
+                    # uvicorn writes the head as it gets it, and a FastAPI app's body comes
+                    # loop turns later (NeMo Gym's: 1-6 ms), so the proxy woke and read twice
+                    # a call; sent with the body, both leave in one turn and arrive as one.
+                    head.append(message)
+                    return
+            elif message["type"] == "http.response.body":
+                if head:
+                    await send(head.pop())
+                if not message.get("more_body"):
+                    # Before the last byte leaves, as the aiohttp door does: a client that
+                    # has the whole answer may send its next call (a prepare) at once.
+                    answered.append(True)
+                    runtime.answered(flight, status, app_session)
             await send(message)
 
         try:
@@ -247,6 +257,12 @@ class _KeptBody:
         while not self._complete:
             self._keep(await self._receive())
         return b"".join(self._chunks)
+
+
+def _sized(start: Message) -> bool:
+    """An answer whose length its head gives (not a stream, whose head a client may wait
+    for before the first event)."""
+    return any(name == b"content-length" for name, _ in start.get("headers", ()))
 
 
 async def _send_handover_marker(send: Send, handover: Any, body: bytes) -> None:
