@@ -171,7 +171,7 @@ class Config:
         "waiting for the same command, started again with the same `--runtime-dir`, to adopt "
         "it (needs a secret, which a successor verifies the tokens with; 0 = it stops at "
         "once; [When gym-proxy dies](operations.md#when-gym-proxy-dies))",
-        doc_default=f"{DEFAULT_ORPHAN_GRACE:g}",
+        doc_default=f"{DEFAULT_ORPHAN_GRACE:g} with a secret, else 0",
     )
     take_over: bool = option(
         False,
