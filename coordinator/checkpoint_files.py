@@ -14,8 +14,8 @@ Restore opens regular files only (never blocking on a FIFO or a device), and ver
 schema, kind, instance, digest, record count and the type of every field of the
 manifest and of every record before anything is kept: the coordinator checks every
 record it parses before it installs anything, and a session record whose line has the
-writers' shape is parsed and checked by the worker that installs it (`read_for_restore`),
-whose refusal undoes the whole install.
+usual shape (`records.routing_fields`) is parsed and checked by the worker that installs
+it (`read_for_restore`), whose refusal undoes the whole install.
 
 The records' format is the contract's (`coordinator.contract.records`).
 """
@@ -213,10 +213,11 @@ def read_for_restore(
     base: Path, *, kind: str, instance: str
 ) -> tuple[dict[str, Any], list[dict[str, Any]], list[bytes]]:
     """`read` for a restore, and each record's line as the file holds it (what the
-    restore sends its workers). A session record whose line has the shape both writers
-    give it is read from the line's two ends (`records.routing_fields`: its episode,
-    session ID and owner, no state): the worker that installs it parses it whole and
-    checks it, so it is parsed once, not in the proxy and again in the worker."""
+    restore sends its workers). A session record whose line has the usual shape
+    (gym-proxy's workers', NeMo Gym's resources servers') is read from the line's two ends
+    (`records.routing_fields`: its episode, session ID and owner, no state): the worker
+    that installs it parses it whole and checks it, so it is parsed once, not in the
+    proxy and again in the worker."""
     manifest, lines = _verified_lines(base, kind=kind, instance=instance)
     records = []
     for number, line in enumerate(lines, 1):

@@ -248,8 +248,8 @@ def test_records_in_nemo_gym_shapes(tmp_path):
 
 def test_a_restore_reads_a_session_line_s_ends_and_the_worker_checks_the_whole(tmp_path):
     """A restore reads a session record's episode, ID and owner from its line's two ends
-    (both writers' shape: NeMo Gym's agent `session_key`/`session`, gym-proxy's compact
-    lines, Python's `json.dumps` spacing); any other line is parsed whole. The worker gets
+    (gym-proxy's lines, an agent's `session_key`/`session` among them, and NeMo Gym's
+    resources lines with `json.dumps` spacing); any other line is parsed whole. The worker gets
     the lines as the file holds them, parses each, checks it holds what the coordinator
     placed it by (else `invalid_checkpoint_state` naming the line) and moves each bound
     session to its episode's next attempt."""

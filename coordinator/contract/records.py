@@ -39,8 +39,10 @@ __all__ = [
     "restored_sessions",
 ]
 
-# The two ends of a session record's line as both writers (NeMo Gym's and gym-proxy's)
-# put them: the episode and the session ID first, the owner last, the state between. With
+# The two ends of a session record's line as gym-proxy's workers (both kinds) and NeMo
+# Gym's resources servers write it (`json.dumps` of `ResourcesSessionRecord`, spaced): the
+# episode and the session ID first, the owner last, the state between. NeMo Gym's own
+# agent records carry a boundary after the session and no owner last: parsed whole. With
 # IDs of their patterns (no quote, no backslash), a match at both ends of a line that
 # ends its object there can only be the top-level keys; the state is not read.
 _LINE_HEAD = re.compile(
@@ -201,8 +203,8 @@ def continuing(record: dict[str, Any]) -> dict[str, Any]:
 
 def routing_fields(line: bytes) -> dict[str, Any] | None:
     """A session record's episode, session ID and owner read from the two ends of its line
-    (`{episode_id, session_id, owner}`, no state), when the line has the shape both
-    writers give it; None otherwise (parse the line). What is between is not checked
+    (`{episode_id, session_id, owner}`, no state), when the line has that shape (see
+    `_LINE_HEAD`); None otherwise (parse the line). What is between is not checked
     here: the worker that installs the record parses it whole and checks that it holds
     what its ends said (`restored_sessions`)."""
     head = _LINE_HEAD.match(line)
