@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from gym_proxy.coordinator.clients.controller import Controller, Participant  # noqa: E402
 from gym_proxy.coordinator.clients.rollouts import Rollout, RolloutDriver, exported_rollouts  # noqa: E402
 from gym_proxy.coordinator.clients.rollouts_cli import CITIES, weather_rollouts  # noqa: E402
+from gym_proxy.coordinator.contract.episodes import EpisodeId  # noqa: E402
 from gym_proxy.worker.apps.stack import Stack  # noqa: E402
 
 HELD_CITIES = CITIES[::2]
@@ -100,6 +101,22 @@ def _by_server(stack: Stack, timings: dict[str, float]) -> dict[str, float]:
     return {names[url]: round(seconds, 3) for url, seconds in timings.items()}
 
 
+async def _restore_one_at_a_time(
+    stack: Stack, controller: Controller, checkpoint_dir: str, episodes: list[EpisodeId]
+) -> dict[str, float]:
+    """Each server's restore with the machine to itself (`--restore-alone`): the
+    controller's restore runs them at once, and on 2 cores four servers share them."""
+    names = {url: name for name, url in stack.urls.items()}
+    alone: dict[str, float] = {}
+    body = {"checkpoint_id": "scale", "checkpoint_dir": checkpoint_dir}
+    ids = [e.as_json() for e in episodes]
+    for participant in controller.participants:
+        started = time.perf_counter()
+        await participant.call("restore", time.time() + 600, episode_ids=ids, **body)
+        alone[names[participant.url]] = round(time.perf_counter() - started, 3)
+    return alone
+
+
 async def cycle(opts: argparse.Namespace, work: Path) -> dict[str, Any]:
     hold = work / "hold"
     hold.write_text("hold")
@@ -153,8 +170,12 @@ async def cycle(opts: argparse.Namespace, work: Path) -> dict[str, Any]:
         hold.unlink()
         stack.start()
         await controller.learn_kinds()
-        await controller.restore("scale", str(ck), sorted(exported.values(), key=lambda e: e.key))
-        restore_s = _by_server(stack, controller.timings["restore"])
+        episodes = sorted(exported.values(), key=lambda e: e.key)
+        if opts.restore_alone:
+            restore_s = await _restore_one_at_a_time(stack, controller, str(ck), episodes)
+        else:
+            await controller.restore("scale", str(ck), episodes)
+            restore_s = _by_server(stack, controller.timings["restore"])
         await controller.resume("scale")
         RolloutDriver.continue_after_restore(rollouts, set(exported))
         started = time.monotonic()
@@ -181,6 +202,7 @@ async def cycle(opts: argparse.Namespace, work: Path) -> dict[str, Any]:
         "replacements_s": round(second_run, 1),
         "workers": opts.workers,
         "prompt_bytes": opts.prompt_bytes,
+        "restore_alone": opts.restore_alone,
     }
 
 
@@ -203,6 +225,12 @@ def main() -> None:
         type=int,
         help="rollouts held at the model at the checkpoint (default: half, within what the "
         "descriptor limit allows)",
+    )
+    parser.add_argument(
+        "--restore-alone",
+        action="store_true",
+        help="restore the servers one after another, not at once: each one's restore with "
+        "the machine to itself",
     )
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--keep", action="store_true", help="keep the work directory")

@@ -22,7 +22,7 @@ from aiohttp import web
 
 from gym_proxy.coordinator.checkpointer import Checkpointer
 from gym_proxy.coordinator.contract import telemetry
-from gym_proxy.coordinator.contract.episodes import EpisodeId, check_rollout_id
+from gym_proxy.coordinator.contract.episodes import EpisodeId, check_rollout_ids
 from gym_proxy.coordinator.contract.errors import GymError, error_body, status_of
 from gym_proxy.coordinator.contract.headers import CHECKPOINT_PATH, MOVE_PATH, WORKERS_PATH
 from gym_proxy.coordinator.contract.ids import is_valid_id
@@ -69,20 +69,24 @@ def _json(payload: dict[str, Any]) -> web.Response:
     return web.Response(body=orjson.dumps(payload), content_type="application/json")
 
 
+_EPISODE_FIELDS = {"rollout_id", "attempt"}
+
+
 def _episode_ids(value: Any, at_least: int) -> list[EpisodeId]:
     if not isinstance(value, list) or len(value) < at_least:
         raise GymError("invalid_request", f"episode_ids must be a list of {at_least} or more")
-    result = []
+    # A restore names every episode in flight (thousands): checks cheap per item, the
+    # rollout IDs all in one pass.
     for item in value:
-        if not isinstance(item, dict) or set(item) != {"rollout_id", "attempt"}:
+        if type(item) is not dict or item.keys() != _EPISODE_FIELDS:
             raise GymError(
                 "invalid_request", "each episode ID is {rollout_id, attempt}, nothing else"
             )
         attempt = item["attempt"]
-        if not isinstance(attempt, int) or isinstance(attempt, bool) or attempt < 0:
+        if type(attempt) is not int or attempt < 0:  # a bool's type is bool, not int
             raise GymError("invalid_request", "attempt must be a non-negative integer")
-        result.append(EpisodeId(check_rollout_id(item["rollout_id"]), attempt))
-    return result
+    rollout_ids = check_rollout_ids([item["rollout_id"] for item in value])
+    return [EpisodeId(r, item["attempt"]) for r, item in zip(rollout_ids, value, strict=True)]
 
 
 async def _json_object(request: web.Request, fields: set[str]) -> dict[str, Any]:
@@ -126,7 +130,7 @@ async def _body(request: web.Request, op: str) -> dict[str, Any]:
         ids = body["rollout_ids"]
         if not isinstance(ids, list) or not ids:
             raise GymError("invalid_request", "rollout_ids must be a list of 1 or more")
-        body["rollout_ids"] = [check_rollout_id(i) for i in ids]
+        body["rollout_ids"] = check_rollout_ids(ids)
     if not isinstance(body.get("stop", False), bool):
         raise GymError("invalid_request", "stop must be true or false")
     return body

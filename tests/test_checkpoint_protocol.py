@@ -230,10 +230,23 @@ async def test_auth_and_bad_bodies(participant, http):
         async with http.post(f"{base}/prepare", data=payload, headers=headers) as resp:
             assert resp.status == 400, payload
             assert (await resp.json())["error"]["code"] == "invalid_request"
-    code, body = await control.call(
-        "restore", checkpoint_id="r", checkpoint_dir="/tmp", episode_ids=[{"rollout_id": "x"}]
-    )
-    assert code == 400
+    good = {"rollout_id": "x", "attempt": 0}
+    for episode_ids, detail in (
+        ([good, {"rollout_id": "x"}], "each episode ID is {rollout_id, attempt}, nothing else"),
+        ([good, ["x", 0]], "each episode ID is {rollout_id, attempt}, nothing else"),
+        ([good, {"rollout_id": "x", "attempt": True}], "attempt must be a non-negative integer"),
+        (
+            [good, {"rollout_id": "y-a2", "attempt": 0}],
+            "rollout_id 'y-a2' must not end in -a<digits>",
+        ),
+        ([good, {"rollout_id": "a\nb", "attempt": 0}], "a rollout_id is 1-512 of"),
+        ("x", "episode_ids must be a list of 0 or more"),
+    ):
+        code, body = await control.call(
+            "restore", checkpoint_id="r", checkpoint_dir="/tmp", episode_ids=episode_ids
+        )
+        assert code == 400 and body["error"]["code"] == "invalid_request", body
+        assert body["error"]["detail"].startswith(detail), body
     assert (await control.ok("status"))["phase"] == "idle"  # nothing opened by bad calls
 
 

@@ -12,7 +12,11 @@ from typing import Any
 import pytest
 
 from gym_proxy.coordinator.contract import messages
-from gym_proxy.coordinator.contract.episodes import EpisodeId, check_rollout_id
+from gym_proxy.coordinator.contract.episodes import (
+    EpisodeId,
+    check_rollout_id,
+    check_rollout_ids,
+)
 from gym_proxy.coordinator.contract.errors import GymError
 from gym_proxy.coordinator.contract.headers import split_rollout_path, split_rollout_url
 from gym_proxy.coordinator.contract.ids import is_checkpoint_id, is_rollout_id, is_valid_id
@@ -142,6 +146,36 @@ def test_id_rules():
     for bad in ("r-a3", "x" * 513, "", None):
         with pytest.raises(GymError):
             check_rollout_id(bad)
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        [],
+        ["task.7", "12-3", "x" * 512, "a-a", "r-ab1"],
+        ["ok", "r-a3"],
+        ["ok", "x" * 513],
+        ["ok", ""],
+        ["ok", None],
+        ["a\nb"],  # a newline would split one ID into two lines
+        ["ok\n"],
+        ["ok", "_x"],
+        ["ok", "caf\u00e9"],
+    ],
+)
+def test_rollout_ids_checked_at_once_as_one_by_one(values):
+    """The one-pass check accepts and refuses what the per-ID check does, naming the same
+    first wrong ID."""
+
+    def outcome(check):  # type: ignore[no-untyped-def]
+        try:
+            return "ok", check()
+        except GymError as exc:
+            return exc.code, exc.detail
+
+    assert outcome(lambda: check_rollout_ids(values)) == outcome(
+        lambda: [check_rollout_id(v) for v in values]
+    )
 
 
 def test_the_rollout_prefix_splits_the_same_on_both_floors():

@@ -31,10 +31,15 @@ __all__ = [
     "task_digest",
     "is_index",
     "check_rollout_id",
+    "check_rollout_ids",
 ]
 
 _KEY = re.compile(r"(.+)-a([0-9]+)\Z")
 _ATTEMPT_SUFFIX = re.compile(r"-a[0-9]+\Z")
+# ROLLOUT_ID and MAX_ROLLOUT_ID over many IDs at once, each ended by a newline (which no
+# rollout ID holds): one regex pass instead of two calls an ID.
+_ROLLOUT_LINES = re.compile(rf"(?:[A-Za-z0-9][A-Za-z0-9._-]{{0,{MAX_ROLLOUT_ID - 1}}}\n)*\Z")
+_ATTEMPT_SUFFIX_LINE = re.compile(r"-a[0-9]+\n")
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +61,17 @@ class EpisodeId:
 def episode_key(rollout_id: str, attempt: int) -> str:
     """`rollout_id` for attempt 0, `rollout_id-a<N>` otherwise."""
     return rollout_id if attempt == 0 else f"{rollout_id}-a{attempt}"
+
+
+def check_rollout_ids(values: list[Any]) -> list[str]:
+    """check_rollout_id of every value, in one pass when all are right (a control call
+    names thousands); the first wrong one is named as check_rollout_id names it."""
+    if all(type(v) is str for v in values):
+        lines = "\n".join(values) + "\n" if values else ""
+        whole = lines.count("\n") == len(values)  # no value held a newline of its own
+        if whole and _ROLLOUT_LINES.match(lines) and not _ATTEMPT_SUFFIX_LINE.search(lines):
+            return values
+    return [check_rollout_id(v) for v in values]
 
 
 def parse_episode_key(key: str) -> EpisodeId:
