@@ -739,7 +739,12 @@ class Checkpointer:
         `live` at once; any failure refuses the whole call."""
         if not live:
             return []
-        what = (message(live[0]) if callable(message) else message).TYPE
+        if callable(message):  # each made once: an Install carries megabytes of records
+            made = {id(worker): message(worker) for worker in live}
+            what = made[id(live[0])].TYPE
+            message = lambda worker: made[id(worker)]  # noqa: E731
+        else:
+            what = message.TYPE
         answered = await broadcast(live, message, self._remaining(deadline_ts, what))
         for worker, result in answered:
             if isinstance(result, ChannelTimeout):
@@ -809,7 +814,7 @@ def _install(sessions: list[dict[str, Any]], source: str) -> Install:
     """The Install of a worker's placed sessions: their lines, joined, and what the worker
     checks each against."""
     return Install(
-        b"".join(s["line"] + b"\n" for s in sessions),
+        b"\n".join([*(s["line"] for s in sessions), b""]),  # one copy, each line ended
         [s["identity"] for s in sessions],
         [s["number"] for s in sessions],
         source,

@@ -25,7 +25,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from gym_proxy.coordinator.contract.errors import GymError
-from gym_proxy.coordinator.contract.framing import FramingError, encode_frame, read_frame
+from gym_proxy.coordinator.contract.framing import FramingError, encode_frame_parts, read_frame
 from gym_proxy.coordinator.contract.messages import (
     MESSAGES,
     Done,
@@ -121,7 +121,7 @@ class Channel:
         if self._closed:
             raise ChannelClosed("channel is closed")
         try:
-            self._writer.write(encode_frame(message))
+            self._writer.writelines(encode_frame_parts(message))
         except (ConnectionError, RuntimeError) as exc:  # one failure type: the peer is gone
             self.close()
             raise ChannelClosed(f"channel write failed: {exc}") from exc

@@ -39,6 +39,7 @@ __all__ = [
     "TruncatedFrame",
     "MalformedFrame",
     "encode_frame",
+    "encode_frame_parts",
     "decode_payload",
     "read_frame",
 ]
@@ -69,6 +70,12 @@ class MalformedFrame(FramingError):
 
 def encode_frame(message: dict[str, Any]) -> bytes:
     """Serialise one message into a frame (length prefix included), and its blob frame."""
+    return b"".join(encode_frame_parts(message))
+
+
+def encode_frame_parts(message: dict[str, Any]) -> list[bytes | bytearray | memoryview]:
+    """encode_frame's bytes in pieces, for a writer's `writelines`: a blob of megabytes
+    (a restore's records) is written as it is, not copied into one frame first."""
     blob = message.get("blob")
     if isinstance(blob, bytes | bytearray | memoryview):
         message = {**message, "blob": len(blob)}
@@ -79,8 +86,8 @@ def encode_frame(message: dict[str, Any]) -> bytes:
         if len(part) > MAX_FRAME:
             raise FrameTooLarge(f"frame of {len(part)} bytes exceeds {MAX_FRAME}")
     if blob is None:
-        return _HEADER.pack(len(payload)) + payload
-    return b"".join((_HEADER.pack(len(payload)), payload, _HEADER.pack(len(blob)), blob))
+        return [_HEADER.pack(len(payload)) + payload]
+    return [_HEADER.pack(len(payload)) + payload + _HEADER.pack(len(blob)), blob]
 
 
 def decode_payload(payload: bytes) -> dict[str, Any]:
