@@ -185,7 +185,8 @@ async def run(
     supervisor.orphans = live_workers_in(runtime.path) if runtime.found is not None else 0
     supervisor.adopting = supervisor.orphans > 0
     if supervisor.adopting:
-        log.info("adopting the workers a dead instance left in %s", runtime.path)
+        previous = "the handing-over" if config.take_over else "a dead"
+        log.info("adopting the workers %s instance left in %s", previous, runtime.path)
         supervisor.take_intent()
     checkpointer = Checkpointer(supervisor, config.instance, config.lease_grace)
     if config.orphan_grace:  # a successor may have to continue what a restore left

@@ -269,7 +269,8 @@ async def test_the_proxy_that_adopts_the_workers_takes_the_cluster_over_too(star
     second.wait_ready(180)
     address = CLUSTER.search(first.log()).group(1)  # type: ignore[union-attr]
     assert f"Ray: took over the local cluster at {address}" in second.log()
-    assert "adopted 2 workers of the dead instance" in second.log()
+    previous = "dead" if how == "crash" else "handing-over"
+    assert f"adopted 2 workers of the {previous} instance" in second.log()
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as http:
         await verify_on_every_worker(http, second, 4)
     assert second.worker_pids() == [] and all(pid_alive(p) for p in cluster)

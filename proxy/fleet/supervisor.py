@@ -178,9 +178,10 @@ class Supervisor:
             self._copies.clear()
             adopted = [s.worker for s in self.slots if s.worker is not None]
             log.info(
-                "adopted %d worker%s of the dead instance (pids %s)",
+                "adopted %d worker%s of the %s instance (pids %s)",
                 len(adopted),
                 "" if len(adopted) == 1 else "s",
+                "handing-over" if self.config.take_over else "dead",
                 ", ".join(str(w.pid) for w in adopted) or "none",
             )
         self.reconcile()
