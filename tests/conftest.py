@@ -70,6 +70,23 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):  
     return report
 
 
+STARTED_PROXIES = "started_proxies"  # the item's attribute: what start_proxy started
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None):  # type: ignore[no-untyped-def]
+    """A failed test's proxies stop before any fixture's teardown, the event loop's
+    included. A test that failed with a connection still open to a live worker made
+    uvloop's `loop.close()` block in `epoll_pwait` for good, where pytest-timeout's
+    alarm cannot interrupt it; with the peer gone the loop closes at once. Only after a
+    failure: a passing test's fixtures may still talk to its proxy as they tear down."""
+    failed = getattr(item, "report_call", None)
+    if failed is not None and failed.failed:
+        for proxy in getattr(item, STARTED_PROXIES, ()):
+            proxy.close_process()
+    return (yield)
+
+
 @pytest.fixture
 def start_proxy(
     request: pytest.FixtureRequest, test_app: str
@@ -77,6 +94,7 @@ def start_proxy(
     """Start real gym-proxy processes; every one is stopped (and its workers reaped) after.
     When the test fails, each proxy's log is printed (pytest shows it with the failure)."""
     started: list[ProxyProcess] = []
+    setattr(request.node, STARTED_PROXIES, started)
 
     def start(
         *args: str,
