@@ -24,21 +24,19 @@ from pathlib import Path
 
 from setuptools import Extension, setup
 
-# Everything a proxied request runs through, and nothing that starts or stops things.
-COMPILED_MODULES = [
-    "gym_proxy.proxy.client_connection",
-    "gym_proxy.proxy.exchange",
-    "gym_proxy.proxy.upstream",
-    "gym_proxy.proxy.outbox",
-    "gym_proxy.proxy.request_head",
-    "gym_proxy.proxy.response_head",
-    "gym_proxy.proxy.http_wire",
-    "gym_proxy.proxy.routing",
-    "gym_proxy.proxy.session_tokens",
-]
-# Read by proxy/data_path.py; e.g. proxy/_compiled_sources.cpython-311-x86_64-linux-gnu.json
+# The compile boundary is a folder: every module of proxy/data_path/ (what a proxied
+# request runs through, and nothing that starts or stops things) but its __init__, which
+# chooses between the build and the source.
+DATA_PATH = Path("proxy") / "data_path"
+COMPILED_MODULES = sorted(
+    f"gym_proxy.proxy.data_path.{path.stem}"
+    for path in DATA_PATH.glob("*.py")
+    if path.name != "__init__.py"
+)
+# Read by proxy/data_path/__init__.py; e.g.
+# proxy/data_path/_compiled_sources.cpython-311-x86_64-linux-gnu.json
 EXT_SUFFIX = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
-MANIFEST = Path("proxy") / ("_compiled_sources" + EXT_SUFFIX.removesuffix(".so") + ".json")
+MANIFEST = DATA_PATH / ("_compiled_sources" + EXT_SUFFIX.removesuffix(".so") + ".json")
 
 
 def data_path_extensions() -> list[Extension]:
@@ -52,14 +50,15 @@ def data_path_extensions() -> list[Extension]:
     # This ABI's earlier build is replaced: should the C compiler fail this time, none of
     # its old extensions may stay to pass for the new sources under the new manifest.
     MANIFEST.unlink(missing_ok=True)
-    for old in [*Path("proxy").glob("*" + EXT_SUFFIX), *Path("gym_proxy").glob("*" + EXT_SUFFIX)]:
+    for old in DATA_PATH.glob("*" + EXT_SUFFIX):
         old.unlink()
     try:
         extensions = mypycify(
             [str(path) for path in files.values()],
             opt_level="3",
-            # Inside the package: the wheel's one top-level name stays gym_proxy.
-            group_name="gym_proxy.data_path",
+            # Inside the folder (its shared library, compiled__mypyc, too): the wheel's
+            # one top-level name stays gym_proxy, and the build stays within the boundary.
+            group_name="gym_proxy.proxy.data_path.compiled",
         )
     except (Exception, SystemExit) as exc:  # mypyc exits on a type error it finds
         print(f"gym-proxy: not compiling the data path ({exc!r}); it runs as Python")

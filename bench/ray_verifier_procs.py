@@ -42,7 +42,7 @@ _DAEMON_MARKS = (
     "ray/_private/log_monitor",
     "ray::DashboardAgent",
     "ray::RuntimeEnvAgent",
-    "gym_proxy.proxy.ray_head",  # gym-proxy's process that holds its cluster
+    "gym_proxy.proxy.ray_cluster.head",  # gym-proxy's process that holds its cluster
 )
 
 

@@ -13,7 +13,7 @@ the submitted program's unit tests as a Ray task), each as its own processes:
   bench's own holding that module, the class still code_gen's; the server's venv is this
   one (a symlink, as tests/test_nemo_gym_launcher.py gives the launcher);
 - `gym-proxy`: `gym-proxy <class> --nemo-gym-config FILE --workers 2`, which starts one
-  cluster for its workers (proxy/ray_cluster.py).
+  cluster for its workers (proxy/ray_cluster/cluster.py).
 
 Each way is the leader of a session of its own: bench/ray_verifier_procs.py finds all its
 processes from there.

@@ -10,7 +10,7 @@ name to its holder. Placement:
   records (its cookies still need a worker);
 - ownerless records are placed one by one on the worker with the fewest records, and
   recorded in the session table of the IDs the workers keep (the app's own session table
-  when the app keeps its own sessions, else gym-proxy's: `proxy.routing`, "Identity");
+  when the app keeps its own sessions, else gym-proxy's: `proxy.data_path.routing`, "Identity");
 - `placed_sessions` (gym-proxy sessions the table placed before the commit) and
   `placed_app_sessions` (the app's own sessions it placed) follow their holder, each back
   into its own table: the two never mix.

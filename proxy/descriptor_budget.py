@@ -6,7 +6,7 @@ bounded on its own and reserved ahead, whatever its clients do:
 
     BASE_RESERVE          the interpreter, the event loop, the log, the listening
                           sockets, files read now and then (/proc, checkpoints)
-    the --metrics port    METRICS_CONNECTIONS (proxy.metrics_listener), when it is on
+    the --metrics port    METRICS_CONNECTIONS (proxy.metrics.listener), when it is on
     the control app       2 per CONTROL_CONNECTIONS: the pool's end and the app's end of
                           each connection are both in this process
     each worker           PER_WORKER: its channel, its process, a spare (a rolling restart

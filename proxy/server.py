@@ -36,15 +36,18 @@ from gym_proxy.coordinator.exclusion import Exclusion
 from gym_proxy.coordinator.worker_channels import WorkerChannels
 from gym_proxy.proxy import data_path
 from gym_proxy.proxy.cli import OPERATION_SIGNALS, hold_operation_signals, release_operation_signals
-from gym_proxy.proxy.client_connection import (
+from gym_proxy.proxy.config import Config, metrics_address
+from gym_proxy.proxy.control.app import create_control_app
+from gym_proxy.proxy.data_path.client_connection import (
     DISCARDING,
     LINGERING,
     TUNNELING,
     ClientConnection,
     ProxyState,
 )
-from gym_proxy.proxy.config import Config, metrics_address
-from gym_proxy.proxy.control_app import create_control_app
+from gym_proxy.proxy.data_path.routing import Router, WorkerRoute
+from gym_proxy.proxy.data_path.session_tokens import TokenCodec
+from gym_proxy.proxy.data_path.upstream import UpstreamPool
 from gym_proxy.proxy.descriptor_budget import (
     CHANNEL_MARGIN,
     CONTROL_CONNECTIONS,
@@ -55,11 +58,16 @@ from gym_proxy.proxy.fleet.mover import Mover
 from gym_proxy.proxy.fleet.operations import Operations
 from gym_proxy.proxy.fleet.supervisor import Supervisor, WorkerBootError
 from gym_proxy.proxy.fleet.worker_records import WorkerLauncher
-from gym_proxy.proxy.metrics import Metrics
-from gym_proxy.proxy.metrics_listener import MetricsListener
-from gym_proxy.proxy.ray_cluster import HEAD_SOCKET, RAY_ERROR, RayCluster, RayError, RayPlan
-from gym_proxy.proxy.request_spans import RequestSpans
-from gym_proxy.proxy.routing import Router, WorkerRoute
+from gym_proxy.proxy.metrics.listener import MetricsListener
+from gym_proxy.proxy.metrics.registry import Metrics
+from gym_proxy.proxy.metrics.request_spans import RequestSpans
+from gym_proxy.proxy.ray_cluster.cluster import (
+    HEAD_SOCKET,
+    RAY_ERROR,
+    RayCluster,
+    RayError,
+    RayPlan,
+)
 from gym_proxy.proxy.runtime_dir import (
     RuntimeDir,
     RuntimeDirBusy,
@@ -70,9 +78,7 @@ from gym_proxy.proxy.runtime_dir import (
     secret_fingerprint,
     waiting_workers,
 )
-from gym_proxy.proxy.session_tokens import TokenCodec
 from gym_proxy.proxy.takeover import TAKEOVER_NAME, TakeOverListener
-from gym_proxy.proxy.upstream import UpstreamPool
 from gym_proxy.worker.nemo_gym_server import CONFIG_DICT_ENV, with_ray_address
 
 __all__ = ["run"]
@@ -92,7 +98,7 @@ async def run(
     launcher: WorkerLauncher | None = None,
 ) -> int:
     """Serve until a signal or a fatal worker error; return the process exit code.
-    `ray_plan`: the Ray cluster the workers join (`proxy.ray_cluster`), if they use Ray.
+    `ray_plan`: the Ray cluster the workers join (`proxy.ray_cluster.cluster`), if they use Ray.
     `launcher`: what starts the workers, if not a subprocess each (or the zygote)."""
     config = config.with_orphan_grace()
     loop = asyncio.get_running_loop()

@@ -32,7 +32,7 @@ from gym_proxy.proxy.config import (
     secrets_on_command_line,
 )
 from gym_proxy.proxy.config_block import apply_block
-from gym_proxy.proxy.ray_cluster import RayPlan
+from gym_proxy.proxy.ray_cluster.cluster import RayPlan
 from gym_proxy.proxy.runtime_dir import ensure_parent, secret_fingerprint
 from gym_proxy.proxy.server import run
 from gym_proxy.proxy.takeover import TakeOverError, take_over_listener

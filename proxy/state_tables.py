@@ -1,14 +1,14 @@
 """The data path's state machines as data: which transitions each allows, and what a wrong
 one does.
 
-`proxy.exchange` (an exchange's states) and `proxy.client_connection` (a connection's
-phases) each declare their transitions as a table here, state -> the states it may go to,
-and consult it (compiled into bit masks) on every change. A transition the table does not
-allow is a bug in gym-proxy: it is counted (`gym_proxy_wrong_transitions_total`) and logged
-once per pair; with `GYM_PROXY_STRICT_STATES=1` (the test suite sets it) it raises
-`WrongTransition` instead, as h11 does, so a test that reaches one fails loudly. The module
-docstrings draw the same tables; `tests/test_state_tables.py` checks each drawing against
-its table.
+`proxy.data_path.exchange` (an exchange's states) and `proxy.data_path.client_connection` (a
+connection's phases) each declare their transitions as a table here, state -> the states it
+may go to, and consult it (compiled into bit masks) on every change. A transition the table
+does not allow is a bug in gym-proxy: it is counted (`gym_proxy_wrong_transitions_total`)
+and logged once per pair; with `GYM_PROXY_STRICT_STATES=1` (the test suite sets it) it
+raises `WrongTransition` instead, as h11 does, so a test that reaches one fails loudly. The
+module docstrings draw the same tables; `tests/test_state_tables.py` checks each drawing
+against its table.
 """
 
 from __future__ import annotations

@@ -14,10 +14,10 @@ from typing import Any
 
 import httptools
 
-from gym_proxy.proxy.client_connection import ClientConnection, ProxyState
-from gym_proxy.proxy.routing import Router, WorkerRoute
-from gym_proxy.proxy.session_tokens import TokenCodec
-from gym_proxy.proxy.upstream import UpstreamConnection, UpstreamPool
+from gym_proxy.proxy.data_path.client_connection import ClientConnection, ProxyState
+from gym_proxy.proxy.data_path.routing import Router, WorkerRoute
+from gym_proxy.proxy.data_path.session_tokens import TokenCodec
+from gym_proxy.proxy.data_path.upstream import UpstreamConnection, UpstreamPool
 
 __all__ = ["Rig", "RecordingTransport", "parse_responses", "parse_requests"]
 

@@ -143,7 +143,7 @@ class SharedRay:
     """One real Ray cluster for every stack of a test run, named in each stack's global
     config as NeMo Gym's launcher names its own (`ray_head_node_address`): the stack's
     servers that use Ray (`legacy_agent` does not set `ray_enabled`) join it rather than
-    each starting one. Held by gym-proxy's own Ray process (`proxy.ray_head`), started on
+    each starting one. Held by gym-proxy's own Ray process (`proxy.ray_cluster.head`), started on
     first use and stopped when the test process exits."""
 
     head: subprocess.Popen[bytes] | None = None
@@ -155,7 +155,7 @@ class SharedRay:
         if cls.head is None or cls.head.poll() is not None:
             cls.stop()  # a head that died: its pipes closed before its successor starts
             cls.head = subprocess.Popen(
-                [sys.executable, "-P", "-m", "gym_proxy.proxy.ray_head", "start"],
+                [sys.executable, "-P", "-m", "gym_proxy.proxy.ray_cluster.head", "start"],
                 cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                 stderr=subprocess.DEVNULL, env={**os.environ, "PYTHONPATH": str(REPO)},
             )  # fmt: skip

@@ -23,7 +23,7 @@ from typing import Any
 import orjson
 
 from gym_proxy.proxy.config import ConfigError, config_from_args
-from gym_proxy.proxy.session_tokens import TokenCodec
+from gym_proxy.proxy.data_path.session_tokens import TokenCodec
 
 TEST_SECRET = "test-secret-do-not-use"
 CONTROL_TOKEN = "test-control-token"

@@ -12,8 +12,14 @@ import asyncio
 import orjson
 import pytest
 
-from gym_proxy.proxy.client_connection import CLOSED, DISCARDING, LINGERING, READING, TUNNELING
-from gym_proxy.proxy.exchange import DONE
+from gym_proxy.proxy.data_path.client_connection import (
+    CLOSED,
+    DISCARDING,
+    LINGERING,
+    READING,
+    TUNNELING,
+)
+from gym_proxy.proxy.data_path.exchange import DONE
 from tests.data_path_rig import Rig, parse_requests, parse_responses
 
 pytestmark = pytest.mark.fast

@@ -1,4 +1,5 @@
-"""The data path runs as its mypyc build or as its Python source (proxy/data_path.py).
+"""The data path runs as its mypyc build or as its Python source
+(proxy/data_path/__init__.py).
 
 The rest of the suite runs what the install built (the compiled modules after
 `.ci/run`). Here: the install did build them, the Python source passes the in-process
@@ -23,7 +24,7 @@ pytestmark = pytest.mark.fast
 BUILD_SKIPPED = os.environ.get("GYM_PROXY_COMPILE") == "0"
 PURE_ASKED = os.environ.get("GYM_PROXY_PURE_PYTHON") == "1"
 PROBE = (
-    "import gym_proxy.proxy.exchange as e, gym_proxy.proxy.data_path as d;"
+    "import gym_proxy.proxy.data_path.exchange as e, gym_proxy.proxy.data_path as d;"
     "print(*d.mode(), sep='\\n'); print(e.__file__)"
 )
 
@@ -61,28 +62,29 @@ def test_the_python_source_passes_the_in_process_data_path_tests():
 
 @pytest.mark.skipif(data_path.mode()[0] != "compiled", reason="no compiled build installed")
 def test_an_edited_source_runs_as_python_not_as_its_stale_build(tmp_path: Path):
+    built = tmp_path / "proxy" / "data_path"
     ignore = shutil.ignore_patterns("__pycache__")
     shutil.copytree(REPO / "gym_proxy", tmp_path / "gym_proxy", ignore=ignore, symlinks=True)
     for package in ("proxy", "coordinator", "worker"):
         shutil.copytree(REPO / package, tmp_path / package, ignore=ignore)
     assert probe(tmp_path)[0] == "compiled"
 
-    with (tmp_path / "proxy" / "outbox.py").open("a") as source:
+    with (built / "outbox.py").open("a") as source:
         source.write("\n# an edit after the build\n")
     mode, reason, module_file = probe(tmp_path)
-    assert mode == "python" and "gym_proxy.proxy.outbox" in reason
-    assert module_file == str(tmp_path / "proxy" / "exchange.py")  # all or none
+    assert mode == "python" and "gym_proxy.proxy.data_path.outbox" in reason
+    assert module_file == str(built / "exchange.py")  # all or none
 
-    for built in (tmp_path / "proxy").glob("routing.*.so"):
-        built.unlink()  # a partial build runs as Python too
-    (tmp_path / "proxy" / "outbox.py").write_bytes((REPO / "proxy" / "outbox.py").read_bytes())
+    for extension in built.glob("routing.*.so"):
+        extension.unlink()  # a partial build runs as Python too
+    (built / "outbox.py").write_bytes((REPO / "proxy" / "data_path" / "outbox.py").read_bytes())
     mode, reason, module_file = probe(tmp_path)
     assert mode == "python" and "manifest" in reason
-    assert module_file == str(tmp_path / "proxy" / "exchange.py")
+    assert module_file == str(built / "exchange.py")
 
     (tmp_path / data_path.MANIFEST.relative_to(REPO)).unlink()  # a build with no manifest
     mode, reason, module_file = probe(tmp_path)
-    assert mode == "python" and module_file == str(tmp_path / "proxy" / "exchange.py")
+    assert mode == "python" and module_file == str(built / "exchange.py")
 
 
 @pytest.mark.skipif(data_path.mode()[0] != "compiled", reason="no compiled build installed")
@@ -102,7 +104,8 @@ def test_an_install_that_does_not_compile_leaves_the_build_alone(tmp_path: Path)
     assert result.returncode == 0, result.stderr
     assert manifest.read_bytes() == before
     assert probe(checkout)[0] == "compiled"
-    other_abi = checkout / "proxy" / "_compiled_sources.cpython-399-x86_64-linux-gnu.json"
+    folder = checkout / "proxy" / "data_path"
+    other_abi = folder / "_compiled_sources.cpython-399-x86_64-linux-gnu.json"
     other_abi.write_text("{}")  # another Python's build beside this one
-    (checkout / "proxy" / "exchange.cpython-399-x86_64-linux-gnu.so").write_bytes(b"")
+    (folder / "exchange.cpython-399-x86_64-linux-gnu.so").write_bytes(b"")
     assert probe(checkout)[0] == "compiled"

@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-from gym_proxy.proxy.routing import ExpectedHandover
+from gym_proxy.proxy.data_path.routing import ExpectedHandover
 from tests.data_path_rig import Rig
 
 pytestmark = pytest.mark.fast

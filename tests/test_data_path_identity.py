@@ -1,8 +1,8 @@
-"""Identity comes only from a token the proxy verified, driven in process (`proxy.routing`,
-"Identity"): an app's own token or cookie, which a client writes and the proxy cannot
-verify, picks a worker at most and never carries a gym-proxy session; every copy of this
-instance's token must verify; a cookie value that is not this instance's token, ASCII or
-not, is passed on untouched."""
+"""Identity comes only from a token the proxy verified, driven in process
+(`proxy.data_path.routing`, "Identity"): an app's own token or cookie, which a client writes
+and the proxy cannot verify, picks a worker at most and never carries a gym-proxy session;
+every copy of this instance's token must verify; a cookie value that is not this instance's
+token, ASCII or not, is passed on untouched."""
 
 from __future__ import annotations
 

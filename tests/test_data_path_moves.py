@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from gym_proxy.proxy.exchange import DONE, HELD, start_held
+from gym_proxy.proxy.data_path.exchange import DONE, HELD, start_held
 from tests.data_path_rig import Rig
 
 pytestmark = pytest.mark.fast

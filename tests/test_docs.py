@@ -152,14 +152,14 @@ def test_named_paths_exist(page):
 def test_path_scan_finds_paths():
     """The scan itself: what it must find, and what it must leave alone."""
     page = (
-        "see `proxy/routing.py` and `tests/test_nemo_gym_*.py`, `/run/gym-secret`,\n"
+        "see `proxy/data_path/routing.py` and `tests/test_nemo_gym_*.py`, `/run/gym-secret`,\n"
         "`nemo_gym/_checkpoint/control.py`, `setup.py`\n\n"
         "```sh\n.venv/bin/python bench/moves.py   # comment\n```\n"
     )
     named = set()
     for code in _code(page):
         named.update(m.group(1) for m in REPO_PATH.finditer(code))
-    assert named == {"proxy/routing.py", "tests/test_nemo_gym_*.py", "bench/moves.py"}
+    assert named == {"proxy/data_path/routing.py", "tests/test_nemo_gym_*.py", "bench/moves.py"}
     assert all(_exists(p) for p in named)
     assert not _exists("proxy/no_such_module.py")
 

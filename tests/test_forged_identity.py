@@ -16,7 +16,7 @@ import aiohttp
 import orjson
 import pytest
 
-from gym_proxy.proxy.session_tokens import TokenCodec
+from gym_proxy.proxy.data_path.session_tokens import TokenCodec
 from tests.conftest import BOTH_APP_KINDS
 from tests.support import CONTROL_TOKEN as CONTROL
 from tests.support import TEST_SECRET, Control, write_checkpoint

@@ -1,7 +1,7 @@
 """NeMo Gym's heavy servers under gym-proxy, on the real Ray (the NeMo Gym tier): the
 released code_gen resources server, whose /verify runs the submitted program's unit tests
 as a Ray task, behind `gym-proxy --workers 3`, with one Ray cluster for all its workers
-(proxy.ray_cluster), through a worker's crash, a rolling restart, a resize and a stop;
+(proxy.ray_cluster.cluster), through a worker's crash, a rolling restart, a resize and a stop;
 and the clear failures: nothing answering at a named address, an authentication that
 does not fit, a stale Ray session file on the host."""
 

@@ -15,11 +15,11 @@ import pytest
 from gym_proxy.coordinator.contract.errors import GymError
 from gym_proxy.coordinator.exclusion import Exclusion
 from gym_proxy.proxy.config import Config
+from gym_proxy.proxy.data_path.routing import WorkerRoute
 from gym_proxy.proxy.fleet.decommission import Step
 from gym_proxy.proxy.fleet.mover import Mover
 from gym_proxy.proxy.fleet.operations import Operations
 from gym_proxy.proxy.fleet.worker_records import WORKER_STATUSES, WorkerProcess
-from gym_proxy.proxy.routing import WorkerRoute
 from tests.support import REPO
 
 pytestmark = pytest.mark.fast

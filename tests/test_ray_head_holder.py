@@ -1,4 +1,4 @@
-"""Who holds the Ray cluster gym-proxy started (proxy/ray_head.py, `_Holder`): `stop` ends
+"""Who holds the Ray cluster gym-proxy started (proxy/ray_cluster/head.py, `_Holder`): `stop` ends
 it; a holder that leaves without it (a proxy that died, or handed its workers over) lets
 the next one in; one that said `stopping` first (its stop had begun) ends it."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from gym_proxy.proxy.ray_head import _Holder
+from gym_proxy.proxy.ray_cluster.head import _Holder
 
 pytestmark = pytest.mark.fast
 

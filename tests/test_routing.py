@@ -7,8 +7,8 @@ from collections import Counter
 import pytest
 
 from gym_proxy.coordinator.contract.errors import GymError
-from gym_proxy.proxy.routing import Router, WorkerRoute
-from gym_proxy.proxy.session_tokens import SessionIdentity
+from gym_proxy.proxy.data_path.routing import Router, WorkerRoute
+from gym_proxy.proxy.data_path.session_tokens import SessionIdentity
 
 pytestmark = pytest.mark.fast
 

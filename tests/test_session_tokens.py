@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gym_proxy.proxy.session_tokens import (
+from gym_proxy.proxy.data_path.session_tokens import (
     SessionIdentity,
     TokenCodec,
     TokenError,

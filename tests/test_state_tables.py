@@ -12,8 +12,9 @@ from types import ModuleType
 
 import pytest
 
-from gym_proxy.proxy import client_connection, exchange, state_tables
-from gym_proxy.proxy.exchange import DONE, HELD, QUEUED, RESPONDING, STATE_NAMES, Exchange
+from gym_proxy.proxy import state_tables
+from gym_proxy.proxy.data_path import client_connection, exchange
+from gym_proxy.proxy.data_path.exchange import DONE, HELD, QUEUED, RESPONDING, STATE_NAMES, Exchange
 from tests.data_path_rig import Rig
 
 pytestmark = pytest.mark.fast
@@ -23,7 +24,8 @@ ARROW = re.compile(r"\s*--[^>]*->\s*")
 
 def docstring(module: ModuleType) -> str:
     """From the source: a module compiled by mypyc keeps no docstring."""
-    source = Path(__file__).parents[1] / "proxy" / (module.__name__.rsplit(".", 1)[1] + ".py")
+    source = Path(module.__name__.removeprefix("gym_proxy.").replace(".", "/") + ".py")
+    source = Path(__file__).parents[1] / source
     return ast.get_docstring(ast.parse(source.read_text())) or ""
 
 

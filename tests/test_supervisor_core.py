@@ -23,13 +23,13 @@ from gym_proxy.coordinator.contract.channel import Channel
 from gym_proxy.coordinator.contract.messages import Register, RegisterReply, Tables
 from gym_proxy.coordinator.worker_channels import RegistrationRefused, WorkerChannels
 from gym_proxy.proxy.config import Config
+from gym_proxy.proxy.data_path.routing import Router
 from gym_proxy.proxy.fleet.supervisor import (
     TEST_OWNERS_ENV,
     Supervisor,
     WorkerBootError,
     WorkerProcess,
 )
-from gym_proxy.proxy.routing import Router
 
 OWNERS = ("owner-a", "owner-b", "owner-c", "owner-d", "owner-e", "owner-f")
 APP = "standin.app:create_app"

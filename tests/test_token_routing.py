@@ -7,8 +7,8 @@ import base64
 
 import pytest
 
-from gym_proxy.proxy.http_wire import LEGACY_COOKIE_NAME
-from gym_proxy.proxy.session_tokens import TokenCodec
+from gym_proxy.proxy.data_path.http_wire import LEGACY_COOKIE_NAME
+from gym_proxy.proxy.data_path.session_tokens import TokenCodec
 from tests.conftest import BOTH_APP_KINDS
 from tests.support import TEST_SECRET, legacy_token
 

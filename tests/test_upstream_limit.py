@@ -7,8 +7,8 @@ import asyncio
 
 import pytest
 
-from gym_proxy.proxy.routing import WorkerRoute
-from gym_proxy.proxy.upstream import UpstreamPool
+from gym_proxy.proxy.data_path.routing import WorkerRoute
+from gym_proxy.proxy.data_path.upstream import UpstreamPool
 from tests.data_path_rig import Rig
 
 pytestmark = pytest.mark.fast

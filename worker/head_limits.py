@@ -2,7 +2,7 @@
 through a worker parses.
 
 The proxy answers a request target over `--limit-request-line` with 414 and a header
-block over `--limit-request-headers` with 431 (JSON, `proxy.client_connection`); below
+block over `--limit-request-headers` with 431 (JSON, `proxy.data_path.client_connection`); below
 those, it forwards. Left at their defaults, a worker's parsers are stricter: aiohttp's
 server answers a header line over 8,190 bytes (`max_field_size`), a target over 8,190
 (`max_line_size`) or a 129th header (`max_headers`) with a plain-text 400, and

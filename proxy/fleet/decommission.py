@@ -32,8 +32,8 @@ from gym_proxy.coordinator.exclusion import Exclusion
 from gym_proxy.proxy.config import Config
 from gym_proxy.proxy.fleet.handovers import hand_over
 from gym_proxy.proxy.fleet.mover import Moved, Mover, failures
+from gym_proxy.proxy.fleet.session_watch import worker_watch
 from gym_proxy.proxy.fleet.worker_records import Slot, WorkerProcess
-from gym_proxy.proxy.session_watch import worker_watch
 
 __all__ = ["Decommissioner", "WorkerPool", "Progress", "Step"]
 

@@ -14,7 +14,7 @@ episode (`worker.handovers` has the worker's side). For the episodes of one sour
    waits there as an arrival for the request);
 4. the proxy expects each episode's request back from the source, under a fresh id;
 5. `give_up` on the source: it answers each request with the marker and that id; the
-   proxy sends the request, byte for byte, to the target (`proxy.exchange`, HANDOVER),
+   proxy sends the request, byte for byte, to the target (`proxy.data_path.exchange`, HANDOVER),
    whose admission takes the arrival and continues the episode from its boundary;
 6. the session table sends the riders to the target and the held requests go on.
 

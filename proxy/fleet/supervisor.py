@@ -47,10 +47,14 @@ from gym_proxy.coordinator.contract.messages import Drop, Ping, Register
 from gym_proxy.coordinator.placement import Placement
 from gym_proxy.coordinator.worker_channels import RegistrationRefused
 from gym_proxy.proxy.config import Config
-from gym_proxy.proxy.exchange import start_held, start_held_by_worker
+from gym_proxy.proxy.data_path.exchange import start_held, start_held_by_worker
+from gym_proxy.proxy.data_path.routing import ExpectedHandover, Router, WorkerRoute
+from gym_proxy.proxy.data_path.session_tokens import new_owner_id
+from gym_proxy.proxy.data_path.upstream import UpstreamPool
 from gym_proxy.proxy.fleet.adopted_copies import AdoptedCopies
 from gym_proxy.proxy.fleet.intent import FleetIntent, load_intent, save_intent
 from gym_proxy.proxy.fleet.mover import DROP_WAIT
+from gym_proxy.proxy.fleet.session_watch import until_a_request_ends
 from gym_proxy.proxy.fleet.worker_records import (
     AdoptedProcess,
     Slot,
@@ -60,10 +64,6 @@ from gym_proxy.proxy.fleet.worker_records import (
     resident_bytes,
 )
 from gym_proxy.proxy.fleet.zygote_client import Zygote
-from gym_proxy.proxy.routing import ExpectedHandover, Router, WorkerRoute
-from gym_proxy.proxy.session_tokens import new_owner_id
-from gym_proxy.proxy.session_watch import until_a_request_ends
-from gym_proxy.proxy.upstream import UpstreamPool
 from gym_proxy.worker.options import worker_argv
 
 __all__ = ["WorkerProcess", "Supervisor", "WorkerBootError", "Slot"]
@@ -766,7 +766,7 @@ class Supervisor:
 
     def place_session(self, session_id: str, owner: str, kept: bool) -> None:
         """`kept`: a session ID as the workers keep it (a record's); else a gym-proxy
-        session that rides along with one (`proxy.routing`, "Identity")."""
+        session that rides along with one (`proxy.data_path.routing`, "Identity")."""
         table = self.router.kept if kept else self.router.sessions
         table[session_id] = owner
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 from gym_proxy.coordinator.contract.channel import Channel
-from gym_proxy.proxy.routing import WorkerRoute
+from gym_proxy.proxy.data_path.routing import WorkerRoute
 
 __all__ = [
     "WorkerState",

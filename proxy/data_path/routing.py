@@ -1,7 +1,7 @@
 """Which worker answers a request: the routing precedence and the owner, alias and session
 tables (no I/O).
 
-`Router.route_request` is the whole order, written once; the data path (`proxy.exchange`)
+`Router.route_request` is the whole order, written once; the data path (`proxy.data_path.exchange`)
 hands it the request's identity headers and writes the headers its `Route` says:
 
 1. an app's own `X-NeMo-Gym-Session-Token` (NeMo Gym's MCP token) naming a session in the
@@ -65,10 +65,17 @@ from typing import Any, Final
 from gym_proxy.coordinator.contract.app_sessions import app_token_session, session_in_headers
 from gym_proxy.coordinator.contract.errors import GymError
 from gym_proxy.coordinator.contract.ids import is_valid_id
-from gym_proxy.proxy.http_wire import session_cookies
-from gym_proxy.proxy.session_tokens import SessionIdentity, TokenCodec, TokenError, new_session_id
+from gym_proxy.proxy.data_path.http_wire import session_cookies
+from gym_proxy.proxy.data_path.session_tokens import (
+    SessionIdentity,
+    TokenCodec,
+    TokenError,
+    new_session_id,
+)
 
 __all__ = [
+    "WORKER_WATCH",
+    "worker_watch",
     "WorkerRoute",
     "ExpectedHandover",
     "Route",
@@ -146,6 +153,16 @@ def _gone(owner: str) -> GymError:
     return GymError("session_owner_gone", detail)
 
 
+# A worker's key in `Router.watchers`: the prefix and its owner ID. The space keeps it
+# apart from every session ID (`coordinator.contract.ids`).
+WORKER_WATCH: Final = "worker "
+
+
+def worker_watch(owner: str) -> str:
+    """The key under which a wait is woken by the end of any request of worker `owner`."""
+    return WORKER_WATCH + owner
+
+
 @dataclass
 class Router:
     """The routing tables. The I/O layer adds and removes workers as they come and go."""
@@ -164,7 +181,7 @@ class Router:
     active: dict[str, int] = field(default_factory=dict)
     holding: dict[str, list[Any]] = field(default_factory=dict)
     # Who waits for a request of a session to end (a move, a hand-over: futures the
-    # data path resolves as one ends; `proxy.session_watch`), by session.
+    # data path resolves as one ends; `proxy.fleet.session_watch`), by session.
     watchers: dict[str, list[Any]] = field(default_factory=dict)
     # Hand-over id (the marker a worker answers with) -> the hand-over the mover expects.
     handovers: dict[bytes, ExpectedHandover] = field(default_factory=dict)

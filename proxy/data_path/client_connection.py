@@ -12,7 +12,7 @@ read that lies entirely inside an unfinished head counts too: a header that neve
 is cut off one read past the limit. A head not complete within `header_timeout` of its
 first byte (or of the connection's start) is 408, or closed silently if nothing came.
 
-Connection phases (`ClientConnection.phase`; each exchange has its own, `proxy.exchange`):
+Connection phases (`ClientConnection.phase`; each exchange has its own, `proxy.data_path.exchange`):
 
     READING     parsing requests; the head of the pipeline talks to a worker
     DISCARDING  the answer went out before the request body ended: the rest of the body
@@ -54,12 +54,12 @@ from typing import Any, Final
 import httptools
 
 from gym_proxy.coordinator.contract.errors import GymError
-from gym_proxy.proxy import outbox
-from gym_proxy.proxy.exchange import ANSWERING, RESPONDING, Exchange
-from gym_proxy.proxy.exchange import TUNNEL as EXCHANGE_TUNNEL
-from gym_proxy.proxy.outbox import Outbox
-from gym_proxy.proxy.routing import Router, WorkerRoute
-from gym_proxy.proxy.session_tokens import TokenCodec
+from gym_proxy.proxy.data_path import outbox
+from gym_proxy.proxy.data_path.exchange import ANSWERING, RESPONDING, Exchange
+from gym_proxy.proxy.data_path.exchange import TUNNEL as EXCHANGE_TUNNEL
+from gym_proxy.proxy.data_path.outbox import Outbox
+from gym_proxy.proxy.data_path.routing import Router, WorkerRoute
+from gym_proxy.proxy.data_path.session_tokens import TokenCodec
 from gym_proxy.proxy.state_tables import masks, wrong_transition
 
 __all__ = [
@@ -159,7 +159,7 @@ class ProxyState:
     booting: bool = False
     drained: asyncio.Event | None = None  # set when draining and the last client closed
     access_log: logging.Logger | None = None  # None: no per-request logging at all
-    request_spans: Any = None  # proxy.request_spans.RequestSpans with --trace-requests
+    request_spans: Any = None  # proxy.metrics.request_spans.RequestSpans with --trace-requests
     token_prefix: bytes = field(init=False, default=b"")  # how the codec's tokens start
     # Counted for /metrics: the proxy's own answers by error code, and responses cut
     # short after their first byte (a worker that died mid-answer).

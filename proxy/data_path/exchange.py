@@ -2,8 +2,9 @@
 
 The client connection feeds request events in, the worker connection feeds response
 events in, and the exchange writes through two sinks it is given, the client's outbox
-and the worker connection's outbox (`proxy.outbox`), so tests can drive it in process.
-Heads are rewritten by pure functions (`proxy.request_head`, `proxy.response_head`).
+and the worker connection's outbox (`proxy.data_path.outbox`), so tests can drive it in
+process. Heads are rewritten by pure functions (`proxy.data_path.request_head`,
+`proxy.data_path.response_head`).
 
 States (one at a time; the request side's progress is `request_done`, orthogonal):
 
@@ -63,19 +64,25 @@ from gym_proxy.coordinator.contract.headers import (
     split_rollout_url,
 )
 from gym_proxy.coordinator.contract.ids import is_valid_id
-from gym_proxy.proxy import http_wire as wire
-from gym_proxy.proxy.outbox import batch as write_batch
-from gym_proxy.proxy.outbox import hold, release
-from gym_proxy.proxy.request_head import RequestHead, rewrite_request_head
-from gym_proxy.proxy.response_head import rewrite_response_head
-from gym_proxy.proxy.routing import APP_COOKIE, APP_TOKEN, ExpectedHandover, Router, WorkerRoute
-from gym_proxy.proxy.session_tokens import TokenError
-from gym_proxy.proxy.session_watch import WORKER_WATCH
+from gym_proxy.proxy.data_path import http_wire as wire
+from gym_proxy.proxy.data_path.outbox import batch as write_batch
+from gym_proxy.proxy.data_path.outbox import hold, release
+from gym_proxy.proxy.data_path.request_head import RequestHead, rewrite_request_head
+from gym_proxy.proxy.data_path.response_head import rewrite_response_head
+from gym_proxy.proxy.data_path.routing import (
+    APP_COOKIE,
+    APP_TOKEN,
+    WORKER_WATCH,
+    ExpectedHandover,
+    Router,
+    WorkerRoute,
+)
+from gym_proxy.proxy.data_path.session_tokens import TokenError
 from gym_proxy.proxy.state_tables import masks, wrong_transition
 
 if TYPE_CHECKING:
-    from gym_proxy.proxy.client_connection import ClientConnection
-    from gym_proxy.proxy.upstream import UpstreamConnection
+    from gym_proxy.proxy.data_path.client_connection import ClientConnection
+    from gym_proxy.proxy.data_path.upstream import UpstreamConnection
 
 __all__ = [
     "Exchange",
@@ -210,7 +217,7 @@ class Exchange:
         self.sent_bytes = 0
         self.slot = -2  # the worker slot routed to (-1: the control app), for the access log
         self.held_since = 0.0  # monotonic time it began to wait for a move (0: never held)
-        self.span: object = None  # its span, with --trace-requests (proxy.request_spans)
+        self.span: object = None  # its span, with --trace-requests (proxy.metrics.request_spans)
         self.session_id: str | None = None  # the session it was routed under, once routed
         self.handover: ExpectedHandover | None = None  # in HANDOVER: where it goes on to
 
@@ -334,7 +341,7 @@ class Exchange:
             parts += (wire.EPISODE_KEY_LINE, key, b"\r\n")
         if route.rule == APP_TOKEN or route.rule == APP_COOKIE:
             # Only the worker was picked by what the client wrote: the app verifies its own
-            # token or cookie, and the request has no gym-proxy session (proxy.routing).
+            # token or cookie, and the request has no gym-proxy session (proxy.data_path.routing).
             parts += (wire.APP_SESSION_CLAIM_LINE, route.session_id.encode(), b"\r\n")
             return worker
         token = route.token
@@ -554,7 +561,7 @@ class Exchange:
 
     def response_end(self, reusable: bool = True) -> None:
         """The worker's response ended. `reusable`: the response side ended exactly at a
-        message boundary (`proxy.upstream` judges that); the connection goes back to the
+        message boundary (`proxy.data_path.upstream` judges that); the connection goes back to the
         pool only if the request side did too and the worker keeps it alive."""
         if self.state == HANDOVER:
             self._send_on(reusable)
@@ -730,7 +737,7 @@ class Exchange:
 
 
 def _wake(watchers: dict[str, list[Any]], key: str) -> None:
-    """A request of `key` (a session, or a worker: `proxy.session_watch`) ended."""
+    """A request of `key` (a session, or a worker: `proxy.fleet.session_watch`) ended."""
     for waiter in watchers.pop(key, ()):
         if not waiter.done():
             waiter.set_result(None)

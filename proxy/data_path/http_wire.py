@@ -28,7 +28,7 @@ __all__ = [
 ]
 
 # Headers that describe one connection, not the message (RFC 9110 7.6.1).
-HOP_BY_HOP = frozenset(
+HOP_BY_HOP: Final[frozenset[bytes]] = frozenset(
     {
         b"connection",
         b"keep-alive",
@@ -42,7 +42,7 @@ HOP_BY_HOP = frozenset(
     }
 )
 # The one cookie name of every instance before cookies were named per instance: a client
-# of an older checkpoint still holds it (proxy.session_tokens, "legacy").
+# of an older checkpoint still holds it (proxy.data_path.session_tokens, "legacy").
 LEGACY_COOKIE_NAME = b"ng_session"
 # Identity header lines the proxy adds to a routed request (`name: ` before the value).
 SESSION_ID_LINE: Final = names.SESSION_ID + b": "

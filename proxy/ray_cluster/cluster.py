@@ -8,14 +8,14 @@ uses Ray (NeMo Gym's own rule, `_server_uses_ray`): before any worker starts,
 
 - it joins the cluster the config names (`ray_head_node_address`, as NeMo Gym's launcher
   passes it), else the one `RAY_ADDRESS` names, after checking that it can be joined
-  (`proxy.ray_head check`): nothing answering, an address that is not one, or an
+  (`proxy.ray_cluster.head check`): nothing answering, an address that is not one, or an
   authentication that does not fit is one line and exit status RAY_ERROR within
   seconds, not a worker hanging until the boot timeout. It is joined with token
   authentication when a token is at hand and `RAY_AUTH_MODE` is unset, as
   `ray start --head` decides it (Ray 2.60 turns it on by itself only for a cluster
   `ray.init()` starts or finds, so NeMo Gym's `initialize_ray()` in a worker would not,
   nor would `ray start --address`), and the workers get the mode the check joined with;
-- else it starts one local cluster (`proxy.ray_head start`), never attaching to one found
+- else it starts one local cluster (`proxy.ray_cluster.head start`), never attaching to one found
   on the host by a session file, and stops it when gym-proxy stops (its process holds it;
   if that process dies, Ray's reaper stops it). With `--orphan-grace`, a gym-proxy that
   dies (or hands its workers over, `--take-over`) leaves the cluster waiting as long as
@@ -122,7 +122,7 @@ class RayCluster:
             sys.executable,
             "-P",  # the user's working directory must not shadow the packages it imports
             "-m",
-            "gym_proxy.proxy.ray_head",
+            "gym_proxy.proxy.ray_cluster.head",
             *args,
             stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE,

@@ -51,12 +51,12 @@ from typing import TYPE_CHECKING
 
 import httptools
 
-from gym_proxy.proxy import outbox
-from gym_proxy.proxy.exchange import HANDOVER, RESPONDING
-from gym_proxy.proxy.outbox import Outbox
+from gym_proxy.proxy.data_path import outbox
+from gym_proxy.proxy.data_path.exchange import HANDOVER, RESPONDING
+from gym_proxy.proxy.data_path.outbox import Outbox
 
 if TYPE_CHECKING:
-    from gym_proxy.proxy.exchange import Exchange
+    from gym_proxy.proxy.data_path.exchange import Exchange
 
 __all__ = ["UpstreamConnection", "UpstreamPool", "Connector"]
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gym_proxy.coordinator.contract import headers as names
-from gym_proxy.proxy import http_wire as wire
+from gym_proxy.proxy.data_path import http_wire as wire
 
 __all__ = ["ResponseHead", "rewrite_response_head", "NO_BODY_STATUS"]
 

@@ -9,7 +9,7 @@ are labelled by worker slot, rule, code or operation, never by session or rollou
 slot's counters add up every incarnation of the slot, so they never go backwards across
 a restart; `gym_proxy_worker_restarts_total` and `gym_proxy_worker_start_time_seconds`
 say that one happened. The families are listed in docs/metrics.md; the port they
-are served on, and its bounds, is proxy.metrics_listener.
+are served on, and its bounds, is proxy.metrics.listener.
 """
 
 from __future__ import annotations
@@ -28,12 +28,12 @@ from gym_proxy.coordinator.contract.channel import ChannelClosed, ChannelTimeout
 from gym_proxy.coordinator.contract.loop_lag import LoopLag
 from gym_proxy.coordinator.contract.messages import Stats, WorkerStats
 from gym_proxy.coordinator.phases import Phase
-from gym_proxy.proxy.client_connection import ProxyState
+from gym_proxy.proxy.data_path.client_connection import ProxyState
+from gym_proxy.proxy.data_path.routing import RULES
 from gym_proxy.proxy.fleet.mover import Mover
 from gym_proxy.proxy.fleet.operations import Operations
 from gym_proxy.proxy.fleet.supervisor import Supervisor
 from gym_proxy.proxy.fleet.worker_records import WORKER_STATUSES, WorkerProcess, resident_bytes
-from gym_proxy.proxy.routing import RULES
 from gym_proxy.proxy.state_tables import WRONG
 
 __all__ = ["Metrics", "STATES", "PHASES"]

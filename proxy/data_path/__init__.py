@@ -1,4 +1,6 @@
-"""Which data path runs: the modules setup.py compiled with mypyc, or their Python source.
+"""The data path: every module a proxied request runs through, compiled with mypyc at
+install (`setup.py` compiles every module of this folder but this one). This module
+chooses which runs: the build, or the Python source.
 
 An install puts each compiled module's extension beside its .py (an editable install
 builds them in place), and Python's import system prefers the extension. The source
@@ -12,8 +14,8 @@ Only this interpreter's own build counts: its extension files (this ABI's suffix
 manifest setup.py wrote beside them for that ABI. A checkout built for two Pythons keeps
 two builds, and an install that did not compile leaves an earlier build as it was.
 
-`choose()` runs once, from `proxy/__init__.py`, before any compiled module is imported;
-it must not import one itself.
+`choose()` runs once, as this package is imported (so before any module of it is), and
+must not import one itself.
 """
 
 from __future__ import annotations
@@ -104,3 +106,6 @@ def choose() -> None:
     if any(name in sys.modules for name in sources):
         raise RuntimeError("data_path.choose() must run before the data path is imported")
     sys.meta_path.insert(0, _SourceFirst(sources))
+
+
+choose()

@@ -10,7 +10,7 @@ whatever the client's head says (no request smuggling through the pool).
 Headers the proxy reads for routing (cookie, session token, owner hint) are returned to
 the caller; identity headers a client sent are dropped, since only the proxy sets them.
 An `X-NeMo-Gym-Session-Token` is this instance's (it starts with the instance's token
-prefix, `proxy.session_tokens`; consumed here) or not (NeMo Gym's MCP tokens, another
+prefix, `proxy.data_path.session_tokens`; consumed here) or not (NeMo Gym's MCP tokens, another
 gym-proxy's token), which passes through unchanged.
 """
 
@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 from gym_proxy.coordinator.contract import headers as names
 from gym_proxy.coordinator.contract.errors import GymError
-from gym_proxy.proxy import http_wire as wire
-from gym_proxy.proxy.session_tokens import TokenError
+from gym_proxy.proxy.data_path import http_wire as wire
+from gym_proxy.proxy.data_path.session_tokens import TokenError
 
 __all__ = ["RequestHead", "rewrite_request_head", "PROTECTED"]
 
@@ -98,7 +98,7 @@ def rewrite_request_head(
         elif kind == _TOKEN:
             if value.startswith(token_prefix):
                 if head.token is not None and head.token != value:
-                    # Nothing tells which one the client meant (proxy.routing, "Copies").
+                    # Nothing tells which one the client meant (proxy.data_path.routing, "Copies").
                     raise TokenError(
                         "two X-NeMo-Gym-Session-Token headers carry different tokens of "
                         "this instance"

@@ -1,10 +1,11 @@
 """The Ray process of one gym-proxy: it starts the server's one local Ray cluster, or
 checks that a named one can be joined, and says so in one JSON line on stdout.
 
-Run by `proxy.ray_cluster` as `python -m gym_proxy.proxy.ray_head start|check [ADDRESS]`: the
-driver of the cluster is this process, never the proxy (Ray's driver threads and signal
-handlers stay out of the proxy's event loop, and the proxy never imports Ray for this;
-an app module that imports Ray at its top, as code_gen's does, is the app's doing).
+Run by `proxy.ray_cluster.cluster` as `python -m gym_proxy.proxy.ray_cluster.head
+start|check [ADDRESS]`: the driver of the cluster is this process, never the proxy (Ray's
+driver threads and signal handlers stay out of the proxy's event loop, and the proxy never
+imports Ray for this; an app module that imports Ray at its top, as code_gen's does, is the
+app's doing).
 
 - `start [KEEP_FOR SOCKET]`: `ray.init(address="local")`, a new cluster whatever the host
   runs (never one found by a session file: gym-proxy attaches to no cluster nobody
@@ -227,7 +228,8 @@ def main(argv: list[str] | None = None) -> int:
     if len(args) == 2 and args[0] == "check":
         return _check(args[1])
     print(
-        "usage: python -m gym_proxy.proxy.ray_head start [KEEP_FOR SOCKET] | check HOST:PORT",
+        "usage: python -m gym_proxy.proxy.ray_cluster.head "
+        "start [KEEP_FOR SOCKET] | check HOST:PORT",
         file=sys.stderr,
     )
     return 2

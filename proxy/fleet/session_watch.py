@@ -4,7 +4,7 @@ A move waits until a moving session has no request running; a hand-over until an
 episode's riders run only the episode's own request; a decommission until the worker it
 empties has none (`worker_watch`). None of them polls: the wait registers a future under
 its keys in `Router.watchers`, the data path resolves it as a request of one of them ends
-(`proxy.exchange`), and the waiter looks again at what it needs.
+(`proxy.data_path.exchange`), and the waiter looks again at what it needs.
 """
 
 from __future__ import annotations
@@ -14,18 +14,9 @@ import contextlib
 import time
 from collections.abc import Iterable
 
-from gym_proxy.proxy.routing import Router
+from gym_proxy.proxy.data_path.routing import Router, worker_watch
 
-__all__ = ["until_a_request_ends", "worker_watch", "WORKER_WATCH"]
-
-# A worker's key in `Router.watchers`: the prefix and its owner ID. The space keeps it
-# apart from every session ID (`coordinator.contract.ids`).
-WORKER_WATCH = "worker "
-
-
-def worker_watch(owner: str) -> str:
-    """The key under which a wait is woken by the end of any request of worker `owner`."""
-    return WORKER_WATCH + owner
+__all__ = ["until_a_request_ends", "worker_watch"]
 
 
 async def until_a_request_ends(router: Router, session_ids: Iterable[str], deadline: float) -> None:

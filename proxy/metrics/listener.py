@@ -29,8 +29,8 @@ from typing import Final
 import httptools
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from gym_proxy.proxy.data_path.http_wire import error_response
 from gym_proxy.proxy.descriptor_budget import METRICS_CONNECTIONS
-from gym_proxy.proxy.http_wire import error_response
 
 __all__ = ["MetricsListener", "MAX_REQUEST", "HEADER_TIMEOUT"]
 
