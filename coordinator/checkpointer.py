@@ -55,7 +55,6 @@ from gym_proxy.coordinator.contract.messages import (
     Release,
     Reopen,
     Retire,
-    SessionsEnded,
     Stop,
     Tables,
     TablesUpdate,
@@ -65,10 +64,10 @@ from gym_proxy.coordinator.contract.records import EncodedRecords, identity, rec
 from gym_proxy.coordinator.contract.telemetry import ATTRIBUTE
 from gym_proxy.coordinator.exclusion import Exclusion
 from gym_proxy.coordinator.phases import PhaseMachine
-from gym_proxy.coordinator.placement import Placement, place
+from gym_proxy.coordinator.placement import place
 from gym_proxy.coordinator.readiness import Readiness
 
-__all__ = ["LiveWorker", "WorkerView", "Checkpointer"]
+__all__ = ["LiveWorker", "Workers", "SessionTables", "Checkpointer"]
 
 log = logging.getLogger("gym_proxy.coordinator")
 
@@ -76,6 +75,7 @@ log = logging.getLogger("gym_proxy.coordinator")
 # a worker that does not answer gets the message when it wakes, or is restarted open.
 REOPEN_WAIT = 2.0
 CLOSE_WAIT = 2.0
+LEASE_CHECK = 1.0  # seconds between looks at the lease (its grace is minutes)
 
 
 @dataclass(frozen=True)
@@ -87,32 +87,33 @@ class LiveWorker:
     in_flight: int
 
 
-class WorkerView(Protocol):
-    """What the coordinator needs from the supervisor and the router."""
+class Workers(Protocol):
+    """The workers as the coordinator sees them (the proxy's supervisor)."""
 
     @property
     def expected(self) -> int: ...
 
     def live(self) -> list[LiveWorker]: ...
 
-    def aliases(self) -> dict[str, str]: ...
 
-    def placed_sessions(self) -> dict[str, str]:
-        """gym-proxy's sessions the session table places."""
-        ...
+class SessionTables(Protocol):
+    """The tables a checkpoint writes and a restore replaces (the proxy's router)."""
 
-    def placed_app_sessions(self) -> dict[str, str]:
-        """The app's own sessions the app session table places."""
-        ...
+    aliases: dict[str, str]  # old owner -> the owner its sessions went to
+    sessions: dict[str, str]  # gym-proxy's sessions the session table places
+    app_sessions: dict[str, str]  # the app's own sessions it places
 
     @property
     def keeps_app_sessions(self) -> bool:
         """The workers key their sessions (and records) by the app's own session IDs."""
         ...
 
-    def set_tables(self, placement: Placement) -> None: ...
-
-    def sessions_ended(self, owner: str, session_ids: list[str]) -> None: ...
+    def set_tables(
+        self,
+        aliases: dict[str, str],
+        sessions: dict[str, str],
+        app_sessions: dict[str, str] | None = None,
+    ) -> None: ...
 
 
 @dataclass(eq=False)
@@ -141,7 +142,8 @@ class CheckpointIO:
 
 @dataclass(eq=False)
 class Checkpointer:
-    workers: WorkerView
+    workers: Workers
+    tables: SessionTables
     instance: str
     lease_grace: float
     clock: Callable[[], float] = time.time
@@ -161,6 +163,7 @@ class Checkpointer:
     _write: _Write | None = None
     _sends: set[asyncio.Future[Any]] = field(default_factory=set)
     io: CheckpointIO = field(default_factory=CheckpointIO)
+    _warned_restart_only: bool = False
 
     def __post_init__(self) -> None:
         self.machine = PhaseMachine(self.lease_grace)
@@ -173,6 +176,15 @@ class Checkpointer:
         A worker a dead instance left brings the marks it enforces (marks only grow)."""
         if self.kind is None:
             self.kind = registration.kind
+        if registration.restart_only and not self._warned_restart_only:
+            self._warned_restart_only = True
+            log.warning(
+                "%s declares no session state, so it is a restart-only participant: a "
+                "checkpoint exports none of its sessions and names the rollouts using them "
+                "as restarts (declare a session dict, hooks or the session store to export "
+                "them: docs/nemo_gym.md, 'State without code')",
+                self.instance,
+            )
         if registration.rejoining:
             self.marks.merge(registration.marks)
             self.restored_once = True  # its state is the dead instance's: no restore onto it
@@ -185,7 +197,7 @@ class Checkpointer:
         self.machine.unprepare()
 
     async def on_message(self, owner: str, message: Message) -> Message | None:
-        """A worker's message: a report, a claim, or sessions that ended."""
+        """A worker's message: a report or a claim."""
         match message:
             case Ready():
                 if message.checkpoint_id == self.machine.checkpoint_id:
@@ -193,9 +205,6 @@ class Checkpointer:
                 return None
             case Claim():
                 return self._claim(message)
-            case SessionsEnded():
-                self.workers.sessions_ended(owner, message.session_ids)
-                return None
         raise GymError("invalid_request", f"{message.TYPE} is not a message for the coordinator")
 
     def _claim(self, claim: Claim) -> ClaimReply:
@@ -233,9 +242,8 @@ class Checkpointer:
                 for w in live
             ],
             "expected_workers": self.workers.expected,
-            "session_aliases": self.workers.aliases(),
-            "routed_sessions": len(self.workers.placed_sessions())
-            + len(self.workers.placed_app_sessions()),
+            "session_aliases": dict(self.tables.aliases),
+            "routed_sessions": len(self.tables.sessions) + len(self.tables.app_sessions),
             "restored_pending": self.claims.keys(),
             "retired_rollouts": len(self.marks),
             "operation": self.exclusion.operation,
@@ -424,10 +432,10 @@ class Checkpointer:
         owners = {w.owner for w in live}
         session_owners = {o: o for o in owners}
         session_owners.update(
-            {old: new for old, new in self.workers.aliases().items() if new in owners}
+            {old: new for old, new in self.tables.aliases.items() if new in owners}
         )
-        placed = {s: o for s, o in self.workers.placed_sessions().items() if o in owners}
-        placed_app = {s: o for s, o in self.workers.placed_app_sessions().items() if o in owners}
+        placed = {s: o for s, o in self.tables.sessions.items() if o in owners}
+        placed_app = {s: o for s, o in self.tables.app_sessions.items() if o in owners}
         abort = threading.Event()
         task = asyncio.ensure_future(
             asyncio.to_thread(
@@ -517,7 +525,7 @@ class Checkpointer:
             manifest["placed_sessions"],
             [w.owner for w in live],
             manifest.get("placed_app_sessions", {}),
-            self.workers.keeps_app_sessions,
+            self.tables.keeps_app_sessions,
         )
         claims = RestoredClaims(
             {
@@ -543,7 +551,7 @@ class Checkpointer:
         except BaseException:
             await self._rollback(live)  # cancelled by a resume: undo, then let it go on
             raise
-        self.workers.set_tables(placement)
+        self.tables.set_tables(placement.aliases, placement.sessions, placement.app_sessions)
         self.claims = claims
         self.restored_once = True
         if self.restored_note is not None:
@@ -681,6 +689,14 @@ class Checkpointer:
             await self._gather(self.workers.live(), Forget(sorted(set(rollout_ids))), deadline_ts)
             self.marks.forget(rollout_ids)
             return {"forgotten": sorted(set(rollout_ids))}
+
+    async def watch_lease(self) -> None:
+        """Resume a checkpoint whose lease ran out, looked at every LEASE_CHECK seconds
+        (a task of its own: a resume may wait its turn behind a commit)."""
+        while True:
+            await asyncio.sleep(LEASE_CHECK)
+            if self.machine.lease_expired(self.clock()):
+                await self.expire_lease()
 
     async def expire_lease(self) -> bool:
         """Resume by itself when the lease ran out; True if it did."""

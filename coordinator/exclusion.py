@@ -49,6 +49,16 @@ class Exclusion:
         if self.operation is not None:
             raise GymError("operation_conflict", f"a {self.operation} is running; retry after it")
 
+    def in_the_way(self) -> str | None:
+        """What holds the exclusion, in words a refusal gives (None when free): a
+        take-over waits for it, since the successor would not have its state."""
+        open_id = self.open_checkpoint()
+        if open_id is not None:
+            return f"checkpoint {open_id} is open; take over after its resume"
+        if self.operation is not None:
+            return f"a {self.operation} is running; take over after it"
+        return None
+
     @contextlib.contextmanager
     def hold(self, kind: str) -> Iterator[None]:
         """Run an operation of `kind`, refused (above) unless everything is free."""

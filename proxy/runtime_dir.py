@@ -25,6 +25,7 @@ from gym_proxy.coordinator.contract.state_files import load_document, replace_do
 
 __all__ = [
     "RuntimeDir",
+    "open_runtime_dir",
     "RuntimeDirBusy",
     "RuntimeDirLocked",
     "ensure_parent",
@@ -225,12 +226,52 @@ class RuntimeDir:
         return os.path.join(self.path, name)
 
     def release(self) -> None:
-        """Let go of the directory without removing it (another instance's workers)."""
-        with contextlib.suppress(OSError):
-            os.close(self._lock_fd)
+        """Let go of the directory without removing it (the workers in it go on, with a
+        successor): from now on it is not this instance's to remove."""
+        if self._lock_fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(self._lock_fd)
+            self._lock_fd = -1
 
     def remove(self) -> None:
-        """Delete the directory and release the lock."""
+        """Delete the directory and release the lock (nothing, once released)."""
+        if self._lock_fd < 0:
+            return
         shutil.rmtree(self.path, ignore_errors=True)
-        with contextlib.suppress(OSError):
-            os.close(self._lock_fd)
+        self.release()
+
+
+def open_runtime_dir(
+    parent: str | None, instance: str, address: str, fingerprint: str | None
+) -> RuntimeDir:
+    """This instance's runtime directory (dead instances' left under `parent` removed
+    first). With a `fingerprint` (`--orphan-grace`: its workers outlive it), the one the
+    same command's earlier instance used, found by `instance` and the public `address`:
+    if it died, its workers wait there to be adopted, which only an instance signing
+    with the same secret may do (RuntimeDirBusy otherwise, the directory left as it
+    was). Warns of other instances' workers waiting under `parent`."""
+    for stale in remove_stale(parent):
+        log.info("removed the runtime directory of a dead instance: %s", stale)
+    if fingerprint is None:
+        runtime = RuntimeDir(parent)
+    else:
+        runtime = RuntimeDir(parent, adoptable_name(instance, address))
+        if runtime.found is not None and runtime.found.get("secret") != fingerprint:
+            runtime.release()
+            raise RuntimeDirBusy(
+                f"cannot adopt the workers a dead instance left in {runtime.path}: they serve "
+                "tokens signed with another secret (start with the same --secret-file)"
+            )
+        runtime.write_identity({"instance": instance, "secret": fingerprint})
+    for path, waiting in waiting_workers(parent).items():
+        if path != runtime.path:  # another instance's, or this one's at another address
+            log.warning(
+                "the workers of a dead gym-proxy (instance %r) wait in %s; this one is %r at "
+                "%s: it does not adopt them (start that command again; they stop when their "
+                "--orphan-grace ends)",
+                waiting,
+                path,
+                instance,
+                address,
+            )
+    return runtime

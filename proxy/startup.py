@@ -18,7 +18,7 @@ import sys
 import tempfile
 from collections.abc import Sequence
 from dataclasses import replace
-from typing import Any
+from typing import Any, NoReturn
 
 import uvloop
 
@@ -103,7 +103,7 @@ def _from_nemo_gym_config(config: Config, cls: type) -> tuple[Config, RayPlan | 
     return config, RayPlan(None)
 
 
-def _fail(message: str) -> None:
+def _fail(message: str) -> NoReturn:
     print(f"gym-proxy: error: {message}", file=sys.stderr)
     sys.exit(USAGE_ERROR)
 
@@ -167,12 +167,14 @@ def start(argv: Sequence[str] | None = None) -> None:
         secret = secrets.token_bytes(32)
     else:
         secret = config.secret.encode()
+    take_over = None
     if config.take_over:
         try:
             fingerprint = secret_fingerprint(secret, config.instance)
-            sock = take_over_listener(config.runtime_dir, config.instance, fingerprint)
+            take_over = take_over_listener(config.runtime_dir, config.instance, fingerprint)
         except TakeOverError as exc:
             _fail(f"--take-over: {exc}")
+        sock = take_over.listen_sock
         sock.setblocking(False)
     else:
         try:
@@ -182,5 +184,5 @@ def start(argv: Sequence[str] | None = None) -> None:
             _fail(f"cannot listen on {where}: {exc.strerror or exc}")
     freeze_startup_heap()  # every module is imported: no full pass walks them again
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        code = runner.run(run(config, sock, secret, ray_plan))
+        code = runner.run(run(config, sock, secret, ray_plan, take_over=take_over))
     exit_process(code)

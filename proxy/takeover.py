@@ -7,9 +7,12 @@ instance), asks for the listening socket with its secret's fingerprint, and rece
 socket's descriptor over the Unix socket (SCM_RIGHTS: how HAProxy's `-x` and Envoy's hot
 restart pass listeners). The port never closes: the old instance stops accepting, and
 connections that come before the new one serves wait in the socket's backlog. The old
-instance then lets its workers go (they rejoin the new one as after a crash, see
-`worker.process`), releases its runtime directory and finishes its open connections'
-requests (`proxy.server`).
+instance then passes its workers on (they rejoin the new one as after a crash, see
+`worker.process`), releases its runtime directory and says so on the same connection
+(`{"released": true}`), which the new instance waits for before it takes the directory
+(`until_released`: an event, not a poll of the directory's lock; the connection's end
+does as well, should the old instance die first). Then the old one finishes its open
+connections' requests (`proxy.server`).
 """
 
 from __future__ import annotations
@@ -20,37 +23,76 @@ import os
 import socket
 import tempfile
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import orjson
 
 from gym_proxy.proxy.runtime_dir import PREFIX, read_identity
 
-__all__ = ["TAKEOVER_NAME", "TakeOverError", "TakeOverListener", "take_over_listener"]
+__all__ = [
+    "TAKEOVER_NAME",
+    "TakeOver",
+    "TakeOverError",
+    "TakeOverListener",
+    "take_over_listener",
+    "until_released",
+]
 
 TAKEOVER_NAME = "takeover.sock"
 REQUEST_WAIT = 5.0  # seconds a connection gets to send its request
+RELEASE_WAIT = 30.0  # seconds the new instance waits for the old one's directory
 
 
 class TakeOverError(Exception):
     """Nothing to take over, or the running instance refused (the message says which)."""
 
 
-def take_over_listener(parent: str | None, instance: str, fingerprint: str) -> socket.socket:
+@dataclass(frozen=True)
+class TakeOver:
+    """What a new instance got from the running one: its listening socket, and the
+    connection on which the old one says it released its runtime directory."""
+
+    listen_sock: socket.socket
+    conversation: socket.socket
+
+
+def take_over_listener(parent: str | None, instance: str, fingerprint: str) -> TakeOver:
     """The listening socket of the running instance `instance` under `parent`."""
     parent = parent or tempfile.gettempdir()
     path = _running(parent, instance)
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
-        conn.settimeout(30)
-        try:
-            conn.connect(path)
-            conn.sendall(orjson.dumps({"secret": fingerprint}) + b"\n")
-            message, fds, _, _ = socket.recv_fds(conn, 4096, 1)
-        except OSError as exc:
-            raise TakeOverError(f"cannot take over the gym-proxy at {path}: {exc}") from None
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    conn.settimeout(30)
+    try:
+        conn.connect(path)
+        conn.sendall(orjson.dumps({"secret": fingerprint}) + b"\n")
+        message, fds, _, _ = socket.recv_fds(conn, 4096, 1)
+    except OSError as exc:
+        conn.close()
+        raise TakeOverError(f"cannot take over the gym-proxy at {path}: {exc}") from None
     if not fds:
+        conn.close()
         reason = orjson.loads(message).get("error", "no reason given") if message else "it closed"
         raise TakeOverError(f"the running gym-proxy of instance {instance} refused: {reason}")
-    return socket.socket(fileno=fds[0])
+    conn.setblocking(False)
+    return TakeOver(socket.socket(fileno=fds[0]), conn)
+
+
+async def until_released(conversation: socket.socket, within: float = RELEASE_WAIT) -> bool:
+    """Until the old instance says it released its runtime directory, or its end of the
+    conversation closes (it died: the kernel released the directory's lock with it).
+    False after `within` seconds without either."""
+    loop = asyncio.get_running_loop()
+    try:
+        async with asyncio.timeout(within):
+            while await loop.sock_recv(conversation, 4096):
+                pass  # `{"released": true}`, then the end; the end is what counts
+    except TimeoutError:
+        return False
+    except OSError:
+        pass  # reset by a dying peer: as good as its end
+    finally:
+        conversation.close()
+    return True
 
 
 def _running(parent: str, instance: str) -> str:
@@ -88,6 +130,7 @@ class TakeOverListener:
         self._on_taken = on_taken
         self._busy = busy
         self._server: asyncio.AbstractServer | None = None
+        self._successor: asyncio.StreamWriter | None = None  # told when the directory is free
         self.taken = False
 
     async def start(self, path: str) -> None:
@@ -121,10 +164,19 @@ class TakeOverListener:
             pid = _peer_pid(peer)
         finally:
             peer.close()
-        writer.close()
+        self._successor = writer
         self._on_taken(pid)
 
+    def released(self) -> None:
+        """The runtime directory is free: the successor may take it now."""
+        successor, self._successor = self._successor, None
+        if successor is not None:
+            with contextlib.suppress(ConnectionError, RuntimeError):
+                successor.write(orjson.dumps({"released": True}) + b"\n")
+            successor.close()
+
     async def close(self) -> None:
+        self.released()  # the directory goes with this process in any case
         if self._server is not None:
             self._server.close()
             await self._server.wait_closed()

@@ -126,39 +126,26 @@ class FakeWorker:
 
 @dataclass
 class FakeView:
-    """The supervisor and router as the checkpointer sees them (`WorkerView`)."""
+    """The supervisor and the router as the checkpointer sees them (its `Workers` and
+    `SessionTables`)."""
 
     expected: int
     workers: list
     changed: asyncio.Event
-    alias_table: dict = field(default_factory=dict)
-    session_table: dict = field(default_factory=dict)
-    app_session_table: dict = field(default_factory=dict)
-    ended: list = field(default_factory=list)
+    aliases: dict = field(default_factory=dict)
+    sessions: dict = field(default_factory=dict)
+    app_sessions: dict = field(default_factory=dict)
 
     def live(self):
         return [
             LiveWorker(w.slot, w.owner, 100 + w.slot, w.link, 0) for w in self.workers if w.alive
         ]
 
-    def aliases(self):
-        return dict(self.alias_table)
-
-    def placed_sessions(self):
-        return dict(self.session_table)
-
-    def placed_app_sessions(self):
-        return dict(self.app_session_table)
-
     keeps_app_sessions = False
 
-    def set_tables(self, placement):
-        self.alias_table, self.session_table = dict(placement.aliases), dict(placement.sessions)
-        self.app_session_table = dict(placement.app_sessions)
-
-    def sessions_ended(self, owner, session_ids):
-        self.ended.append((owner, session_ids))
-        self.changed.set()
+    def set_tables(self, aliases, sessions, app_sessions=None):
+        self.aliases, self.sessions = dict(aliases), dict(sessions)
+        self.app_sessions = dict(app_sessions or {})
 
 
 @dataclass
@@ -204,7 +191,7 @@ async def make_rig():
         view = FakeView(len(owners), workers, changed)
         clock = Clock()
         readiness = WatchedReadiness(changed=changed)
-        cp = Checkpointer(view, INSTANCE, GRACE, clock=clock, readiness=readiness)
+        cp = Checkpointer(view, view, INSTANCE, GRACE, clock=clock, readiness=readiness)
         for w in workers:
             left, right = socket.socketpair()
             reader, writer = await asyncio.open_connection(sock=left)
@@ -336,7 +323,7 @@ async def test_commit_writes_every_workers_records(make_rig, tmp_path):
     rig = await make_rig()
     rig.workers[0].records = [session("a", "w0"), episode("r1", 0)]
     rig.workers[1].records = [session("b", "w1", EpisodeId("r1", 0))]
-    rig.view.session_table = {"p1": "w1", "gone": "w9"}
+    rig.view.sessions = {"p1": "w1", "gone": "w9"}
     await rig.prepared()
     reply = await rig.cp.commit("c1", NOW + 5, str(tmp_path), None)
     assert reply["phase"] == "committed" and reply["episode_ids"] == ["r1"]
@@ -462,7 +449,7 @@ async def test_restore_installs_what_a_commit_wrote(make_rig, tmp_path):
     n0, n1 = (installed(w.received(msg.Install)[0]) for w in rig.workers)
     assert n0 == [session("a", "w0")]
     assert n1 == [session("b", "w1", EpisodeId("r1", 1))]
-    assert rig.view.alias_table == {"w0": "n0", "w1": "n1"}
+    assert rig.view.aliases == {"w0": "n0", "w1": "n1"}
     assert rig.cp.status()["phase"] == "restored"
     assert rig.cp.status()["restored_pending"] == ["r1-a1"]
     # The workers' Close replies are the report: no worker is taken for unreported.
@@ -499,7 +486,7 @@ async def test_restore_refused_by_a_worker_rolls_back(make_rig, tmp_path):
         assert w.types() == ["close", "install", "uninstall", "tables", "reopen"]
     status = rig.cp.status()
     assert status["phase"] == "idle" and status["checkpoint_id"] is None
-    assert status["restored_pending"] == [] and rig.view.alias_table == {}
+    assert status["restored_pending"] == [] and rig.view.aliases == {}
     del rig.workers[1].refuse["install"]
     assert (await rig.cp.restore("rst", NOW + 5, str(tmp_path), scope))["phase"] == "restored"
 
@@ -521,7 +508,7 @@ async def test_resume_rolls_back_a_running_restore(make_rig, tmp_path):
     assert (await refusal(rig.cp.prepare("rst", NOW + 5))).code == "stale_checkpoint"
     for w in rig.workers:
         assert w.types() == ["close", "install", "uninstall", "tables", "reopen"]
-    assert rig.view.alias_table == {} and rig.cp.status()["phase"] == "idle"
+    assert rig.view.aliases == {} and rig.cp.status()["phase"] == "idle"
     assert (await rig.cp.restore("rst2", NOW + 5, str(tmp_path), []))["phase"] == "restored"
 
 
@@ -561,7 +548,7 @@ async def test_a_damaged_checkpoint_is_refused_and_installs_nothing(make_rig, tm
         assert w.received(msg.Install) == []
     status = rig.cp.status()
     assert status["phase"] == "idle" and status["restored_pending"] == []
-    assert rig.view.alias_table == {}
+    assert rig.view.aliases == {}
 
 
 async def test_second_restore_is_invalid_phase(make_rig, tmp_path):
@@ -680,13 +667,13 @@ async def test_a_rejoining_worker_brings_the_marks_it_enforces(make_rig):
     assert rig.cp.status()["retired_rollouts"] == 2
 
 
-async def test_inbox_routes_ended_sessions_and_refuses_the_rest(make_rig):
-    """SessionsEnded reaches the router; a coordinator-bound request that is not for the
-    coordinator is refused; a late joiner hears of the open checkpoint."""
+async def test_inbox_refuses_what_is_not_for_the_checkpointer(make_rig):
+    """A message that is not for the checkpointer is refused (ended sessions go to the
+    router, not here: tests/test_assembly.py); a late joiner hears of the open
+    checkpoint."""
     rig = await make_rig()
-    rig.workers[0].channel.notify(msg.SessionsEnded(["s1", "s2"]))
-    await rig.until(lambda: rig.view.ended)
-    assert rig.view.ended == [("w0", ["s1", "s2"])]
+    ended = msg.SessionsEnded(["s1", "s2"])
+    assert (await refusal(rig.cp.on_message("w0", ended))).code == "invalid_request"
     await rig.prepared()
     assert (await refusal(rig.cp.on_message("w0", msg.Reopen()))).code == "invalid_request"
     assert rig.cp.register_reply(joining("w0")).checkpoint_id == "c1"

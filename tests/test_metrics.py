@@ -238,7 +238,7 @@ async def test_the_dashboard_shows_only_families_the_server_exposes(start_proxy)
 
     # Declared families: a labelled family with no sample yet still has its HELP line.
     exposed = {family(name) for name in re.findall(r"(?m)^# HELP (gym_proxy_\w+)", text)}
-    dashboard = json.loads((REPO / "proxy" / "grafana_dashboard.json").read_text())
+    dashboard = json.loads((REPO / "proxy" / "metrics" / "grafana_dashboard.json").read_text())
     queried = {
         name
         for panel in dashboard["panels"]

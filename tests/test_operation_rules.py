@@ -66,7 +66,7 @@ def operations(workers: int, draining: tuple[int, ...] = ()) -> tuple[Operations
     for slot in draining:
         pool.slots[slot].route.draining = True
     exclusion = Exclusion(lambda: None)  # no checkpoint open
-    return Operations(pool, Mover(None, exclusion), exclusion), pool  # type: ignore[arg-type]
+    return Operations(pool, Mover(None, None, exclusion), exclusion), pool  # type: ignore[arg-type]
 
 
 async def refused(call: Any) -> str:

@@ -24,12 +24,14 @@ from gym_proxy.coordinator.contract.messages import Register, RegisterReply, Tab
 from gym_proxy.coordinator.worker_channels import RegistrationRefused, WorkerChannels
 from gym_proxy.proxy.config import Config
 from gym_proxy.proxy.data_path.routing import Router
+from gym_proxy.proxy.fleet.liveness import watch_liveness
 from gym_proxy.proxy.fleet.supervisor import (
     TEST_OWNERS_ENV,
     Supervisor,
     WorkerBootError,
     WorkerProcess,
 )
+from gym_proxy.proxy.fleet.worker_records import SubprocessLauncher
 
 OWNERS = ("owner-a", "owner-b", "owner-c", "owner-d", "owner-e", "owner-f")
 APP = "standin.app:create_app"
@@ -118,8 +120,10 @@ class Rig:
             str(tmp_path),
             str(tmp_path / "coordinator.sock"),
             self.router,
-            worker_command=command
-            or (sys.executable, "-c", STANDIN, f"--mode={mode}", f"--marker={self.marker}"),
+            launcher=SubprocessLauncher(
+                command
+                or (sys.executable, "-c", STANDIN, f"--mode={mode}", f"--marker={self.marker}")
+            ),
         )
         self.channels = WorkerChannels(self._on_register, self.supervisor.on_lost, self._on_message)
         self.liveness: asyncio.Task[None] | None = None
@@ -292,7 +296,7 @@ async def test_sigstopped_worker_is_first_unplaced_then_killed_and_replaced(rig)
     still routed, then is SIGKILLed after worker_timeout and replaced by a new owner."""
     r = await rig("stop")
     await r.supervisor.start()
-    r.liveness = asyncio.ensure_future(r.supervisor.watch_liveness())
+    r.liveness = asyncio.ensure_future(watch_liveness(r.supervisor))
     slot, stopped_owner = r.odd()
     stopped, other = r.worker(slot), r.worker(1 - slot)
     route = stopped.route
@@ -373,7 +377,7 @@ async def test_no_worker_is_called_silent_before_its_first_ping(rig, caplog):
     workers = r.supervisor.workers()
     for worker in workers:
         worker.answered_at -= 10.0  # registered 10 s ago, far past 2 ping intervals
-    r.liveness = asyncio.ensure_future(r.supervisor.watch_liveness())
+    r.liveness = asyncio.ensure_future(watch_liveness(r.supervisor))
     await eventually(
         lambda: all(w.ping_seconds is not None for w in workers), "every worker to answer"
     )

@@ -59,6 +59,7 @@ only knows the owners of its own time.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -185,6 +186,9 @@ class Router:
     watchers: dict[str, list[Any]] = field(default_factory=dict)
     # Hand-over id (the marker a worker answers with) -> the hand-over the mover expects.
     handovers: dict[bytes, ExpectedHandover] = field(default_factory=dict)
+    # Called after the alias table changed (the fleet keeps it for a successor:
+    # `proxy.fleet.intent.KeptIntent`).
+    on_aliases: Callable[[], None] | None = None
     # Counted for /metrics: decisions by rule, and foreign tokens passed to the app.
     decisions: dict[str, int] = field(default_factory=lambda: dict.fromkeys(RULES, 0))
     foreign_tokens: int = 0
@@ -220,6 +224,7 @@ class Router:
         self.aliases = dict(aliases)
         self.sessions = dict(sessions)
         self.app_sessions = dict(app_sessions or {})
+        self._aliases_changed()
 
     def forget_sessions(self, owner: str, session_ids: list[str]) -> None:
         """`owner`'s worker ended these sessions: drop those the table sends to it."""
@@ -242,6 +247,16 @@ class Router:
             for session_id, holder in table.items():
                 if holder == old:
                     table[session_id] = heir
+        self._aliases_changed()
+
+    @property
+    def keeps_app_sessions(self) -> bool:
+        """The workers key their sessions (and records) by the app's own session IDs."""
+        return self.app_cookie is not None
+
+    def _aliases_changed(self) -> None:
+        if self.on_aliases is not None:
+            self.on_aliases()
 
     def resolve_owner(self, owner: str) -> WorkerRoute | None:
         """The live worker that holds `owner`'s sessions, directly or through an alias."""

@@ -31,6 +31,7 @@ from gym_proxy.coordinator.contract.messages import ListHeld, ParkEpisodes, Resu
 from gym_proxy.coordinator.exclusion import Exclusion
 from gym_proxy.proxy.config import Config
 from gym_proxy.proxy.fleet.handovers import hand_over
+from gym_proxy.proxy.fleet.intent import KeptIntent
 from gym_proxy.proxy.fleet.mover import Moved, Mover, failures
 from gym_proxy.proxy.fleet.session_watch import worker_watch
 from gym_proxy.proxy.fleet.worker_records import Slot, WorkerProcess
@@ -53,6 +54,7 @@ class WorkerPool(Protocol):
 
     slots: list[Slot]
     config: Config
+    intent: KeptIntent
 
     def current(self, slot_index: int) -> WorkerProcess | None: ...
 
@@ -69,14 +71,6 @@ class WorkerPool(Protocol):
     def take_out_of_service(self, worker: WorkerProcess) -> None: ...
 
     async def stop_worker(self, worker: WorkerProcess, grace: float) -> int | None: ...
-
-    def hold_worker(self, worker: WorkerProcess) -> None: ...
-
-    def release_worker(self, worker: WorkerProcess) -> None: ...
-
-    def inherit_owner(self, old: str, heir: str) -> None: ...
-
-    def set_drained(self, worker: WorkerProcess, drained: bool) -> None: ...
 
 
 # What an operation is doing now (`Progress.step`; `detail` says it in words, with its
@@ -254,7 +248,8 @@ class Decommissioner:
         wait for its running ones, move what they left, and send what still names its
         owner to an heir. False (nothing changed, it serves on) when it is not empty."""
         final = max(deadline, time.monotonic() + FINAL_SWEEP)
-        self.pool.hold_worker(worker)
+        table = self.mover.table
+        table.hold_worker(worker.live_route)
         try:
             while True:
                 if not worker.live_route.in_flight:
@@ -273,11 +268,11 @@ class Decommissioner:
             if not targets:
                 return False
             heir = min(targets, key=lambda h: h.live_route.in_flight)
-            self.pool.inherit_owner(worker.owner, heir.owner)
+            table.router.inherit_owner(worker.owner, heir.owner)
             self.pool.take_out_of_service(worker)
             return True
         finally:
-            self.pool.release_worker(worker)
+            table.release_worker(worker.live_route)
 
     async def _hand_over_running(
         self,

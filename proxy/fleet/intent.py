@@ -18,8 +18,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gym_proxy.coordinator.contract.state_files import load_document, replace_document
+from gym_proxy.proxy.data_path.routing import Router
 
-__all__ = ["FleetIntent", "INTENT_NAME", "load_intent", "save_intent"]
+__all__ = ["FleetIntent", "KeptIntent", "INTENT_NAME", "load_intent", "save_intent"]
 
 log = logging.getLogger("gym_proxy.supervisor")
 
@@ -68,3 +69,45 @@ def load_intent(directory: str) -> FleetIntent | None:
         log.warning("%s is not a fleet intent: the command line's worker count, no drains", path)
         return None
     return FleetIntent(workers, frozenset(drained), aliases)
+
+
+@dataclass(eq=False)
+class KeptIntent:
+    """This gym-proxy's intent, written to `directory` whenever a part of it changes: the
+    slot count (`resized`), the drains (`set_drained`), the router's aliases (the router
+    calls `keep` as its alias table changes)."""
+
+    directory: str
+    router: Router
+    workers: int
+    drained: set[str] = field(default_factory=set)  # owners an operator drained
+
+    def __post_init__(self) -> None:
+        self.router.on_aliases = self.keep
+
+    def adopt(self, intent: FleetIntent) -> None:
+        """A predecessor's intent (adopting its workers): its drains and aliases hold."""
+        self.workers = intent.workers
+        self.drained = set(intent.drained)
+        self.router.aliases = dict(intent.aliases)
+
+    def resized(self, workers: int) -> None:
+        self.workers = workers
+        self.keep()
+
+    def set_drained(self, owner: str, drained: bool) -> None:
+        (self.drained.add if drained else self.drained.discard)(owner)
+        self.keep()
+
+    def forget_drains_but(self, owners: set[str]) -> None:
+        """Only these owners' drains still matter (the others' workers are gone)."""
+        if self.drained - owners:
+            self.drained &= owners
+            self.keep()
+
+    def keep(self) -> None:
+        try:
+            intent = FleetIntent(self.workers, frozenset(self.drained), self.router.aliases)
+            save_intent(self.directory, intent)
+        except OSError as exc:  # the directory went away: the server goes on without it
+            log.warning("could not keep the fleet's intent in %s: %s", self.directory, exc)

@@ -31,7 +31,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -50,13 +50,9 @@ from gym_proxy.coordinator.contract.messages import (
 )
 from gym_proxy.coordinator.exclusion import Exclusion
 from gym_proxy.coordinator.readiness import SlotOwner
+from gym_proxy.proxy.fleet.move_table import MoveTable
 
-__all__ = [
-    "Mover",
-    "MoveTable",
-    "Moved",
-    "failures",
-]
+__all__ = ["Mover", "LiveWorkers", "Moved", "failures"]
 
 log = logging.getLogger("gym_proxy.moves")
 
@@ -68,32 +64,10 @@ class _Worker(SlotOwner, Protocol):
     def channel(self) -> Any: ...
 
 
-class MoveTable(Protocol):
-    """What a move needs from the supervisor and the router."""
+class LiveWorkers(Protocol):
+    """The workers a move may take sessions from or give them to (the supervisor)."""
 
     def live(self) -> Sequence[_Worker]: ...
-
-    def hold_sessions(self, session_ids: list[str]) -> None: ...
-
-    def release_sessions(self, session_ids: list[str]) -> None: ...
-
-    def running_requests(self, session_id: str) -> int: ...
-
-    async def until_a_request_ends(self, session_ids: Iterable[str], deadline: float) -> None:
-        """Until a request of one of `session_ids` ends, or `deadline` (monotonic)."""
-        ...
-
-    def place_session(self, session_id: str, owner: str, kept: bool) -> None:
-        """The session table sends `session_id` to `owner`: a session ID as the workers
-        keep it (`kept`: a record's), or a gym-proxy session linked to one."""
-        ...
-
-    def expect_handover(self, handover_id: str, source: str, target: str) -> asyncio.Future[str]:
-        """The data path is to send the request `source` gives back under `handover_id` on
-        to `target`; the future says how that went ("" once sent on, else why not)."""
-        ...
-
-    def forget_handover(self, handover_id: str) -> None: ...
 
 
 @dataclass
@@ -107,6 +81,7 @@ class Moved:
 
 @dataclass(eq=False)
 class Mover:
+    workers: LiveWorkers
     table: MoveTable
     exclusion: Exclusion
     holding: int = 0  # sessions whose new requests wait at the proxy now
@@ -120,13 +95,13 @@ class Mover:
         """Move `session_ids` to the worker in `to_slot`; answer what moved and what did
         not, and why (module docstring)."""
         self.exclusion.refuse_operation("move")
-        target = next((w for w in self.table.live() if w.slot == to_slot), None)
+        target = next((w for w in self.workers.live() if w.slot == to_slot), None)
         if target is None:
             raise GymError("invalid_request", f"no live worker in slot {to_slot}")
         wanted = list(dict.fromkeys(session_ids))
         started = time.monotonic()
         with self.exclusion.hold("move"):
-            sources = [w for w in self.table.live() if w.owner != target.owner]
+            sources = [w for w in self.workers.live() if w.owner != target.owner]
             result = await self.move_sessions({target.owner: wanted}, sources, started + within)
         seconds = round(time.monotonic() - started, 6)
         log.info(
@@ -204,7 +179,7 @@ class Mover:
     async def _links(self, wanted: list[str], within: float) -> dict[str, list[str]]:
         """Every worker's gym-proxy sessions that carried these app sessions' requests."""
         links: dict[str, list[str]] = {}
-        for worker, reply in await broadcast(self.table.live(), LinkedSessions(wanted), within):
+        for worker, reply in await broadcast(self.workers.live(), LinkedSessions(wanted), within):
             if isinstance(reply, Links):
                 for session_id, linked in reply.links.items():
                     links.setdefault(session_id, []).extend(linked)
@@ -244,7 +219,7 @@ class Mover:
                 why = "; ".join(silent) or "no worker it was asked of holds it"
                 failed[session_id] = f"not found on a source worker ({why})"
         failpoints.hit("move-before-adopt")
-        targets = {w.owner: w for w in self.table.live()}
+        targets = {w.owner: w for w in self.workers.live()}
         adoptions = []
         for owner, records in by_target.items():
             target = targets.get(owner)

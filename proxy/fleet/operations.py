@@ -26,9 +26,9 @@ every other operation (409 `operation_conflict`, both ways), reports its progres
   boots take a slice of the serving; apart, they take a thinner one for longer.
 - **resize** to M: grow starts workers in new slots at the end, one by one; shrink
   removes the last slots and retires their workers into the rest.
-- **recycle**: the supervisor asks for one when a worker passes `--max-requests` (plus
-  its jitter) or `--max-worker-memory`; it is a rolling restart of that slot, deferred
-  while a checkpoint or another operation runs.
+- **recycle**: its policy (`proxy.fleet.recycling`) asks for one when a worker passes
+  `--max-requests` (plus its jitter) or `--max-worker-memory`; it is a rolling restart
+  of that slot, deferred while a checkpoint or another operation runs.
 
 One rule holds across them all: none may leave no live worker taking new sessions (a
 drain of the last one, or a shrink that keeps only draining ones, is refused first).
@@ -51,6 +51,7 @@ from gym_proxy.coordinator.contract.errors import GymError
 from gym_proxy.coordinator.exclusion import Exclusion
 from gym_proxy.proxy.fleet.decommission import Decommissioner, Progress, WorkerPool
 from gym_proxy.proxy.fleet.mover import Mover
+from gym_proxy.proxy.fleet.recycling import RecyclePolicy
 from gym_proxy.proxy.fleet.worker_records import WorkerProcess
 
 __all__ = ["Operations", "WorkerPool", "Progress", "RESTART_PAUSE"]
@@ -78,11 +79,13 @@ class Operations:
     # Told each operation's kind, outcome (complete, incomplete, error) and seconds.
     observe: Callable[[str, str, float], None] | None = None
     decommissioner: Decommissioner = field(init=False)
+    recycling: RecyclePolicy = field(init=False)  # its `watch` runs while the server serves
 
     def __post_init__(self) -> None:
         self.decommissioner = Decommissioner(
             self.pool, self.mover, self.exclusion, self._exclusive, self._in_background
         )
+        self.recycling = RecyclePolicy(self.pool.config, lambda: self.pool.slots, self.recycle)
 
     # ---- the operations -------------------------------------------------------------
     async def drain(self, slot: int, within: float) -> dict[str, Any]:
@@ -90,7 +93,7 @@ class Operations:
         async with self._exclusive("drain", "operator") as progress:
             worker = self._live_in(slot)
             self._keep_one_taking_sessions([worker], f"draining slot {slot}")
-            self.pool.set_drained(worker, True)
+            self._set_drained(worker, True)
             deadline = time.monotonic() + within
             progress.at(
                 "moving_sessions", slot, f"slot {slot}: moving its sessions to the other workers"
@@ -115,7 +118,7 @@ class Operations:
         """The slot's worker takes new sessions again."""
         async with self._exclusive("undrain", "operator") as progress:
             worker = self._live_in(slot)
-            self.pool.set_drained(worker, False)
+            self._set_drained(worker, False)
             progress.slots.append({"slot": slot, "owner": worker.owner, "draining": False})
             return self._answer(progress)
 
@@ -175,8 +178,8 @@ class Operations:
             return self._answer(progress, workers=len(self.pool.slots))
 
     def recycle(self, slot: int, reason: str) -> None:
-        """The supervisor's ask: a rolling restart of one slot, when the server is free
-        (it asks again every interval, so a deferred recycle happens later; one that
+        """The recycle policy's ask: a rolling restart of one slot, when the server is
+        free (it asks again every interval, so a deferred recycle happens later; one that
         failed is not tried again for RECYCLE_BACKOFF seconds)."""
         if not self.exclusion.is_free():
             return
@@ -205,6 +208,11 @@ class Operations:
             self._signal_task = asyncio.ensure_future(self._run_signals())
 
     # ---- the steps ----------------------------------------------------------------
+    def _set_drained(self, worker: WorkerProcess, drained: bool) -> None:
+        """An operator's drain (or undrain): kept for a successor that adopts it."""
+        worker.live_route.draining = drained
+        self.pool.intent.set_drained(worker.owner, drained)
+
     async def _restart_slot(self, slot: int, within: float, progress: Progress) -> bool:
         old = self._live_in(slot)
         entry: dict[str, Any] = {"slot": slot, "old_owner": old.owner, "old_pid": old.pid}

@@ -10,11 +10,14 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import sys
+import time
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 from gym_proxy.coordinator.contract.channel import Channel
 from gym_proxy.proxy.data_path.routing import WorkerRoute
+from gym_proxy.proxy.data_path.upstream import UpstreamPool
 
 __all__ = [
     "WorkerState",
@@ -23,6 +26,7 @@ __all__ = [
     "WorkerProcess",
     "WorkerHandle",
     "WorkerLauncher",
+    "SubprocessLauncher",
     "AdoptedProcess",
     "Slot",
     "resident_bytes",
@@ -62,12 +66,33 @@ class WorkerHandle(Protocol):
 
 
 class WorkerLauncher(Protocol):
-    """What starts workers when a plain subprocess does not: the zygote (--preload), or
-    a test's in-process launcher (`tests/in_process.py`)."""
+    """What starts workers: a subprocess each (`SubprocessLauncher`), the zygote
+    (--preload: `proxy.fleet.zygote_client.Zygote`), or a test's in-process launcher
+    (`tests/in_process.py`)."""
 
     async def spawn(self, argv: list[str]) -> WorkerHandle: ...
 
     async def close(self) -> None: ...
+
+
+# `python -P`: the current directory never shadows gym-proxy's packages.
+WORKER_COMMAND = (sys.executable, "-P", "-m", "gym_proxy.worker")
+
+
+@dataclass(frozen=True)
+class SubprocessLauncher:
+    """A fresh interpreter per worker, started with its arguments (tests of the
+    supervisor start stand-in workers with another `command`)."""
+
+    command: tuple[str, ...] = WORKER_COMMAND
+
+    async def spawn(self, argv: list[str]) -> WorkerHandle:
+        return await asyncio.create_subprocess_exec(
+            *self.command, *argv, stdin=asyncio.subprocess.DEVNULL
+        )
+
+    async def close(self) -> None:
+        return None
 
 
 @dataclass(eq=False)
@@ -88,13 +113,22 @@ class WorkerProcess:
     registered: asyncio.Future[None] = field(default_factory=lambda: _quiet_future())
     on_trial: bool = False  # an operation started it: a boot failure fails only that
     leaving: bool = False  # an operation stops it: its exit is expected, never restarted
-    max_requests: int = 0  # recycled after serving this many (0: never)
     started_unix: float = 0.0
     ping_seconds: float | None = None  # the last ping's round trip
 
     @property
     def pid(self) -> int:
         return self.process.pid
+
+    def go_live(self, channel: Channel, keeps_rollout_prefix: bool) -> None:
+        """It registered over `channel`: it gets its route (and its pool of connections)."""
+        self.state = "live"
+        self.channel = channel
+        self.answered_at = time.monotonic()
+        self.route = WorkerRoute(
+            self.owner, self.slot, self.socket_path, keeps_rollout_prefix=keeps_rollout_prefix
+        )
+        self.route.pool = UpstreamPool(self.socket_path)
 
     @property
     def live_route(self) -> WorkerRoute:
@@ -135,6 +169,11 @@ def _quiet_future() -> asyncio.Future[None]:
     return future
 
 
+BACKOFF_FIRST = 0.1
+BACKOFF_MAX = 5.0
+STABLE_AFTER = 10.0  # a worker that lived this long resets its slot's backoff
+
+
 @dataclass
 class Slot:
     worker: WorkerProcess | None = None
@@ -147,6 +186,21 @@ class Slot:
     replacements: int = 0
     responses_gone: list[int] = field(default_factory=lambda: [0] * 6)
     connect_errors_gone: int = 0
+
+    def count_gone(self, route: WorkerRoute) -> None:
+        """Its worker's route is gone: its counts stay in the slot's."""
+        for i, n in enumerate(route.responses):
+            self.responses_gone[i] += n
+        self.connect_errors_gone += route.pool.connect_errors
+
+    def exited(self, lived: float, now: float) -> float:
+        """Its worker exited after `lived` seconds, unasked: the delay before the slot is
+        started again (exponential while its workers keep dying young)."""
+        self.restarts += 1
+        self.failures = 0 if lived >= STABLE_AFTER else self.failures + 1
+        delay = min(BACKOFF_MAX, BACKOFF_FIRST * 2 ** (self.failures - 1)) if self.failures else 0.0
+        self.restart_at = now + delay
+        return delay
 
 
 def resident_bytes(pid: int) -> int:

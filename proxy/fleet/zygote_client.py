@@ -20,6 +20,8 @@ import signal
 import socket
 import sys
 
+from gym_proxy.proxy.config import Config
+
 __all__ = ["Zygote", "ForkedProcess", "ZygoteError"]
 
 log = logging.getLogger("gym_proxy.supervisor")
@@ -64,6 +66,13 @@ class Zygote:
         self.replies: collections.deque[asyncio.Future[ForkedProcess | str]] = collections.deque()
         self.children: dict[int, ForkedProcess] = {}
         self.lock = asyncio.Lock()  # one fork at a time: replies come in order
+
+    @classmethod
+    def for_config(cls, config: Config) -> Zygote:
+        """The zygote of a server started with --preload."""
+        return cls(
+            config.app, config.app_dir, config.limit_request_line, config.limit_request_headers
+        )
 
     async def spawn(self, argv: list[str]) -> ForkedProcess:
         async with self.lock:

@@ -32,7 +32,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from gym_proxy.proxy.data_path.http_wire import error_response
 from gym_proxy.proxy.descriptor_budget import METRICS_CONNECTIONS
 
-__all__ = ["MetricsListener", "MAX_REQUEST", "HEADER_TIMEOUT"]
+__all__ = ["MetricsListener", "bind", "MAX_REQUEST", "HEADER_TIMEOUT"]
 
 log = logging.getLogger("gym_proxy.metrics")
 
@@ -42,6 +42,23 @@ _PATH = b"/metrics"
 _HEAD_OK = b"HTTP/1.1 200 OK\r\ncontent-type: %s\r\ncontent-length: %d\r\n%s\r\n"
 
 Render = Callable[[], Awaitable[bytes]]
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on exactly the address given (--metrics)."""
+    family, kind, proto, _, address = socket.getaddrinfo(
+        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(128)
+    except OSError:
+        sock.close()
+        raise
+    sock.setblocking(False)
+    return sock
 
 
 class _Pipelined(Exception):

@@ -86,8 +86,6 @@ class Metrics:
             registry=self.registry,
         )
         self.registry.register(_Gathered(self))
-        operations.observe = self.observe_operation
-        supervisor.on_held = self.observe_held
 
     def observe_checkpoint(self, operation: str, outcome: str, seconds: float) -> None:
         self.checkpoint_seconds.labels(operation, outcome).observe(seconds)

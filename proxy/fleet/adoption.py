@@ -1,0 +1,169 @@
+"""Adopting a predecessor's workers: a dead gym-proxy's (`--orphan-grace`), or those of
+the one a `--take-over` replaces, which passed them on.
+
+A gym-proxy that takes over a runtime directory where workers still listen waits up to
+ADOPT_WINDOW seconds for them to rejoin (they look every 0.1 s) before the supervisor
+starts the slots still empty. Each rejoining worker takes its slot as it was (a slot
+past `--workers` too: the predecessor had been resized up), under a pidfd-backed handle
+(`AdoptedProcess`: not this process's child). The predecessor's intent (its worker
+count, drains and aliases: `proxy.fleet.intent`) holds, and a rejoining worker's
+sessions route to it whatever owner their tokens name; a session two adopted workers
+hold (a move cut by the crash) stays with the one that used it last
+(`proxy.fleet.adopted_copies`), the other copy is dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from gym_proxy.coordinator.contract import failpoints
+from gym_proxy.coordinator.contract.channel import ChannelClosed, ChannelTimeout, RemoteError
+from gym_proxy.coordinator.contract.messages import Drop, Register
+from gym_proxy.coordinator.worker_channels import RegistrationRefused
+from gym_proxy.proxy.fleet.adopted_copies import AdoptedCopies
+from gym_proxy.proxy.fleet.intent import load_intent
+from gym_proxy.proxy.fleet.mover import DROP_WAIT
+from gym_proxy.proxy.fleet.worker_records import AdoptedProcess, Slot, WorkerProcess
+
+if TYPE_CHECKING:
+    from gym_proxy.proxy.fleet.supervisor import Supervisor
+
+__all__ = ["Adoption", "ADOPT_WINDOW"]
+
+log = logging.getLogger("gym_proxy.supervisor")
+
+ADOPT_WINDOW = 5.0  # seconds the predecessor's workers get to rejoin (module docstring)
+MAX_GROWTH = 64  # slots an adoption may add past those it found listening
+
+
+@dataclass(eq=False)
+class Adoption:
+    """The adoption of the workers `orphans` counts, while this gym-proxy starts."""
+
+    supervisor: Supervisor
+    orphans: int  # the predecessor's workers still listening when this one started
+    predecessor: str  # "dead" or "handing-over": which one, for the log
+    _all_back: asyncio.Event = field(default_factory=asyncio.Event)
+    _copies: AdoptedCopies = field(default_factory=AdoptedCopies)
+    open: bool = True
+
+    def take_intent(self) -> None:
+        """The predecessor's worker count, drains and aliases hold here too."""
+        supervisor = self.supervisor
+        intent = load_intent(supervisor.runtime_dir)
+        if intent is None:
+            return
+        if intent.workers != len(supervisor.slots):
+            log.warning(
+                "keeping the %d workers the dead instance was resized to (--workers %d; "
+                "resize to change that)",
+                intent.workers,
+                len(supervisor.slots),
+            )
+            supervisor.slots = [Slot() for _ in range(intent.workers)]
+            supervisor.resized()
+        supervisor.intent.adopt(intent)
+
+    async def window(self) -> None:
+        """Wait until every worker found listening is back, or ADOPT_WINDOW; then close."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._all_back.wait(), ADOPT_WINDOW)
+        self.open = False
+        self._copies.clear()
+        adopted = [s.worker for s in self.supervisor.slots if s.worker is not None]
+        self.supervisor.intent.forget_drains_but({w.owner for w in adopted})
+        log.info(
+            "adopted %d worker%s of the %s instance (pids %s)",
+            len(adopted),
+            "" if len(adopted) == 1 else "s",
+            self.predecessor,
+            ", ".join(str(w.pid) for w in adopted) or "none",
+        )
+
+    def admit(self, registration: Register) -> WorkerProcess:
+        """A predecessor's worker rejoins: it takes its slot, as it was."""
+        if not self.open:
+            raise RegistrationRefused(
+                "gym-proxy adopts a dead instance's workers only while it starts"
+            )
+        slot_index = registration.slot
+        self._grow_for(slot_index)
+        slots = self.supervisor.slots
+        if not 0 <= slot_index < len(slots):
+            raise RegistrationRefused(f"no slot {slot_index!r}")
+        slot = slots[slot_index]
+        if slot.worker is not None:
+            raise RegistrationRefused(f"slot {slot_index} has a worker already")
+        try:
+            process = AdoptedProcess(registration.pid)
+        except OSError as exc:
+            raise RegistrationRefused(f"pid {registration.pid}: {exc.strerror}") from None
+        worker = WorkerProcess(
+            slot_index, registration.owner, registration.socket, process, time.monotonic()
+        )
+        worker.started_unix = time.time()
+        slot.worker = worker
+        failpoints.hit("adopting")  # a crash with a worker half adopted (tests)
+        log.info(
+            "worker %d (pid %d, owner %s) adopted with %d sessions",
+            slot_index,
+            registration.pid,
+            registration.owner,
+            len(registration.held),
+        )
+        self.supervisor.watch(worker)
+        if sum(1 for s in slots if s.worker is not None) >= self.orphans:
+            self._all_back.set()  # every worker found listening is back
+        return worker
+
+    def routed(self, worker: WorkerProcess, held: dict[str, float]) -> None:
+        """An adopted worker is routable: its drain holds, and its sessions route to it
+        whatever owner their tokens name (a restore or a move put some there: the
+        predecessor's tables are not kept). A session another adopted worker holds too
+        stays with the one that used it last; the other copy is dropped."""
+        supervisor = self.supervisor
+        worker.live_route.draining = worker.owner in supervisor.intent.drained
+        routed, stale = self._copies.take(worker.owner, held)
+        kept = supervisor.router.kept
+        for session_id in routed:
+            kept[session_id] = worker.owner
+        by_owner = {w.owner: w for w in supervisor.workers()}
+        for owner, session_ids in stale.items():
+            loser = by_owner.get(owner)
+            log.warning(
+                "%d sessions were held by two workers (a move cut by the crash): worker %s "
+                "drops its older copies (%s)",
+                len(session_ids),
+                "?" if loser is None else loser.slot,
+                ", ".join(session_ids[:3]) + (" ..." if len(session_ids) > 3 else ""),
+            )
+            if loser is not None:
+                supervisor.track(self._drop_copies(loser, session_ids))
+
+    async def _drop_copies(self, worker: WorkerProcess, session_ids: list[str]) -> None:
+        try:
+            await worker.live_channel.request(Drop(session_ids, []), within=DROP_WAIT)
+        except (ChannelClosed, ChannelTimeout, RemoteError) as exc:
+            log.warning("worker %d did not drop its older copies: %s", worker.slot, exc)
+
+    def _grow_for(self, slot_index: int) -> None:
+        """A predecessor's worker in a slot past `--workers` (it had been resized up):
+        adopted, not dropped with its sessions; the server keeps that many workers."""
+        slots = self.supervisor.slots
+        if not len(slots) <= slot_index < max(len(slots), self.orphans) + MAX_GROWTH:
+            return
+        log.warning(
+            "adopting worker %d beyond --workers %d (the dead instance had been resized): "
+            "the server now has %d workers (resize to change that)",
+            slot_index,
+            len(slots),
+            slot_index + 1,
+        )
+        while len(slots) <= slot_index:
+            slots.append(Slot())
+        self.supervisor.resized()
