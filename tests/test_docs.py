@@ -1,7 +1,10 @@
 """The documentation cannot go stale silently: the CLI table is regenerated from `Config`
 and compared, the mkdocs site builds with `--strict` (no broken link or anchor, no page
-left out of the nav), every repository path the docs name exists, and the links of the
-pages outside the site (README.md, CONTRIBUTING.md, bench/README.md) resolve."""
+left out of the nav), every repository path the docs name exists, the links of the pages
+outside the site (README.md, CONTRIBUTING.md, bench/README.md) resolve, and the README's
+drawing of the processes is the design page's. The dotted names the docs give our code
+(`proxy.fleet.mover`, `Router.route_request`) are resolved in the fast tier:
+tests/test_doc_names.py."""
 
 from __future__ import annotations
 
@@ -201,3 +204,16 @@ def test_readme_runs_what_ci_runs():
     assert len(commands) == 2
     readme = (REPO / "README.md").read_text(encoding="utf-8")
     assert "```sh\n" + "\n".join(commands) + "\n```\n" in readme
+
+
+def _drawing(page: Path) -> str:
+    """A page's drawing of the processes: the fenced block that starts at the controller."""
+    found = re.search(r"^```\ncontroller .*?^```$", page.read_text(encoding="utf-8"), re.M | re.S)
+    assert found, f"{page.relative_to(REPO)} has no drawing of the processes"
+    return found.group(0)
+
+
+def test_the_readme_draws_the_processes_as_the_design_page_does():
+    """One drawing, in two places (the front page, and Processes in the design page): a
+    change to one that misses the other fails."""
+    assert _drawing(REPO / "README.md") == _drawing(DOCS / "design.md")
