@@ -100,7 +100,6 @@ async def run(
     """Serve until a signal or a fatal worker error; return the process exit code.
     `ray_plan`: the Ray cluster the workers join (`proxy.ray_cluster.cluster`), if they use Ray.
     `launcher`: what starts the workers, if not a subprocess each (or the zygote)."""
-    config = config.with_orphan_grace()
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     force = asyncio.Event()
