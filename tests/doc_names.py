@@ -13,6 +13,8 @@ Which spans count: an inline code span that is a dotted identifier, optionally c
 `proxy`, `worker`, `coordinator`) or the name of a class our code defines. Anything with a
 space, `=`, `/` or a quote is not a name; a file name (`app.py`) is a path. Both
 `proxy.fleet.mover` and `gym_proxy.proxy.fleet.mover` are the installed package's module.
+And what code a reader copies names, in a fenced block too: each name of
+`from gym_proxy.<module> import <names>`, and the module of `-m gym_proxy.<module>`.
 
 How a name resolves, part by part:
 
@@ -57,6 +59,9 @@ DOTTED = re.compile(r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+")
 NAME_SPAN = re.compile(rf"({DOTTED.pattern})(?:\([\w.,]*\))?")
 SPAN = re.compile(r"`([^`\n]+)`")
 FENCE = re.compile(r"^ *```.*?^ *```", re.M | re.S)
+# Code in a fenced block or a span with spaces: `from gym_proxy.x import a, b`, `-m gym_proxy.x`.
+IMPORT_LINE = re.compile(r"\bfrom (gym_proxy(?:\.\w+)*) import \(?([\w ,]+)")
+RUN_MODULE = re.compile(r"(?<![\w-])-m ?(gym_proxy(?:\.\w+)*)")
 FILE_SUFFIXES = {"py", "md", "json", "jsonl", "yaml", "yml", "toml", "sh", "txt", "so", "sock"}
 
 
@@ -395,11 +400,26 @@ class Resolver:
             line = first_line + text.count("\n", 0, match.start())
             yield Span(path, line, name, match.group(1), self.root)
 
+    def code_names_in(self, path: Path, text: str, first_line: int = 1) -> Iterator[Span]:
+        """What code in `text` imports from gym_proxy or runs with `-m`: the examples a
+        reader copies, in a fenced block or a span with spaces, which `names_in` skips."""
+        for match in IMPORT_LINE.finditer(text):
+            line = first_line + text.count("\n", 0, match.start())
+            for imported in match.group(2).split(","):
+                name = imported.strip().split(" as ")[0].strip()
+                if name:
+                    yield Span(path, line, f"{match.group(1)}.{name}", match.group(0), self.root)
+        for match in RUN_MODULE.finditer(text):
+            line = first_line + text.count("\n", 0, match.start())
+            yield Span(path, line, match.group(1), match.group(0).strip(), self.root)
+
     def page_spans(self, path: Path, text: str | None = None) -> Iterator[Span]:
-        """A Markdown page's inline code spans (fenced blocks are commands and configs)."""
+        """A Markdown page's inline code spans (fenced blocks are commands and configs),
+        and the imports and `-m` runs of its code, fenced or not."""
         text = path.read_text(encoding="utf-8") if text is None else text
-        text = FENCE.sub(lambda m: "\n" * m.group(0).count("\n"), text)
-        yield from self.names_in(path, text)
+        spans = list(self.names_in(path, FENCE.sub(lambda m: "\n" * m.group(0).count("\n"), text)))
+        spans.extend(self.code_names_in(path, text))
+        yield from sorted(spans, key=lambda span: span.line)
 
     def source_spans(self, path: Path, text: str | None = None) -> Iterator[Span]:
         """A Python file's docstrings (every string statement) and comments."""
@@ -416,9 +436,11 @@ class Resolver:
                 # The literal as written, so a span's line is counted in the file.
                 literal = "".join(lines[node.lineno - 1 : node.end_lineno])
                 spans.extend(self.names_in(path, literal, node.lineno))
+                spans.extend(self.code_names_in(path, literal, node.lineno))
         for token in tokenize.generate_tokens(io.StringIO(text).readline):
             if token.type == tokenize.COMMENT:
                 spans.extend(self.names_in(path, token.string, token.start[0]))
+                spans.extend(self.code_names_in(path, token.string, token.start[0]))
         yield from sorted(spans, key=lambda span: span.line)
 
     def stale(self, spans: Iterable[Span]) -> list[str]:

@@ -187,8 +187,8 @@ def test_which_spans_of_a_page_count(tree, tmp_path):
         "`proxy.things.Thing.method()` and `Thing.later(x)` resolve; `Thing.gone` does not\n"
         "not names: `a Thing.b`, `Thing.x=1`, `proxy/things.py`, `proxy.things.py`, `'Thing.x'`\n"
         "not ours: `json.dumps`, `Other.attr`, `self.attr`\n"
-        "```python\nThing.in_a_fence\n```\n"
-        "`gym_proxy.proxy.things.Nope` after the fence\n",
+        "```python\nThing.in_a_fence\nfrom gym_proxy.proxy.things import Thing, Gone as G\n```\n"
+        "`gym_proxy.proxy.things.Nope` after the fence; `python -m gym_proxy.proxy.absent`\n",
         encoding="utf-8",
     )
     spans = list(tree.page_spans(page))
@@ -196,14 +196,21 @@ def test_which_spans_of_a_page_count(tree, tmp_path):
         (1, "proxy.things.Thing.method"),
         (1, "Thing.later"),
         (1, "Thing.gone"),
-        (7, "gym_proxy.proxy.things.Nope"),
+        (6, "gym_proxy.proxy.things.Thing"),  # what a fenced example imports
+        (6, "gym_proxy.proxy.things.Gone"),
+        (8, "gym_proxy.proxy.things.Nope"),
+        (8, "gym_proxy.proxy.absent"),  # what it runs
     ]
     assert tree.stale(spans) == [
         "page.md:1: `Thing.gone`: class proxy.things.Thing (proxy/things.py:13), "
         "worker.twice.Thing (worker/twice.py:1) has no attribute gone (nor its bases of our "
         "code; bases Base)",
-        "page.md:7: `gym_proxy.proxy.things.Nope`: module proxy.things (proxy/things.py) has "
+        "page.md:6: `from gym_proxy.proxy.things import Thing, Gone as G`: module proxy.things "
+        "(proxy/things.py) has no top-level name Gone",
+        "page.md:8: `gym_proxy.proxy.things.Nope`: module proxy.things (proxy/things.py) has "
         "no top-level name Nope",
+        "page.md:8: `-m gym_proxy.proxy.absent`: module proxy (proxy/__init__.py) has no "
+        "top-level name absent",
     ]
 
 
