@@ -67,14 +67,13 @@ FILE_SUFFIXES = {"py", "md", "json", "jsonl", "yaml", "yml", "toml", "sh", "txt"
 
 @dataclass(frozen=True)
 class Span:
-    """One backticked name and where it was written."""
+    """One name the docs give our code, and where it was written."""
 
     path: Path
     line: int
     name: str  # the dotted name, without a call's parentheses
-    text: str  # the span as written
-
-    root: Path = REPO
+    text: str  # the span (or the import, or the -m run) as written
+    root: Path = REPO  # what `path` is shown relative to
 
     def where(self) -> str:
         return f"{self.path.relative_to(self.root)}:{self.line}"
@@ -115,7 +114,7 @@ def _ours(module: str) -> str | None:
     """An imported module's name in the source tree, if it is ours."""
     if module == "gym_proxy" or module.startswith("gym_proxy."):
         rest = module.removeprefix("gym_proxy").removeprefix(".")
-        return rest if rest.split(".")[0] in SOURCE_DIRS else "gym_proxy"
+        return rest if rest.split(".")[0] in SOURCE_DIRS else module
     return None
 
 
@@ -312,24 +311,26 @@ class Resolver:
         for end in range(len(parts), 0, -1):
             module = ".".join(parts[:end])
             if module in self.modules:
-                return self._in_module(module, parts[end:], ".".join(parts))
+                return self._in_module(module, parts[end:])
         return f"no module {parts[0]} in the source tree"
 
-    def _in_module(self, module: str, rest: list[str], name: str, seen: int = 0) -> str | None:
+    def _in_module(self, module: str, rest: list[str], seen: int = 0) -> str | None:
+        """Why `rest` is not a name in `module` (None when it is); `seen` bounds the
+        imports followed, should two modules import a name from each other."""
         if not rest:
             return None
         info = self.modules[module]
         head = rest[0]
         if f"{module}.{head}" in self.modules:  # a submodule the longest match passed over
-            return self._in_module(f"{module}.{head}", rest[1:], name, seen)
+            return self._in_module(f"{module}.{head}", rest[1:], seen)
         if head in info.classes:
             return self._in_classes([info.classes[head]], rest[1:], f"{module}.{head}")
         if head in info.imported and seen < 10:
             origin, original = info.imported[head]
             if origin in self.modules:
-                return self._in_module(origin, [original, *rest[1:]], name, seen + 1)
+                return self._in_module(origin, [original, *rest[1:]], seen + 1)
             if f"{origin}.{original}" in self.modules:
-                return self._in_module(f"{origin}.{original}", rest[1:], name, seen + 1)
+                return self._in_module(f"{origin}.{original}", rest[1:], seen + 1)
             return f"{module} imports {head} from {origin}, which is not in the source tree"
         if head in info.names:
             if len(rest) > 1:
@@ -339,7 +340,7 @@ class Resolver:
                 )
             return None
         for origin in info.star_imports:
-            if origin in self.modules and self._in_module(origin, rest, name, seen + 1) is None:
+            if origin in self.modules and self._in_module(origin, rest, seen + 1) is None:
                 return None
         return f"module {module} ({info.path.relative_to(self.root)}) has no top-level name {head}"
 
@@ -361,8 +362,7 @@ class Resolver:
         if not rest:
             return None
         attr = rest[0]
-        owners = [(cls, self._lookup(cls, attr, set())) for cls in classes]
-        found = [(cls, owner) for cls, owner in owners if owner is not None]
+        found = [o for o in (self._lookup(cls, attr, set()) for cls in classes) if o is not None]
         if not found:
             where = ", ".join(
                 f"{c.module}.{c.name} ({self._where(c.path, c.line)})" for c in classes
@@ -373,8 +373,7 @@ class Resolver:
         if len(rest) == 1:
             return None
         following: list[ClassInfo] = []
-        for _, owner in found:
-            assert owner is not None
+        for owner in found:
             if attr in owner.nested:
                 following.append(owner.nested[attr])
             for named in owner.annotations.get(attr, set()):

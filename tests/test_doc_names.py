@@ -6,7 +6,6 @@ the commit that renames is the one that fails."""
 from __future__ import annotations
 
 import textwrap
-from pathlib import Path
 
 import pytest
 
@@ -228,4 +227,4 @@ def test_the_tree_is_the_source_tree():
     """The resolver reads the folders the installed package links to."""
     for link in ("proxy", "worker", "coordinator"):
         assert (REPO / "gym_proxy" / link).resolve() == (REPO / link).resolve()
-    assert Path(REPO / "proxy" / "config.py") in python_files()
+    assert REPO / "proxy" / "config.py" in python_files()
