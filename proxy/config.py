@@ -11,6 +11,7 @@ from dataclasses import MISSING, dataclass, field, fields, replace
 from typing import Any, NoReturn
 
 from gym_proxy.coordinator.contract.ids import is_checkpoint_id
+from gym_proxy.worker.nemo_gym_server import CONFIG_PATH_ENV
 
 __all__ = [
     "Config",
@@ -29,7 +30,8 @@ LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 # How long workers wait for a successor when gym-proxy dies, unless --orphan-grace says:
 # long enough for a supervisor's restart (systemd's RestartSec is 100 ms by default,
 # supervisord backs off a few seconds) and an adoption (0.3 s), short enough that idle
-# workers of a proxy nobody restarts do not linger (docs/operations.md).
+# workers of a proxy nobody restarts do not linger (docs/operations.md). The whole rule:
+# `Config.settle_orphan_grace`.
 DEFAULT_ORPHAN_GRACE = 30.0
 COOKIE_NAME = re.compile(r"[A-Za-z0-9!#$%&'*+.^_`|~-]{1,128}\Z")  # an RFC 6265 token
 
@@ -161,17 +163,23 @@ class Config:
         metavar="S",
         doc="on SIGTERM/SIGINT, time in-flight requests get to finish",
     )
+    # None until settled (`settle_orphan_grace`): a Config built from the command line
+    # always has the number.
     orphan_grace: float | None = option(
         None,
         "seconds a worker whose gym-proxy died keeps its sessions, waiting for a gym-proxy "
-        "started again with the same command and --runtime-dir to adopt it (0: it stops)",
+        "started again with the same command and --runtime-dir to adopt it (0: it stops; "
+        f"default: {DEFAULT_ORPHAN_GRACE:g} with a secret, 0 without one or when started by "
+        "NeMo Gym's launcher)",
         type=float,
         metavar="S",
         doc="a worker whose gym-proxy died (kill -9, OOM) keeps its sessions this long, "
         "waiting for the same command, started again with the same `--runtime-dir`, to adopt "
         "it (needs a secret, which a successor verifies the tokens with; 0 = it stops at "
         "once; [When gym-proxy dies](operations.md#when-gym-proxy-dies))",
-        doc_default=f"{DEFAULT_ORPHAN_GRACE:g} with a secret, else 0",
+        doc_default=f"{DEFAULT_ORPHAN_GRACE:g} with a secret; 0 without one, and 0 when started "
+        "by NeMo Gym's launcher, which restarts no server that dies "
+        "([Started by NeMo Gym's launcher](nemo_gym.md#started-by-nemo-gyms-launcher))",
     )
     take_over: bool = option(
         False,
@@ -428,19 +436,29 @@ class Config:
     # Of those, the ones only an environment variable set: a server's `gym_proxy:` block
     # in the NeMo Gym config overrides them (proxy/config_block.py), a flag it does not.
     from_env: frozenset[str] = field(default=frozenset(), metadata={"internal": True})
+    # Started by NeMo Gym's launcher, which names the server it starts in the environment
+    # (read by config_from_args, before gym-proxy sets that variable for its own workers).
+    by_nemo_gym_launcher: bool = field(default=False, metadata={"internal": True})
 
-    def with_orphan_grace(self) -> Config:
-        """`--orphan-grace` settled once every source of the secret was read: when not
-        given, DEFAULT_ORPHAN_GRACE with a secret, 0 without (no successor could verify
-        the workers' tokens)."""
-        if self.orphan_grace is not None:
+    def settle_orphan_grace(self) -> Config:
+        """This config with `--orphan-grace` settled: as given, else the default, the one
+        place it is decided (docs/cli.md states it). 0 when started by NeMo Gym's launcher:
+        it restarts no server that dies, so nothing would adopt the workers (and, waiting,
+        they would hold its output). Otherwise DEFAULT_ORPHAN_GRACE with a secret, 0
+        without one: no successor could verify the workers' tokens. Run by whatever builds
+        the config (config_from_args, and apply_block, whose `secret_file` may bring the
+        secret), so every later reader sees the number."""
+        if "orphan_grace" in self.given:
             return self
-        grace = DEFAULT_ORPHAN_GRACE if self.secret is not None else 0.0
-        return replace(self, orphan_grace=grace)
+        if self.by_nemo_gym_launcher or self.secret is None:
+            return replace(self, orphan_grace=0.0)
+        return replace(self, orphan_grace=DEFAULT_ORPHAN_GRACE)
 
     def validate(self) -> None:
         """Raise ConfigError for values that cannot work."""
-        if self.take_over and self.orphan_grace == 0:
+        # A given 0 only: a settled one may still change with a secret the NeMo Gym
+        # config's block brings, and startup checks the final one.
+        if self.take_over and "orphan_grace" in self.given and self.orphan_grace == 0:
             raise ConfigError(
                 "--take-over needs --orphan-grace above 0: the workers change proxies"
             )
@@ -568,7 +586,8 @@ def read_secret_file(path: str, flag: str) -> str:
 
 
 def config_from_args(argv: Sequence[str] | None = None) -> Config:
-    """Flags first, then environment variables, then defaults; secret files are read."""
+    """Flags first, then environment variables, then defaults; secret files are read and
+    `--orphan-grace` settled."""
     namespace = build_parser().parse_args(argv)
     values: dict[str, Any] = {}
     from_env: set[str] = set()
@@ -592,9 +611,15 @@ def config_from_args(argv: Sequence[str] | None = None) -> Config:
             if getattr(namespace, name) is not None:
                 raise ConfigError(f"{flag} and {flag}-file exclude each other")
             values[name] = read_secret_file(path, f"{flag}-file")
-    config = replace(Config(), **values, given=frozenset(values), from_env=frozenset(from_env))
+    config = replace(
+        Config(),
+        **values,
+        given=frozenset(values),
+        from_env=frozenset(from_env),
+        by_nemo_gym_launcher=os.environ.get(CONFIG_PATH_ENV) is not None,
+    )
     config.validate()
-    return config
+    return config.settle_orphan_grace()
 
 
 SECRET_ENV = ("GYM_PROXY_SECRET", "GYM_PROXY_CONTROL_TOKEN")

@@ -88,7 +88,7 @@ class Server:
         launcher: WorkerLauncher | None = None,
         take_over: TakeOver | None = None,
     ) -> None:
-        self.config = config.with_orphan_grace()
+        self.config = config
         self.listen_sock = listen_sock
         self.secret = secret
         self.ray_plan = ray_plan

@@ -38,7 +38,6 @@ from gym_proxy.proxy.server import run
 from gym_proxy.proxy.takeover import TakeOverError, take_over_listener
 from gym_proxy.worker.app_loading import AppLoadError, import_app_target
 from gym_proxy.worker.nemo_gym_server import (
-    CONFIG_PATH_ENV,
     NemoGymConfigError,
     check_session_state,
     is_server_class,
@@ -123,9 +122,6 @@ def start(argv: Sequence[str] | None = None) -> None:
         log.warning(
             "%s on the command line is visible to every local user; use %s-file", flag, flag
         )
-    # NeMo Gym's launcher names the server it starts; it restarts none that dies, so
-    # nothing would adopt this one's workers (and, waiting, they would hold its output).
-    by_launcher = os.environ.get(CONFIG_PATH_ENV) is not None
     # Read once; workers never see them (they do not need them) and neither does anyone
     # reading this process's environment later.
     for name in SECRET_ENV:
@@ -157,9 +153,6 @@ def start(argv: Sequence[str] | None = None) -> None:
             "--secret-file: the workers' sessions outlive gym-proxy only for one that "
             "verifies their tokens, which a random secret cannot"
         )
-    if by_launcher and config.orphan_grace is None:
-        config = replace(config, orphan_grace=0.0)
-    config = config.with_orphan_grace()
     if config.take_over and not config.orphan_grace:
         _fail("--take-over needs --orphan-grace above 0: the workers change proxies")
     if config.secret is None:

@@ -1,6 +1,8 @@
 """The data path's state machines are data (`proxy.state_tables`): each module's drawing
 of its transitions is its table, and a transition the table does not allow raises under
-the tests (GYM_PROXY_STRICT_STATES=1) and is counted and logged once in production."""
+the tests (GYM_PROXY_STRICT_STATES=1) and is counted and logged once in production. The
+lists of states the docs give (the data path's, a worker's, an operation's steps) are the
+code's."""
 
 from __future__ import annotations
 
@@ -9,12 +11,15 @@ import logging
 import re
 from pathlib import Path
 from types import ModuleType
+from typing import get_args
 
 import pytest
 
 from gym_proxy.proxy import state_tables
 from gym_proxy.proxy.data_path import client_connection, exchange
 from gym_proxy.proxy.data_path.exchange import DONE, HELD, QUEUED, RESPONDING, STATE_NAMES, Exchange
+from gym_proxy.proxy.fleet.decommission import Step
+from gym_proxy.proxy.metrics.registry import STATES as WORKER_STATES
 from tests.data_path_rig import Rig
 
 pytestmark = pytest.mark.fast
@@ -100,3 +105,34 @@ def test_a_wrong_transition_in_production_is_counted_and_logged_once(monkeypatch
     assert state_tables.WRONG == {("exchange", "done", "held"): 3}
     [record] = caplog.records
     assert record.getMessage().startswith("exchange: no transition from done to held (a gym")
+
+
+# --- the docs' lists of states ----------------------------------------------------------
+
+DOCS = Path(__file__).parents[1] / "docs"
+
+
+def listed(page: str, pattern: str) -> list[str]:
+    """The backticked names in the part of `page` that `pattern`'s group matches (the page
+    with its line breaks folded: a list may wrap)."""
+    text = " ".join((DOCS / page).read_text(encoding="utf-8").split())
+    found = re.search(pattern, text)
+    assert found, f"docs/{page} no longer has {pattern!r}: move this check with the list"
+    return re.findall(r"`(\w+)`", found.group(1))
+
+
+def test_the_design_page_lists_the_data_paths_states():
+    phases = [("TUNNELING" if n == "tunnel" else n).upper() for n in client_connection.PHASE_NAMES]
+    assert listed("design.md", r"phases of a client connection \(([^)]*)\)") == phases
+    states = listed("design.md", r"`Exchange` \(`[^`]*`\) whose states \(([^)]*)\)")
+    assert sorted(states) == sorted(n.upper() for n in STATE_NAMES)
+
+
+def test_the_metrics_page_lists_the_worker_states():
+    row = listed("metrics.md", r"`gym_proxy_workers` \|[^|]*\|[^|]*\|([^|]*)\|")
+    assert row == list(WORKER_STATES)
+
+
+def test_the_live_operations_page_lists_the_steps():
+    steps = listed("live_operations.md", r"The `step` is one of (.*?) \(`proxy\.fleet")
+    assert steps == list(get_args(Step))
