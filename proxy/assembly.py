@@ -70,7 +70,7 @@ class Assembly:
             self.on_register,
             self.on_lost,
             self.on_message,
-            limit=lambda: len(self.supervisor.workers()) + CHANNEL_MARGIN,
+            limit=lambda: len(self.supervisor.slots.workers()) + CHANNEL_MARGIN,
         )
 
     @classmethod
@@ -109,7 +109,7 @@ class Assembly:
 
     def routes(self) -> list[WorkerRoute]:
         """Every route whose pool the data path uses: each worker's, and the control app's."""
-        routes = [w.route for w in self.supervisor.workers() if w.route is not None]
+        routes = [w.route for w in self.supervisor.slots.workers() if w.route is not None]
         return [*routes, self.state.control]
 
     def on_register(self, registration: Register, channel: Channel) -> RegisterReply:

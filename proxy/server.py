@@ -327,7 +327,7 @@ class Server:
         self.runtime.release()
         if self.takeover is not None:
             self.takeover.released()
-        handed = len(parts.supervisor.workers())
+        handed = len(parts.supervisor.slots.workers())
         log.info("%d workers passed on; finishing the open connections", handed)
         await self._drain(close_idle=False)
 

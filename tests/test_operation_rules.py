@@ -43,19 +43,23 @@ class Worker:
         return self.route
 
 
+class Slots(list[Worker]):
+    """The slot table as the operations read it (`proxy.fleet.slots.Slots`)."""
+
+    def current(self, slot_index: int) -> Worker | None:
+        return self[slot_index] if 0 <= slot_index < len(self) else None
+
+    def workers(self) -> list[Worker]:
+        return list(self)
+
+
 class Pool:
     """Slots with a live worker each; nothing here may start or stop one (the rule
     refuses first)."""
 
     def __init__(self, workers: int) -> None:
-        self.slots: list[Worker] = [Worker(i, f"owner-{i}") for i in range(workers)]
+        self.slots = Slots(Worker(i, f"owner-{i}") for i in range(workers))
         self.config = Config()
-
-    def current(self, slot_index: int) -> Worker | None:
-        return self.slots[slot_index] if 0 <= slot_index < len(self.slots) else None
-
-    def workers(self) -> list[Worker]:
-        return list(self.slots)
 
     def __getattr__(self, name: str) -> Any:
         raise AssertionError(f"the operation went on to {name}() instead of refusing")

@@ -150,7 +150,7 @@ class Rig:
             self.liveness.cancel()
             await asyncio.gather(self.liveness, return_exceptions=True)
         await self.supervisor.stop(0.2)
-        for worker in self.supervisor.workers():  # whatever stop() left behind
+        for worker in self.supervisor.slots.workers():  # whatever stop() left behind
             if worker.process is not None and worker.process.returncode is None:
                 worker.process.kill()
                 await worker.process.wait()
@@ -229,7 +229,7 @@ async def test_boot_error_makes_start_raise_naming_the_app(rig):
     slot, _ = r.odd()
     assert f"worker {slot} cannot build app {APP}" in str(raised.value)
     assert r.supervisor.slots[slot].worker is None
-    assert {w.owner for w in r.supervisor.workers()} <= set(OWNERS[:2])
+    assert {w.owner for w in r.supervisor.slots.workers()} <= set(OWNERS[:2])
 
 
 async def test_unstartable_command_makes_start_raise(rig, tmp_path):
@@ -328,14 +328,14 @@ async def test_stop_sigkills_a_worker_that_ignores_sigterm_after_grace(rig):
     assert stubborn.process.returncode == -signal.SIGKILL
     assert polite.process.returncode == -signal.SIGTERM
     assert reaped(stubborn.process) and reaped(polite.process)
-    assert all(w in (stubborn, polite) for w in r.supervisor.workers())
+    assert all(w in (stubborn, polite) for w in r.supervisor.slots.workers())
 
 
 async def test_stop_returns_as_soon_as_workers_exit(rig):
     """With no straggler, stop() does not wait out the grace period."""
     r = await rig()
     await r.supervisor.start()
-    workers = r.supervisor.workers()
+    workers = r.supervisor.slots.workers()
     began = time.monotonic()
     await r.supervisor.stop(10.0)
     assert time.monotonic() - began < 3
@@ -374,7 +374,7 @@ async def test_no_worker_is_called_silent_before_its_first_ping(rig, caplog):
     a busy machine) are not called unresponsive before they had a ping to answer."""
     r = await rig()
     await r.supervisor.start()
-    workers = r.supervisor.workers()
+    workers = r.supervisor.slots.workers()
     for worker in workers:
         worker.answered_at -= 10.0  # registered 10 s ago, far past 2 ping intervals
     r.liveness = asyncio.ensure_future(watch_liveness(r.supervisor))

@@ -28,7 +28,7 @@ from gym_proxy.coordinator.worker_channels import RegistrationRefused
 from gym_proxy.proxy.fleet.adopted_copies import AdoptedCopies
 from gym_proxy.proxy.fleet.intent import load_intent
 from gym_proxy.proxy.fleet.mover import DROP_WAIT
-from gym_proxy.proxy.fleet.worker_records import AdoptedProcess, Slot, WorkerProcess
+from gym_proxy.proxy.fleet.worker_records import AdoptedProcess, WorkerProcess
 
 if TYPE_CHECKING:
     from gym_proxy.proxy.fleet.supervisor import Supervisor
@@ -65,7 +65,7 @@ class Adoption:
                 intent.workers,
                 len(supervisor.slots),
             )
-            supervisor.slots = [Slot() for _ in range(intent.workers)]
+            supervisor.slots.reset(intent.workers)
             supervisor.resized()
         supervisor.intent.adopt(intent)
 
@@ -132,7 +132,7 @@ class Adoption:
         kept = supervisor.router.kept
         for session_id in routed:
             kept[session_id] = worker.owner
-        by_owner = {w.owner: w for w in supervisor.workers()}
+        by_owner = {w.owner: w for w in supervisor.slots.workers()}
         for owner, session_ids in stale.items():
             loser = by_owner.get(owner)
             log.warning(
@@ -164,6 +164,5 @@ class Adoption:
             len(slots),
             slot_index + 1,
         )
-        while len(slots) <= slot_index:
-            slots.append(Slot())
+        slots.grow_to(slot_index + 1)
         self.supervisor.resized()

@@ -21,7 +21,7 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal, Protocol
@@ -34,7 +34,8 @@ from gym_proxy.proxy.fleet.handovers import hand_over
 from gym_proxy.proxy.fleet.intent import KeptIntent
 from gym_proxy.proxy.fleet.mover import Moved, Mover, failures
 from gym_proxy.proxy.fleet.session_watch import worker_watch
-from gym_proxy.proxy.fleet.worker_records import Slot, WorkerProcess
+from gym_proxy.proxy.fleet.slots import Slots
+from gym_proxy.proxy.fleet.worker_records import WorkerProcess
 
 __all__ = ["Decommissioner", "WorkerPool", "Progress", "Step"]
 
@@ -52,19 +53,13 @@ PARK_AHEAD = 30.0  # seconds a left-serving worker's episodes get to reach a bou
 class WorkerPool(Protocol):
     """What operations need from the supervisor (`proxy.fleet.supervisor.Supervisor`)."""
 
-    slots: list[Slot]
+    slots: Slots
     config: Config
     intent: KeptIntent
-
-    def current(self, slot_index: int) -> WorkerProcess | None: ...
-
-    def workers(self) -> Sequence[WorkerProcess]: ...
 
     async def start_successor(self, slot_index: int, within: float) -> WorkerProcess: ...
 
     async def add_slot(self, within: float) -> WorkerProcess: ...
-
-    def promote(self, successor: WorkerProcess) -> WorkerProcess | None: ...
 
     def remove_last_slot(self) -> WorkerProcess | None: ...
 

@@ -35,7 +35,7 @@ async def watch_liveness(supervisor: Supervisor) -> None:
     interval = min(PING_INTERVAL, timeout / 4)
     while True:  # pings first: the workers' first pings go out as soon as it starts
         now = time.monotonic()
-        for worker in supervisor.workers():
+        for worker in supervisor.slots.workers():
             if worker.state != "live" or worker.channel is None or worker.route is None:
                 continue
             if worker.ping is None:

@@ -166,7 +166,7 @@ class Operations:
             while len(self.pool.slots) > workers:
                 slot = len(self.pool.slots) - 1
                 progress.at("removing_slot", slot, f"removing slot {slot}")
-                old = self.pool.current(slot)
+                old = self.pool.slots.current(slot)
                 self.pool.remove_last_slot()
                 entry: dict[str, Any] = {"slot": slot, "removed": True}
                 progress.slots.append(entry)
@@ -226,7 +226,7 @@ class Operations:
             progress.errors.append(f"slot {slot}: {exc}; the restart stopped here")
             return False
         entry.update(new_owner=new.owner, new_pid=new.pid)
-        self.pool.promote(new)
+        self.pool.slots.promote(new)
         progress.at("moving_sessions", slot, f"slot {slot}: moving its sessions to the replacement")
         await self.decommissioner.decommission(
             old, lambda: self._slot_worker(slot), within, progress, entry
@@ -234,14 +234,15 @@ class Operations:
         return True
 
     def _live_in(self, slot: int) -> WorkerProcess:
-        worker = self.pool.current(slot) if isinstance(slot, int) else None
+        worker = self.pool.slots.current(slot) if isinstance(slot, int) else None
         if worker is None:
             raise GymError("invalid_request", f"no live worker in slot {slot}")
         return worker
 
     def _serving(self) -> list[WorkerProcess]:
         """Each slot's live worker."""
-        return [w for i in range(len(self.pool.slots)) if (w := self.pool.current(i)) is not None]
+        slots = self.pool.slots
+        return [w for i in range(len(slots)) if (w := slots.current(i)) is not None]
 
     def _heirs(self) -> list[WorkerProcess]:
         """Where a removed slot's sessions go: the workers taking sessions and answering,
@@ -262,7 +263,7 @@ class Operations:
     def _check_shrink(self, workers: int) -> None:
         """A shrink to `workers` slots keeps the rule below (refused first otherwise)."""
         removed = range(workers, len(self.pool.slots))
-        leaving = [w for i in removed if (w := self.pool.current(i)) is not None]
+        leaving = [w for i in removed if (w := self.pool.slots.current(i)) is not None]
         self._keep_one_taking_sessions(leaving, f"resizing to {_workers(workers)}")
 
     def _keep_one_taking_sessions(self, leaving: list[WorkerProcess], what: str) -> None:
@@ -284,7 +285,7 @@ class Operations:
         )
 
     def _slot_worker(self, slot: int) -> list[WorkerProcess]:
-        worker = self.pool.current(slot)
+        worker = self.pool.slots.current(slot)
         return [] if worker is None else [worker]
 
     # ---- exclusion, progress, background ------------------------------------------
@@ -341,7 +342,7 @@ class Operations:
         """owner -> {state, requests_served} (`WorkerProcess.status` says the states)."""
         return {
             w.owner: {"state": w.status, "requests_served": w.live_route.served if w.route else 0}
-            for w in self.pool.workers()
+            for w in self.pool.slots.workers()
         }
 
     async def _run_signals(self) -> None:

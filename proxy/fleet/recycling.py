@@ -12,7 +12,7 @@ import asyncio
 import logging
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from gym_proxy.proxy.config import Config
@@ -29,7 +29,7 @@ CHECK_INTERVAL = 1.0
 @dataclass(eq=False)
 class RecyclePolicy:
     config: Config
-    slots: Callable[[], list[Slot]]
+    slots: Callable[[], Iterable[Slot]]
     recycle: Callable[[int, str], None]  # (slot, reason): the ask
     _limits: dict[str, int] = field(default_factory=dict)  # owner -> its --max-requests
     _warned_ceiling: bool = False

@@ -41,6 +41,7 @@ from gym_proxy.proxy.data_path.routing import Router
 from gym_proxy.proxy.data_path.session_tokens import new_owner_id
 from gym_proxy.proxy.fleet.adoption import Adoption
 from gym_proxy.proxy.fleet.intent import KeptIntent
+from gym_proxy.proxy.fleet.slots import Slots
 from gym_proxy.proxy.fleet.worker_records import (
     Slot,
     SubprocessLauncher,
@@ -68,7 +69,7 @@ class Supervisor:
     runtime_dir: str
     coordinator_socket: str
     router: Router
-    slots: list[Slot] = field(default_factory=list)
+    slots: Slots = field(init=False)
     stopping: bool = False
     fatal: asyncio.Future[None] = field(init=False)  # set when a worker cannot boot
     intent: KeptIntent = field(init=False)  # what an operator asked, kept for a successor
@@ -78,8 +79,6 @@ class Supervisor:
     _tasks: set[asyncio.Task[Any]] = field(default_factory=set)
     _registered: asyncio.Event = field(default_factory=asyncio.Event)
     _timer: asyncio.TimerHandle | None = None
-    _leaving: set[WorkerProcess] = field(default_factory=set)
-    _trial_slots: int = 0  # slots an operation is adding: their boot errors are not fatal
     _stop_began: float = 0.0  # monotonic time stop() sent SIGTERM
     # Starts the workers: a subprocess each, unless the zygote (--preload: forked from
     # it) or a test's launcher is given.
@@ -89,7 +88,7 @@ class Supervisor:
     )
 
     def __post_init__(self) -> None:
-        self.slots = [Slot() for _ in range(self.config.workers)]
+        self.slots = Slots(self.config.workers)
         self.fatal = asyncio.get_running_loop().create_future()
         self.intent = KeptIntent(self.runtime_dir, self.router, len(self.slots))
         if self.launcher is None:
@@ -147,16 +146,10 @@ class Supervisor:
     async def _spawn(self, slot_index: int, successor: bool = False) -> WorkerProcess | None:
         """Start a worker process for the slot: its worker, or (`successor`) the one an
         operation will put in its place. None when no process could start."""
-        slot = self.slots[slot_index]
         owner = self._owners.pop(0) if self._owners else new_owner_id()
         socket_path = os.path.join(self.runtime_dir, f"w{slot_index}-{owner}.sock")
-        # Reserve the slot before the first await so reconcile never spawns it twice.
-        placeholder = WorkerProcess(slot_index, owner, socket_path, None, 0.0)  # type: ignore[arg-type]
-        placeholder.on_trial = successor or self._trial_slots > 0
-        if successor:
-            slot.successor = placeholder
-        else:
-            slot.worker = placeholder
+        # Reserved before the first await, so that reconcile never spawns it twice.
+        placeholder = self.slots.reserve(slot_index, owner, socket_path, successor)
         argv = worker_argv(
             self.config,
             slot=slot_index,
@@ -169,7 +162,7 @@ class Supervisor:
         try:
             process = await self.launcher.spawn(argv)
         except OSError as exc:
-            self._vacate(placeholder)
+            self.slots.vacate(placeholder)
             error = WorkerBootError(f"cannot start a worker process: {exc}")
             if placeholder.on_trial:
                 placeholder.registered.set_exception(error)
@@ -181,7 +174,7 @@ class Supervisor:
             with contextlib.suppress(ProcessLookupError):
                 process.kill()
             await process.wait()
-            self._vacate(placeholder)
+            self.slots.vacate(placeholder)
             return None
         placeholder.started_at = time.monotonic()
         placeholder.started_unix = time.time()
@@ -195,16 +188,6 @@ class Supervisor:
         self.watch(placeholder)
         return placeholder
 
-    def _vacate(self, worker: WorkerProcess) -> None:
-        """The slot no longer holds `worker` (as its worker or successor)."""
-        if worker.slot >= len(self.slots):
-            return
-        slot = self.slots[worker.slot]
-        if slot.worker is worker:
-            slot.worker = None
-        if slot.successor is worker:
-            slot.successor = None
-
     def watch(self, worker: WorkerProcess) -> None:
         """Reap `worker` when it exits, and restart its slot when that was not asked for."""
         self.track(self._reap(worker))
@@ -216,13 +199,13 @@ class Supervisor:
             worker.registered.set_exception(
                 WorkerBootError(f"worker {worker.slot} exited with code {code} before registering")
             )
-        self._leaving.discard(worker)
+        self.slots.left(worker)
         if worker.leaving:
             log.info("worker %d (pid %d) stopped with code %s", worker.slot, worker.pid, code)
             return
         replaced_slot = self.slots[worker.slot] if worker.slot < len(self.slots) else None
         current = replaced_slot is not None and replaced_slot.worker is worker
-        self._vacate(worker)
+        self.slots.vacate(worker)
         if self.stopping:
             log.info(
                 "worker %d (pid %d) exited with code %s, %.2f s after SIGTERM",
@@ -270,7 +253,7 @@ class Supervisor:
                 )
             worker = self.adoption.admit(registration)
         else:
-            worker = self._expected(registration)
+            worker = self.slots.expected(registration)
         worker.go_live(channel, keeps_rollout_prefix=registration.framework == "asgi")
         if registration.app_cookie is not None:
             self.router.app_cookie = registration.app_cookie.encode("latin-1")
@@ -280,25 +263,14 @@ class Supervisor:
         log.info("worker %d registered (owner %s)", slot_index, worker.owner)
         if not worker.registered.done():
             worker.registered.set_result(None)
-        if all(s.worker is not None and s.worker.state == "live" for s in self.slots):
+        if self.slots.all_live():
             self._registered.set()
-
-    def _expected(self, registration: Register) -> WorkerProcess:
-        slot_index = registration.slot
-        if not 0 <= slot_index < len(self.slots):
-            raise RegistrationRefused(f"no slot {slot_index!r}")
-        slot = self.slots[slot_index]
-        for worker in (slot.worker, slot.successor):
-            if worker is not None and worker.owner == registration.owner:
-                if worker.state == "starting":
-                    return worker
-        raise RegistrationRefused(f"slot {slot_index} does not expect owner {registration.owner!r}")
 
     def on_lost(self, owner: str) -> None:
         """A worker's channel ended: stop routing to it at once (its sessions get 410)."""
         if self.passing_on:
             return  # it goes to the successor; this one still routes its open connections
-        for worker in self.workers():
+        for worker in self.slots.workers():
             if worker.owner == owner:
                 self._mark_dead(worker)
 
@@ -322,6 +294,8 @@ class Supervisor:
             worker.channel.close()
         if worker.ping is not None:
             worker.ping.cancel()
+        if worker.owner in self.intent.drained:  # a drained worker takes its drain with it
+            self.intent.set_drained(worker.owner, False)
 
     # ---- the workers as others see them -------------------------------------------
     @property
@@ -334,23 +308,11 @@ class Supervisor:
         worker too: both serve sessions while an operation runs)."""
         return [
             LiveWorker(w.slot, w.owner, w.pid, w.channel, w.route.in_flight)
-            for w in self.workers()
+            for w in self.slots.workers()
             if w.state == "live" and w.channel is not None and w.route is not None
         ]
 
-    def workers(self) -> list[WorkerProcess]:
-        """Every worker record: each slot's worker and successor, then leaving ones."""
-        records = [w for slot in self.slots for w in (slot.worker, slot.successor) if w is not None]
-        return records + sorted(self._leaving - set(records), key=lambda w: w.slot)
-
     # ---- for the live operations (proxy.fleet.decommission.WorkerPool) -------------
-    def current(self, slot_index: int) -> WorkerProcess | None:
-        """The live worker of the slot, if it has one."""
-        if not 0 <= slot_index < len(self.slots):
-            return None
-        worker = self.slots[slot_index].worker
-        return worker if worker is not None and worker.state == "live" else None
-
     async def start_successor(self, slot_index: int, within: float) -> WorkerProcess:
         """Start a replacement for the slot's worker and wait until it registers (it
         takes new sessions from then on); WorkerBootError, after killing it, when it
@@ -363,21 +325,21 @@ class Supervisor:
     async def add_slot(self, within: float) -> WorkerProcess:
         """Grow by one slot at the end and wait until its worker registers; on failure
         the slot is removed again (WorkerBootError)."""
-        self.slots.append(Slot())
+        slot_index = len(self.slots)
+        self.slots.grow_to(slot_index + 1)
         self.resized()
-        slot_index = len(self.slots) - 1
-        self._trial_slots += 1
+        self.slots.trial += 1
         try:
             worker = await self._spawn(slot_index)
         finally:
-            self._trial_slots -= 1
+            self.slots.trial -= 1
         try:
             if worker is None:
                 raise WorkerBootError(f"slot {slot_index}: the worker did not start")
             worker = await self._registered_within(worker, within)
         except BaseException:
             if slot_index == len(self.slots) - 1:
-                self.slots.pop()
+                self.slots.remove_last()
                 self.resized()
             raise
         worker.on_trial = False
@@ -392,34 +354,15 @@ class Supervisor:
                 f"slot {worker.slot}: the new worker did not register within {within:g} s"
             ) from None
         except WorkerBootError:
-            self._vacate(worker)
+            self.slots.vacate(worker)
             raise
         return worker
 
-    def promote(self, successor: WorkerProcess) -> WorkerProcess | None:
-        """The successor becomes its slot's worker; the worker it replaces is returned,
-        out of the slot (the caller stops it)."""
-        slot = self.slots[successor.slot]
-        old, slot.worker, slot.successor = slot.worker, successor, None
-        successor.on_trial = False
-        slot.replacements += 1
-        if old is not None:
-            self._leave(old)
-        return old
-
     def remove_last_slot(self) -> WorkerProcess | None:
         """Shrink by the last slot; its worker (returned, leaving) is the caller's to stop."""
-        slot = self.slots.pop()
+        worker = self.slots.remove_last()
         self.resized()
-        for worker in (slot.worker, slot.successor):
-            if worker is not None:
-                self._leave(worker)
-        return slot.worker
-
-    def _leave(self, worker: WorkerProcess) -> None:
-        """An operation stops `worker`: its exit is expected, its slot is not restarted."""
-        worker.leaving = True
-        self._leaving.add(worker)
+        return worker
 
     def take_out_of_service(self, worker: WorkerProcess) -> None:
         """No request reaches it any more (a leaving worker, emptied)."""
@@ -428,12 +371,12 @@ class Supervisor:
     async def stop_worker(self, worker: WorkerProcess, grace: float) -> int | None:
         """SIGTERM a worker an operation is done with (SIGKILL after `grace`); its exit
         is expected. Answers its exit code."""
-        self._leave(worker)
+        self.slots.leave(worker)
         if worker.process is None:  # a placeholder whose process is still starting
             return None
         await self._terminate([worker], grace)
         self._mark_dead(worker)
-        self._vacate(worker)
+        self.slots.vacate(worker)
         return worker.process.returncode
 
     def resized(self) -> None:
@@ -453,7 +396,9 @@ class Supervisor:
         if self._timer is not None:
             self._timer.cancel()
         running = [
-            w for w in self.workers() if w.process is not None and w.process.returncode is None
+            w
+            for w in self.slots.workers()
+            if w.process is not None and w.process.returncode is None
         ]
         if running:
             log.info(

@@ -140,7 +140,7 @@ class _Gathered(Collector):
         sup, stats = self.m.supervisor, self.m.worker_stats
         states = self.m.operations.worker_states()
         by_slot: dict[int, list[WorkerProcess]] = {i: [] for i in range(len(sup.slots))}
-        for worker in sup.workers():
+        for worker in sup.slots.workers():
             if worker.process is not None and worker.state != "dead":
                 by_slot.setdefault(worker.slot, []).append(worker)
         state_family = GaugeMetricFamily(
