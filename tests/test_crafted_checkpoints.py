@@ -12,8 +12,9 @@ import orjson
 import pytest
 
 from gym_proxy.coordinator import checkpoint_files as records
+from gym_proxy.proxy.data_path.session_tokens import TokenCodec
 from tests.raw_http import close, open_raw, read_responses
-from tests.support import CONTROL_TOKEN, TEST_SECRET, Control, legacy_token, write_checkpoint
+from tests.support import CONTROL_TOKEN, TEST_SECRET, Control, v1_token, write_checkpoint
 
 TOKEN = "X-NeMo-Gym-Session-Token"
 GOOD_SESSION = {"episode_id": None, "session_id": "s1", "state": 1, "owner": "o1"}
@@ -272,14 +273,17 @@ def test_disk_full_leaves_no_files_behind(tmp_path, monkeypatch):
     assert list(base.iterdir()) == []
 
 
-async def test_cookies_of_a_checkpoint_from_before_instance_tokens_still_route(
+async def test_restored_owners_route_this_instances_tokens_and_never_a_v1_token(
     in_process, http, tmp_path, test_app
 ):
-    """A checkpoint taken before tokens named their instance: its clients hold `v1.`
-    tokens in the `ng_session` cookie, naming the owners of that time. Restored onto new
-    workers, those owners are aliased and the old cookies route to their sessions."""
+    """Restored onto new workers, the owners of the checkpoint are aliased: this
+    instance's tokens naming them reach their sessions. The pre-release `v1.` token,
+    signed with the same secret and naming the same session and owner (in the
+    `ng_session` cookie or this instance's), reaches none: a new, empty session."""
     lines = [
-        orjson.dumps({"episode_id": None, "session_id": f"s{i}", "state": 10 * i, "owner": owner})
+        orjson.dumps(
+            {"episode_id": None, "session_id": f"s{i}", "state": 10 * i + 5, "owner": owner}
+        )
         for i, owner in enumerate(["old1", "old1", "old2"])
     ]
     craft(tmp_path, lines, session_owners={"old1": "old1", "old2": "old2"})
@@ -287,10 +291,15 @@ async def test_cookies_of_a_checkpoint_from_before_instance_tokens_still_route(
     control = Control(http, proxy.url)
     await control.ok("restore", checkpoint_id="old", checkpoint_dir=str(tmp_path), episode_ids=[])
     await control.ok("resume", checkpoint_id="old")
+    codec = TokenCodec(TEST_SECRET.encode(), "apps")  # this instance (--name apps)
     for i, owner in enumerate(["old1", "old1", "old2"]):
-        token = legacy_token(TEST_SECRET.encode(), f"s{i}", owner)
-        async with http.post(
-            f"{proxy.url}/get_counter_value", headers={"Cookie": f"ng_session={token}"}
-        ) as resp:
-            assert (resp.status, await resp.json()) == (200, {"count": 10 * i}), i
-            assert resp.cookies["ng_session"].value == token  # re-set under its own name
+        token = codec.sign(f"s{i}", owner)
+        async with http.post(f"{proxy.url}/get_counter_value", headers={TOKEN: token}) as resp:
+            assert (resp.status, await resp.json()) == (200, {"count": 10 * i + 5}), i
+        old = v1_token(TEST_SECRET.encode(), f"s{i}", owner)
+        for cookie in (f"ng_session={old}", f"{proxy.cookie}={old}"):
+            async with http.post(
+                f"{proxy.url}/get_counter_value", headers={"Cookie": cookie}
+            ) as resp:
+                assert (resp.status, await resp.json()) == (200, {"count": 0}), (i, cookie)
+                assert "ng_session" not in resp.cookies and proxy.cookie in resp.cookies
