@@ -34,6 +34,7 @@ def craft(directory, lines: list[bytes], **manifest_fields) -> None:
         "checkpoint_id": "crafted",
         "session_owners": {"o1": "o1"},
         "placed_sessions": {},
+        "placed_app_sessions": {},
         **manifest_fields,
     }
     write_checkpoint(records.checkpoint_path(str(directory), "resources", "apps"), lines, **fields)
@@ -54,6 +55,11 @@ CRAFTED: dict[str, tuple[list[bytes], dict]] = {
     "placed_sessions-value-int": ([record()], {"placed_sessions": {"s1": 3}}),
     "record_count-a-string": ([record()], {"record_count": "1"}),
     "checkpoint_id-missing": ([record()], {"checkpoint_id": "<absent>"}),
+    "record_count-missing": ([record()], {"record_count": "<absent>"}),
+    # A manifest of gym-proxy's (it has a placed table) holds all three of its extras.
+    "session_owners-missing": ([record()], {"session_owners": "<absent>"}),
+    "placed_sessions-missing": ([record()], {"placed_sessions": "<absent>"}),
+    "placed_app_sessions-missing": ([record()], {"placed_app_sessions": "<absent>"}),
     "session_id-missing": ([record(session_id="<absent>")], {}),
     "session_id-an-int": ([record(session_id=5)], {}),
     "session_id-with-a-slash": ([record(session_id="../x")], {}),
@@ -81,10 +87,16 @@ CRAFTED: dict[str, tuple[list[bytes], dict]] = {
     "episode-task_digest-an-int": ([record(episode_record=True, task_digest=7)], {}),
     "record-a-list": ([b"[1, 2]"], {}),
     "record-of-no-known-shape": ([orjson.dumps({"kind": "blob"})], {}),
-    "legacy-session-without-id": (
-        [orjson.dumps({"type": "session", "owner": "o1", "episode": None, "value": 1})],
+    # gym-proxy's pre-release record shapes: no release wrote them, nothing reads them.
+    "type-session-record": (
+        [orjson.dumps({"type": "session", "session_id": "s1", "owner": "o1", "value": 1})],
         {},
     ),
+    "type-episode-record": (
+        [orjson.dumps({"type": "episode", "rollout_id": "r1", "attempt": 0, "state": {}})],
+        {},
+    ),
+    "session-without-state": ([record(state="<absent>")], {}),
     "valid-then-invalid": ([record(), record(session_id="s2", owner={"x": 1})], {}),
     # Lines whose two ends read right: their worker parses them whole and refuses them.
     "state-not-json": (
@@ -100,6 +112,12 @@ CRAFTED: dict[str, tuple[list[bytes], dict]] = {
 REFUSED_AT_INSTALL = {
     "state-not-json": "line 2 is not JSON",
     "session_id-twice": "line 1 holds other IDs than its first and last fields",
+}
+# The whole detail of a refusal that names a missing field: one line, the field named.
+MISSING = {
+    name: f"manifest has no field {name.removesuffix('-missing')}"
+    for name in CRAFTED
+    if name.endswith("-missing") and not name.startswith("session_id")
 }
 
 
@@ -130,6 +148,8 @@ async def test_crafted_fields_are_422(restorer, http, tmp_path):
         )
         assert code == 422, (name, code, body)
         assert body["error"]["code"] == "invalid_checkpoint_state", name
+        if name in MISSING:
+            assert body["error"]["detail"] == MISSING[name], body
         if name in REFUSED_AT_INSTALL:  # by a worker: the install is undone everywhere
             assert REFUSED_AT_INSTALL[name] in body["error"]["detail"], body
             assert body["error"]["detail"].endswith("nothing was installed"), body
@@ -267,7 +287,7 @@ def test_disk_full_leaves_no_files_behind(tmp_path, monkeypatch):
             instance="inst",
             checkpoint_id="c",
             records=[GOOD_SESSION],
-            extras={"session_owners": {}, "placed_sessions": {}},
+            extras={"session_owners": {}, "placed_sessions": {}, "placed_app_sessions": {}},
         )
     assert err.value.errno == errno.ENOSPC
     assert list(base.iterdir()) == []
