@@ -24,8 +24,8 @@ from gym_proxy.coordinator.contract.episodes import EpisodeId, task_digest
 from gym_proxy.coordinator.contract.errors import GymError
 from gym_proxy.worker import runtime as runtime_module
 from gym_proxy.worker.channel_requests import handle_coordinator_message
+from gym_proxy.worker.declaration import ParticipantHooks, Participation
 from gym_proxy.worker.identity import WorkerInfo
-from gym_proxy.worker.participation import ParticipantHooks, Participation
 from gym_proxy.worker.request_context import RequestContext
 from gym_proxy.worker.runtime import InFlight, ParticipantRuntime, RequestFacts, own_cancellation
 from gym_proxy.worker.sessions import session_record

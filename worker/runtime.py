@@ -55,10 +55,10 @@ from gym_proxy.coordinator.contract.loop_lag import LoopLag
 from gym_proxy.coordinator.contract.marks import RestoredClaims, RetireMarks
 from gym_proxy.coordinator.contract.messages import Claim, Ready, Report, SessionsEnded
 from gym_proxy.coordinator.contract.records import encode
+from gym_proxy.worker.declaration import Participation
 from gym_proxy.worker.episodes import Episode
 from gym_proxy.worker.handovers import EpisodeHandover
 from gym_proxy.worker.identity import WorkerInfo
-from gym_proxy.worker.participation import Participation
 from gym_proxy.worker.sessions import SessionEntry, SessionStore, session_record
 
 __all__ = [
