@@ -6,7 +6,7 @@ PLAN.json names the targets, the path and the sessions:
 
     {"targets": [{"tcp": "127.0.0.1:8000"}, {"unix": "/run/w0.sock"}],
      "path": "/increment_counter",
-     "sessions": [[0, "x-nemo-gym-session-token: v1....\\r\\n"], ...]}
+     "sessions": [[0, "x-nemo-gym-session-token: v2....\\r\\n"], ...]}
 
 Connection i goes to target i mod T and keeps one keep-alive request in flight at a time.
 Sessions are one shared pool per target, as NeMo Gym's clients use theirs: each request

@@ -12,7 +12,11 @@
 
 Restore opens regular files only (never blocking on a FIFO or a device), and verifies
 schema, kind, instance, digest, record count and the type of every field of the
-manifest and of every record before anything is kept: the coordinator checks every
+manifest and of every record before anything is kept. A manifest missing a field it must
+have is refused naming the field: the fields every manifest has (`REQUIRED`), and, in a
+manifest of gym-proxy's (one with a placed table, or a map of `session_owners`), all
+three of its extras (`EXTRAS`); NeMo Gym's own manifests have none of them, or only a
+list of `session_owners`. The coordinator checks every
 record it parses before it installs anything, and a session record whose line has the
 usual shape (`records.routing_fields`) is parsed and checked by the worker that installs
 it (`read_for_restore`), whose refusal undoes the whole install.
@@ -55,6 +59,19 @@ __all__ = [
 
 SCHEMA_VERSION = 1
 MANIFEST = "manifest.json"
+# What every manifest holds, NeMo Gym's and gym-proxy's alike.
+REQUIRED = (
+    "schema_version",
+    "kind",
+    "instance",
+    "checkpoint_id",
+    "records_file",
+    "records_sha256",
+    "record_count",
+)
+# What gym-proxy's commits add (the checkpointer writes all three, as maps); a manifest
+# that has none of them, or only NeMo Gym's list of `session_owners`, is NeMo Gym's.
+EXTRAS = ("session_owners", "placed_sessions", "placed_app_sessions")
 _RECORDS_NAME = re.compile(r"records-([0-9a-f]{64})\.jsonl\Z")
 _MANIFEST_LIMIT = 256 * 1024 * 1024
 
@@ -190,8 +207,8 @@ def _read_regular(path: Path, limit: int | None = None) -> bytes:
         os.close(fd)
 
 
-def _id_map(manifest: dict[str, Any], key: str, keys_are: str) -> dict[str, str]:
-    value = manifest.get(key, {})
+def _check_id_map(manifest: dict[str, Any], key: str, keys_are: str) -> None:
+    value = manifest[key]
     if not isinstance(value, dict):
         raise InvalidCheckpoint(f"manifest field {key} is not an object")
     for name, target in value.items():
@@ -200,7 +217,26 @@ def _id_map(manifest: dict[str, Any], key: str, keys_are: str) -> dict[str, str]
                 f"manifest field {key} must map {keys_are} IDs to owner IDs "
                 f"(1-64 of A-Z a-z 0-9 _ -); found {name!r}: {target!r}"
             )
-    return value
+
+
+def _read_extras(manifest: dict[str, Any]) -> None:
+    """Check gym-proxy's extras (`EXTRAS`: every one must be there, each a map of IDs).
+    A NeMo Gym manifest (no placed tables, `session_owners` absent or a list) is given
+    them as what it means: each owner it lists holds its own sessions, and no table
+    placed any session."""
+    owners = manifest.get("session_owners", [])
+    if isinstance(owners, list) and not any(k in manifest for k in EXTRAS[1:]):
+        if not all(isinstance(o, str) for o in owners):
+            raise InvalidCheckpoint("manifest field session_owners lists a non-string")
+        manifest["session_owners"] = {owner: owner for owner in owners}
+        manifest["placed_sessions"] = {}
+        manifest["placed_app_sessions"] = {}
+    for field in EXTRAS:
+        if field not in manifest:
+            raise InvalidCheckpoint(f"manifest has no field {field}")
+    _check_id_map(manifest, "session_owners", "owner")
+    _check_id_map(manifest, "placed_sessions", "session")
+    _check_id_map(manifest, "placed_app_sessions", "session")
 
 
 def read(base: Path, *, kind: str, instance: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
@@ -254,6 +290,9 @@ def _verified_lines(base: Path, *, kind: str, instance: str) -> tuple[dict[str, 
         raise InvalidCheckpoint(f"unreadable manifest: {exc}") from exc
     if not isinstance(manifest, dict):
         raise InvalidCheckpoint("manifest is not a JSON object")
+    for field in REQUIRED:
+        if field not in manifest:
+            raise InvalidCheckpoint(f"manifest has no field {field}")
     if manifest.get("schema_version") != SCHEMA_VERSION:
         raise InvalidCheckpoint(f"unsupported schema_version {manifest.get('schema_version')!r}")
     if manifest.get("kind") != kind or manifest.get("instance") != instance:
@@ -272,16 +311,7 @@ def _verified_lines(base: Path, *, kind: str, instance: str) -> tuple[dict[str, 
     count = manifest.get("record_count")
     if not isinstance(count, int) or isinstance(count, bool) or count < 0:
         raise InvalidCheckpoint("manifest record_count is not a non-negative integer")
-    if isinstance(manifest.get("session_owners"), list):
-        # NeMo Gym lists the owners a live cookie may name; each holds its own sessions.
-        owners = manifest["session_owners"]
-        if not all(isinstance(o, str) for o in owners):
-            raise InvalidCheckpoint("manifest field session_owners lists a non-string")
-        manifest["session_owners"] = {owner: owner for owner in owners}
-    manifest["session_owners"] = _id_map(manifest, "session_owners", "owner")
-    manifest["placed_sessions"] = _id_map(manifest, "placed_sessions", "session")
-    if "placed_app_sessions" in manifest:  # a checkpoint from before it was written has none
-        _id_map(manifest, "placed_app_sessions", "session")
+    _read_extras(manifest)
     data = _read_regular(base / name)
     if hashlib.sha256(data).hexdigest() != digest:
         raise InvalidCheckpoint(f"{name} does not match records_sha256")

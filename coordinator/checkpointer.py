@@ -524,7 +524,7 @@ class Checkpointer:
             manifest["session_owners"],
             manifest["placed_sessions"],
             [w.owner for w in live],
-            manifest.get("placed_app_sessions", {}),
+            manifest["placed_app_sessions"],
             self.tables.keeps_app_sessions,
         )
         claims = RestoredClaims(

@@ -284,9 +284,10 @@ class Control:
         )
 
 
-def legacy_token(secret: bytes, session_id: str, owner: str | None) -> str:
-    """A token as gym-proxy minted them before tokens named their instance (`v1.`): what
-    a client of an older checkpoint holds in its `ng_session` cookie."""
+def v1_token(secret: bytes, session_id: str, owner: str | None) -> str:
+    """A token of the shape gym-proxy's tokens had before they named their instance
+    (`v1.<session>.<owner>.<mac>`), signed with `secret`: never this instance's, whatever
+    it names and whoever signed it (no release ever minted one)."""
     body = f"v1.{session_id}.{owner or '-'}"
     mac = hmac.new(secret, body.encode(), hashlib.sha256).digest()
     return f"{body}.{base64.urlsafe_b64encode(mac).rstrip(b'=').decode()}"

@@ -205,7 +205,7 @@ def test_records_round_trip_and_exclusive_manifest(tmp_path):
         instance="inst",
         checkpoint_id="c",
         records=recs,
-        extras={"session_owners": {"o": "o"}, "placed_sessions": {}},
+        extras={"session_owners": {"o": "o"}, "placed_sessions": {}, "placed_app_sessions": {}},
     )
     assert manifest["record_count"] == 100
     assert records.read(base, kind="resources", instance="inst") == (manifest, recs)
@@ -217,7 +217,7 @@ def test_records_round_trip_and_exclusive_manifest(tmp_path):
             instance="inst",
             checkpoint_id="d",
             records=recs,
-            extras={"session_owners": {}, "placed_sessions": {}},
+            extras={"session_owners": {}, "placed_sessions": {}, "placed_app_sessions": {}},
         )
     assert records.read(base, kind="resources", instance="inst")[0]["checkpoint_id"] == "c"
     assert not [p for p in base.iterdir() if p.name.startswith(".")]  # no temp files left
@@ -225,8 +225,45 @@ def test_records_round_trip_and_exclusive_manifest(tmp_path):
         records.read(base, kind="agent", instance="inst")
 
 
+def test_a_manifest_missing_a_field_is_refused_naming_it(tmp_path):
+    """Every manifest has its seven fields; one of gym-proxy's (a placed table, or a map
+    of session_owners) has all three extras too. NeMo Gym's own manifest has none of
+    the extras, or a list of session_owners: each listed owner holds its own sessions."""
+    recs = [session("s1", "o")]
+    extras = {"session_owners": {"o": "o"}, "placed_sessions": {}, "placed_app_sessions": {}}
+    written = records.write(
+        records.checkpoint_path(str(tmp_path / "full"), "resources", "inst"),
+        kind="resources",
+        instance="inst",
+        checkpoint_id="c",
+        records=recs,
+        extras=extras,
+    )
+
+    def read(manifest: dict) -> dict:
+        base = records.checkpoint_path(str(tmp_path / "full"), "resources", "inst")
+        (base / "manifest.json").write_bytes(orjson.dumps(manifest))
+        return records.read(base, kind="resources", instance="inst")[0]
+
+    for field in [*records.REQUIRED, *extras]:
+        without = {k: v for k, v in written.items() if k != field}
+        with pytest.raises(records.InvalidCheckpoint) as refused:
+            read(without)
+        assert str(refused.value) == f"manifest has no field {field}", field
+    for field in ("placed_sessions", "placed_app_sessions"):
+        gym_proxy = {k: v for k, v in written.items() if k != "session_owners"} | {field: {}}
+        with pytest.raises(records.InvalidCheckpoint, match="no field session_owners"):
+            read(gym_proxy)
+    nemo_gym = {k: v for k, v in written.items() if k not in extras}
+    assert read(nemo_gym) == written | {"session_owners": {}}
+    assert read(nemo_gym | {"session_owners": ["o"]}) == written
+    with pytest.raises(records.InvalidCheckpoint, match="lists a non-string"):
+        read(nemo_gym | {"session_owners": [3]})
+
+
 def test_records_in_nemo_gym_shapes(tmp_path):
-    """An agent writes session_key/session; older gym-proxy records still read back."""
+    """An agent writes session_key/session, and reads it back; gym-proxy's pre-release
+    `type: session` / `type: episode` records are read as they are, and refused."""
     bound = {"rollout_id": "r1", "attempt": 2}
     recs = [
         session("s1", "o", bound),
@@ -240,10 +277,18 @@ def test_records_in_nemo_gym_shapes(tmp_path):
     manifest, back = records.read(base, kind="agent", instance="inst")
     assert back == recs and manifest["session_owners"] == {}
     assert [record_format.record_key(r) for r in back] == ["r1-a2", None, "r1-a2"]
-    legacy = record_format.from_disk(
-        {"type": "session", "session_id": "x", "owner": "o", "episode": "r-a1", "value": 4}
+    old_session = {"type": "session", "session_id": "x", "owner": "o", "episode": "r-a1"}
+    old_episode = {"type": "episode", "rollout_id": "r", "attempt": 1, "state": {}}
+    for old, problem in (
+        (old_session | {"value": 4}, "has no state"),
+        (old_episode, "is neither a session nor an episode record"),
+    ):
+        assert record_format.from_disk(dict(old)) == old
+        assert record_format.validate_record(record_format.from_disk(dict(old))) == problem
+    agent_without_state = {"episode_id": None, "session_key": "s", "owner": None}
+    assert record_format.validate_record(record_format.from_disk(agent_without_state)) == (
+        "has no state"
     )
-    assert legacy == session("x", "o", {"rollout_id": "r", "attempt": 1}) | {"state": 4}
 
 
 def test_a_restore_reads_a_session_line_s_ends_and_the_worker_checks_the_whole(tmp_path):
@@ -263,20 +308,19 @@ def test_a_restore_reads_a_session_line_s_ends_and_the_worker_checks_the_whole(t
     assert record_format.routing_fields(spaced.encode())["session_id"] == "s3"
     inner_owner = b'{"episode_id":null,"session_id":"s4","state":{"owner":"x"}}'
     assert record_format.routing_fields(inner_owner) is None  # no top-level owner at its end
-    legacy = b'{"type":"session","session_id":"x","owner":"o","episode":"r-a1","value":4}'
-    assert record_format.routing_fields(legacy) is None
-    sent = b"".join(line + b"\n" for line in [*lines, legacy])
-    names = ["s1 o r1-a2", "s2 - -", "x o r-a1"]
-    assert record_format.restored_sessions(sent, names, [1, 2, 9], "f") == [
+    sent = b"".join(line + b"\n" for line in lines)
+    names = ["s1 o r1-a2", "s2 - -"]
+    assert record_format.restored_sessions(sent, names, [1, 2], "f") == [
         session("s1", "o", {"rollout_id": "r1", "attempt": 3}),
         session("s2", None),
-        session("x", "o", {"rollout_id": "r", "attempt": 2}) | {"state": 4},
     ]
     twice = b'{"episode_id":null,"session_id":"s1","state":1,"session_id":"s9","owner":"o"}'
     broken = b'{"episode_id":null,"session_id":"s1","state":{,"owner":"o"}'
+    old = b'{"type":"session","session_id":"s1","owner":"o","episode":null,"value":4}'
+    assert record_format.routing_fields(old) is None  # parsed whole, and refused
     assert record_format.routing_fields(twice) == {
         "episode_id": None, "session_id": "s1", "owner": "o"
     }  # fmt: skip
-    for line, why in ((twice, "holds other IDs"), (broken, "is not JSON")):
+    for line, why in ((twice, "holds other IDs"), (broken, "is not JSON"), (old, "has no state")):
         with pytest.raises(GymError, match=f"f line 7 {why}"):
             record_format.restored_sessions(line + b"\n", ["s1 o -"], [7], "f")

@@ -255,7 +255,7 @@ def write_checkpoint(directory, records, session_owners):
         instance=INSTANCE,
         checkpoint_id="c0",
         records=records,
-        extras={"session_owners": session_owners, "placed_sessions": {}},
+        extras={"session_owners": session_owners, "placed_sessions": {}, "placed_app_sessions": {}},
     )
 
 

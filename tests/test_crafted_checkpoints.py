@@ -12,8 +12,9 @@ import orjson
 import pytest
 
 from gym_proxy.coordinator import checkpoint_files as records
+from gym_proxy.proxy.data_path.session_tokens import TokenCodec
 from tests.raw_http import close, open_raw, read_responses
-from tests.support import CONTROL_TOKEN, TEST_SECRET, Control, legacy_token, write_checkpoint
+from tests.support import CONTROL_TOKEN, TEST_SECRET, Control, v1_token, write_checkpoint
 
 TOKEN = "X-NeMo-Gym-Session-Token"
 GOOD_SESSION = {"episode_id": None, "session_id": "s1", "state": 1, "owner": "o1"}
@@ -33,6 +34,7 @@ def craft(directory, lines: list[bytes], **manifest_fields) -> None:
         "checkpoint_id": "crafted",
         "session_owners": {"o1": "o1"},
         "placed_sessions": {},
+        "placed_app_sessions": {},
         **manifest_fields,
     }
     write_checkpoint(records.checkpoint_path(str(directory), "resources", "apps"), lines, **fields)
@@ -53,6 +55,11 @@ CRAFTED: dict[str, tuple[list[bytes], dict]] = {
     "placed_sessions-value-int": ([record()], {"placed_sessions": {"s1": 3}}),
     "record_count-a-string": ([record()], {"record_count": "1"}),
     "checkpoint_id-missing": ([record()], {"checkpoint_id": "<absent>"}),
+    "record_count-missing": ([record()], {"record_count": "<absent>"}),
+    # A manifest of gym-proxy's (it has a placed table) holds all three of its extras.
+    "session_owners-missing": ([record()], {"session_owners": "<absent>"}),
+    "placed_sessions-missing": ([record()], {"placed_sessions": "<absent>"}),
+    "placed_app_sessions-missing": ([record()], {"placed_app_sessions": "<absent>"}),
     "session_id-missing": ([record(session_id="<absent>")], {}),
     "session_id-an-int": ([record(session_id=5)], {}),
     "session_id-with-a-slash": ([record(session_id="../x")], {}),
@@ -80,10 +87,16 @@ CRAFTED: dict[str, tuple[list[bytes], dict]] = {
     "episode-task_digest-an-int": ([record(episode_record=True, task_digest=7)], {}),
     "record-a-list": ([b"[1, 2]"], {}),
     "record-of-no-known-shape": ([orjson.dumps({"kind": "blob"})], {}),
-    "legacy-session-without-id": (
-        [orjson.dumps({"type": "session", "owner": "o1", "episode": None, "value": 1})],
+    # gym-proxy's pre-release record shapes: no release wrote them, nothing reads them.
+    "type-session-record": (
+        [orjson.dumps({"type": "session", "session_id": "s1", "owner": "o1", "value": 1})],
         {},
     ),
+    "type-episode-record": (
+        [orjson.dumps({"type": "episode", "rollout_id": "r1", "attempt": 0, "state": {}})],
+        {},
+    ),
+    "session-without-state": ([record(state="<absent>")], {}),
     "valid-then-invalid": ([record(), record(session_id="s2", owner={"x": 1})], {}),
     # Lines whose two ends read right: their worker parses them whole and refuses them.
     "state-not-json": (
@@ -99,6 +112,12 @@ CRAFTED: dict[str, tuple[list[bytes], dict]] = {
 REFUSED_AT_INSTALL = {
     "state-not-json": "line 2 is not JSON",
     "session_id-twice": "line 1 holds other IDs than its first and last fields",
+}
+# The whole detail of a refusal that names a missing field: one line, the field named.
+MISSING = {
+    name: f"manifest has no field {name.removesuffix('-missing')}"
+    for name in CRAFTED
+    if name.endswith("-missing") and not name.startswith("session_id")
 }
 
 
@@ -129,6 +148,8 @@ async def test_crafted_fields_are_422(restorer, http, tmp_path):
         )
         assert code == 422, (name, code, body)
         assert body["error"]["code"] == "invalid_checkpoint_state", name
+        if name in MISSING:
+            assert body["error"]["detail"] == MISSING[name], body
         if name in REFUSED_AT_INSTALL:  # by a worker: the install is undone everywhere
             assert REFUSED_AT_INSTALL[name] in body["error"]["detail"], body
             assert body["error"]["detail"].endswith("nothing was installed"), body
@@ -266,20 +287,23 @@ def test_disk_full_leaves_no_files_behind(tmp_path, monkeypatch):
             instance="inst",
             checkpoint_id="c",
             records=[GOOD_SESSION],
-            extras={"session_owners": {}, "placed_sessions": {}},
+            extras={"session_owners": {}, "placed_sessions": {}, "placed_app_sessions": {}},
         )
     assert err.value.errno == errno.ENOSPC
     assert list(base.iterdir()) == []
 
 
-async def test_cookies_of_a_checkpoint_from_before_instance_tokens_still_route(
+async def test_restored_owners_route_this_instances_tokens_and_never_a_v1_token(
     in_process, http, tmp_path, test_app
 ):
-    """A checkpoint taken before tokens named their instance: its clients hold `v1.`
-    tokens in the `ng_session` cookie, naming the owners of that time. Restored onto new
-    workers, those owners are aliased and the old cookies route to their sessions."""
+    """Restored onto new workers, the owners of the checkpoint are aliased: this
+    instance's tokens naming them reach their sessions. The pre-release `v1.` token,
+    signed with the same secret and naming the same session and owner (in the
+    `ng_session` cookie or this instance's), reaches none: a new, empty session."""
     lines = [
-        orjson.dumps({"episode_id": None, "session_id": f"s{i}", "state": 10 * i, "owner": owner})
+        orjson.dumps(
+            {"episode_id": None, "session_id": f"s{i}", "state": 10 * i + 5, "owner": owner}
+        )
         for i, owner in enumerate(["old1", "old1", "old2"])
     ]
     craft(tmp_path, lines, session_owners={"old1": "old1", "old2": "old2"})
@@ -287,10 +311,15 @@ async def test_cookies_of_a_checkpoint_from_before_instance_tokens_still_route(
     control = Control(http, proxy.url)
     await control.ok("restore", checkpoint_id="old", checkpoint_dir=str(tmp_path), episode_ids=[])
     await control.ok("resume", checkpoint_id="old")
+    codec = TokenCodec(TEST_SECRET.encode(), "apps")  # this instance (--name apps)
     for i, owner in enumerate(["old1", "old1", "old2"]):
-        token = legacy_token(TEST_SECRET.encode(), f"s{i}", owner)
-        async with http.post(
-            f"{proxy.url}/get_counter_value", headers={"Cookie": f"ng_session={token}"}
-        ) as resp:
-            assert (resp.status, await resp.json()) == (200, {"count": 10 * i}), i
-            assert resp.cookies["ng_session"].value == token  # re-set under its own name
+        token = codec.sign(f"s{i}", owner)
+        async with http.post(f"{proxy.url}/get_counter_value", headers={TOKEN: token}) as resp:
+            assert (resp.status, await resp.json()) == (200, {"count": 10 * i + 5}), i
+        old = v1_token(TEST_SECRET.encode(), f"s{i}", owner)
+        for cookie in (f"ng_session={old}", f"{proxy.cookie}={old}"):
+            async with http.post(
+                f"{proxy.url}/get_counter_value", headers={"Cookie": cookie}
+            ) as resp:
+                assert (resp.status, await resp.json()) == (200, {"count": 0}), (i, cookie)
+                assert "ng_session" not in resp.cookies and proxy.cookie in resp.cookies

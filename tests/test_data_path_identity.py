@@ -122,7 +122,7 @@ async def test_a_client_copy_of_the_claim_header_is_removed():
         b"ng_session=caf\xc3\xa9",
         b"gym_proxy=caf\xc3\xa9; ng_session=v1.\xff",
     ],
-    ids=["legacy-shape", "legacy-cookie", "both"],
+    ids=["v1-shape", "another-cookie", "both"],
 )
 async def test_a_non_ascii_cookie_that_is_not_this_instances_token_is_passed_on(cookie):
     rig = Rig(workers=1)

@@ -24,10 +24,11 @@ from gym_proxy.coordinator.contract.episodes import EpisodeId, task_digest
 from gym_proxy.coordinator.contract.errors import GymError
 from gym_proxy.worker import runtime as runtime_module
 from gym_proxy.worker.channel_requests import handle_coordinator_message
+from gym_proxy.worker.declaration import ParticipantHooks, Participation
 from gym_proxy.worker.identity import WorkerInfo
-from gym_proxy.worker.participation import ParticipantHooks, Participation
 from gym_proxy.worker.request_context import RequestContext
 from gym_proxy.worker.runtime import InFlight, ParticipantRuntime, RequestFacts, own_cancellation
+from gym_proxy.worker.sessions import session_record
 
 pytestmark = pytest.mark.fast
 
@@ -204,7 +205,6 @@ class Rig:
         for channel in self.channels:
             channel.close()
         await asyncio.wait_for(asyncio.gather(*self.tasks, return_exceptions=True), WAIT)
-        await asyncio.sleep(0)  # let the cancelled report poller end
 
 
 @pytest.fixture
@@ -350,6 +350,127 @@ async def test_ready_notices_follow_changes_with_increasing_seq(rig_of):
     assert {r.checkpoint_id for r in readies} == {"ck"} and readies[-1].ready
     rig.runtime.open_gate()
     await door.admitted()
+
+
+class Script:
+    """An app run one step at a time: each action the test queues runs inside the
+    request (`action(call, flight)`); None answers."""
+
+    def __init__(self) -> None:
+        self.actions: asyncio.Queue[Callable[[Call, InFlight], Awaitable[Any]] | None] = (
+            asyncio.Queue()
+        )
+
+    async def app(self, call: Call, flight: InFlight) -> int:
+        while (action := await self.actions.get()) is not None:
+            await action(call, flight)
+        return 200
+
+    def do(self, action: Callable[[Call, InFlight], Awaitable[Any]] | None) -> None:
+        self.actions.put_nowait(action)
+
+
+def without_seq(report: msg.Report) -> dict[str, Any]:
+    return {k: v for k, v in report.fields().items() if k != "seq"}
+
+
+async def reported(rig: Rig, what: str, shows: Callable[[msg.Report], bool]) -> None:
+    """Wait until the coordinator's latest report is the runtime's readiness now and
+    `shows` the change. Nothing re-sends reports, so only a report sent because of the
+    change gets there; a change that sent none fails here, named."""
+    coordinator = rig.coordinator
+
+    def arrived() -> bool:
+        readies = coordinator.of(msg.Ready)
+        return (
+            bool(readies)
+            and shows(readies[-1])
+            and (without_seq(readies[-1]) == without_seq(rig.runtime.report()))
+        )
+
+    try:
+        await coordinator.until(arrived)
+    except TimeoutError:
+        pytest.fail(f"no report followed: {what} (now {rig.runtime.report()})")
+
+
+async def test_every_change_a_report_shows_is_reported(rig_of):
+    """While closed, each change the readiness report shows reaches the coordinator as
+    a report of its own, whatever made it: a request at the door, one gone from it, a
+    session begun or ended by the app mid-request, a replay step begun and ended (the
+    episode parks), a tunnel opened and closed, a request answered, and sessions the
+    coordinator retires, installs and releases."""
+    rig = await rig_of(Participation(tunnels="block"), connect=True)
+    runtime = rig.runtime
+    assert await rig.done("/seed_session", "bound", body=run_body("r2")) == 200
+    episode, tunnel = Script(), Script()
+    a = rig.play("/step", "a", key="r1", app=episode.app)
+    t = rig.play("/ws", "t", app=tunnel.app)
+    run = rig.play("/run", body=run_body("r4"))
+    for call in (a, t, run):
+        await call.admitted()
+    runtime.close_gate("ck")
+    await reported(rig, "the gate closed", lambda r: r.blockers == ["r1", "r4", "session:t"])
+
+    door = rig.play("/step", "d")
+    await reported(rig, "a request at the door", lambda r: r.counts["door"] == 1)
+    door.task.cancel()
+    await reported(rig, "a request gone from the door", lambda r: r.counts["door"] == 0)
+
+    async def begin(call: Call, flight: InFlight) -> None:
+        RequestContext(call.runtime, flight).session.set({"n": 1})
+
+    async def end(call: Call, flight: InFlight) -> None:
+        RequestContext(call.runtime, flight).session.delete()
+
+    episode.do(begin)
+    await reported(rig, "a session begun mid-request", lambda r: r.counts["sessions"] == 2)
+    episode.do(end)
+    await reported(rig, "a session ended mid-request", lambda r: r.counts["sessions"] == 1)
+
+    step: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+
+    async def replay(call: Call, flight: InFlight) -> None:
+        await flight.episode.replay(step)
+
+    episode.do(replay)
+    await reported(rig, "a replay step begun", lambda r: r.counts["replay"] == 1)
+    step.set_result("done")
+    await reported(rig, "a replay step ended, parked", lambda r: r.counts["parked"] == 1)
+
+    async def upgrade(call: Call, flight: InFlight) -> None:
+        call.runtime.tunnel_opened(flight, lambda: None)
+
+    tunnel.do(upgrade)
+    await reported(rig, "a tunnel opened", lambda r: "tunnel:t" in r.blockers)
+    tunnel.do(None)
+    await reported(rig, "a tunnel closed", lambda r: r.counts["tunnel"] == 0)
+    assert await t.result() == 200
+    assert await run.answer() == 200
+    await reported(rig, "an episode's /run answered", lambda r: r.ready)
+
+    await handle_coordinator_message(runtime, msg.Retire([msg.EpisodeRef("r2", 0)]))
+    await reported(rig, "a retired session", lambda r: r.counts["sessions"] == 1)
+    restored = session_record("back", "r3-a1", {"n": 2}, INFO.owner)
+    assert await runtime.install([restored]) == 1
+    await reported(rig, "a session installed", lambda r: r.counts["sessions"] == 2)
+    await handle_coordinator_message(runtime, msg.Release(keep=[]))
+    await reported(rig, "a restored session released", lambda r: r.counts["sessions"] == 1)
+    seqs = [r.seq for r in rig.coordinator.of(msg.Ready)]
+    assert seqs == sorted(set(seqs))
+
+
+async def test_a_model_route_admitted_while_closed_is_reported(rig_of):
+    """A model's other routes run while closed: one admitted then is in flight at once,
+    and the coordinator hears so (it never blocks a model)."""
+    rig = await rig_of(Participation(kind="model"), connect=True)
+    rig.runtime.close_gate("ck")
+    await reported(rig, "the gate closed", lambda r: r.ready)
+    models = rig.play("/v1/models")
+    await models.admitted()
+    await reported(rig, "a route admitted", lambda r: r.counts["running"] == 1 and r.ready)
+    assert await models.answer() == 200
+    await reported(rig, "a route answered", lambda r: r.counts["in_flight"] == 0)
 
 
 # ---- tunnels ---------------------------------------------------------------------------

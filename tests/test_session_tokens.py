@@ -1,4 +1,4 @@
-"""Unit tests of the session token codec: instances, verification, legacy tokens."""
+"""Unit tests of the session token codec: instances, verification, foreign tokens."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from gym_proxy.proxy.data_path.session_tokens import (
     new_owner_id,
     new_session_id,
 )
-from tests.support import legacy_token
+from tests.support import v1_token
 
 pytestmark = pytest.mark.fast
 
@@ -76,15 +76,14 @@ def test_flipped_mac_character_refused():
         codec.read(flipped)
 
 
-def test_legacy_tokens_verify_as_legacy_or_are_not_ours():
-    old = legacy_token(b"secret-a", "sess", "own")
-    assert codec.read(old) == SessionIdentity("sess", "own", legacy=True)
-    assert codec.read(legacy_token(b"secret-a", "sess", None)) == SessionIdentity(
-        "sess", None, legacy=True
-    )
-    # signed with another secret, or damaged: someone else's, never a refusal
-    assert codec.read(legacy_token(b"secret-b", "sess", "own")) is None
-    assert codec.read(old[:-2] + "zz") is None
+def test_v1_tokens_are_not_this_instances_even_signed_with_its_secret():
+    """The `v1.` shape named no instance; nothing mints it any more, so one is someone
+    else's whatever its MAC: read as None (passed on), never verified, never refused."""
+    for owner in ("own", None):
+        assert codec.read(v1_token(b"secret-a", "sess", owner)) is None
+    assert codec.read(v1_token(b"secret-b", "sess", "own")) is None
+    assert codec.read(v1_token(b"secret-a", "sess", "own")[:-2] + "zz") is None
+    assert codec.read_bytes(b"v1.\xe2\x98\x83.own.mac") is None
 
 
 def test_cache_does_not_accept_what_it_did_not_verify():

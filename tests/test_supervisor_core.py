@@ -260,7 +260,7 @@ async def test_crashed_worker_is_unrouted_and_respawned_under_a_new_owner(rig):
     assert respawn.owner == OWNERS[2]
     assert r.router.workers[respawn.owner].slot == slot
     assert set(r.router.workers) == {respawn.owner, other.owner}
-    assert crashed in r.router.past_owners
+    assert r.router.resolve_owner(crashed) is None  # its tokens answer 410 from now on
     assert r.worker(1 - slot) is other and other.process.returncode is None
     assert r.supervisor.slots[slot].failures == 1
     assert respawn.started_at >= r.supervisor.slots[slot].restart_at  # backoff honoured

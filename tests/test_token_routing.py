@@ -7,14 +7,14 @@ import base64
 
 import pytest
 
-from gym_proxy.proxy.data_path.http_wire import LEGACY_COOKIE_NAME
 from gym_proxy.proxy.data_path.session_tokens import TokenCodec
 from tests.conftest import BOTH_APP_KINDS
-from tests.support import TEST_SECRET, legacy_token
+from tests.support import TEST_SECRET, v1_token
 
 TOKEN = "X-NeMo-Gym-Session-Token"
 OWNER = "x-ng-session-owner"
-LEGACY_COOKIE = LEGACY_COOKIE_NAME.decode()
+# The one cookie name of gym-proxy's pre-release tokens: now just another app's cookie.
+V1_COOKIE = "ng_session"
 
 
 async def owners_and_seen(http, url, owners):
@@ -50,13 +50,14 @@ def forged_tokens(valid: str) -> dict[str, str]:
 
 def foreign_tokens(valid: str, owner: str) -> dict[str, str]:
     """Tokens that are not this instance's: another instance's (same secret, other name),
-    another secret's, and a legacy token of an owner this instance never had."""
+    another secret's, and the pre-release `v1.` shape, even signed with this secret and
+    naming this session and its live owner."""
     _, _, sid, _, _ = valid.split(".")
     return {
         "another-instance": TokenCodec(TEST_SECRET.encode(), "agent").sign(sid, owner),
         "another-secret": TokenCodec(b"another-secret", "apps").sign(sid, owner),
-        "legacy-unknown-owner": legacy_token(TEST_SECRET.encode(), sid, "stranger"),
-        "legacy-another-secret": legacy_token(b"another-secret", sid, owner),
+        "v1-this-secret-live-owner": v1_token(TEST_SECRET.encode(), sid, owner),
+        "v1-another-secret": v1_token(b"another-secret", sid, owner),
     }
 
 
@@ -87,15 +88,15 @@ async def test_damaged_tokens_of_this_instance_are_400_and_reach_no_worker(
 
 async def test_tokens_this_instance_did_not_mint_pass_through_untouched(shared_proxy, http):
     """Cookies travel between the servers of a NeMo Gym stack: another instance's token,
-    another secret's, a legacy token naming an owner this instance never had are none of
-    its business. They reach the app untouched, never 400 or 410; a cookie client gets a
-    new session of this instance's, a header (an app's token) gets none."""
+    another secret's, a `v1.` token (whatever it names) are none of its business. They
+    reach the app untouched, never 400 or 410; a cookie client gets a new session of this
+    instance's, a header (an app's token) gets none."""
     proxy = shared_proxy(workers=2)
     async with http.post(f"{proxy.url}/seed_session", json={"initial_count": 1}) as resp:
         valid = resp.headers[TOKEN]
     owner = valid.split(".")[3]
     for name, token in foreign_tokens(valid, owner).items():
-        cookie = f"gym_proxy___agent={token}; {LEGACY_COOKIE}={token}"
+        cookie = f"gym_proxy___agent={token}; {V1_COOKIE}={token}"
         async with http.post(f"{proxy.url}/whoami", headers={"Cookie": cookie}) as resp:
             assert resp.status == 200, (name, await resp.text())
             seen = (await resp.json())["headers"]
@@ -108,20 +109,28 @@ async def test_tokens_this_instance_did_not_mint_pass_through_untouched(shared_p
             assert TOKEN not in resp.headers and "Set-Cookie" not in resp.headers, name
 
 
-async def test_legacy_cookie_of_a_known_owner_still_routes(shared_proxy, http):
-    """A client of a checkpoint taken before tokens named their instance holds a `v1.`
-    token in the `ng_session` cookie; one naming an owner this instance has routes."""
+async def test_a_v1_token_of_a_live_owner_opens_no_session(shared_proxy, http):
+    """The pre-release `v1.` token, signed with this instance's secret and naming a live
+    owner, in the `ng_session` cookie or in this instance's own: no session is taken from
+    it (identity only from a token this instance verified). Each request is a new session
+    on whichever worker, the cookie reaches the app as sent, and only this instance's
+    cookie is set."""
     proxy = shared_proxy(workers=2)
     owners = await discover_owners(http, proxy.url, 2)
-    token = legacy_token(TEST_SECRET.encode(), "old-session", owners[1])
-    for _ in range(3):
-        async with http.post(
-            f"{proxy.url}/whoami", headers={"Cookie": f"{LEGACY_COOKIE}={token}"}
-        ) as resp:
-            body = await resp.json()
-            assert (body["owner"], body["session_id"]) == (owners[1], "old-session")
-            assert resp.cookies[LEGACY_COOKIE].value == token  # re-set as it came
-            assert TOKEN not in resp.headers
+    token = v1_token(TEST_SECRET.encode(), "old-session", owners[1])
+    for name in (V1_COOKIE, proxy.cookie):
+        sessions = set()
+        for _ in range(3):
+            cookie = f"{name}={token}"
+            async with http.post(f"{proxy.url}/whoami", headers={"Cookie": cookie}) as resp:
+                body = await resp.json()
+                assert body["session_id"] != "old-session", name
+                assert body["headers"]["cookie"] == cookie, name
+                assert body["headers"]["x-ng-session-new"] == "1", name
+                assert resp.cookies[proxy.cookie].value == resp.headers[TOKEN], name
+                assert V1_COOKIE not in resp.cookies, name
+                sessions.add(body["session_id"])
+        assert len(sessions) == 3, name
 
 
 async def test_unknown_owner_is_410_and_owner_header_lands(in_process, http, test_app):

@@ -14,12 +14,11 @@ from aiohttp import hdrs, web
 
 from gym_proxy.coordinator.contract import headers as names
 from gym_proxy.coordinator.contract.errors import RETRY_AFTER, GymError
-from gym_proxy.worker.participation import Kind, Participation
+from gym_proxy.worker.declaration import PARTICIPATION, Kind, Participation
 from gym_proxy.worker.runtime import ParticipantRuntime, RequestFacts, own_cancellation
 
 __all__ = [
     "PARTICIPANT_KIND",
-    "PARTICIPATION",
     "RUNTIME",
     "FLIGHT",
     "error_response",
@@ -29,7 +28,6 @@ __all__ = [
 ]
 
 PARTICIPANT_KIND = web.AppKey[Kind]("gym_proxy_participant_kind")
-PARTICIPATION = web.AppKey("gym_proxy_participation", Participation)
 RUNTIME = web.AppKey("gym_proxy_participant_runtime", ParticipantRuntime)
 # A request key (aiohttp >= 3.13 warns at a plain string one), or the string on an
 # older aiohttp.

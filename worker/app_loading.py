@@ -30,12 +30,12 @@ from typing import Any
 
 from aiohttp import web
 
+from gym_proxy.worker.declaration import declare
 from gym_proxy.worker.nemo_gym_server import (
     build_server_app,
     is_server_class,
     nemo_gym_participation,
 )
-from gym_proxy.worker.participation import declare
 
 __all__ = ["AppLoadError", "import_app_target", "build_app", "is_asgi_app"]
 

@@ -31,7 +31,7 @@ from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
-from gym_proxy.worker.participation import Kind, Participation
+from gym_proxy.worker.declaration import Kind, Participation
 
 __all__ = [
     "NemoGymConfigError",

@@ -9,7 +9,7 @@
 
 In an ASGI app the same context is `scope["gym_proxy"]` (a `RequestContext`): its
 `session`, `episode`, `kind` and `worker`. Declaring the kind, hooks or restart-only:
-`gym_proxy.worker.participation.declare`.
+`gym_proxy.worker.declaration.declare` (also importable from here).
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ from typing import Any
 from aiohttp import web
 
 from gym_proxy.coordinator.contract.errors import GymError
-from gym_proxy.worker.aiohttp_door import FLIGHT, PARTICIPANT_KIND, PARTICIPATION, RUNTIME
+from gym_proxy.worker.aiohttp_door import FLIGHT, PARTICIPANT_KIND, RUNTIME
 from gym_proxy.worker.asgi_door import SCOPE_KEY
+from gym_proxy.worker.declaration import PARTICIPATION, ParticipantHooks, Participation, declare
 from gym_proxy.worker.episodes import Episode
-from gym_proxy.worker.participation import ParticipantHooks, Participation, declare
 from gym_proxy.worker.request_context import RequestContext, RequestSession
 
 __all__ = [

@@ -49,11 +49,11 @@ from gym_proxy.worker.app_sessions import app_session_cookie
 from gym_proxy.worker.asgi_door import AsgiDoor, answer_runtime_errors
 from gym_proxy.worker.asgi_server import AsgiWorkerServer
 from gym_proxy.worker.channel_requests import apply_tables, handle_coordinator_message
+from gym_proxy.worker.declaration import Participation, declared
 from gym_proxy.worker.head_limits import HeadLimits, head_limits
 from gym_proxy.worker.identity import WORKER_BACKLOG, WORKER_INFO, WorkerInfo
 from gym_proxy.worker.nemo_gym_server import NemoGymConfigError
 from gym_proxy.worker.options import parse_worker_args
-from gym_proxy.worker.participation import Participation, declared
 from gym_proxy.worker.runtime import ParticipantRuntime
 
 __all__ = ["main"]

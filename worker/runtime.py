@@ -12,8 +12,12 @@
   bound to that episode.
 - **Readiness.** The worker is ready when the gate is closed and every request in flight
   is parked at a boundary, inside a replay step, or waiting at the door. Reports carry a
-  sequence number and the blockers (episode keys, sessions); they are sent on every change
-  and re-sent on a short poll while the checkpoint is open.
+  sequence number and the blockers (episode keys, sessions). While a checkpoint is open
+  one is sent after every change a report shows (`changed`, coalesced to one per loop
+  turn): a request admitted, parked (at the door, at a boundary, for its answer), in or
+  out of a replay step, turned into a tunnel, or gone (answered, cancelled, retired, a
+  tunnel closed); a session begun, bound or ended in the store, by a request, the app or
+  the coordinator (`SessionStore.on_change`). Nothing re-sends them on a timer.
 - **Tunnels.** A request that became a WebSocket is a tunnel: it has no boundary to park
   at, so at close the runtime closes it or reports it as a blocker, as the app's
   `Participation.tunnels` says.
@@ -51,10 +55,10 @@ from gym_proxy.coordinator.contract.loop_lag import LoopLag
 from gym_proxy.coordinator.contract.marks import RestoredClaims, RetireMarks
 from gym_proxy.coordinator.contract.messages import Claim, Ready, Report, SessionsEnded
 from gym_proxy.coordinator.contract.records import encode
+from gym_proxy.worker.declaration import Participation
 from gym_proxy.worker.episodes import Episode
 from gym_proxy.worker.handovers import EpisodeHandover
 from gym_proxy.worker.identity import WorkerInfo
-from gym_proxy.worker.participation import Participation
 from gym_proxy.worker.sessions import SessionEntry, SessionStore, session_record
 
 __all__ = [
@@ -67,8 +71,10 @@ __all__ = [
 log = logging.getLogger("gym_proxy.participant")
 access = logging.getLogger("gym_proxy.worker.access")
 
-REPORT_POLL = 0.2
-ENDED_FLUSH = 0.2  # seconds ended sessions are collected before the proxy is told
+# Seconds ended sessions are collected before the proxy is told. A batching delay, not a
+# poll: the first session that ends starts one timer, which sends the batch and stops; a
+# worker whose sessions do not end runs none. Readiness never waits on it (`changed`).
+ENDED_FLUSH = 0.2
 CLAIM_WAIT = 30.0
 RUN_BODY_LIMIT = 64 * 1024 * 1024
 # Routes that end a session when they answer 2xx (NeMo Gym's session lifecycle);
@@ -163,7 +169,6 @@ class ParticipantRuntime:
     loop_lag: LoopLag = field(default_factory=LoopLag)  # sampled once serving (process)
     seq: int = 0
     _report_due: bool = False
-    _poller: asyncio.Task[None] | None = None
 
     _ended: list[str] = field(default_factory=list)
     # One line per answered request (logger gym_proxy.worker.access): which worker served
@@ -173,6 +178,7 @@ class ParticipantRuntime:
     def __post_init__(self) -> None:
         self.opened.set()
         self.store.on_end = self._sessions_ended
+        self.store.on_change = self._store_changed
 
     @property
     def kind(self) -> str:
@@ -206,6 +212,7 @@ class ParticipantRuntime:
             key=self._key(facts),
         )
         self.flights.add(flight)
+        self.changed()  # in flight from now on (a model's other routes run while closed)
         try:
             if not self.is_open and (self.kind != "model" or facts.path in GENERATION_PATHS):
                 # New work waits too (see the module docstring); a model server's other
@@ -447,16 +454,14 @@ class ParticipantRuntime:
         with contextlib.suppress(ChannelClosed):
             self.channel.notify(Ready(**self.report().fields()))
 
-    async def _poll_reports(self) -> None:
-        while True:
-            await asyncio.sleep(REPORT_POLL)
-            self._send_report()
+    def _store_changed(self) -> None:
+        # Looked up on each call, not bound once: `changed` is what a report follows.
+        self.changed()
 
     def close_gate(self, checkpoint_id: str) -> None:
         self.checkpoint_id = checkpoint_id
         if self.is_open:
             self.opened.clear()
-            self._poller = asyncio.ensure_future(self._poll_reports())
             for flight in list(self.flights):
                 if flight.position == "tunnel":
                     self._close_tunnel(flight)
@@ -464,9 +469,6 @@ class ParticipantRuntime:
 
     def open_gate(self) -> None:
         self.checkpoint_id = None
-        if self._poller is not None:
-            self._poller.cancel()
-            self._poller = None
         self.opened.set()
 
     # ---- state ------------------------------------------------------------------

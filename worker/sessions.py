@@ -3,7 +3,9 @@
 Entries are kept in order of last use (a use moves an entry to the end), so sessions
 idle longer than a TTL are found at the front and expired without a scan. Whatever ends
 sessions (a closer, the TTL, a retire, a release after commit) tells `on_end`, so the
-proxy can drop them from its routing table.
+proxy can drop them from its routing table. Every change of which sessions are live or
+what they are bound to (begun, bound, installed, ended; not a value, not a use) tells
+`on_change`: a readiness report counts them (`worker.runtime`).
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ class SessionStore:
     def __init__(self) -> None:
         self._entries: dict[str, SessionEntry] = {}
         self.on_end: Callable[[list[str]], None] | None = None  # sessions that ended
+        self.on_change: Callable[[], None] | None = None  # live sessions or bindings changed
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -66,17 +69,21 @@ class SessionStore:
         entry = self._entries.get(session_id)
         if entry is None:
             self._entries[session_id] = SessionEntry(value, episode)
+            self._changed()
         else:
             entry.value = value
 
     def touch(self, session_id: str, episode: str | None = None) -> None:
         """Record that a session is live and used now, even if the app keeps no value."""
         entry = self._entries.pop(session_id, None)
+        begun = entry is None
         if entry is None:
             entry = SessionEntry(None, episode)
         else:
             entry.used = time.monotonic()
         self._entries[session_id] = entry
+        if begun:
+            self._changed()
 
     def expire(self, idle_before: float, busy: Container[str]) -> list[str]:
         """End sessions last used before `idle_before` (monotonic) unless `busy`."""
@@ -101,12 +108,19 @@ class SessionStore:
     def _ended(self, session_ids: list[str]) -> None:
         if session_ids and self.on_end is not None:
             self.on_end(session_ids)
+        if session_ids:
+            self._changed()
+
+    def _changed(self) -> None:
+        if self.on_change is not None:
+            self.on_change()
 
     def bind(self, session_id: str, episode: str) -> None:
         """Bind a live session with no episode to `episode` (a seed sent under one)."""
         entry = self._entries.get(session_id)
         if entry is not None and entry.episode is None:
             entry.episode = episode
+            self._changed()
 
     def bound_to(self, keys: set[str]) -> dict[str, str]:
         """The sessions bound to one of `keys`, with the key each is bound to."""
@@ -146,6 +160,8 @@ class SessionStore:
             bound = record["episode_id"]
             key = None if bound is None else episode_key(bound["rollout_id"], bound["attempt"])
             self._entries[record["session_id"]] = SessionEntry(record.get("state"), key, restored)
+        if records:
+            self._changed()
         return len(records)
 
     def session_ids(self) -> list[str]:

@@ -21,7 +21,7 @@ from typing import Any
 
 import orjson
 
-from gym_proxy.coordinator.contract.episodes import episode_key, parse_episode_key
+from gym_proxy.coordinator.contract.episodes import episode_key
 from gym_proxy.coordinator.contract.errors import GymError
 from gym_proxy.coordinator.contract.ids import is_valid_id
 
@@ -123,33 +123,15 @@ def to_disk(record: dict[str, Any], kind: str) -> dict[str, Any]:
 
 
 def from_disk(record: dict[str, Any]) -> dict[str, Any]:
-    """The in-memory shape of a record read back (agents' and older gym-proxy records
-    converted); validate it afterwards."""
+    """The in-memory shape of a record read back (an agent's converted); validate it
+    afterwards."""
     if "session_key" in record and "session_id" not in record:
         converted = {k: v for k, v in record.items() if k not in ("session_key", "session")}
         converted["session_id"] = record["session_key"]
-        converted["state"] = record.get("session")
+        if "session" in record:
+            converted["state"] = record["session"]
         converted.setdefault("owner", None)
         return converted
-    legacy = record.get("type")
-    if legacy == "session":  # gym-proxy 0.1
-        episode = record.get("episode")
-        identity = parse_episode_key(episode) if isinstance(episode, str) and episode else None
-        return {
-            "episode_id": None if identity is None else identity.as_json(),
-            "session_id": record.get("session_id"),
-            "state": record.get("value"),
-            "owner": record.get("owner"),
-        }
-    if legacy == "episode":
-        return {
-            "episode_id": {
-                "rollout_id": record.get("rollout_id"),
-                "attempt": record.get("attempt"),
-            },
-            "task_digest": "",
-            "boundary": record.get("state"),
-        }
     if "session_id" in record:
         record.setdefault("owner", None)
     return record
@@ -178,6 +160,8 @@ def validate_record(record: Any) -> str | None:
         session_id = record["session_id"]
         if not isinstance(session_id, str) or not is_valid_id(session_id):
             return "has no valid session_id (1-64 of A-Z a-z 0-9 _ -)"
+        if "state" not in record:
+            return "has no state"
         owner = record.get("owner")
         if owner is not None and (not isinstance(owner, str) or not is_valid_id(owner)):
             return "has an owner that is neither null nor an owner ID"

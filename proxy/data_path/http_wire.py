@@ -14,11 +14,9 @@ from gym_proxy.coordinator.contract.errors import RETRY_AFTER, error_body, statu
 
 __all__ = [
     "HOP_BY_HOP",
-    "LEGACY_COOKIE_NAME",
     "CONTINUE_100",
     "error_response",
     "cookie_values",
-    "session_cookies",
     "set_cookie_headers",
     "refresh_cookie_header",
     "reason_phrase",
@@ -41,9 +39,6 @@ HOP_BY_HOP: Final[frozenset[bytes]] = frozenset(
         b"proxy-authorization",
     }
 )
-# The one cookie name of every instance before cookies were named per instance: a client
-# of an older checkpoint still holds it (proxy.data_path.session_tokens, "legacy").
-LEGACY_COOKIE_NAME = b"ng_session"
 # Identity header lines the proxy adds to a routed request (`name: ` before the value).
 SESSION_ID_LINE: Final = names.SESSION_ID + b": "
 SESSION_TOKEN_LINE: Final = names.SESSION_TOKEN + b": "
@@ -96,16 +91,6 @@ def cookie_values(cookie_header: bytes, name: bytes) -> list[bytes]:
             value = cookie_header[begin:] if end < 0 else cookie_header[begin:end]
             values.append(value.strip().strip(b'"'))
         start = at + 1
-
-
-def session_cookies(cookie_header: bytes, name: bytes) -> tuple[list[bytes], bytes | None]:
-    """(values, name) of this instance's session cookie `name`, else of the legacy
-    `ng_session` cookie; ([], None) when neither is there."""
-    values = cookie_values(cookie_header, name)
-    if values:
-        return values, name
-    values = cookie_values(cookie_header, LEGACY_COOKIE_NAME)
-    return (values, LEGACY_COOKIE_NAME) if values else ([], None)
 
 
 def set_cookie_headers(name: bytes, token: bytes) -> bytes:

@@ -8,8 +8,8 @@ hands it the request's identity headers and writes the headers its `Route` says:
    app session table: that worker (rule `app_token`); naming none, it reaches the app
    untouched and the request goes on down this list without it;
 2. this instance's token, from `X-NeMo-Gym-Session-Token`, else from this instance's
-   cookie (`--cookie-name`), else from the legacy `ng_session` cookie (rule `token`):
-   a session the session table places (one that was moved) goes where it says; else
+   cookie (`--cookie-name`) (rule `token`): a session the session table places (one
+   that was moved) goes where it says; else
    a. naming a live owner: that worker;
    b. naming an aliased owner (old owner -> the worker that now holds its sessions);
    c. naming any other owner: 410 `session_owner_gone`;
@@ -40,10 +40,7 @@ what the workers keep: the app's own session IDs when the app has its own sessio
 cookie (`app_cookie`, registered by the workers), else gym-proxy's (`Router.kept`).
 
 A token that is not this instance's (another server's, or the app's own) is taken as
-absent. A legacy token (minted before tokens named their instance) is this instance's only
-when it names an owner this instance has had, or one its restored checkpoint aliased (or,
-without an owner, a session of the session table): with a secret shared between
-instances, it may be another instance's.
+absent.
 
 **Copies.** Every copy of this instance's token a request carries must verify, whichever
 carrier it is in: each `X-NeMo-Gym-Session-Token` header and each cookie of this
@@ -66,7 +63,7 @@ from typing import Any, Final
 from gym_proxy.coordinator.contract.app_sessions import app_token_session, session_in_headers
 from gym_proxy.coordinator.contract.errors import GymError
 from gym_proxy.coordinator.contract.ids import is_valid_id
-from gym_proxy.proxy.data_path.http_wire import session_cookies
+from gym_proxy.proxy.data_path.http_wire import cookie_values
 from gym_proxy.proxy.data_path.session_tokens import (
     SessionIdentity,
     TokenCodec,
@@ -139,7 +136,8 @@ class ExpectedHandover:
 class Route:
     """The decision for one request, and the rule that made it. `new`: the session ID was
     minted for this request, so the client gets a token; an existing session keeps the
-    token it has (`token`, as the request carried it; `cookie`: the cookie it came in)."""
+    token it has (`token`, as the request carried it; `cookie`: the name of this
+    instance's cookie when that routed it, None otherwise)."""
 
     worker: WorkerRoute
     session_id: str
@@ -174,8 +172,6 @@ class Router:
     # verified token, and the app's own, reached only by the app's token or cookie.
     sessions: dict[str, str] = field(default_factory=dict)
     app_sessions: dict[str, str] = field(default_factory=dict)
-    # Every owner this process has had a worker for (a few per slot and restart).
-    past_owners: set[str] = field(default_factory=set)
     app_cookie: bytes | None = None  # the app's own session cookie (workers say it)
     # Requests routed and not yet done, per session (a move waits for none), and the
     # requests held while their session moves (exchanges, started again after the move).
@@ -198,7 +194,6 @@ class Router:
     def add_worker(self, worker: WorkerRoute) -> None:
         """Make `worker` routable."""
         self.workers[worker.owner] = worker
-        self.past_owners.add(worker.owner)
         self._live = sorted(self.workers.values(), key=lambda w: w.slot)
 
     def remove_worker(self, owner: str) -> WorkerRoute | None:
@@ -309,10 +304,9 @@ class Router:
         # Every copy of this instance's token is checked before any rule is applied: a
         # damaged one is refused whatever else the request carries (module docstring).
         identity = codec.read_bytes(token) if token is not None else None
-        carried_in = None
         from_cookie = None
         if cookie is not None:
-            from_cookie, carried_in = self._cookie_identity(codec, cookie, cookie_name)
+            from_cookie = self._cookie_identity(codec, cookie, cookie_name)
         if app_token is not None:
             app_session = app_token_session(app_token)
             if app_session is not None:
@@ -320,14 +314,15 @@ class Router:
                 if route is not None:
                     return route
             self.foreign_tokens += 1  # it reaches the app untouched
+        by_cookie = False
         if identity is None and from_cookie is not None:
             identity, token = from_cookie  # the header, when it has one, wins
-        else:
-            carried_in = None  # not routed by the cookie: it is not set again
+            by_cookie = True
         if identity is not None:
             route = self.route(identity, owner)
             route.token = token
-            route.cookie = carried_in
+            if by_cookie:  # only a cookie that routed is set again
+                route.cookie = cookie_name
             return route
         if cookie is not None and self.app_sessions:
             cookie_session = session_in_headers([(b"cookie", cookie)], False, self.app_cookie)
@@ -340,19 +335,18 @@ class Router:
     @staticmethod
     def _cookie_identity(
         codec: TokenCodec, cookie: bytes, cookie_name: bytes
-    ) -> tuple[tuple[SessionIdentity, bytes] | None, bytes | None]:
-        """The identity this instance's cookie names, with its token, and the cookie's
-        name; every copy must verify and name one session (module docstring)."""
-        values, carried_in = session_cookies(cookie, cookie_name)
+    ) -> tuple[SessionIdentity, bytes] | None:
+        """The identity this instance's cookie names, with its token; every copy must
+        verify and name one session (module docstring)."""
         found: tuple[SessionIdentity, bytes] | None = None
-        for value in values:
+        for value in cookie_values(cookie, cookie_name):
             identity = codec.read_bytes(value)
             if identity is None:
                 continue  # not this instance's: the app's, or another server's
             if found is not None and found[0].session_id != identity.session_id:
                 raise TokenError("two session cookies of this instance name different sessions")
             found = (identity, value)
-        return found, carried_in
+        return found
 
     def route_app_session(self, session_id: str, rule: str = APP_TOKEN) -> Route | None:
         """Where an app's own session goes: the worker its table names (None when it
@@ -365,18 +359,9 @@ class Router:
             raise _gone(holder)
         return Route(worker, session_id, False, rule)
 
-    def knows(self, identity: SessionIdentity) -> bool:
-        """Whether a legacy token names something of this instance (module docstring)."""
-        owner = identity.owner
-        if owner is None:
-            return identity.session_id in self.sessions
-        return owner in self.past_owners or owner in self.aliases
-
     def route(self, identity: SessionIdentity | None, owner_hint: str | None) -> Route:
         """Rules 2, 4 and 5 of the module docstring: `identity` is what this instance's
         token says (None: no token); raise GymError when the request may go nowhere."""
-        if identity is not None and identity.legacy and not self.knows(identity):
-            identity = None
         if identity is not None:
             owner = identity.owner
             if owner is not None and identity.session_id not in self.sessions:

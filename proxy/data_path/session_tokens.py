@@ -16,12 +16,6 @@ this instance's business when its tag is this instance's: `TokenCodec.read` retu
 None for anything else, and the caller passes it on untouched. A token with this tag
 that does not verify is damaged or forged: `TokenError`.
 
-Tokens minted before instances were named, `v1.<session_id>.<owner or ->.<mac>`
-(the `ng_session` cookie of an older checkpoint), are read as *legacy*: one that verifies
-with the secret is returned marked legacy, and the router takes it as this instance's
-only when it names an owner (or an ownerless session) this instance knows; with a
-shared secret another instance's would verify too. One that does not verify is not ours.
-
 Session IDs and owners use the base64url alphabet, 1..64 characters, so a token never
 needs quoting in a cookie or a header. The codec is pure: no I/O, no clock.
 """
@@ -56,12 +50,10 @@ class TokenError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class SessionIdentity:
-    """What a verified token says: the session ID and the owner it names (or None).
-    `legacy`: a `v1.` token, which names no instance (see the module docstring)."""
+    """What a verified token says: the session ID and the owner it names (or None)."""
 
     session_id: str
     owner: str | None
-    legacy: bool = False
 
 
 def _random_id(nbytes: int) -> str:
@@ -137,29 +129,25 @@ class TokenCodec:
         known = self._cache.get(token)
         if known is not None:
             return known
-        if token.startswith(self.prefix):
-            identity = self._verify(token, 5, "v2.<instance>.<session>.<owner>.<mac>")
-        elif token.startswith("v1."):
-            try:
-                identity = self._verify(token, 4, "v1.<session>.<owner>.<mac>", legacy=True)
-            except TokenError:
-                return None  # signed with another secret: someone else's
-        else:
+        if not token.startswith(self.prefix):
             return None
+        identity = self._verify(token)
         if len(self._cache) >= self._cache_size:
             self._cache.clear()
         self._cache[token] = identity
         return identity
 
-    def _verify(self, token: str, fields: int, shape: str, legacy: bool = False) -> SessionIdentity:
+    def _verify(self, token: str) -> SessionIdentity:
         parts = token.split(".")
-        if len(parts) != fields:
-            raise TokenError(f"session token is not of the form {shape}")
-        session_id, owner, mac = parts[-3:]
+        if len(parts) != 5:
+            raise TokenError(
+                "session token is not of the form v2.<instance>.<session>.<owner>.<mac>"
+            )
+        session_id, owner, mac = parts[2:]
         if not is_valid_id(session_id) or not (owner == NO_OWNER or is_valid_id(owner)):
             raise TokenError("session token has a malformed session ID or owner")
         if len(mac) != _MAC_LEN:
             raise TokenError("session token has a malformed signature")
         if not hmac.compare_digest(self._mac(token[: -_MAC_LEN - 1]), mac):
             raise TokenError("session token signature does not verify")
-        return SessionIdentity(session_id, None if owner == NO_OWNER else owner, legacy)
+        return SessionIdentity(session_id, None if owner == NO_OWNER else owner)

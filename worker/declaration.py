@@ -1,4 +1,5 @@
-"""How an app takes part in checkpoints: its kind, and where its session state lives.
+"""An app's declaration (`Participation`): how it takes part in checkpoints, its kind,
+and where its session state lives.
 
 Four ways, as in NeMo Gym:
 
@@ -24,8 +25,9 @@ client reconnects and waits at the door until resume), `"block"` names it as a b
 (`tunnel:<session>`) until the client closes it.
 
 An app declares itself with `declare(app, Participation(...))`: on an aiohttp
-Application it is stored under an `AppKey`, on any ASGI app as the attribute
-`gym_proxy_participation`. `gym-proxy --kind` overrides the kind.
+Application it is stored under an `AppKey` (`PARTICIPATION`), on any ASGI app as the
+attribute `gym_proxy_participation`. `gym-proxy --kind` overrides the kind. The front
+doors and the runtime read the declaration; it imports none of them.
 """
 
 from __future__ import annotations
@@ -34,7 +36,19 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass, replace
 from typing import Any, Literal, get_args
 
-__all__ = ["KINDS", "TUNNEL_POLICIES", "ParticipantHooks", "Participation", "declare", "declared"]
+from aiohttp import web
+
+from gym_proxy.worker.session_dicts import SessionDict
+
+__all__ = [
+    "KINDS",
+    "PARTICIPATION",
+    "TUNNEL_POLICIES",
+    "ParticipantHooks",
+    "Participation",
+    "declare",
+    "declared",
+]
 
 Kind = Literal["resources", "agent", "environment", "model"]
 TunnelPolicy = Literal["close", "block"]
@@ -90,9 +104,14 @@ class Participation:
             if not isinstance(self.session_state, MutableMapping):
                 kind = type(self.session_state).__name__
                 raise ValueError(f"session_state must be a dict keyed by session ID, not {kind}")
-            from gym_proxy.worker.session_dicts import session_dict_hooks
-
-            object.__setattr__(self, "hooks", session_dict_hooks(self.session_state))
+            states = SessionDict(self.session_state)
+            hooks = ParticipantHooks(
+                export=states.export,
+                restore=states.restore,
+                retire=states.retire,
+                release=states.drop,
+            )
+            object.__setattr__(self, "hooks", hooks)
         if self.kind not in KINDS:
             raise ValueError(f"kind must be one of {', '.join(KINDS)}, not {self.kind!r}")
         if self.tunnels not in TUNNEL_POLICIES:
@@ -108,12 +127,11 @@ class Participation:
         return replace(self, kind=kind)
 
 
+PARTICIPATION = web.AppKey("gym_proxy_participation", Participation)
+
+
 def declare(app: Any, participation: Participation) -> Any:
     """Attach `participation` to an aiohttp Application or an ASGI app; return the app."""
-    from aiohttp import web
-
-    from gym_proxy.worker.aiohttp_door import PARTICIPATION
-
     if isinstance(app, web.Application):
         app[PARTICIPATION] = participation
     else:
