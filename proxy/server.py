@@ -1,5 +1,6 @@
 """The proxy process's life cycle, as uvicorn's `Server` has it: `startup`, `serve`, then
-`hand_over` (to a `--take-over` successor) or `shutdown`; `run` does all of it.
+`pass_on` (the workers, to a `--take-over` successor) or `shutdown`; `run` does all of
+it.
 
 Start order: the runtime directory (0700), the control app on its socket, the metrics
 listener, the coordinator socket, the workers (all registered), then the public port
@@ -7,7 +8,7 @@ listens ("ready on"); an inherited, listening socket (--fd) serves from the star
 answering 503 `worker_unavailable` until then. Each resource registers its own close as
 it opens (an `AsyncExitStack`, as aiohttp's `BaseRunner.cleanup` does), so the teardown
 is the start read backwards and a new resource cannot be forgotten in it; a resource
-handed over (the workers, the runtime directory, the Ray cluster) was let go first, and
+passed on (the workers, the runtime directory, the Ray cluster) was let go first, and
 its close then has nothing left to do.
 
 Stop (SIGTERM/SIGINT; a second signal skips the drain): stop accepting, let in-flight
@@ -119,7 +120,7 @@ class Server:
         else:
             code = await self.serve()
             if self.taken.done() and code == 0:
-                await self.hand_over()
+                await self.pass_on()
             else:
                 await self.shutdown()
         finally:
@@ -216,12 +217,10 @@ class Server:
         # A dead instance's directory where a worker still listens: its workers wait to rejoin.
         orphans = live_workers_in(runtime.path) if runtime.found is not None else 0
         if orphans:
-            predecessor = "handing-over" if self.take_over is not None else "dead"
-            article = "the" if self.take_over is not None else "a"
-            log.info(
-                "adopting the workers %s %s instance left in %s", article, predecessor, runtime.path
-            )
-            supervisor.adopt(orphans, predecessor)
+            passed_on = self.take_over is not None
+            left = "the previous instance passed on" if passed_on else "a dead instance left"
+            log.info("adopting the workers %s in %s", left, runtime.path)
+            supervisor.adopt(orphans, passed_on)
         if self.ray_plan is not None:
             keep_for = self.config.orphan_grace or 0.0
             self.cluster = RayCluster(self.ray_plan, keep_for, runtime.join(HEAD_SOCKET))
@@ -310,8 +309,8 @@ class Server:
         assert self.parts is not None
         self.parts.operations.on_signal(name)
 
-    # ---- hand over / shut down ------------------------------------------------------
-    async def hand_over(self) -> None:
+    # ---- pass on / shut down --------------------------------------------------------
+    async def pass_on(self) -> None:
         """Pass the workers, the Ray cluster and the runtime directory on to the
         successor that took the port, then finish the requests of the open connections
         (a successor routes everything new)."""

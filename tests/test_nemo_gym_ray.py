@@ -269,8 +269,8 @@ async def test_the_proxy_that_adopts_the_workers_takes_the_cluster_over_too(star
     second.wait_ready(180)
     address = CLUSTER.search(first.log()).group(1)  # type: ignore[union-attr]
     assert f"Ray: took over the local cluster at {address}" in second.log()
-    previous = "dead" if how == "crash" else "handing-over"
-    assert f"adopted 2 workers of the {previous} instance" in second.log()
+    previous = "of the dead instance" if how == "crash" else "the previous instance passed on"
+    assert f"adopted 2 workers {previous}" in second.log()
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as http:
         await verify_on_every_worker(http, second, 4)
     assert second.worker_pids() == [] and all(pid_alive(p) for p in cluster)

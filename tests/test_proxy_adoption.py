@@ -401,7 +401,7 @@ async def test_a_take_over_under_load_fails_no_request(start_proxy):
         lambda: load.served["after"] >= 300, 30, "the load to be served by the new one"
     )
     assert "ready on http://" in second.log()
-    assert "adopted 2 workers of the handing-over instance" in second.log()
+    assert "adopted 2 workers the previous instance passed on" in second.log()
     await load.finish()  # an exception here is a failed request
     assert second.worker_pids() == [] and all(pid_alive(p) for p in pids)
     assert "taken over by a new gym-proxy" in first.log()

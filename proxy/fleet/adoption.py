@@ -47,7 +47,7 @@ class Adoption:
 
     supervisor: Supervisor
     orphans: int  # the predecessor's workers still listening when this one started
-    predecessor: str  # "dead" or "handing-over": which one, for the log
+    passed_on: bool  # by a predecessor that lives (--take-over), or left by a dead one
     _all_back: asyncio.Event = field(default_factory=asyncio.Event)
     _copies: AdoptedCopies = field(default_factory=AdoptedCopies)
     open: bool = True
@@ -78,10 +78,10 @@ class Adoption:
         adopted = [s.worker for s in self.supervisor.slots if s.worker is not None]
         self.supervisor.intent.forget_drains_but({w.owner for w in adopted})
         log.info(
-            "adopted %d worker%s of the %s instance (pids %s)",
+            "adopted %d worker%s %s (pids %s)",
             len(adopted),
             "" if len(adopted) == 1 else "s",
-            self.predecessor,
+            "the previous instance passed on" if self.passed_on else "of the dead instance",
             ", ".join(str(w.pid) for w in adopted) or "none",
         )
 

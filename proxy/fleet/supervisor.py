@@ -95,10 +95,10 @@ class Supervisor:
             self.launcher = Zygote.for_config(self.config) if self.config.preload else None
             self.launcher = self.launcher or SubprocessLauncher()
 
-    def adopt(self, orphans: int, predecessor: str) -> None:
-        """`orphans` workers of a predecessor listen in the runtime directory: they are
-        adopted as they rejoin, while `start` waits for them."""
-        self.adoption = Adoption(self, orphans, predecessor)
+    def adopt(self, orphans: int, passed_on: bool) -> None:
+        """`orphans` workers of a predecessor (a dead one's, or passed on) listen in the
+        runtime directory: they are adopted as they rejoin, while `start` waits for them."""
+        self.adoption = Adoption(self, orphans, passed_on)
         self.adoption.take_intent()
 
     # ---- life cycle ---------------------------------------------------------------
