@@ -17,12 +17,13 @@ stopped before its manifest is published), then reopens every live worker at onc
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import threading
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from gym_proxy.coordinator import checkpoint_files as files
 from gym_proxy.coordinator import claims_recovery
@@ -45,7 +46,6 @@ from gym_proxy.coordinator.contract.messages import (
     CloseReply,
     EpisodeRef,
     Export,
-    ExportReply,
     Forget,
     Install,
     Message,
@@ -54,6 +54,7 @@ from gym_proxy.coordinator.contract.messages import (
     RegisterReply,
     Release,
     Reopen,
+    Request,
     Retire,
     SessionsEnded,
     Stop,
@@ -71,6 +72,7 @@ from gym_proxy.coordinator.readiness import Readiness
 __all__ = ["LiveWorker", "WorkerView", "Checkpointer"]
 
 log = logging.getLogger("gym_proxy.coordinator")
+R = TypeVar("R", bound=Message)
 
 # A resume or a rollback does not wait longer than this for a worker's acknowledgement:
 # a worker that does not answer gets the message when it wakes, or is restarted open.
@@ -297,11 +299,11 @@ class Checkpointer:
             )
             self._sends.add(sent)
             sent.add_done_callback(self._sends.discard)
-            sent.add_done_callback(
-                lambda done, w=worker: self._closed(w, checkpoint_id, done)  # type: ignore[misc]
-            )
+            sent.add_done_callback(functools.partial(self._closed, worker, checkpoint_id))
 
-    def _closed(self, worker: LiveWorker, checkpoint_id: str, done: asyncio.Future[Any]) -> None:
+    def _closed(
+        self, worker: LiveWorker, checkpoint_id: str, done: asyncio.Future[CloseReply]
+    ) -> None:
         if done.cancelled():
             return
         exc = done.exception()
@@ -410,7 +412,7 @@ class Checkpointer:
         deadline_ts: float,
     ) -> _Write:
         export = Export(checkpoint_id, None if scope is None else list(scope), self._kind())
-        replies: list[ExportReply] = await self._gather(live, export, deadline_ts)
+        replies = await self._gather(live, export, deadline_ts)
         encoded = [
             EncodedRecords(bytes(reply.blob), reply.count, frozenset(reply.keys))
             for reply in replies
@@ -528,7 +530,7 @@ class Checkpointer:
         self.machine.open(checkpoint_id, "restored", deadline_ts)
         self.readiness.reset()
         try:
-            closed: list[CloseReply] = await self._gather(live, Close(checkpoint_id), deadline_ts)
+            closed = await self._gather(live, Close(checkpoint_id), deadline_ts)
             for worker, reply in zip(live, closed, strict=True):
                 self.readiness.update(worker.owner, reply.report)  # status tells the truth
             source = manifest["records_file"]
@@ -732,9 +734,9 @@ class Checkpointer:
     async def _gather(
         self,
         live: list[LiveWorker],
-        message: Message | Callable[[LiveWorker], Message],
+        message: Request[R] | Callable[[LiveWorker], Request[R]],
         deadline_ts: float,
-    ) -> list[Any]:
+    ) -> list[R]:
         """Send `message` (or the one `message(worker)` makes for it) to every worker in
         `live` at once; any failure refuses the whole call."""
         if not live:
@@ -746,6 +748,7 @@ class Checkpointer:
         else:
             what = message.TYPE
         answered = await broadcast(live, message, self._remaining(deadline_ts, what))
+        replies = []
         for worker, result in answered:
             if isinstance(result, ChannelTimeout):
                 raise GymError(
@@ -758,7 +761,8 @@ class Checkpointer:
                 raise GymError(result.code, f"{what} on worker {worker.slot}: {result.detail}")
             if isinstance(result, BaseException):
                 raise result
-        return [result for _, result in answered]
+            replies.append(result)
+        return replies
 
 
 def _succeeded(task: asyncio.Future[Any]) -> bool:

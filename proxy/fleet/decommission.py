@@ -27,7 +27,13 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Literal, Protocol
 
 from gym_proxy.coordinator.contract.channel import ChannelClosed, ChannelTimeout, RemoteError
-from gym_proxy.coordinator.contract.messages import ListHeld, ParkEpisodes, ResumeEpisodes
+from gym_proxy.coordinator.contract.messages import (
+    HeldSessions,
+    ListHeld,
+    ParkEpisodes,
+    ResumeEpisodes,
+    RunningEpisode,
+)
 from gym_proxy.coordinator.exclusion import Exclusion
 from gym_proxy.proxy.config import Config
 from gym_proxy.proxy.fleet.handovers import hand_over
@@ -222,7 +228,7 @@ class Decommissioner:
     async def _hand_over(
         self,
         worker: WorkerProcess,
-        episodes: list[Any],
+        episodes: list[RunningEpisode],
         targets: list[WorkerProcess],
         deadline: float,
         progress: Progress,
@@ -295,7 +301,7 @@ class Decommissioner:
         return await self._hand_over(worker, episodes, targets, deadline, progress)
 
     @staticmethod
-    def _movable(episodes: list[Any], progress: Progress) -> list[Any]:
+    def _movable(episodes: list[RunningEpisode], progress: Progress) -> list[RunningEpisode]:
         """The episodes a hand-over may move; each other one is reported with why not."""
         for episode in episodes:
             if episode.unmovable:
@@ -360,7 +366,7 @@ class Decommissioner:
         until = min(deadline, time.monotonic() + at_most)
         await self.mover.table.until_a_request_ends([worker_watch(worker.owner)], until)
 
-    async def listing(self, worker: WorkerProcess) -> Any:
+    async def listing(self, worker: WorkerProcess) -> HeldSessions | None:
         try:
             return await worker.live_channel.request(ListHeld(), within=10.0)
         except (ChannelClosed, ChannelTimeout, RemoteError) as exc:
