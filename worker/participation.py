@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass, replace
-from typing import Any, Literal, get_args
+from typing import Any, Literal, TypeVar, get_args
 
 __all__ = ["KINDS", "TUNNEL_POLICIES", "ParticipantHooks", "Participation", "declare", "declared"]
 
@@ -41,6 +41,7 @@ TunnelPolicy = Literal["close", "block"]
 KINDS: tuple[Kind, ...] = get_args(Kind)
 TUNNEL_POLICIES: tuple[TunnelPolicy, ...] = get_args(TunnelPolicy)
 _ATTRIBUTE = "gym_proxy_participation"
+App = TypeVar("App")  # an aiohttp Application or an ASGI app, handed back as it came
 
 SessionStates = dict[str, Any]
 
@@ -108,7 +109,7 @@ class Participation:
         return replace(self, kind=kind)
 
 
-def declare(app: Any, participation: Participation) -> Any:
+def declare(app: App, participation: Participation) -> App:
     """Attach `participation` to an aiohttp Application or an ASGI app; return the app."""
     from aiohttp import web
 

@@ -60,7 +60,7 @@ only knows the owners of its own time.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 from gym_proxy.coordinator.contract.app_sessions import app_token_session, session_in_headers
 from gym_proxy.coordinator.contract.errors import GymError
@@ -72,6 +72,9 @@ from gym_proxy.proxy.data_path.session_tokens import (
     TokenError,
     new_session_id,
 )
+
+if TYPE_CHECKING:
+    import asyncio
 
 __all__ = [
     "WORKER_WATCH",
@@ -124,10 +127,12 @@ class ExpectedHandover:
 
     __slots__ = ("source", "target", "arrived")
 
-    def __init__(self, source: WorkerRoute, target: WorkerRoute, arrived: Any) -> None:
+    def __init__(
+        self, source: WorkerRoute, target: WorkerRoute, arrived: asyncio.Future[str]
+    ) -> None:
         self.source = source
         self.target = target
-        self.arrived = arrived  # an asyncio.Future[str], resolved once
+        self.arrived = arrived  # resolved once
 
     def settle(self, why_not: str) -> None:
         if not self.arrived.done():
@@ -182,7 +187,7 @@ class Router:
     holding: dict[str, list[Any]] = field(default_factory=dict)
     # Who waits for a request of a session to end (a move, a hand-over: futures the
     # data path resolves as one ends; `proxy.fleet.session_watch`), by session.
-    watchers: dict[str, list[Any]] = field(default_factory=dict)
+    watchers: dict[str, list[asyncio.Future[None]]] = field(default_factory=dict)
     # Hand-over id (the marker a worker answers with) -> the hand-over the mover expects.
     handovers: dict[bytes, ExpectedHandover] = field(default_factory=dict)
     # Counted for /metrics: decisions by rule, and foreign tokens passed to the app.

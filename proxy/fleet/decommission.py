@@ -21,7 +21,7 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal, Protocol
@@ -144,7 +144,7 @@ class Decommissioner:
     exclusion: Exclusion
     # The operations' own: an exclusive operation of a kind, for a reason, and its progress.
     exclusive: Callable[[str, str], AbstractAsyncContextManager[Progress]]
-    in_background: Callable[[Any], None]
+    in_background: Callable[[Coroutine[Any, Any, None]], None]
 
     async def decommission(
         self,
