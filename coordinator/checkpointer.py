@@ -159,9 +159,9 @@ class Checkpointer:
     _expected_by_adopted: list[dict[str, int]] = field(default_factory=list)
     exclusion: Exclusion = field(init=False)  # shared with the moves and live operations
     _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    _op: tuple[str, asyncio.Task[Any]] | None = None
+    _op: tuple[str, asyncio.Task[dict[str, Any]]] | None = None
     _write: _Write | None = None
-    _sends: set[asyncio.Future[Any]] = field(default_factory=set)
+    _sends: set[asyncio.Future[CloseReply]] = field(default_factory=set)
     io: CheckpointIO = field(default_factory=CheckpointIO)
 
     def __post_init__(self) -> None:
@@ -827,7 +827,8 @@ def _install(sessions: list[dict[str, Any]], source: str) -> Install:
 
 def _size(checkpoint_dir: str, kind: str, instance: str, manifest: dict[str, Any]) -> int:
     """The size of a checkpoint's records file (0 if it cannot be read now)."""
-    path = files.checkpoint_path(checkpoint_dir, kind, instance) / manifest["records_file"]
+    records_file: str = manifest["records_file"]
+    path = files.checkpoint_path(checkpoint_dir, kind, instance) / records_file
     try:
         return path.stat().st_size
     except OSError:
