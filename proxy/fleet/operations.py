@@ -71,7 +71,7 @@ class Operations:
     exclusion: Exclusion
     running: Progress | None = None
     last: Progress | None = None
-    _background: set[asyncio.Task[Any]] = field(default_factory=set)
+    _background: set[asyncio.Task[None]] = field(default_factory=set)
     _signals: list[str] = field(default_factory=list)
     _signal_task: asyncio.Task[None] | None = None
     _recycle_not_before: dict[int, float] = field(default_factory=dict)
