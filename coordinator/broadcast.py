@@ -11,13 +11,13 @@ did not answer, the metrics leave its figures out.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Sequence
-from typing import Any, Protocol, TypeVar
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Protocol, TypeVar
 
 from gym_proxy.coordinator.contract.channel import Channel
-from gym_proxy.coordinator.contract.messages import Message
+from gym_proxy.coordinator.contract.messages import Message, Request
 
-__all__ = ["HasChannel", "broadcast"]
+__all__ = ["HasChannel", "broadcast", "channel_of"]
 
 
 class HasChannel(Protocol):
@@ -25,21 +25,28 @@ class HasChannel(Protocol):
     def channel(self) -> Channel | None: ...
 
 
+def channel_of(worker: HasChannel) -> Channel:
+    """The channel of a live worker (it has one from its registration on)."""
+    channel = worker.channel
+    assert channel is not None, "a live worker has a channel"
+    return channel
+
+
 W = TypeVar("W", bound=HasChannel)
+R = TypeVar("R", bound=Message)
 
 
 async def broadcast(
     workers: Sequence[W],
-    message: Message | Callable[[W], Message],
+    message: Request[R] | Callable[[W], Request[R]],
     within: float | None,
-) -> list[tuple[W, Any]]:
+) -> list[tuple[W, R | BaseException]]:
     """Send `message` (or the one `message(worker)` makes for it) to every worker;
     `within` seconds for all (None: as long as each channel lives). Each worker with its
     reply or the exception its request raised."""
-    requests = []
+    requests: list[Awaitable[R]] = []
     for worker in workers:
-        channel = worker.channel
-        assert channel is not None, "a live worker has a channel"
-        requests.append(channel.request(message(worker) if callable(message) else message, within))
+        request = message(worker) if callable(message) else message
+        requests.append(channel_of(worker).request(request, within))
     results = await asyncio.gather(*requests, return_exceptions=True)
     return list(zip(workers, results, strict=True))

@@ -168,7 +168,7 @@ def write(
                     f"{base / MANIFEST} already exists with other content; it is never replaced"
                 ) from None
             published = True  # the same commit, written before: it stands
-            return existing
+            return manifest
         finally:
             _unlink(temp)
         _fsync_dir(base)
@@ -178,7 +178,8 @@ def write(
             _unlink(records_file)
 
 
-def _existing_manifest(base: Path) -> dict[str, Any] | None:
+def _existing_manifest(base: Path) -> object:
+    """The document in the manifest there (any JSON), or None if it cannot be read."""
     try:
         return orjson.loads(_read_regular(base / MANIFEST, _MANIFEST_LIMIT))
     except (OSError, InvalidCheckpoint, orjson.JSONDecodeError):

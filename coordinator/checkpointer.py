@@ -17,12 +17,13 @@ stopped before its manifest is published), then reopens every live worker at onc
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import threading
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from gym_proxy.coordinator import checkpoint_files as files
 from gym_proxy.coordinator import claims_recovery
@@ -45,7 +46,6 @@ from gym_proxy.coordinator.contract.messages import (
     CloseReply,
     EpisodeRef,
     Export,
-    ExportReply,
     Forget,
     Install,
     Message,
@@ -54,6 +54,7 @@ from gym_proxy.coordinator.contract.messages import (
     RegisterReply,
     Release,
     Reopen,
+    Request,
     Retire,
     Stop,
     Tables,
@@ -70,6 +71,7 @@ from gym_proxy.coordinator.readiness import Readiness
 __all__ = ["LiveWorker", "Workers", "SessionTables", "Checkpointer"]
 
 log = logging.getLogger("gym_proxy.coordinator")
+R = TypeVar("R", bound=Message)
 
 # A resume or a rollback does not wait longer than this for a worker's acknowledgement:
 # a worker that does not answer gets the message when it wakes, or is restarted open.
@@ -159,9 +161,9 @@ class Checkpointer:
     _expected_by_adopted: list[dict[str, int]] = field(default_factory=list)
     exclusion: Exclusion = field(init=False)  # shared with the moves and live operations
     _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    _op: tuple[str, asyncio.Task[Any]] | None = None
+    _op: tuple[str, asyncio.Task[dict[str, Any]]] | None = None
     _write: _Write | None = None
-    _sends: set[asyncio.Future[Any]] = field(default_factory=set)
+    _sends: set[asyncio.Future[CloseReply]] = field(default_factory=set)
     io: CheckpointIO = field(default_factory=CheckpointIO)
     _warned_restart_only: bool = False
 
@@ -305,11 +307,11 @@ class Checkpointer:
             )
             self._sends.add(sent)
             sent.add_done_callback(self._sends.discard)
-            sent.add_done_callback(
-                lambda done, w=worker: self._closed(w, checkpoint_id, done)  # type: ignore[misc]
-            )
+            sent.add_done_callback(functools.partial(self._closed, worker, checkpoint_id))
 
-    def _closed(self, worker: LiveWorker, checkpoint_id: str, done: asyncio.Future[Any]) -> None:
+    def _closed(
+        self, worker: LiveWorker, checkpoint_id: str, done: asyncio.Future[CloseReply]
+    ) -> None:
         if done.cancelled():
             return
         exc = done.exception()
@@ -418,7 +420,7 @@ class Checkpointer:
         deadline_ts: float,
     ) -> _Write:
         export = Export(checkpoint_id, None if scope is None else list(scope), self._kind())
-        replies: list[ExportReply] = await self._gather(live, export, deadline_ts)
+        replies = await self._gather(live, export, deadline_ts)
         encoded = [
             EncodedRecords(bytes(reply.blob), reply.count, frozenset(reply.keys))
             for reply in replies
@@ -536,7 +538,7 @@ class Checkpointer:
         self.machine.open(checkpoint_id, "restored", deadline_ts)
         self.readiness.reset()
         try:
-            closed: list[CloseReply] = await self._gather(live, Close(checkpoint_id), deadline_ts)
+            closed = await self._gather(live, Close(checkpoint_id), deadline_ts)
             for worker, reply in zip(live, closed, strict=True):
                 self.readiness.update(worker.owner, reply.report)  # status tells the truth
             source = manifest["records_file"]
@@ -748,9 +750,9 @@ class Checkpointer:
     async def _gather(
         self,
         live: list[LiveWorker],
-        message: Message | Callable[[LiveWorker], Message],
+        message: Request[R] | Callable[[LiveWorker], Request[R]],
         deadline_ts: float,
-    ) -> list[Any]:
+    ) -> list[R]:
         """Send `message` (or the one `message(worker)` makes for it) to every worker in
         `live` at once; any failure refuses the whole call."""
         if not live:
@@ -762,6 +764,7 @@ class Checkpointer:
         else:
             what = message.TYPE
         answered = await broadcast(live, message, self._remaining(deadline_ts, what))
+        replies = []
         for worker, result in answered:
             if isinstance(result, ChannelTimeout):
                 raise GymError(
@@ -774,7 +777,8 @@ class Checkpointer:
                 raise GymError(result.code, f"{what} on worker {worker.slot}: {result.detail}")
             if isinstance(result, BaseException):
                 raise result
-        return [result for _, result in answered]
+            replies.append(result)
+        return replies
 
 
 def _succeeded(task: asyncio.Future[Any]) -> bool:
@@ -839,7 +843,8 @@ def _install(sessions: list[dict[str, Any]], source: str) -> Install:
 
 def _size(checkpoint_dir: str, kind: str, instance: str, manifest: dict[str, Any]) -> int:
     """The size of a checkpoint's records file (0 if it cannot be read now)."""
-    path = files.checkpoint_path(checkpoint_dir, kind, instance) / manifest["records_file"]
+    records_file: str = manifest["records_file"]
+    path = files.checkpoint_path(checkpoint_dir, kind, instance) / records_file
     try:
         return path.stat().st_size
     except OSError:

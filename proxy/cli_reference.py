@@ -49,6 +49,7 @@ def _number(value: float) -> str:
 
 def _default(item: Field[Any]) -> str:
     meta = item.metadata
+    text: str
     if meta["doc_default"] is not None:
         text = meta["doc_default"]
     elif meta["flag"]:

@@ -11,7 +11,12 @@ import pytest
 from aiohttp import web
 
 from gym_proxy.coordinator.clients.checkpoint_result import CheckpointResult
-from gym_proxy.coordinator.clients.controller import Controller, Participant, PrepareResult
+from gym_proxy.coordinator.clients.controller import (
+    ControlFailed,
+    Controller,
+    Participant,
+    PrepareResult,
+)
 from gym_proxy.coordinator.clients.controller_cli import (
     EXIT_PARTIAL,
     _parser,
@@ -157,6 +162,25 @@ async def test_checkpoint_result_carries_the_restarts_and_the_retired(aiohttp_se
     ops = [op for op, _ in fake.calls]
     # resumed before the retire, never after the commit (kept open)
     assert ops == ["status", "prepare", "resume", "retire", "prepare", "commit"], ops
+
+
+@pytest.mark.parametrize("body", [b"", b"[]", b"null"])
+async def test_a_200_reply_that_is_not_an_object_is_a_control_failure(aiohttp_server, body):
+    """Callers read a reply's keys: one without keys is the participant's failure, a
+    ControlFailed that gym-proxy-ctl reports, not a TypeError in whichever caller reads it."""
+
+    async def status(request: web.Request) -> web.Response:
+        return web.Response(body=body, content_type="application/json")
+
+    app = web.Application()
+    app.router.add_get("/ng-control/v1/checkpoint/status", status)
+    server = await aiohttp_server(app)
+    url = str(server.make_url("")).rstrip("/")
+    async with aiohttp.ClientSession() as http:
+        with pytest.raises(ControlFailed) as failed:
+            await Participant(url, "t", http).learn_kind()
+    assert failed.value.codes == {"invalid_reply"}
+    assert "not a JSON object" in str(failed.value)
 
 
 def test_a_session_id_that_begins_with_a_dash_is_given_with_equals():

@@ -21,7 +21,7 @@ from gym_proxy.coordinator.contract.errors import GymError
 from gym_proxy.coordinator.contract.headers import split_rollout_path, split_rollout_url
 from gym_proxy.coordinator.contract.ids import is_checkpoint_id, is_rollout_id, is_valid_id
 from gym_proxy.coordinator.contract.marks import RestoredClaims, RetireMarks
-from gym_proxy.coordinator.contract.messages import MESSAGES, MalformedMessage, Message
+from gym_proxy.coordinator.contract.messages import MESSAGES, MalformedMessage, Message, Request
 
 pytestmark = pytest.mark.fast
 
@@ -60,9 +60,11 @@ def sample(cls: type[Message]) -> Message:
 
 @pytest.mark.parametrize("kind", sorted(MESSAGES))
 def test_every_message_and_its_reply_survive_the_wire(kind):
-    for cls in (MESSAGES[kind], MESSAGES[kind].REPLY):
-        if cls is None:
-            continue
+    request = sample(MESSAGES[kind])
+    classes = [MESSAGES[kind]]
+    if isinstance(request, Request):
+        classes.append(request.REPLY)
+    for cls in classes:
         original = sample(cls)
         wire = {**original.wire(), "id": 7}
         assert cls.decode(wire) == original
@@ -104,6 +106,30 @@ def test_a_second_definition_of_a_message_type_is_refused():
         @messages.message("claim")
         class Again(Message):
             pass
+
+
+def test_a_request_names_its_reply_in_its_base():
+    assert messages.Close("c").REPLY is messages.CloseReply
+    assert messages.TablesUpdate({}, {}).REPLY is messages.Done
+    assert not isinstance(messages.Ready(1, None, True, [], {}, []), Request)  # a notice
+    registry: dict[str, type[Message]] = {}
+    with pytest.raises(TypeError, match="Bare: a request names its reply"):
+
+        @messages.message("bare", registry=registry)
+        class Bare(Request):  # no reply named: the refusal under test
+            pass
+
+    with pytest.raises(TypeError, match="NotAMessage: the reply of a request is a Message"):
+
+        @messages.message("not_a_message", registry=registry)
+        class NotAMessage(Request[int]):  # type: ignore[type-var]  # the refusal under test
+            pass
+
+    @messages.message("inherits", registry=registry)
+    class Inherits(messages.Close):
+        pass
+
+    assert Inherits("c").REPLY is messages.CloseReply and registry == {"inherits": Inherits}
 
 
 def test_retire_marks_cover_the_attempt_and_every_earlier_one():

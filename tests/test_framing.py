@@ -18,7 +18,7 @@ from gym_proxy.coordinator.contract.framing import (
     encode_frame,
     read_frame,
 )
-from gym_proxy.coordinator.contract.messages import Done, Message, Ping, message
+from gym_proxy.coordinator.contract.messages import Done, Message, Ping, Request, message
 
 pytestmark = pytest.mark.fast
 
@@ -31,13 +31,13 @@ class Echoed(Message):
     echo: int
 
 
-@message("echo", Echoed, TEST_MESSAGES)
-class Echo(Message):
+@message("echo", registry=TEST_MESSAGES)
+class Echo(Request[Echoed]):
     value: int
 
 
-@message("boom", Done, TEST_MESSAGES)
-class Boom(Message):
+@message("boom", registry=TEST_MESSAGES)
+class Boom(Request[Done]):
     pass
 
 
@@ -46,18 +46,18 @@ class Handled(Message):
     done: str
 
 
-@message("stall", Handled, TEST_MESSAGES)
-class Stall(Message):
+@message("stall", registry=TEST_MESSAGES)
+class Stall(Request[Handled]):
     pass
 
 
-@message("after", Handled, TEST_MESSAGES)
-class After(Message):
+@message("after", registry=TEST_MESSAGES)
+class After(Request[Handled]):
     pass
 
 
-@message("wrong_reply", Echoed, TEST_MESSAGES)
-class WrongReply(Message):
+@message("wrong_reply", registry=TEST_MESSAGES)
+class WrongReply(Request[Echoed]):
     pass
 
 

@@ -8,7 +8,7 @@ prepares a `WebSocketResponse` turns its request into a tunnel (`on_response_pre
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import hdrs, web
 
@@ -16,6 +16,11 @@ from gym_proxy.coordinator.contract import headers as names
 from gym_proxy.coordinator.contract.errors import RETRY_AFTER, GymError
 from gym_proxy.worker.declaration import PARTICIPATION, Kind, Participation
 from gym_proxy.worker.runtime import ParticipantRuntime, RequestFacts, own_cancellation
+
+if TYPE_CHECKING:
+    from aiohttp.typedefs import Handler
+
+    from gym_proxy.worker.handovers import EpisodeHandover
 
 __all__ = [
     "PARTICIPANT_KIND",
@@ -80,17 +85,19 @@ async def _note_tunnel(request: web.Request, response: web.StreamResponse) -> No
         request.app[RUNTIME].tunnel_opened(flight, close)
 
 
-async def _handover_marker(request: web.Request, flight: Any) -> web.Response:
+async def _handover_marker(
+    request: web.Request, handover: EpisodeHandover, handover_id: str
+) -> web.Response:
     """The answer that gives the request back to the proxy (worker.handovers): the
     marker and the request's own body, read again (aiohttp keeps what it read)."""
     body = await request.read()
-    flight.handover.sent = True
-    marker = {names.text(names.HANDOVER_HEADER): flight.handover.id}
+    handover.sent = True
+    marker = {names.text(names.HANDOVER_HEADER): handover_id}
     return web.Response(status=names.HANDOVER_STATUS, body=body, headers=marker)
 
 
 @web.middleware
-async def participant_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
+async def participant_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Admission and in-flight tracking around every request of the app."""
     runtime = request.app[RUNTIME]
     headers = request.headers
@@ -117,7 +124,7 @@ async def participant_middleware(request: web.Request, handler: Any) -> web.Stre
     except asyncio.CancelledError:
         if own_cancellation(flight):
             if flight.handover is not None and flight.handover.id is not None:
-                return await _handover_marker(request, flight)
+                return await _handover_marker(request, flight.handover, flight.handover.id)
             return error_response(GymError("stale_attempt", "this attempt was retired"))
         raise
     except GymError as exc:

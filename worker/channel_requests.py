@@ -74,7 +74,9 @@ STEPS = {
 }
 
 
-def _step_attributes(runtime: ParticipantRuntime, message: Message, reply: Message) -> dict:
+def _step_attributes(
+    runtime: ParticipantRuntime, message: Message, reply: Message
+) -> dict[str, Any]:
     attributes: dict[str, Any] = {
         ATTRIBUTE + "participant_kind": runtime.kind,
         "gym_proxy.slot": runtime.info.slot,

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass, replace
-from typing import Any, Literal, get_args
+from typing import Any, Literal, TypeVar, get_args
 
 from aiohttp import web
 
@@ -55,6 +55,7 @@ TunnelPolicy = Literal["close", "block"]
 KINDS: tuple[Kind, ...] = get_args(Kind)
 TUNNEL_POLICIES: tuple[TunnelPolicy, ...] = get_args(TunnelPolicy)
 _ATTRIBUTE = "gym_proxy_participation"
+App = TypeVar("App")  # an aiohttp Application or an ASGI app, handed back as it came
 
 SessionStates = dict[str, Any]
 
@@ -130,7 +131,7 @@ class Participation:
 PARTICIPATION = web.AppKey("gym_proxy_participation", Participation)
 
 
-def declare(app: Any, participation: Participation) -> Any:
+def declare(app: App, participation: Participation) -> App:
     """Attach `participation` to an aiohttp Application or an ASGI app; return the app."""
     if isinstance(app, web.Application):
         app[PARTICIPATION] = participation

@@ -143,7 +143,8 @@ def with_ray_address(config_text: str, address: str) -> str:
     config = OmegaConf.create(config_text)
     assert isinstance(config, DictConfig)  # the proxy made it from a mapping
     config[RAY_ADDRESS_KEY] = address
-    return OmegaConf.to_yaml(config)
+    text: str = OmegaConf.to_yaml(config)
+    return text
 
 
 def resolve_instance(cls: type, config_file: str | None, name: str | None) -> NemoGymInstance:

@@ -49,7 +49,7 @@ def context(request: Any) -> RequestContext:
             return RequestContext(request.app[RUNTIME], flight)
     else:
         scope = getattr(request, "scope", request)
-        found = scope.get(SCOPE_KEY) if isinstance(scope, dict) else None
+        found: RequestContext | None = scope.get(SCOPE_KEY) if isinstance(scope, dict) else None
         if found is not None:
             return found
     raise GymError("invalid_request", "the request did not pass the participant runtime")

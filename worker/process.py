@@ -41,7 +41,6 @@ from gym_proxy.coordinator.contract.messages import (
     Message,
     ProxyStopping,
     Register,
-    RegisterReply,
 )
 from gym_proxy.worker.aiohttp_door import RUNTIME, install_door, participation_of
 from gym_proxy.worker.app_loading import build_app
@@ -231,7 +230,7 @@ async def _register(
     channel = Channel(reader, writer, handle)
     channel_task = asyncio.create_task(channel.serve())
     try:
-        reply: RegisterReply = await channel.request(registration, within=REGISTER_WAIT)
+        reply = await channel.request(registration, within=REGISTER_WAIT)
     except BaseException:
         channel.close()
         channel_task.cancel()

@@ -189,7 +189,7 @@ class SessionStore:
         """Drop every session bound to one of `keys` (a retired attempt)."""
         return self._drop(lambda e: e.episode in keys)
 
-    def _drop(self, doomed: Any) -> list[str]:
+    def _drop(self, doomed: Callable[[SessionEntry], bool]) -> list[str]:
         victims = [sid for sid, entry in self._entries.items() if doomed(entry)]
         for sid in victims:
             del self._entries[sid]

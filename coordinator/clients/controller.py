@@ -122,6 +122,11 @@ class Participant:
             error = reply.get("error", {}) if isinstance(reply, dict) else {}
             failure = (status, error.get("code", "?"), error.get("detail", ""))
             raise ControlFailed(op, {self.url: failure})
+        if not isinstance(reply, dict):
+            # A participant's failure like any other: the callers read the reply's keys, and
+            # a restore or a checkpoint cleans up after a ControlFailed only.
+            detail = f"a 200 reply that is not a JSON object: {raw[:200]!r}"
+            raise ControlFailed(op, {self.url: (status, "invalid_reply", detail)})
         return reply
 
     async def learn_kind(self) -> str:

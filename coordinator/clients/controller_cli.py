@@ -90,10 +90,11 @@ OPERATIONS = ("drain", "undrain", "restart", "resize")
 CHECKPOINT_ID_HELP = "a checkpoint ID: 1-128 of A-Z a-z 0-9 . _ - (not starting . _ -)"
 
 
-def _command(commands: Any, name: str, text: str) -> argparse.ArgumentParser:
+def _command(
+    commands: argparse._SubParsersAction[argparse.ArgumentParser], name: str, text: str
+) -> argparse.ArgumentParser:
     """A subcommand whose one-line help is also the description its own --help shows."""
-    command: argparse.ArgumentParser = commands.add_parser(name, help=text, description=text)
-    return command
+    return commands.add_parser(name, help=text, description=text)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -170,7 +171,7 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _checkpoint_commands(commands: Any) -> None:
+def _checkpoint_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     for name, help_text in (
         (
             "checkpoint",
@@ -275,7 +276,7 @@ def _operation_body(args: argparse.Namespace) -> dict[str, Any]:
     return body
 
 
-def exit_status(result: Any, allow_restarts: bool) -> int:
+def exit_status(result: object, allow_restarts: bool) -> int:
     """0, or EXIT_PARTIAL for a partial checkpoint unless restarts are allowed."""
     partial = isinstance(result, CheckpointResult) and not result.complete
     return EXIT_PARTIAL if partial and not allow_restarts else 0

@@ -11,7 +11,8 @@
 - An error reply carries `{code, detail}` and is raised again as the same `GymError`.
 - Messages are typed (`coordinator.contract.messages`): a request is decoded before its
   handler runs (a malformed one is answered `invalid_request`, naming the message and the
-  key), and a reply is decoded as the request's `REPLY` before the caller sees it.
+  key), and a reply is decoded as the request's `REPLY` before the caller sees it: a
+  `Request[R]` is answered with an `R`.
 """
 
 from __future__ import annotations
@@ -22,16 +23,16 @@ import itertools
 import logging
 from collections import deque
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 from gym_proxy.coordinator.contract.errors import GymError
 from gym_proxy.coordinator.contract.framing import FramingError, encode_frame_parts, read_frame
 from gym_proxy.coordinator.contract.messages import (
     MESSAGES,
-    Done,
     MalformedMessage,
     Message,
     Ping,
+    Request,
     decode,
 )
 from gym_proxy.coordinator.contract.telemetry import TRACEPARENT
@@ -41,6 +42,7 @@ __all__ = ["Channel", "ChannelClosed", "ChannelTimeout", "RemoteError", "Handler
 log = logging.getLogger("gym_proxy.channel")
 
 Handler = Callable[[Message], Awaitable[Message | None]]
+R = TypeVar("R", bound=Message)
 
 
 class ChannelClosed(ConnectionError):
@@ -79,7 +81,7 @@ class Channel:
     def closed(self) -> bool:
         return self._closed
 
-    async def request(self, message: Message, within: float | None = None) -> Any:
+    async def request(self, message: Request[R], within: float | None = None) -> R:
         """Send a request and return the peer's `ok` reply, decoded as `message.REPLY`.
 
         Raises ChannelClosed, ChannelTimeout (after `within` seconds; None waits for as
@@ -108,7 +110,7 @@ class Channel:
                 str(reply.get("code", "internal_error")), str(reply.get("detail", "error"))
             )
         try:
-            return (message.REPLY or Done).decode(reply)
+            return message.REPLY.decode(reply)
         except MalformedMessage as exc:
             raise RemoteError("internal_error", f"malformed reply to {kind}: {exc}") from None
 

@@ -7,6 +7,7 @@ the checkpoint files and the configuration all check against these.
 from __future__ import annotations
 
 import re
+from typing import TypeGuard
 
 __all__ = [
     "ID_PATTERN",
@@ -37,6 +38,6 @@ def is_checkpoint_id(value: str) -> bool:
     return CHECKPOINT_ID.match(value) is not None
 
 
-def is_rollout_id(value: object) -> bool:
+def is_rollout_id(value: object) -> TypeGuard[str]:
     """True if `value` is a string NeMo Gym accepts as a rollout ID."""
     return isinstance(value, str) and ROLLOUT_ID.match(value) is not None

@@ -1,10 +1,13 @@
 """Every message of the coordinator channel, one typed definition used by both ends.
 
-A message is a frozen dataclass with its wire `type` (`TYPE`) and, for a request, the
-class of its `ok` reply (`REPLY`). On the wire it is one JSON object (`framing`): its
-fields, plus `type` and, for a request awaiting a reply, `id`. `decode` checks the object
-against the definition: a missing key, an unknown key or a value of the wrong type fails
-with `MalformedMessage` naming the message and the key, before a handler sees it.
+A message is a frozen dataclass with its wire `type` (`TYPE`). A request names the class
+of its `ok` reply once, in its base: `class Close(Request[CloseReply])`. `message()` reads
+it from there into `REPLY`, what the channel decodes the reply as, and the type checker
+reads the same base, so `await channel.request(Close(...))` is a CloseReply to both. On
+the wire a message is one JSON object (`framing`): its fields, plus `type` and, for a
+request awaiting a reply, `id`. `decode` checks the object against the definition: a
+missing key, an unknown key or a value of the wrong type fails with `MalformedMessage`
+naming the message and the key, before a handler sees it.
 
     worker -> coordinator            coordinator -> worker
     register  -> RegisterReply       close      -> CloseReply (the worker's Report)
@@ -36,10 +39,11 @@ import types
 import typing
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal, TypeVar, get_args, get_origin
+from typing import Any, ClassVar, Generic, Literal, TypeVar, get_args, get_origin
 
 __all__ = [
     "Message",
+    "Request",
     "MalformedMessage",
     "MESSAGES",
     "decode",
@@ -92,6 +96,9 @@ __all__ = [
 ]
 
 M = TypeVar("M", bound="Message")
+# Covariant: a request of a narrower reply is a request of a wider one (Request[Message]
+# is any request).
+R = TypeVar("R", bound="Message", covariant=True)
 _ENVELOPE = frozenset({"type", "id", "traceparent"})  # telemetry.TRACEPARENT
 
 
@@ -103,7 +110,6 @@ class Message:
     """Base of every channel message (see the module docstring)."""
 
     TYPE: ClassVar[str] = ""
-    REPLY: ClassVar[type[Message] | None] = None
     _checks: ClassVar[dict[str, Callable[[Any], bool]]] = {}
     _required: ClassVar[frozenset[str]] = frozenset()
 
@@ -151,6 +157,14 @@ class Message:
         return cls(**values)
 
 
+class Request(Message, Generic[R]):
+    """A message that gets an `ok` reply of type `R` (see the module docstring)."""
+
+    # An instance attribute to the type checker (a ClassVar cannot hold R), a class
+    # attribute at run time: `message()` sets it from the class's `Request[...]` base.
+    REPLY: type[R]
+
+
 MESSAGES: dict[str, type[Message]] = {}
 _NESTED: dict[tuple[type[Message], str], type[Message]] = {}
 _NESTED_LISTS: dict[tuple[type[Message], str], type[Message]] = {}
@@ -159,14 +173,14 @@ _DESCRIBED: dict[tuple[type[Message], str], str] = {}
 
 @typing.dataclass_transform(frozen_default=True)  # type checkers see the dataclass it makes
 def message(
-    type_: str = "",
-    reply: type[Message] | None = None,
-    registry: dict[str, type[Message]] = MESSAGES,
+    type_: str = "", registry: dict[str, type[Message]] = MESSAGES
 ) -> Callable[[type[M]], type[M]]:
     """Define a message class: a frozen dataclass with its checks; a `type_` registers it
-    in `registry` (gym-proxy's channel's, unless a test brings its own)."""
+    in `registry` (gym-proxy's channel's, unless a test brings its own). A request's
+    reply class is the argument of its `Request[...]` base."""
 
     def define(cls: type[M]) -> type[M]:
+        reply = _reply_of(cls)
         cls = dataclass(frozen=True, slots=True)(cls)
         hints = typing.get_type_hints(cls)
         checks, required = {}, set()
@@ -184,7 +198,9 @@ def message(
         cls._checks = checks
         cls._required = frozenset(required)
         cls.TYPE = type_
-        cls.REPLY = reply
+        if reply is not None:
+            assert issubclass(cls, Request)  # _reply_of found a Request base
+            cls.REPLY = reply
         if type_:
             if type_ in registry:
                 raise ValueError(f"two definitions of channel message {type_!r}")
@@ -192,6 +208,21 @@ def message(
         return cls
 
     return define
+
+
+def _reply_of(cls: type[Message]) -> type[Message] | None:
+    """The reply class a request names in its `Request[...]` base (None: not a request, or
+    one that inherits its parent's); TypeError for a request that names none."""
+    for base in cls.__dict__.get("__orig_bases__", ()):
+        origin = get_origin(base)
+        if isinstance(origin, type) and issubclass(origin, Request):
+            reply = get_args(base)[0]
+            if not (isinstance(reply, type) and issubclass(reply, Message)):
+                raise TypeError(f"{cls.__name__}: the reply of a request is a Message class")
+            return reply
+    if issubclass(cls, Request) and not hasattr(cls, "REPLY"):
+        raise TypeError(f"{cls.__name__}: a request names its reply, as Request[TheReply]")
+    return None
 
 
 def decode(payload: Mapping[str, Any], registry: Mapping[str, type[Message]] = MESSAGES) -> Message:
@@ -276,8 +307,8 @@ class RegisterReply(Message):
     checkpoint_id: str | None = None  # set: a checkpoint is open; close at once
 
 
-@message("register", RegisterReply)
-class Register(Message):
+@message("register")
+class Register(Request[RegisterReply]):
     """The first message on a worker's channel: which incarnation it is and what it runs."""
 
     slot: int
@@ -310,8 +341,8 @@ class ClaimReply(Message):
     boundary: Any  # the boundary state the episode continues from
 
 
-@message("claim", ClaimReply)
-class Claim(Message):
+@message("claim")
+class Claim(Request[ClaimReply]):
     """A worker continues a restored episode: the coordinator hands its record out once."""
 
     rollout_id: str
@@ -326,8 +357,8 @@ class SessionsEnded(Message):
     session_ids: list[str]
 
 
-@message("ping", Done)
-class Ping(Message):
+@message("ping")
+class Ping(Request[Done]):
     """Answered by the channel's reader itself: the peer's event loop runs."""
 
 
@@ -337,15 +368,15 @@ class CloseReply(Message):
     report: Report
 
 
-@message("close", CloseReply)
-class Close(Message):
+@message("close")
+class Close(Request[CloseReply]):
     """Close admission for `checkpoint_id`; the reply is the worker's first report."""
 
     checkpoint_id: str
 
 
-@message("reopen", Done)
-class Reopen(Message):
+@message("reopen")
+class Reopen(Request[Done]):
     """Open admission again (resume, or a rollback)."""
 
 
@@ -356,8 +387,8 @@ class ExportReply(Message):
     keys: list[str]  # capture keys of the episodes the records belong to
 
 
-@message("export", ExportReply)
-class Export(Message):
+@message("export")
+class Export(Request[ExportReply]):
     checkpoint_id: str
     scope: list[str] | None  # capture keys; None: everything
     kind: str
@@ -368,8 +399,8 @@ class Released(Message):
     released: int
 
 
-@message("release", Released)
-class Release(Message):
+@message("release")
+class Release(Request[Released]):
     """After a scoped commit: drop restored state bound to episodes outside `keep`."""
 
     keep: list[str]
@@ -380,8 +411,8 @@ class Installed(Message):
     installed: int
 
 
-@message("install", Installed)
-class Install(Message):
+@message("install")
+class Install(Request[Installed]):
     """Install these restored session records (all or none): `blob` holds their lines as
     the records file `source` holds them, `numbers` their line numbers there, and
     `identities` what each must hold (`records.restored_sessions` reads and checks them)."""
@@ -392,13 +423,13 @@ class Install(Message):
     source: str
 
 
-@message("uninstall", Released)
-class Uninstall(Message):
+@message("uninstall")
+class Uninstall(Request[Released]):
     """Undo an install (a restore that failed)."""
 
 
-@message("tables", Done)
-class TablesUpdate(Tables):
+@message("tables")
+class TablesUpdate(Tables, Request[Done]):
     """Replace the worker's pending claims and merge in the marks."""
 
 
@@ -415,8 +446,8 @@ class EpisodeRef(Message):
     attempt: int
 
 
-@message("retire", Retired)
-class Retire(Message):
+@message("retire")
+class Retire(Request[Retired]):
     episode_ids: list[EpisodeRef]
 
 
@@ -425,20 +456,20 @@ class Forgotten(Message):
     forgotten: list[str]
 
 
-@message("forget", Forgotten)
-class Forget(Message):
+@message("forget")
+class Forget(Request[Forgotten]):
     rollout_ids: list[str]
 
 
-@message("proxy_stopping", Done)
-class ProxyStopping(Message):
+@message("proxy_stopping")
+class ProxyStopping(Request[Done]):
     """gym-proxy stops for good (SIGTERM/SIGINT, not a take-over): a worker whose channel
     then ends stops too, instead of waiting `--orphan-grace` for a successor (the proxy
     may be killed before it stops the workers: NeMo Gym's launcher waits 1 s)."""
 
 
-@message("stop", Done)
-class Stop(Message):
+@message("stop")
+class Stop(Request[Done]):
     """A commit with `stop: true` was written: free what the app can free."""
 
 
@@ -453,23 +484,23 @@ class Links(Message):
     links: dict[str, list[str]]  # an app's session -> the gym-proxy sessions it came under
 
 
-@message("links", Links)
-class LinkedSessions(Message):
+@message("links")
+class LinkedSessions(Request[Links]):
     """Which gym-proxy sessions carried these app sessions' requests (a client that holds
     gym-proxy's cookie and the app's own is routed by gym-proxy's: both must move)."""
 
     session_ids: list[str]
 
 
-@message("move_out", SessionRecords)
-class MoveOut(Message):
+@message("move_out")
+class MoveOut(Request[SessionRecords]):
     """The records of those of these sessions the worker holds; it keeps serving them."""
 
     session_ids: list[str]
 
 
-@message("adopt", Installed)
-class Adopt(Message):
+@message("adopt")
+class Adopt(Request[Installed]):
     """Take these live sessions over (all or none); unlike a restore's, they are not
     restored state a scoped commit may release. `episodes`: records of parked `/run`
     episodes handed over; each continues here when its request arrives (replayed by the
@@ -479,8 +510,8 @@ class Adopt(Message):
     episodes: list[dict[str, Any]] = dataclasses.field(default_factory=list)
 
 
-@message("drop", Released)
-class Drop(Message):
+@message("drop")
+class Drop(Request[Released]):
     """These sessions moved away: free their state here (their requests go elsewhere);
     `episode_keys`: handed-over episodes whose request will not come (forget them)."""
 
@@ -506,13 +537,13 @@ class HeldSessions(Message):
     episodes: list[RunningEpisode] = dataclasses.field(default_factory=list)
 
 
-@message("held", HeldSessions)
-class ListHeld(Message):
+@message("held")
+class ListHeld(Request[HeldSessions]):
     """The sessions this worker holds (an operation that empties it moves them)."""
 
 
-@message("close_tunnels", Done)
-class CloseTunnels(Message):
+@message("close_tunnels")
+class CloseTunnels(Request[Done]):
     """These sessions are about to move: close their WebSocket tunnels (1012) if the app's
     `tunnels` choice is "close"; with "block", a move waits for them to end."""
 
@@ -533,8 +564,8 @@ class ParkedEpisodes(Message):
     not_parked: dict[str, str]  # episode key -> why it is not parked for a hand-over
 
 
-@message("park_episodes", ParkedEpisodes)
-class ParkEpisodes(Message):
+@message("park_episodes")
+class ParkEpisodes(Request[ParkedEpisodes]):
     """Park these `/run` episodes at their next boundary (or replay step), within
     `within` seconds, and answer their records; each waits there, parked, until
     `give_up` or `resume_episodes`. One that does not park in time goes on running."""
@@ -549,8 +580,8 @@ class GaveUp(Message):
     kept: dict[str, str]  # episode key -> why it was not handed over (it runs or ended here)
 
 
-@message("give_up", GaveUp)
-class GiveUp(Message):
+@message("give_up")
+class GiveUp(Request[GaveUp]):
     """Stop these parked episodes and answer each one's request with the hand-over
     marker carrying this id (the proxy sends the request on to the target); the sessions
     that moved with them end here."""
@@ -558,8 +589,8 @@ class GiveUp(Message):
     handovers: dict[str, str]  # episode key -> hand-over id
 
 
-@message("resume_episodes", Done)
-class ResumeEpisodes(Message):
+@message("resume_episodes")
+class ResumeEpisodes(Request[Done]):
     """A hand-over of these parked episodes was given up: they go on here."""
 
     keys: list[str]
@@ -572,6 +603,6 @@ class WorkerStats(Message):
     loop_lag_seconds: float  # the worst event-loop lag since the last ask
 
 
-@message("stats", WorkerStats)
-class Stats(Message):
+@message("stats")
+class Stats(Request[WorkerStats]):
     """What the worker knows for /metrics (the proxy knows the rest itself)."""

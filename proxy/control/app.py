@@ -15,7 +15,7 @@ import hmac
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 from aiohttp import web
@@ -29,6 +29,9 @@ from gym_proxy.coordinator.contract.ids import is_valid_id
 from gym_proxy.coordinator.contract.telemetry import ATTRIBUTE
 from gym_proxy.proxy.fleet.mover import Mover
 from gym_proxy.proxy.fleet.operations import RESTART_PAUSE, Operations
+
+if TYPE_CHECKING:
+    from aiohttp.typedefs import Handler, Middleware
 
 __all__ = ["create_control_app", "PREFIX"]
 
@@ -310,11 +313,11 @@ async def _status(request: web.Request) -> web.Response:
 _HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
 
 
-def _guard(token: str | None) -> Any:
+def _guard(token: str | None) -> Middleware:
     expected = token.encode() if token else b""
 
     @web.middleware
-    async def guard(request: web.Request, handler: Any) -> web.StreamResponse:
+    async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
         if not expected:
             return _error("not_found", "checkpoint control is not enabled on this server")
         given = request.headers.get("Authorization", "")

@@ -78,9 +78,10 @@ def _extensions() -> dict[str, Path]:
 
 def _recorded() -> dict[str, str]:
     try:
-        return json.loads(MANIFEST.read_text())
+        recorded: dict[str, str] = json.loads(MANIFEST.read_text())  # setup.py writes it
     except (OSError, ValueError):
         return {}
+    return recorded
 
 
 def choose() -> None:

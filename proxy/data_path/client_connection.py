@@ -49,7 +49,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import TYPE_CHECKING, Final
 
 import httptools
 
@@ -61,6 +61,9 @@ from gym_proxy.proxy.data_path.outbox import Outbox
 from gym_proxy.proxy.data_path.routing import Router, WorkerRoute
 from gym_proxy.proxy.data_path.session_tokens import TokenCodec
 from gym_proxy.proxy.state_tables import masks, wrong_transition
+
+if TYPE_CHECKING:
+    from gym_proxy.proxy.metrics.request_spans import RequestSpans
 
 __all__ = [
     "ProxyState",
@@ -159,7 +162,7 @@ class ProxyState:
     booting: bool = False
     drained: asyncio.Event | None = None  # set when draining and the last client closed
     access_log: logging.Logger | None = None  # None: no per-request logging at all
-    request_spans: Any = None  # proxy.metrics.request_spans.RequestSpans with --trace-requests
+    request_spans: RequestSpans | None = None  # with --trace-requests
     token_prefix: bytes = field(init=False, default=b"")  # how the codec's tokens start
     # Counted for /metrics: the proxy's own answers by error code, and responses cut
     # short after their first byte (a worker that died mid-answer).

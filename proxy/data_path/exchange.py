@@ -52,7 +52,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Final
 
 from gym_proxy.coordinator.contract.errors import GymError, status_of
 from gym_proxy.coordinator.contract.headers import (
@@ -81,6 +81,8 @@ from gym_proxy.proxy.data_path.session_tokens import TokenError
 from gym_proxy.proxy.state_tables import masks, wrong_transition
 
 if TYPE_CHECKING:
+    import asyncio
+
     from gym_proxy.proxy.data_path.client_connection import ClientConnection
     from gym_proxy.proxy.data_path.upstream import UpstreamConnection
 
@@ -706,7 +708,9 @@ class Exchange:
             self._log_access(self.client.proxy_state.access_log)
         if self.span is not None:
             span, self.span = self.span, None
-            self.client.proxy_state.request_spans.end(span, self.status, slot)  # type: ignore[union-attr]
+            spans = self.client.proxy_state.request_spans
+            assert spans is not None  # they began the span
+            spans.end(span, self.status, slot)
         self.client.exchange_done(self)
 
     def abort(self) -> None:
@@ -736,7 +740,7 @@ class Exchange:
         )
 
 
-def _wake(watchers: dict[str, list[Any]], key: str) -> None:
+def _wake(watchers: dict[str, list[asyncio.Future[None]]], key: str) -> None:
     """A request of `key` (a session, or a worker: `proxy.fleet.session_watch`) ended."""
     for waiter in watchers.pop(key, ()):
         if not waiter.done():

@@ -58,7 +58,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 from gym_proxy.coordinator.contract.app_sessions import app_token_session, session_in_headers
 from gym_proxy.coordinator.contract.errors import GymError
@@ -70,6 +70,9 @@ from gym_proxy.proxy.data_path.session_tokens import (
     TokenError,
     new_session_id,
 )
+
+if TYPE_CHECKING:
+    import asyncio
 
 __all__ = [
     "WORKER_WATCH",
@@ -122,10 +125,12 @@ class ExpectedHandover:
 
     __slots__ = ("source", "target", "arrived")
 
-    def __init__(self, source: WorkerRoute, target: WorkerRoute, arrived: Any) -> None:
+    def __init__(
+        self, source: WorkerRoute, target: WorkerRoute, arrived: asyncio.Future[str]
+    ) -> None:
         self.source = source
         self.target = target
-        self.arrived = arrived  # an asyncio.Future[str], resolved once
+        self.arrived = arrived  # resolved once
 
     def settle(self, why_not: str) -> None:
         if not self.arrived.done():
@@ -179,7 +184,7 @@ class Router:
     holding: dict[str, list[Any]] = field(default_factory=dict)
     # Who waits for a request of a session to end (a move, a hand-over: futures the
     # data path resolves as one ends; `proxy.fleet.session_watch`), by session.
-    watchers: dict[str, list[Any]] = field(default_factory=dict)
+    watchers: dict[str, list[asyncio.Future[None]]] = field(default_factory=dict)
     # Hand-over id (the marker a worker answers with) -> the hand-over the mover expects.
     handovers: dict[bytes, ExpectedHandover] = field(default_factory=dict)
     # Called after the alias table changed (the fleet keeps it for a successor:

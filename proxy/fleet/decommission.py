@@ -21,13 +21,19 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from contextlib import AbstractAsyncContextManager
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal, Protocol
 
 from gym_proxy.coordinator.contract.channel import ChannelClosed, ChannelTimeout, RemoteError
-from gym_proxy.coordinator.contract.messages import ListHeld, ParkEpisodes, ResumeEpisodes
+from gym_proxy.coordinator.contract.messages import (
+    HeldSessions,
+    ListHeld,
+    ParkEpisodes,
+    ResumeEpisodes,
+    RunningEpisode,
+)
 from gym_proxy.coordinator.exclusion import Exclusion
 from gym_proxy.proxy.config import Config
 from gym_proxy.proxy.fleet.handovers import hand_over
@@ -127,7 +133,7 @@ class Decommissioner:
     exclusion: Exclusion
     # The operations' own: an exclusive operation of a kind, for a reason, and its progress.
     exclusive: Callable[[str, str], AbstractAsyncContextManager[Progress]]
-    in_background: Callable[[Any], None]
+    in_background: Callable[[Coroutine[Any, Any, None]], None]
 
     async def decommission(
         self,
@@ -211,7 +217,7 @@ class Decommissioner:
     async def _hand_over(
         self,
         worker: WorkerProcess,
-        episodes: list[Any],
+        episodes: list[RunningEpisode],
         targets: list[WorkerProcess],
         deadline: float,
         progress: Progress,
@@ -285,7 +291,7 @@ class Decommissioner:
         return await self._hand_over(worker, episodes, targets, deadline, progress)
 
     @staticmethod
-    def _movable(episodes: list[Any], progress: Progress) -> list[Any]:
+    def _movable(episodes: list[RunningEpisode], progress: Progress) -> list[RunningEpisode]:
         """The episodes a hand-over may move; each other one is reported with why not."""
         for episode in episodes:
             if episode.unmovable:
@@ -350,7 +356,7 @@ class Decommissioner:
         until = min(deadline, time.monotonic() + at_most)
         await self.mover.table.until_a_request_ends([worker_watch(worker.owner)], until)
 
-    async def listing(self, worker: WorkerProcess) -> Any:
+    async def listing(self, worker: WorkerProcess) -> HeldSessions | None:
         try:
             return await worker.live_channel.request(ListHeld(), within=10.0)
         except (ChannelClosed, ChannelTimeout, RemoteError) as exc:

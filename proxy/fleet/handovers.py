@@ -35,6 +35,7 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from gym_proxy.coordinator.broadcast import channel_of
 from gym_proxy.coordinator.contract import failpoints
 from gym_proxy.coordinator.contract.channel import ChannelClosed, ChannelTimeout, RemoteError
 from gym_proxy.coordinator.contract.episodes import episode_key
@@ -148,7 +149,7 @@ async def _park(
     """Step 2."""
     within = max(0.1, deadline - time.monotonic())
     try:
-        parked = await source.channel.request(ParkEpisodes(keys, within), within=within + 5.0)
+        parked = await channel_of(source).request(ParkEpisodes(keys, within), within=within + 5.0)
     except _CHANNEL_ERRORS as exc:
         for key in keys:
             result.failed[key] = f"worker {source.slot} did not park it: {exc}"
@@ -179,10 +180,12 @@ async def _adopt(
     # The episodes wait parked meanwhile: the deadline bounded the wait for boundaries.
     within = max(ADOPT_WAIT, deadline - time.monotonic())
 
-    async def adopt(target: _Worker, episodes: list[dict[str, Any]], sessions: list) -> list[str]:
+    async def adopt(
+        target: _Worker, episodes: list[dict[str, Any]], sessions: list[dict[str, Any]]
+    ) -> list[str]:
         keys = [_key(r) for r in episodes]
         try:
-            await target.channel.request(Adopt(sessions, episodes), within=within)
+            await channel_of(target).request(Adopt(sessions, episodes), within=within)
         except _CHANNEL_ERRORS as exc:
             for key in keys:
                 result.failed[key] = f"worker {target.slot} did not take it: {exc}"
@@ -211,7 +214,7 @@ async def _give_up(
     }
     gave: GaveUp | None = None
     try:
-        gave = await source.channel.request(GiveUp(ids), within=GIVE_UP_WAIT)
+        gave = await channel_of(source).request(GiveUp(ids), within=GIVE_UP_WAIT)
     except _CHANNEL_ERRORS as exc:
         log.warning("worker %d did not say which episodes it gave up: %s", source.slot, exc)
     failpoints.hit("handover-given-up")
@@ -255,7 +258,7 @@ def _resume_later(source: _Worker, keys: list[str]) -> None:
 
     async def resume() -> None:
         try:
-            await source.channel.request(ResumeEpisodes(keys), within=30.0)
+            await channel_of(source).request(ResumeEpisodes(keys), within=30.0)
         except _CHANNEL_ERRORS as exc:
             log.warning("worker %d did not resume %d episodes: %s", source.slot, len(keys), exc)
 

@@ -35,7 +35,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from gym_proxy.coordinator.broadcast import broadcast
+from gym_proxy.coordinator.broadcast import HasChannel, broadcast, channel_of
 from gym_proxy.coordinator.contract import failpoints
 from gym_proxy.coordinator.contract.channel import ChannelClosed, ChannelTimeout, RemoteError
 from gym_proxy.coordinator.contract.errors import GymError
@@ -59,9 +59,8 @@ log = logging.getLogger("gym_proxy.moves")
 DROP_WAIT = 30.0  # seconds a worker gets to drop sessions it no longer serves
 
 
-class _Worker(SlotOwner, Protocol):
-    @property
-    def channel(self) -> Any: ...
+class _Worker(SlotOwner, HasChannel, Protocol):
+    pass
 
 
 class LiveWorkers(Protocol):
@@ -249,7 +248,7 @@ class Mover:
         """`target` takes `records` (all or none); the session table then sends them there."""
         within = max(0.1, deadline - time.monotonic())
         try:
-            await target.channel.request(Adopt(records), within=within)
+            await channel_of(target).request(Adopt(records), within=within)
         except (ChannelClosed, ChannelTimeout, RemoteError) as exc:
             for record in records:
                 result.failed[record["session_id"]] = f"worker {target.slot} did not take it: {exc}"
@@ -276,7 +275,7 @@ class Mover:
 
     async def _drop(self, worker: _Worker, session_ids: list[str], episode_keys: list[str]) -> None:
         try:
-            await worker.channel.request(Drop(session_ids, episode_keys), within=DROP_WAIT)
+            await channel_of(worker).request(Drop(session_ids, episode_keys), within=DROP_WAIT)
         except (ChannelClosed, ChannelTimeout, RemoteError) as exc:
             log.warning("worker %d kept %d sessions' state: %s", worker.slot, len(session_ids), exc)
 

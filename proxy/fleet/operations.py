@@ -43,7 +43,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -72,7 +72,7 @@ class Operations:
     exclusion: Exclusion
     running: Progress | None = None
     last: Progress | None = None
-    _background: set[asyncio.Task[Any]] = field(default_factory=set)
+    _background: set[asyncio.Task[None]] = field(default_factory=set)
     _signals: list[str] = field(default_factory=list)
     _signal_task: asyncio.Task[None] | None = None
     _recycle_not_before: dict[int, float] = field(default_factory=dict)
@@ -371,13 +371,13 @@ class Operations:
             elif name == "TTOU":
                 log.warning("SIGTTOU ignored: the server has one worker left")
 
-    async def _quietly(self, name: str, operation: Any) -> None:
+    async def _quietly(self, name: str, operation: Awaitable[object]) -> None:
         try:
             await operation
         except GymError as exc:
             log.warning("%s not run: %s", name, exc.detail)
 
-    def _in_background(self, coro: Any) -> None:
+    def _in_background(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.ensure_future(coro)
         self._background.add(task)
         task.add_done_callback(self._background.discard)

@@ -13,7 +13,7 @@ import signal
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Literal, Protocol
 
 from gym_proxy.coordinator.contract.channel import Channel
 from gym_proxy.proxy.data_path.routing import WorkerRoute
@@ -108,7 +108,7 @@ class WorkerProcess:
     channel: Channel | None = None
     route: WorkerRoute | None = None
     answered_at: float = 0.0  # monotonic time of the last pong (or of its first ping)
-    ping: asyncio.Future[Any] | None = None
+    ping: asyncio.Future[None] | None = None
     # Set when it registers, or failed with WorkerBootError when it exits before.
     registered: asyncio.Future[None] = field(default_factory=lambda: _quiet_future())
     on_trial: bool = False  # an operation started it: a boot failure fails only that

@@ -36,6 +36,7 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 __all__ = ["main"]
@@ -99,7 +100,7 @@ class _Holder:
         self._stopped = True
         self._changed.set()
 
-    def follow(self, readline: Any) -> None:
+    def follow(self, readline: Callable[[], bytes]) -> None:
         """Read the holder's lines (in a thread) until `stop` or its end."""
         self._gone = self._final = False
         self._changed.clear()
