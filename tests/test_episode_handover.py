@@ -179,12 +179,13 @@ async def test_an_episode_that_reaches_no_boundary_in_time_is_handed_over_later(
         assert code == 200 and answer["owner"] == slot["new_owner"], answer
         assert answer["restored"] is True and answer["state"]["log"] == log_of("ep-slow", 1)
 
-        # The old worker exits inside the background retire, before it records itself last.
-        async def retired() -> bool:
+        # The old worker exits inside the background decommission, before it records
+        # itself last.
+        async def decommissioned() -> bool:
             last = (await status_of(http, proxy.url))["operations"]["last"]
-            return last is not None and last["operation"] == "worker_retire"
+            return last is not None and last["operation"] == "decommission"
 
-        await wait_until(retired, 30, "the background retire to end")
+        await wait_until(decommissioned, 30, "the background decommission to end")
         last = (await status_of(http, proxy.url))["operations"]["last"]
         assert last["episodes_moved"] == 1 and last["slots"][0]["outcome"] == "stopped", last
         assert old not in proxy.worker_pids()
@@ -227,7 +228,7 @@ async def release(
 
 
 @pytest.mark.parametrize("test_app", ["tests.apps:create_app"], indirect=True)
-@pytest.mark.parametrize("point", ["handover-before-adopt", "handover-given-up"])
+@pytest.mark.parametrize("point", ["handover-before-receive", "handover-given-up"])
 async def test_the_proxy_dies_mid_hand_over_and_the_checkpoint_restores(
     start_proxy, tmp_path, point
 ):
@@ -273,7 +274,7 @@ async def test_the_target_dies_after_taking_the_episode_and_it_goes_on_at_the_so
     """kill -9 of the target right after it installed the hand-over: the source was not
     told to give the episode up, so it goes on there; its client is answered once, by
     the source, each step done once."""
-    proxy = start_proxy(workers=2, control_token=CONTROL, env=failpoint("worker-adopted"))
+    proxy = start_proxy(workers=2, control_token=CONTROL, env=failpoint("worker-installed"))
     async with aiohttp.ClientSession() as http:
         token = await seed(http, proxy.url)
         where = await whoami(http, proxy.url, token)

@@ -72,7 +72,7 @@ async def test_the_source_dies_while_it_answers_move_out(start_proxy, tmp_path):
 async def test_the_target_dies_after_installing(start_proxy, tmp_path):
     """The target installed the sessions and died before answering: the move reports them
     not taken, and they serve on from the source with their exact counts."""
-    proxy = start_proxy(workers=2, control_token=CONTROL, env=failpoint("worker-adopted"))
+    proxy = start_proxy(workers=2, control_token=CONTROL, env=failpoint("worker-installed"))
     async with aiohttp.ClientSession() as http:
         sessions, counts = await prepare(http, proxy.url, tmp_path)
         status, reply = await move(
@@ -89,7 +89,7 @@ async def test_the_target_dies_after_installing(start_proxy, tmp_path):
                 assert status == 410, body
 
 
-@pytest.mark.parametrize("point", ["move-before-adopt", "move-adopted"])
+@pytest.mark.parametrize("point", ["move-before-install", "move-installed"])
 async def test_the_proxy_dies_mid_move_and_the_checkpoint_restores(start_proxy, tmp_path, point):
     """The proxy dies (and its workers with it) between the source's export and the
     target's install, or after the install before the table changed: the checkpoint

@@ -499,7 +499,7 @@ async def test_a_move_cut_by_the_crash_leaves_one_copy_of_each_session(start_pro
     adopts them: each stays with the copy installed last (the target's), the source drops
     its own, every count is exact, and a checkpoint holds each session once."""
     args = (*GRACE, "--control-token", CONTROL)
-    first = start_proxy(*args, workers=2, env={"GYM_PROXY_FAILPOINTS": "move-adopted"})
+    first = start_proxy(*args, workers=2, env={"GYM_PROXY_FAILPOINTS": "move-installed"})
     sessions = await seed(http, first.url, 12)
     slots = await slots_of(http, first.url, sessions)
     moving = [t.split(".")[2] for (t, _), slot in zip(sessions, slots, strict=True) if slot == 0]

@@ -10,7 +10,6 @@ from gym_proxy.coordinator.contract.episodes import EpisodeId
 from gym_proxy.coordinator.contract.errors import GymError
 from gym_proxy.coordinator.contract.marks import RestoredClaims
 from gym_proxy.coordinator.contract.messages import (
-    Adopt,
     Close,
     CloseReply,
     CloseTunnels,
@@ -28,6 +27,7 @@ from gym_proxy.coordinator.contract.messages import (
     Links,
     ListHeld,
     Message,
+    MoveIn,
     MoveOut,
     ParkEpisodes,
     Release,
@@ -139,10 +139,10 @@ async def _handle(runtime: ParticipantRuntime, message: Message) -> Message:
             moving = await runtime.export_sessions(message.session_ids)
             failpoints.hit("worker-move-out")  # the source dies before it answers
             return SessionRecords(moving)
-        case Adopt():
+        case MoveIn():
             installed = await runtime.install(message.sessions, restored=False)
-            handovers.adopt_episodes(runtime, message.episodes)
-            failpoints.hit("worker-adopted")  # the target dies after installing
+            handovers.receive_episodes(runtime, message.episodes)
+            failpoints.hit("worker-installed")  # the target dies after installing
             return Installed(installed)
         case Drop():
             for key in message.episode_keys:

@@ -15,7 +15,7 @@ On the source, in three calls from the coordinator's mover:
    sessions that rode along end here;
 3. or `resume_episodes`: the hand-over was given up, and the episodes go on here.
 
-On the target, `Adopt` puts each record among the runtime's *arrivals*; admission of the
+On the target, `move_in` receives each record among the runtime's *arrivals*; admission of the
 replayed request takes it, as it takes a restored claim but for the same attempt, and the
 app continues from `ep.restored_state`. Until then the arrival is this worker's: a
 checkpoint exports it and a retire of its attempt drops it.
@@ -51,7 +51,7 @@ __all__ = [
     "park_episodes",
     "give_up",
     "resume_episodes",
-    "adopt_episodes",
+    "receive_episodes",
 ]
 
 GIVE_UP_WAIT = 10.0  # seconds a cancelled episode gets to leave the app
@@ -221,7 +221,7 @@ def _go_on(flight: InFlight) -> None:
         handover.go_on.set()
 
 
-def adopt_episodes(runtime: ParticipantRuntime, records: list[dict[str, Any]]) -> None:
+def receive_episodes(runtime: ParticipantRuntime, records: list[dict[str, Any]]) -> None:
     """On the target: each record waits for its replayed request (module docstring)."""
     for record in records:
         identity = record["episode_id"]

@@ -22,7 +22,7 @@ naming the message and the key, before a handler sees it.
                                      stop       -> Done
                                      links      -> Links
                                      move_out   -> SessionRecords
-                                     adopt      -> Installed
+                                     move_in    -> Installed
                                      drop       -> Released
                                      held       -> HeldSessions
                                      close_tunnels -> Done
@@ -79,7 +79,7 @@ __all__ = [
     "Links",
     "LinkedSessions",
     "MoveOut",
-    "Adopt",
+    "MoveIn",
     "Drop",
     "HeldSessions",
     "ListHeld",
@@ -499,12 +499,13 @@ class MoveOut(Request[SessionRecords]):
     session_ids: list[str]
 
 
-@message("adopt")
-class Adopt(Request[Installed]):
-    """Take these live sessions over (all or none); unlike a restore's, they are not
-    restored state a scoped commit may release. `episodes`: records of parked `/run`
-    episodes handed over; each continues here when its request arrives (replayed by the
-    proxy), and counts as this worker's until then (a checkpoint exports it)."""
+@message("move_in")
+class MoveIn(Request[Installed]):
+    """A move's or a hand-over's step on its target: install these live sessions (all or
+    none; unlike a restore's, they are not restored state a scoped commit may release)
+    and receive these `episodes`, records of parked `/run` episodes handed over: each
+    continues here when its request arrives (replayed by the proxy), and counts as this
+    worker's until then (a checkpoint exports it)."""
 
     sessions: list[dict[str, Any]]
     episodes: list[dict[str, Any]] = dataclasses.field(default_factory=list)

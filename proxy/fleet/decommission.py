@@ -8,7 +8,7 @@ and a recycle share, and the emptying a drain does (`proxy.fleet.operations`).
   requests (handing over the episodes among them), move what they left, and send
   whatever still names its owner to an heir (`Router.inherit_owner`);
 - **decommission later**: a worker that could not be emptied keeps serving what it holds and
-  is retired in the background. Each attempt takes the checkpoint exclusion only when it
+  is decommissioned in the background. Each attempt takes the checkpoint exclusion only when it
   can succeed: none of its requests running but episodes that parked (outside the
   exclusion, where a parked episode changes nothing a checkpoint would see), and nothing
   left that cannot move.
@@ -52,7 +52,7 @@ log = logging.getLogger("gym_proxy.operations")
 # what no request of its own changes (a session's idle end, an heir registering).
 LOOK_AGAIN = 0.2
 FINAL_SWEEP = 5.0  # seconds the last step of a decommission gets even past the timeout
-RETRY_RETIRE = 1.0  # seconds between background attempts at a worker left serving
+RETRY_DECOMMISSION = 1.0  # seconds between background attempts at a worker left serving
 PARK_AHEAD = 30.0  # seconds a left-serving worker's episodes get to reach a boundary
 
 
@@ -144,7 +144,7 @@ class Decommissioner:
         entry: dict[str, Any],
     ) -> None:
         """Empty `worker` into `heirs` and stop it (module docstring); one that cannot be
-        emptied in `within` seconds keeps serving and is retired in the background."""
+        emptied in `within` seconds keeps serving and is decommissioned in the background."""
         deadline = time.monotonic() + within
         left = await self.empty(worker, heirs, deadline, progress)
         if left == [] and await self._take_out(worker, heirs, deadline, progress):
@@ -303,7 +303,7 @@ class Decommissioner:
     ) -> None:
         """Retire a worker left serving, as soon as its sessions let it."""
         while worker.state == "live":
-            await self._until_a_request_ends(worker, math.inf, RETRY_RETIRE)
+            await self._until_a_request_ends(worker, math.inf, RETRY_DECOMMISSION)
             if not self.exclusion.is_free():
                 continue
             # Only an attempt that can succeed takes the exclusion (checkpoints get 409
@@ -320,10 +320,10 @@ class Decommissioner:
                 continue
             if not self.exclusion.is_free():
                 continue  # one began while it listed
-            async with self.exclusive("worker_retire", f"worker {worker.slot} left serving") as p:
+            async with self.exclusive("decommission", f"worker {worker.slot} left serving") as p:
                 entry: dict[str, Any] = {"slot": worker.slot, "owner": worker.owner}
                 p.slots.append(entry)
-                deadline = time.monotonic() + RETRY_RETIRE
+                deadline = time.monotonic() + RETRY_DECOMMISSION
                 if await self.empty(worker, heirs, deadline, p) == [] and await self._take_out(
                     worker, heirs, deadline, p
                 ):

@@ -10,8 +10,8 @@ episode (`worker.handovers` has the worker's side). For the episodes of one sour
    step in progress ends first) and the source answers its record and its riders'
    records; one that does not park by the deadline goes on running there, and is
    reported;
-3. `adopt` on its target: the riders and the episode's record, all or none (the record
-   waits there as an arrival for the request);
+3. `move_in` on its target: it installs the riders and receives the episode's record,
+   all or none (the record waits there as an arrival for the request);
 4. the proxy expects each episode's request back from the source, under a fresh id;
 5. `give_up` on the source: it answers each request with the marker and that id; the
    proxy sends the request, byte for byte, to the target (`proxy.data_path.exchange`, HANDOVER),
@@ -41,9 +41,9 @@ from gym_proxy.coordinator.contract.channel import ChannelClosed, ChannelTimeout
 from gym_proxy.coordinator.contract.episodes import episode_key
 from gym_proxy.coordinator.contract.messages import (
     EPISODE_ENDED,
-    Adopt,
     GaveUp,
     GiveUp,
+    MoveIn,
     ParkedEpisodes,
     ParkEpisodes,
     ResumeEpisodes,
@@ -58,7 +58,7 @@ __all__ = ["hand_over", "ARRIVAL_WAIT"]
 log = logging.getLogger("gym_proxy.moves")
 
 ARRIVAL_WAIT = 10.0  # seconds a given-back request gets to reach its target
-ADOPT_WAIT = 5.0  # seconds a target gets at least to take parked episodes
+RECEIVE_WAIT = 5.0  # seconds a target gets at least to receive parked episodes
 GIVE_UP_WAIT = 20.0  # seconds the source gets to answer give_up (it waits 10 for the app)
 _CHANNEL_ERRORS = (ChannelClosed, ChannelTimeout, RemoteError)
 
@@ -99,10 +99,10 @@ async def hand_over(
         parked = await _park(source, list(own), deadline, result)
         if parked is None:
             return
-        adopted = await _adopt(mover, source, parked, own, target_of, deadline, result)
-        if adopted:
-            given_up = adopted
-            await _give_up(mover, source, adopted, parked, own, target_of, result)
+        received = await _move_in(mover, source, parked, own, target_of, deadline, result)
+        if received:
+            given_up = received
+            await _give_up(mover, source, received, parked, own, target_of, result)
     finally:
         mover.table.release_sessions(held)
         mover.holding -= len(held)
@@ -158,7 +158,7 @@ async def _park(
     return parked
 
 
-async def _adopt(
+async def _move_in(
     mover: Mover,
     source: _Worker,
     parked: ParkedEpisodes,
@@ -167,7 +167,7 @@ async def _adopt(
     deadline: float,
     result: Moved,
 ) -> list[str]:
-    """Step 3, per target; answers the keys of the episodes their targets took."""
+    """Step 3, per target; answers the keys of the episodes their targets received."""
     rider_of = {s: key for key, e in own.items() for s in _riders(e)}
     by_target: dict[int, tuple[_Worker, list[dict[str, Any]], list[dict[str, Any]]]] = {}
     for record in parked.episodes:
@@ -176,16 +176,16 @@ async def _adopt(
     for record in parked.sessions:
         target = target_of[rider_of[record["session_id"]]]
         by_target.setdefault(id(target), (target, [], []))[2].append(record)
-    failpoints.hit("handover-before-adopt")
+    failpoints.hit("handover-before-receive")
     # The episodes wait parked meanwhile: the deadline bounded the wait for boundaries.
-    within = max(ADOPT_WAIT, deadline - time.monotonic())
+    within = max(RECEIVE_WAIT, deadline - time.monotonic())
 
-    async def adopt(
+    async def receive(
         target: _Worker, episodes: list[dict[str, Any]], sessions: list[dict[str, Any]]
     ) -> list[str]:
         keys = [_key(r) for r in episodes]
         try:
-            await channel_of(target).request(Adopt(sessions, episodes), within=within)
+            await channel_of(target).request(MoveIn(sessions, episodes), within=within)
         except _CHANNEL_ERRORS as exc:
             for key in keys:
                 result.failed[key] = f"worker {target.slot} did not take it: {exc}"
@@ -193,7 +193,7 @@ async def _adopt(
             return []
         return keys
 
-    taken = await asyncio.gather(*(adopt(*entry) for entry in by_target.values()))
+    taken = await asyncio.gather(*(receive(*entry) for entry in by_target.values()))
     return [key for keys in taken for key in keys]
 
 

@@ -3,7 +3,7 @@
 The workers report their sessions when a new gym-proxy adopts them (`--orphan-grace`), but
 three things live only in the proxy: how many workers a resize left, which workers a
 `drain` took out of new sessions until `undrain`, and the alias table (the worker a
-restore put an old owner's sessions on, a retired worker's heir), which routes a token
+restore put an old owner's sessions on, a decommissioned worker's heir), which routes a token
 whose session no worker holds. The supervisor writes them to `fleet.json` in the runtime
 directory whenever they change, and an adopting proxy reads them back, so that a crash
 does not undo a resize or a drain, nor send such a token to 410. A missing file (the dead
@@ -31,7 +31,7 @@ INTENT_NAME = "fleet.json"
 class FleetIntent:
     workers: int  # the slot count (after any resize)
     drained: frozenset[str] = field(default_factory=frozenset)  # owners an operator drained
-    # Owner -> owner its tokens now reach (a restore's placement, a retired worker's heir):
+    # Owner -> owner its tokens now reach (a restore's placement, a decommissioned worker's heir):
     # a token whose session no worker holds still reaches its owner's heir.
     aliases: dict[str, str] = field(default_factory=dict)
 

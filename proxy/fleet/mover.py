@@ -13,7 +13,7 @@ A move of some sessions to the worker in one slot, in order:
 3. `move_out` to the source workers (for a move call, every other live worker): the one
    that holds a session answers its record (session store, hooks or a declared session
    dict) and keeps serving it;
-4. `adopt` on the target: all the records or none;
+4. `move_in` on the target: it installs all the records or none;
 5. the proxy's session table sends each moved session to the target (its token and
    cookie do not change: the table wins over the owner a token names);
 6. release: the held requests go on, to the target;
@@ -40,11 +40,11 @@ from gym_proxy.coordinator.contract import failpoints
 from gym_proxy.coordinator.contract.channel import ChannelClosed, ChannelTimeout, RemoteError
 from gym_proxy.coordinator.contract.errors import GymError
 from gym_proxy.coordinator.contract.messages import (
-    Adopt,
     CloseTunnels,
     Drop,
     LinkedSessions,
     Links,
+    MoveIn,
     MoveOut,
     SessionRecords,
 )
@@ -217,17 +217,17 @@ class Mover:
             else:
                 why = "; ".join(silent) or "no worker it was asked of holds it"
                 failed[session_id] = f"not found on a source worker ({why})"
-        failpoints.hit("move-before-adopt")
+        failpoints.hit("move-before-install")
         targets = {w.owner: w for w in self.workers.live()}
-        adoptions = []
+        installs = []
         for owner, records in by_target.items():
             target = targets.get(owner)
             if target is None:
                 for record in records:
                     failed[record["session_id"]] = f"the target worker ({owner}) is gone"
             else:
-                adoptions.append(self._adopt(target, records, deadline, result, links))
-        await asyncio.gather(*adoptions)
+                installs.append(self._move_in(target, records, deadline, result, links))
+        await asyncio.gather(*installs)
         by_source: dict[int, tuple[_Worker, list[str]]] = {}
         for session_id in ready:
             if session_id in result.moved:
@@ -237,7 +237,7 @@ class Mover:
             # It gets none of their requests any more: the held ones need not wait for it.
             self.drop_later(source, ids)
 
-    async def _adopt(
+    async def _move_in(
         self,
         target: _Worker,
         records: list[dict[str, Any]],
@@ -248,7 +248,7 @@ class Mover:
         """`target` takes `records` (all or none); the session table then sends them there."""
         within = max(0.1, deadline - time.monotonic())
         try:
-            await channel_of(target).request(Adopt(records), within=within)
+            await channel_of(target).request(MoveIn(records), within=within)
         except (ChannelClosed, ChannelTimeout, RemoteError) as exc:
             for record in records:
                 result.failed[record["session_id"]] = f"worker {target.slot} did not take it: {exc}"
@@ -256,7 +256,7 @@ class Mover:
             # (the channel serves its requests in order), so no stray copy stays.
             self.drop_later(target, [r["session_id"] for r in records])
             return
-        failpoints.hit("move-adopted")
+        failpoints.hit("move-installed")
         for record in records:
             session_id = record["session_id"]
             self.table.place_session(session_id, target.owner, kept=True)

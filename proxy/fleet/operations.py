@@ -16,16 +16,18 @@ every other operation (409 `operation_conflict`, both ways), reports its progres
   requests again, and stop it. A worker that cannot be emptied by the timeout (a session
   whose request runs on, an episode that reaches no boundary, a restart-only session
   that does not end) is not stopped: it keeps serving what it holds, taking nothing new,
-  and is retired in the background as soon as it can be; the answer names what it kept.
+  and is decommissioned in the background as soon as it can be; the answer names what it
+  kept.
 - **rolling restart**, one slot at a time: start the replacement (new code: a fresh
-  `python -m gym_proxy.worker`), wait until it registers, make it the slot's worker, retire the
-  old one into it. A replacement that does not boot aborts the restart: the old worker
+  `python -m gym_proxy.worker`; with `--preload`, a fork of the zygote, which imported
+  the app once), wait until it registers, make it the slot's worker, decommission the old
+  one into it. A replacement that does not boot aborts the restart: the old worker
   keeps serving and the slots not reached yet are left alone. Slots are RESTART_PAUSE
   seconds apart (`pause_s`): booting a worker costs its CPU (0.2 s here) and a fresh
   worker serves its first requests cold, so back to back on a loaded machine the
   boots take a slice of the serving; apart, they take a thinner one for longer.
 - **resize** to M: grow starts workers in new slots at the end, one by one; shrink
-  removes the last slots and retires their workers into the rest.
+  removes the last slots and decommissions their workers into the rest.
 - **recycle**: its policy (`proxy.fleet.recycling`) asks for one when a worker passes
   `--max-requests` (plus its jitter) or `--max-worker-memory`; it is a rolling restart
   of that slot, deferred while a checkpoint or another operation runs.

@@ -81,7 +81,8 @@ class Metrics:
         )
         self.move_wait_seconds = Histogram(
             "gym_proxy_move_wait_seconds",
-            "How long a request of a moving session (or a retiring worker) waited at the proxy",
+            "How long a request of a moving session (or of a worker being decommissioned) waited "
+            "at the proxy",
             buckets=_WAIT_BUCKETS,
             registry=self.registry,
         )
@@ -336,7 +337,7 @@ class _Gathered(Collector):
             labels=["operation"],
         )
         now = self.m.operations.running
-        for kind in ("drain", "undrain", "restart", "resize", "worker_retire"):
+        for kind in ("drain", "undrain", "restart", "resize", "decommission"):
             running.add_metric([kind], 1 if now is not None and now.operation == kind else 0)
         yield running
 
