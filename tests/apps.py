@@ -6,12 +6,19 @@ import asyncio
 import hashlib
 import os
 import time
+from typing import TYPE_CHECKING, TypeVar
 
 from aiohttp import web
 
 from gym_proxy.worker.counter import create_app as create_counter_app
+from gym_proxy.worker.declaration import KINDS, TUNNEL_POLICIES
 from gym_proxy.worker.identity import WORKER_INFO, session_id, session_token
 from gym_proxy.worker.participant import RUNTIME, ParticipantHooks, Participation, declare, episode
+
+if TYPE_CHECKING:
+    from aiohttp.typedefs import Handler
+
+C = TypeVar("C", bound=str)
 
 SEEN = web.AppKey("seen", list)
 GATES = web.AppKey("gates", dict)
@@ -174,7 +181,7 @@ async def cancelled(request: web.Request) -> web.Response:
 
 
 @web.middleware
-async def record(request: web.Request, handler):  # type: ignore[no-untyped-def]
+async def record(request: web.Request, handler: Handler) -> web.StreamResponse:
     # The path and the identity the request arrived with: every request the proxy sends
     # carries its x-ng-session-id, so one without it (or with a client's value) was parsed
     # by the worker but not by the proxy.
@@ -192,6 +199,15 @@ async def ws_echo(request: web.Request) -> web.WebSocketResponse:
                 {**_info(request), "session_id": session_id(request), "echo": message.data}
             )
     return ws
+
+
+def env_choice(name: str, choices: tuple[C, ...], default: C) -> C:
+    """The environment's `name`, one of `choices` (`default` when unset)."""
+    value = os.environ.get(name, default)
+    for choice in choices:
+        if choice == value:
+            return choice
+    raise ValueError(f"{name} must be one of {', '.join(choices)}, not {value!r}")
 
 
 def hold_while_file() -> None:
@@ -217,7 +233,7 @@ def create_app() -> web.Application:
     hold_while_file()
     refuse_while_file()
     app = create_counter_app()
-    kind = os.environ.get("GYM_TEST_KIND", "resources")
+    kind = env_choice("GYM_TEST_KIND", KINDS, "resources")
     app[STOPPED] = []
 
     async def stop() -> None:
@@ -226,7 +242,7 @@ def create_app() -> web.Application:
     # State in the session store; a `stop` hook only (no export hook: the store exports).
     participation = Participation(
         kind=kind,
-        tunnels=os.environ.get("GYM_TEST_TUNNELS", "close"),
+        tunnels=env_choice("GYM_TEST_TUNNELS", TUNNEL_POLICIES, "close"),
         hooks=ParticipantHooks(stop=stop),
     )
     declare(app, participation)

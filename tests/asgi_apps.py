@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
-import os
+from collections.abc import AsyncIterator
 from typing import Any
 
 import orjson
@@ -18,11 +18,13 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route, WebSocketRoute
+from starlette.types import Receive, Scope, Send
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from gym_proxy.coordinator.contract.headers import split_rollout_path
+from gym_proxy.worker.declaration import KINDS, TUNNEL_POLICIES
 from gym_proxy.worker.participant import Participation, context, current_session, declare, episode
-from tests.apps import hold_while_file
+from tests.apps import env_choice, hold_while_file
 
 STATE: dict[str, Any] = {"seen": [], "gates": {}, "cancelled": [], "progress": {}}
 
@@ -194,7 +196,7 @@ class RolloutPrefix:
     def __init__(self, app: Any) -> None:
         self.app = app
 
-    async def __call__(self, scope, receive, send):  # type: ignore[no-untyped-def]
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
             with contextlib.suppress(Exception):
                 _, path = split_rollout_path(scope["path"])
@@ -207,7 +209,7 @@ class RolloutPrefix:
         await self.app(scope, receive, send)
 
 
-async def late_body(send) -> None:  # type: ignore[no-untyped-def]
+async def late_body(send: Send) -> None:
     """A sized answer whose body comes 50 ms after its head, as a FastAPI app's does
     through its middleware (loop turns apart)."""
     headers = [(b"content-type", b"text/plain"), (b"content-length", b"4")]
@@ -257,8 +259,8 @@ def create_app() -> Any:
         ]
     )
     wrapped = RolloutPrefix(app)
-    kind = os.environ.get("GYM_TEST_KIND", "resources")
-    tunnels = os.environ.get("GYM_TEST_TUNNELS", "close")
+    kind = env_choice("GYM_TEST_KIND", KINDS, "resources")
+    tunnels = env_choice("GYM_TEST_TUNNELS", TUNNEL_POLICIES, "close")
     return declare(wrapped, Participation(kind=kind, tunnels=tunnels))
 
 
@@ -266,14 +268,14 @@ def broken_lifespan() -> Any:
     """An ASGI app whose lifespan startup fails."""
 
     @contextlib.asynccontextmanager
-    async def lifespan(app: Starlette):  # type: ignore[no-untyped-def]
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
         raise RuntimeError("cannot connect to the database")
         yield  # pragma: no cover
 
     return Starlette(routes=[], lifespan=lifespan)
 
 
-async def bare_asgi(scope, receive, send):  # type: ignore[no-untyped-def]
+async def bare_asgi(scope: Scope, receive: Receive, send: Send) -> None:
     """The smallest ASGI app (no lifespan support): answers its path."""
     if scope["type"] != "http":
         raise RuntimeError("lifespan is not supported")

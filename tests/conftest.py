@@ -4,8 +4,9 @@ import asyncio
 import os
 import shutil
 import tempfile
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Iterator
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
@@ -64,7 +65,9 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)
-def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):  # type: ignore[no-untyped-def]
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
     report = yield
     setattr(item, f"report_{report.when}", report)
     return report
@@ -74,7 +77,9 @@ STARTED_PROXIES = "started_proxies"  # the item's attribute: what start_proxy st
 
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)
-def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None):  # type: ignore[no-untyped-def]
+def pytest_runtest_teardown(
+    item: pytest.Item, nextitem: pytest.Item | None
+) -> Generator[None, None, None]:
     """A failed test's proxies stop before any fixture's teardown, the event loop's
     included. A test that failed with a connection still open to a live worker made
     uvloop's `loop.close()` block in `epoll_pwait` for good, where pytest-timeout's
@@ -101,11 +106,11 @@ def start_proxy(
         workers: int = 2,
         app: str | None = test_app,
         ready: bool = True,
-        **kwargs: object,
+        **kwargs: Any,
     ) -> ProxyProcess:
         if app in (TEST_APP, ASGI_TEST_APP) and "--name" not in args:
             args = (*args, "--name", "apps")  # the twins are one server to checkpoints
-        proxy = ProxyProcess(*args, workers=workers, app=app, **kwargs)  # type: ignore[arg-type]
+        proxy = ProxyProcess(*args, workers=workers, app=app, **kwargs)
         started.append(proxy)
         return proxy.wait_ready() if ready else proxy
 
@@ -130,10 +135,10 @@ def shared_proxy(request: pytest.FixtureRequest) -> Iterator[Callable[..., Proxy
     started: dict[tuple[object, ...], ProxyProcess] = {}
     failed_before = request.session.testsfailed
 
-    def start(*args: str, workers: int = 2, **kwargs: object) -> ProxyProcess:
+    def start(*args: str, workers: int = 2, **kwargs: Any) -> ProxyProcess:
         key = (args, workers, tuple(sorted(kwargs.items())))
         if key not in started:
-            proxy = ProxyProcess(*args, "--name", "apps", workers=workers, app=TEST_APP, **kwargs)  # type: ignore[arg-type]
+            proxy = ProxyProcess(*args, "--name", "apps", workers=workers, app=TEST_APP, **kwargs)
             started[key] = proxy
             proxy.wait_ready()
         return started[key]
@@ -164,7 +169,7 @@ async def in_process() -> AsyncIterator[Callable[..., Awaitable[InProcessProxy]]
 
 
 @pytest.fixture
-async def http() -> aiohttp.ClientSession:
+async def http() -> AsyncIterator[aiohttp.ClientSession]:
     """A client that keeps no cookies: tests pass session tokens explicitly."""
     async with aiohttp.ClientSession(
         cookie_jar=aiohttp.DummyCookieJar(), timeout=aiohttp.ClientTimeout(total=30)

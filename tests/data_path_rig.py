@@ -231,10 +231,15 @@ class _HeadDone(Exception):
     pass
 
 
+# The status of the entry that ends parse_responses' list after a 101: the bytes after it.
+TUNNEL_BYTES = 0
+
+
 def parse_responses(
     data: bytes, head_requests: int = 0
 ) -> list[tuple[int, dict[bytes, bytes], bytes]]:
-    """Every complete response in `data` (the first `head_requests` answer HEADs)."""
+    """Every complete response in `data` (the first `head_requests` answer HEADs), then,
+    after an upgrade, (TUNNEL_BYTES, {}, what follows it)."""
     parsed = _Parsed(request=False, head_requests=head_requests)
     while data:
         try:
@@ -246,7 +251,7 @@ def parse_responses(
             end = data.find(b"\r\n\r\n")
             data = data[end + 4 :]
         except httptools.HttpParserUpgrade as exc:
-            parsed.done.append(("upgraded", data[exc.args[0] :]))
+            parsed.done.append((TUNNEL_BYTES, {}, data[exc.args[0] :]))
             break
     return parsed.done
 

@@ -30,7 +30,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import aiohttp
 import nemo_gym  # the tier's virtualenv has it (tests/nemo_gym/install.sh)
@@ -287,11 +287,13 @@ class NemoStack:
         }
 
     def start(
-        self, workers: dict[str, int] | None | str = "same", roles: tuple[str, ...] | None = None
+        self,
+        workers: dict[str, int] | None | Literal["same"] = "same",
+        roles: tuple[str, ...] | None = None,
     ) -> NemoStack:
         """Start the backend (once) and the servers (`roles`, default all)."""
         if workers != "same":
-            self.workers = workers  # type: ignore[assignment]
+            self.workers = workers
         if "backend" not in self.procs or self.procs["backend"].poll() is not None:
             self._spawn(
                 "backend",
@@ -467,7 +469,13 @@ class CounterClient:
         self.url = url
         self.task = task
         self.cookies: dict[str, str] = {}
-        self.mcp_token: str | None = None
+        self._mcp_token: str | None = None
+
+    @property
+    def mcp_token(self) -> str:
+        """The session token of the MCP endpoint its seed's reply named."""
+        assert self._mcp_token is not None, "the seed's reply named no MCP endpoint"
+        return self._mcp_token
 
     async def post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         async with self.http.post(
@@ -484,7 +492,7 @@ class CounterClient:
         reply = await self.post("/seed_session", body)
         mcp = reply.get("mcp")
         if mcp is not None:
-            self.mcp_token = mcp["headers"]["X-NeMo-Gym-Session-Token"]
+            self._mcp_token = mcp["headers"]["X-NeMo-Gym-Session-Token"]
         return reply
 
     async def count(self) -> int:

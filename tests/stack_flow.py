@@ -138,9 +138,9 @@ class StackRun:
             await controller.resume(checkpoint_id)
 
 
-def all_scored(rollouts: list[Rollout], check: Callable[[Rollout], None] | None = None) -> None:
+def all_scored(rollouts: list[Rollout], check: Callable[[Rollout], bool] | None = None) -> None:
     """Every rollout finished with reward 1.0 after exactly two model calls and one tool
-    call (no step ran twice past a boundary)."""
+    call (no step ran twice past a boundary), and each passes `check`."""
     for rollout in rollouts:
         assert rollout.finished, (rollout.rollout_id, rollout.history)
         reply = rollout.reply
@@ -151,4 +151,4 @@ def all_scored(rollouts: list[Rollout], check: Callable[[Rollout], None] | None 
             1,
         ), (rollout.rollout_id, reply)
         if check is not None:
-            check(rollout)
+            assert check(rollout), (rollout.rollout_id, rollout.attempt, rollout.history)

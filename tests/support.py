@@ -18,7 +18,7 @@ import tempfile
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import orjson
 
@@ -30,8 +30,11 @@ CONTROL_TOKEN = "test-control-token"
 REPO = Path(__file__).resolve().parent.parent
 
 
-def wait_until_sync(predicate: Callable[[], object], timeout: float, what: str) -> object:
-    """Poll `predicate` until it is truthy; fail the test after `timeout` seconds."""
+T = TypeVar("T")
+
+
+def wait_until_sync(predicate: Callable[[], T | None], timeout: float, what: str) -> T:
+    """Poll `predicate` until it is truthy (answered); fail the test after `timeout` seconds."""
     deadline = time.monotonic() + timeout
     while True:
         value = predicate()

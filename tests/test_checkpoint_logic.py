@@ -305,7 +305,8 @@ def test_a_restore_reads_a_session_line_s_ends_and_the_worker_checks_the_whole(t
     _, routed, lines = records.read_for_restore(base, kind="agent", instance="inst")
     assert routed == [{k: v for k, v in r.items() if k != "state"} for r in recs]  # no state
     spaced = json.dumps({"episode_id": None, "session_id": "s3", "state": [1], "owner": "o"})
-    assert record_format.routing_fields(spaced.encode())["session_id"] == "s3"
+    routed_spaced = record_format.routing_fields(spaced.encode())
+    assert routed_spaced is not None and routed_spaced["session_id"] == "s3"
     inner_owner = b'{"episode_id":null,"session_id":"s4","state":{"owner":"x"}}'
     assert record_format.routing_fields(inner_owner) is None  # no top-level owner at its end
     sent = b"".join(line + b"\n" for line in lines)

@@ -106,7 +106,9 @@ def test_help_is_whole_and_names_the_token_variable_and_exit_statuses():
     assert "GYM_PROXY_CONTROL_TOKEN" in text
     assert parser.description is not None and parser.description.endswith("on stderr.")
     assert "  3  checkpoint committed but partial" in text
-    subcommands = parser._subparsers._group_actions[0]  # type: ignore[union-attr]
+    assert parser._subparsers is not None
+    subcommands = parser._subparsers._group_actions[0]
+    assert isinstance(subcommands, argparse._SubParsersAction)
     helps = {action.dest: action.help for action in subcommands._choices_actions}
     assert set(helps) == set(subcommands.choices) and all(helps.values()), helps
     assert "--allow-restarts" in subcommands.choices["checkpoint"].format_help()

@@ -10,9 +10,11 @@ condition, woken by an event, bounded by `asyncio.timeout`.
 from __future__ import annotations
 
 import asyncio
+import functools
 import gc
 import socket
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import orjson
@@ -80,7 +82,7 @@ class FakeWorker:
     refuse: dict = field(default_factory=dict)  # message TYPE -> GymError
     got: list = field(default_factory=list)
     alive: bool = True
-    on_export: object = None
+    on_export: Callable[[], None] | None = None
     link: Channel | None = None  # the coordinator's end
     channel: Channel | None = None  # the worker's end
 
@@ -196,7 +198,7 @@ async def make_rig():
             left, right = socket.socketpair()
             reader, writer = await asyncio.open_connection(sock=left)
             w_reader, w_writer = await asyncio.open_connection(sock=right)
-            w.link = Channel(reader, writer, lambda m, o=w.owner: cp.on_message(o, m))
+            w.link = Channel(reader, writer, functools.partial(cp.on_message, w.owner))
             w.channel = Channel(w_reader, w_writer, w.handle)
             opened.append((w, [asyncio.ensure_future(c.serve()) for c in (w.link, w.channel)]))
             cp.register_reply(joining(w.owner))
@@ -206,8 +208,9 @@ async def make_rig():
     for w, tasks in opened:
         for gate in w.hold.values():
             gate.set()
-        w.link.close()
-        w.channel.close()
+        for end in (w.link, w.channel):
+            assert end is not None
+            end.close()
         await asyncio.gather(*tasks)
 
 

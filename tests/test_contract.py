@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -52,7 +53,7 @@ SAMPLES: dict[str, Any] = {
 
 def sample(cls: type[Message]) -> Message:
     values = {}
-    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+    for f in dataclasses.fields(cls):  # type: ignore[arg-type]  # message() made it a dataclass
         nested = messages._NESTED.get((cls, f.name))
         values[f.name] = sample(nested) if nested is not None else SAMPLES[str(f.type)]
     return cls(**values)
@@ -193,7 +194,7 @@ def test_rollout_ids_checked_at_once_as_one_by_one(values):
     """The one-pass check accepts and refuses what the per-ID check does, naming the same
     first wrong ID."""
 
-    def outcome(check):  # type: ignore[no-untyped-def]
+    def outcome(check: Callable[[], object]) -> tuple[str, object]:
         try:
             return "ok", check()
         except GymError as exc:

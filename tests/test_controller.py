@@ -19,6 +19,7 @@ CTL_MAIN = "from gym_proxy.coordinator.clients.controller_cli import main; main(
 
 def test_call_order_is_callers_first():
     kinds = ["resources", "agent", "custom", "environment", "model"]
+    # No HTTP session: ordering makes no call.
     ordered = in_call_order([Participant(f"u{k}", "t", None, k) for k in kinds])  # type: ignore[arg-type]
     assert [p.kind for p in ordered] == ["environment", "model", "agent", "resources", "custom"]
 

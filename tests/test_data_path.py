@@ -20,7 +20,7 @@ from gym_proxy.proxy.data_path.client_connection import (
     TUNNELING,
 )
 from gym_proxy.proxy.data_path.exchange import DONE
-from tests.data_path_rig import Rig, parse_requests, parse_responses
+from tests.data_path_rig import TUNNEL_BYTES, Rig, parse_requests, parse_responses
 
 pytestmark = pytest.mark.fast
 
@@ -414,6 +414,7 @@ async def test_a_worker_gone_mid_request_is_410():
     client.send(GET)
     upstream = await rig.upstream()
     gone = client.protocol.pipeline[0].worker
+    assert gone is not None
     rig.router.remove_worker(gone.owner)
     upstream.hang_up()
     [(status, _, body)] = client.responses()
@@ -527,9 +528,9 @@ async def test_websocket_upgrade_becomes_a_tunnel_both_ways():
     assert marker == b"UPGRADED" and held == b""  # held until the worker switches
     assert not client.transport.reading
     upstream.send(SWITCH + b"server-frame")
-    [switched, (marker, rest)] = parse_responses(bytes(client.transport.data))
+    [switched, (after, _, rest)] = parse_responses(bytes(client.transport.data))
     assert switched[0] == 101 and switched[1][b"upgrade"] == b"websocket"
-    assert (marker, rest) == ("upgraded", b"server-frame")
+    assert (after, rest) == (TUNNEL_BYTES, b"server-frame")
     assert bytes(upstream.transport.data).endswith(b"\r\n\r\nearly-frame")
     assert client.protocol.phase == TUNNELING and client.transport.reading
     client.send(b"\x81\x05hello")

@@ -62,7 +62,7 @@ def _exists(path: str) -> bool:
 
 
 def _named_paths(page: Path) -> set[str]:
-    named = set()
+    named: set[str] = set()
     for code in _code(page.read_text(encoding="utf-8")):
         named.update(m.group(1) for m in REPO_PATH.finditer(code))
         named.update(
@@ -161,7 +161,7 @@ def test_path_scan_finds_paths():
         "`nemo_gym/_checkpoint/control.py`, `setup.py`\n\n"
         "```sh\n.venv/bin/python bench/moves.py   # comment\n```\n"
     )
-    named = set()
+    named: set[str] = set()
     for code in _code(page):
         named.update(m.group(1) for m in REPO_PATH.finditer(code))
     assert named == {"proxy/data_path/routing.py", "tests/test_nemo_gym_*.py", "bench/moves.py"}

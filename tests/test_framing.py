@@ -172,7 +172,7 @@ async def test_a_malformed_request_is_refused_naming_the_message_and_key():
         return None
 
     a, b, tasks = await _pair(none, echo)
-    cases = [
+    cases: list[tuple[dict[str, object], str]] = [
         ({"type": "echo"}, "echo: missing key(s) value"),
         ({"type": "echo", "value": 1, "extra": 2}, "echo: unknown key(s) extra"),
         ({"type": "echo", "value": "1"}, "echo: value is not a int"),

@@ -64,10 +64,10 @@ def bases() -> list[bytes]:
     ]
 
 
-def mutate(rng: random.Random, data: bytes) -> bytes:
+def mutate(rng: random.Random, original: bytes) -> bytes:
     """One to four random edits: insert a token, delete a span, duplicate or swap lines,
     change a digit or the case of a span."""
-    data = bytearray(data)
+    data = bytearray(original)
     for _ in range(rng.randint(1, 4)):
         op = rng.randrange(6)
         at = rng.randrange(len(data) + 1)

@@ -20,7 +20,7 @@ from gym_proxy.proxy.descriptor_budget import (
     METRICS_CONNECTIONS,
 )
 from tests.raw_http import Responses, close, read_responses
-from tests.support import CONTROL_TOKEN, wait_until, wait_until_sync
+from tests.support import CONTROL_TOKEN, ProxyProcess, wait_until, wait_until_sync
 
 NOFILE = 256
 FLOOD_PARTIAL = 40  # metrics connections that send half a head
@@ -31,13 +31,13 @@ PARTIAL = b"GET /metrics HTTP/1.1\r\nHost: t\r\n"
 Connection = tuple[asyncio.StreamReader, asyncio.StreamWriter]
 
 
-def metrics_port(proxy) -> int:  # type: ignore[no-untyped-def]
+def metrics_port(proxy: ProxyProcess) -> int:
     found = wait_until_sync(
         lambda: re.search(r"metrics on http://[^:]+:(\d+)/metrics", proxy.log()),
         10,
         "the metrics address",
     )
-    return int(found.group(1))  # type: ignore[union-attr]
+    return int(found.group(1))
 
 
 async def connect(port: int) -> Connection | None:
@@ -175,8 +175,9 @@ async def test_idle_metrics_connections_leave_the_data_path_its_cap(start_proxy)
         for _, writer in [*opened, *clients]:
             await close(writer)
 
-    body = await wait_until(lambda: scrape(port), 10, "a scrape after the flood")
-    assert gauge(body, "gym_proxy_connections_max") == cap  # type: ignore[arg-type]
+    after = await wait_until(lambda: scrape(port), 10, "a scrape after the flood")
+    assert isinstance(after, bytes)
+    assert gauge(after, "gym_proxy_connections_max") == cap
 
 
 def check_flood_ends(ends: list[tuple[bytes, float]], started: float) -> None:
@@ -266,7 +267,7 @@ async def peer_closed(reader: asyncio.StreamReader) -> bool:
         return True
 
 
-async def answers(proxy) -> bool:  # type: ignore[no-untyped-def]
+async def answers(proxy: ProxyProcess) -> bool:
     reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
     writer.write(b"GET /whoami HTTP/1.1\r\nHost: t\r\n\r\n")
     responses = await read_responses(reader, 1)

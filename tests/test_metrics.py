@@ -13,13 +13,25 @@ import shutil
 import signal
 import subprocess
 import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import aiohttp
 import pytest
 
 from tests.ports import free_port
-from tests.support import CONTROL_TOKEN, REPO, Control, wait_until, wait_until_sync
+from tests.support import (
+    CONTROL_TOKEN,
+    REPO,
+    Control,
+    ProxyProcess,
+    wait_until,
+    wait_until_sync,
+)
+
+if TYPE_CHECKING:
+    from tests.in_process import InProcessProxy
 
 TOKEN = "X-NeMo-Gym-Session-Token"
 pytestmark = pytest.mark.skipif(
@@ -28,11 +40,11 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def metrics_url(proxy) -> str:  # type: ignore[no-untyped-def]
+def metrics_url(proxy: ProxyProcess | InProcessProxy) -> str:
     found = wait_until_sync(
         lambda: re.search(r"metrics on (http://\S+/metrics)", proxy.log()), 10, "metrics address"
     )
-    return found.group(1)  # type: ignore[union-attr]
+    return found.group(1)
 
 
 class Prometheus:
@@ -104,7 +116,7 @@ class Prometheus:
 
 
 @pytest.fixture
-def prometheus_for():  # type: ignore[no-untyped-def]
+def prometheus_for() -> Iterator[Callable[[str], Prometheus]]:
     started: list[Prometheus] = []
 
     def start(target: str) -> Prometheus:

@@ -16,7 +16,7 @@ from tests.test_session_moves import TOKEN_HEADER, count, move, seed, whoami
 async def prepare(http: aiohttp.ClientSession, url: str, tmp_path) -> tuple[dict, dict]:
     """Sessions on both workers, each with a count, committed; then one more increment
     each, not committed. Answers {token: (session ID, slot)} and {token: count now}."""
-    sessions = {}
+    sessions: dict[str, tuple[str, int]] = {}
     while len({slot for _, slot in sessions.values()}) < 2 or len(sessions) < 8:
         token, sid, slot = await seed(http, url)
         sessions[token] = (sid, slot)

@@ -9,6 +9,7 @@ import asyncio
 import os
 import signal
 import time
+from typing import Any
 
 import aiohttp
 import pytest
@@ -166,7 +167,12 @@ async def test_retire_marks_reach_late_workers_and_forget_is_fenced(start_proxy,
     )
     assert (code, reply["error"]["code"]) == (409, "invalid_phase")
     await control.ok("resume", **body("p1"))
-    for bad in ({"rollout_ids": []}, {"rollout_ids": ["x-a3"]}, {"rollout_ids": "gone"}):
+    bads: list[dict[str, Any]] = [
+        {"rollout_ids": []},
+        {"rollout_ids": ["x-a3"]},
+        {"rollout_ids": "gone"},
+    ]
+    for bad in bads:
         code, reply = await control.call("forget", **body("x4", **bad))
         assert (code, reply["error"]["code"]) == (400, "invalid_request"), bad
     code, reply = await control.call("retire", **body("x5", episode_ids=[]))
@@ -263,7 +269,7 @@ async def test_commit_onto_another_manifest_is_422_and_cleans_up(participant, ht
 
 def test_identical_commit_returns_the_existing_manifest(tmp_path):
     base = records.checkpoint_path(str(tmp_path), "resources", "inst")
-    args = {
+    args: dict[str, Any] = {
         "kind": "resources",
         "instance": "inst",
         "checkpoint_id": "c",

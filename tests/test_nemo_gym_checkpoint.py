@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
@@ -16,6 +18,7 @@ pytest.importorskip("nemo_gym", reason="the NeMo Gym tier runs in tests/nemo_gym
 from mcp import ClientSession  # noqa: E402
 from mcp.client.streamable_http import streamable_http_client  # noqa: E402
 from mcp.shared._httpx_utils import create_mcp_http_client  # noqa: E402
+from mcp.types import TextContent  # noqa: E402
 
 from gym_proxy.coordinator.clients.controller import Controller, Participant  # noqa: E402
 from gym_proxy.coordinator.contract.episodes import parse_episode_key  # noqa: E402
@@ -37,8 +40,14 @@ def controller(stack: NemoStack, http: aiohttp.ClientSession) -> Controller:
     return Controller([Participant(stack.url(r), CONTROL_TOKEN, http) for r in roles], 60)
 
 
-async def crash_and_restore(  # type: ignore[no-untyped-def]
-    stack: NemoStack, http, control: Control, workers: int, checkpoint_id: str, directory, episodes
+async def crash_and_restore(
+    stack: NemoStack,
+    http: aiohttp.ClientSession,
+    control: Control,
+    workers: int,
+    checkpoint_id: str,
+    directory: Path,
+    episodes: list[dict[str, Any]],
 ) -> None:
     """kill -9 the counter, start it on `workers` workers, restore `episodes`, resume."""
     stack.kill(("resources",))
@@ -164,7 +173,9 @@ async def mcp_call(url: str, token: str, tool: str, arguments: dict) -> dict:
         await session.initialize()
         result = await session.call_tool(tool, arguments)
         assert not result.isError, result.content
-        return json.loads(result.content[0].text)
+        content = result.content[0]
+        assert isinstance(content, TextContent), content
+        return json.loads(content.text)
 
 
 async def test_nemo_gyms_mcp_tools_reach_the_worker_that_holds_the_session(tmp_path):

@@ -10,6 +10,8 @@ import base64
 import json
 import time
 import uuid
+from collections.abc import Callable
+from typing import Any
 
 import aiohttp
 import orjson
@@ -23,7 +25,13 @@ from nemo_gym.base_resources_server import _MCP_TOKEN_SALT  # noqa: E402
 from gym_proxy.coordinator import checkpoint_files as records  # noqa: E402
 from tests.nemo_gym_stack import CounterClient  # noqa: E402
 from tests.ports import free_port  # noqa: E402
-from tests.support import CONTROL_TOKEN, Control, wait_until, write_checkpoint  # noqa: E402
+from tests.support import (  # noqa: E402
+    CONTROL_TOKEN,
+    Control,
+    ProxyProcess,
+    wait_until,
+    write_checkpoint,
+)
 from tests.test_nemo_gym_checkpoint import mcp_call  # noqa: E402
 
 COUNTER = "resources_servers.example_session_state_mgmt.app:StatefulCounterResourcesServer"
@@ -52,9 +60,14 @@ def nemo_http(force_close: bool = False) -> aiohttp.ClientSession:
     )
 
 
-def start_counter(  # type: ignore[no-untyped-def]
-    start_proxy, *args: str, workers: int = 4, mcp: bool = False, preload: bool = True, **kwargs
-):
+def start_counter(
+    start_proxy: Callable[..., ProxyProcess],
+    *args: str,
+    workers: int = 4,
+    mcp: bool = False,
+    preload: bool = True,
+    **kwargs: Any,
+) -> ProxyProcess:
     """The counter under gym-proxy, with `--preload` as docs/nemo_gym.md recommends (NeMo
     Gym's imports cost 3.5-5 s of CPU a worker); the four-worker test's pooled case runs
     without it, so the spawned path carries NeMo Gym's counter too."""
@@ -65,7 +78,7 @@ def start_counter(  # type: ignore[no-untyped-def]
     )  # fmt: skip
 
 
-def movable_counter(start_proxy):  # type: ignore[no-untyped-def]
+def movable_counter(start_proxy: Callable[..., ProxyProcess]) -> ProxyProcess:
     """Two workers of the counter, its session dict declared, MCP on, a control token."""
     return start_counter(
         start_proxy,
@@ -276,8 +289,9 @@ async def test_nemo_gyms_counter_sessions_move_between_workers(start_proxy):
         clients = [CounterClient(http, proxy.url, task) for task in range(12)]
         for i, client in enumerate(clients):
             await client.seed(i)
-        ids = [session_in_cookie_value(c.cookies[COOKIE].encode()) for c in clients]
-        assert all(ids)
+        found = [session_in_cookie_value(c.cookies[COOKIE].encode()) for c in clients]
+        ids = [session_id for session_id in found if session_id]
+        assert len(ids) == len(found), found
 
         async def move(to_slot: int) -> dict:
             body = {"session_ids": ids, "to_slot": to_slot}

@@ -29,7 +29,9 @@ def test_the_quick_start_runs_and_leaves_nothing_running():
         ["bash", str(SCRIPT)], cwd=REPO, env=env, capture_output=True, text=True, timeout=540,
     )  # fmt: skip
     output = result.stdout + result.stderr
-    work = Path(re.search(r"quickstart: files in (\S+)", output).group(1))  # type: ignore[union-attr]
+    found = re.search(r"quickstart: files in (\S+)", output)
+    assert found is not None, output[-4000:]
+    work = Path(found.group(1))
     try:
         assert result.returncode == 0, output[-4000:]
         assert "8 of 8 rollouts scored 1.0" in result.stdout, output[-4000:]

@@ -15,7 +15,9 @@ import shutil
 import signal
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
@@ -41,6 +43,13 @@ RAY_EXIT = 5  # gym-proxy's exit status for a Ray cluster it cannot start or joi
 CLUSTER = re.compile(r"Ray: started a local cluster at (\S+)")
 
 
+def cluster_address(log: str) -> str:
+    """The address of the Ray cluster a gym-proxy's `log` says it started."""
+    found = CLUSTER.search(log)
+    assert found is not None, log[-3000:]
+    return found.group(1)
+
+
 def write_config(directory: Path, **extra: object) -> Path:
     path = directory / "config.yaml"
     path.write_text(json.dumps(code_gen.config(free_port(), free_port(), **extra)))
@@ -48,11 +57,11 @@ def write_config(directory: Path, **extra: object) -> Path:
 
 
 @pytest.fixture
-def start(start_proxy):  # type: ignore[no-untyped-def]
+def start(start_proxy: Callable[..., ProxyProcess]) -> Callable[..., ProxyProcess]:
     """code_gen behind gym-proxy (on its test socket), not waiting for ready; stopped
     after the test, with its log shown should the test fail."""
 
-    def start(config: Path, *args: str, workers: int = 3, **kwargs) -> ProxyProcess:  # type: ignore[no-untyped-def]
+    def start(config: Path, *args: str, workers: int = 3, **kwargs: Any) -> ProxyProcess:
         return start_proxy(
             "--nemo-gym-config", str(config), "--name", code_gen.INSTANCE,
             "--log-level", "info", *args,
@@ -116,7 +125,7 @@ async def served(http: aiohttp.ClientSession, proxy: ProxyProcess) -> dict[int, 
     return {w["slot"]: w["requests_served"] for w in (await status(http, proxy))["workers"]}
 
 
-async def operate(http: aiohttp.ClientSession, proxy: ProxyProcess, name: str, **body) -> None:  # type: ignore[no-untyped-def]
+async def operate(http: aiohttp.ClientSession, proxy: ProxyProcess, name: str, **body: Any) -> None:
     async with http.post(f"{proxy.url}{WORKERS}/{name}", json=body, headers=AUTH) as response:
         reply = await response.json()
         assert response.status == 200 and reply["complete"], reply
@@ -147,7 +156,7 @@ async def test_code_gen_on_three_workers_has_one_cluster_through_crash_restart_a
     config = write_config(tmp_path)
     proxy = start(config, "--access-log", "--preload")
     proxy.wait_ready(180)
-    address = CLUSTER.search(proxy.log()).group(1)  # type: ignore[union-attr]
+    address = cluster_address(proxy.log())
     assert address != SharedRay.get()["address"]  # a cluster on the host is not attached to
     cluster = one_cluster(proxy)
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as http:
@@ -267,7 +276,7 @@ async def test_the_proxy_that_adopts_the_workers_takes_the_cluster_over_too(star
         assert first.wait_exit(60) == 0, first.log()[-3000:]
     assert all(pid_alive(p) for p in cluster | set(workers))
     second.wait_ready(180)
-    address = CLUSTER.search(first.log()).group(1)  # type: ignore[union-attr]
+    address = cluster_address(first.log())
     assert f"Ray: took over the local cluster at {address}" in second.log()
     previous = "of the dead instance" if how == "crash" else "the previous instance passed on"
     assert f"adopted 2 workers {previous}" in second.log()

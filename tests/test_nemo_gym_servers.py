@@ -185,8 +185,8 @@ def test_a_gym_proxy_block_that_cannot_work_is_one_line_before_any_worker(tmp_pa
     """The server block's `gym_proxy:` settings (proxy/config_block.py): a key the block
     cannot set is refused with the key's full path and what to write instead."""
     config = tmp_path / "config.yaml"
-    block = {"gym_proxy": {"session_state": "session_id_to_counter", "workers": 3}}
-    config.write_text(json.dumps(counter_config(free_port(), **block)))
+    block = {"session_state": "session_id_to_counter", "workers": 3}
+    config.write_text(json.dumps(counter_config(free_port(), gym_proxy=block)))
     proc = gym_proxy(tmp_path, COUNTER, "--nemo-gym-config", str(config))
     assert proc.wait(60) == 2
     lines = (tmp_path / "proxy.log").read_text().strip().splitlines()

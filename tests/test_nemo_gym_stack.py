@@ -22,7 +22,7 @@ CONCURRENCY = 32
 WORKERS = {"env": 4, "agent": 4, "resources": 4, "model": 2}
 
 
-async def every_rollout_right(stack: NemoStack, http) -> None:  # type: ignore[no-untyped-def]
+async def every_rollout_right(stack: NemoStack, http: aiohttp.ClientSession) -> None:
     """Start the stack, run the rollouts: every one finishes with reward 1.0."""
     stack.start()
     await stack.wait_serving(http)

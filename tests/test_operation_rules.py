@@ -70,6 +70,7 @@ def operations(workers: int, draining: tuple[int, ...] = ()) -> tuple[Operations
     for slot in draining:
         pool.slots[slot].route.draining = True
     exclusion = Exclusion(lambda: None)  # no checkpoint open
+    # Stand-ins that fail any use: a rule refuses before it touches the pool or the mover.
     return Operations(pool, Mover(None, None, exclusion), exclusion), pool  # type: ignore[arg-type]
 
 
@@ -112,7 +113,7 @@ def test_the_steps_the_manual_lists_are_the_codes():
 
 
 def _worker(state: str = "live", **route: Any) -> WorkerProcess:
-    process = SimpleNamespace(pid=4242)
+    process = SimpleNamespace(pid=4242)  # no process: the rules read only its pid
     worker = WorkerProcess(0, "owner", "/sock", process, 0.0, state=state)  # type: ignore[arg-type]
     if state != "starting":
         worker.route = WorkerRoute("owner", 0, "/sock", **route)

@@ -133,6 +133,7 @@ async def keep_state(call: Call, flight: InFlight) -> int:
 
 async def park_at_boundary(call: Call, flight: InFlight) -> int:
     await call.finish.wait()
+    assert flight.episode is not None
     await flight.episode.boundary({"step": 1})
     return 200
 
@@ -163,7 +164,7 @@ class Rig:
             notify()
             self._changed.set()
 
-        runtime.changed = changed  # type: ignore[method-assign]
+        runtime.changed = changed  # type: ignore[method-assign]  # observed, as it is called
 
     async def connect(self) -> None:
         async def serve(message: msg.Message) -> msg.Message:
@@ -431,6 +432,7 @@ async def test_every_change_a_report_shows_is_reported(rig_of):
     step: asyncio.Future[str] = asyncio.get_running_loop().create_future()
 
     async def replay(call: Call, flight: InFlight) -> None:
+        assert flight.episode is not None  # a /run: it has its episode
         await flight.episode.replay(step)
 
     episode.do(replay)
@@ -509,7 +511,7 @@ async def test_retire_cancels_refuses_and_frees_until_forgotten(rig_of):
     for call in (current, earlier, other):
         await call.admitted()
     reply = await handle_coordinator_message(runtime, msg.Retire([msg.EpisodeRef("r1", 1)]))
-    assert reply.retired == 3  # two requests, one session
+    assert isinstance(reply, msg.Retired) and reply.retired == 3  # two requests, one session
     assert [await current.result(), await earlier.result()] == ["stale_attempt"] * 2
     assert current.own_cancellation and earlier.own_cancellation
     assert not other.task.done() and retired == [["s1"]] and "s1" not in runtime.store
@@ -517,7 +519,8 @@ async def test_retire_cancels_refuses_and_frees_until_forgotten(rig_of):
     assert await rig.done("/step", "s1") == "stale_attempt"
     assert await rig.done("/close_session", "s1") == 200
     assert await rig.done("/run", body=run_body("r1", 2)) == 200
-    assert (await handle_coordinator_message(runtime, msg.Forget(["r1"]))).forgotten == ["r1"]
+    forgot = await handle_coordinator_message(runtime, msg.Forget(["r1"]))
+    assert isinstance(forgot, msg.Forgotten) and forgot.forgotten == ["r1"]
     assert await rig.done("/run", body=run_body("r1", 1)) == 200
     assert await rig.done("/step", "s1") == 200
     assert await other.answer() == 200
@@ -681,6 +684,7 @@ async def test_a_declared_session_dict_is_exported_installed_and_released(rig_of
     states: dict[str, Any] = {"stray": 0}
 
     async def count(call: Call, flight: InFlight) -> int:
+        assert flight.session_id is not None
         states[flight.session_id] = 7
         return 200
 

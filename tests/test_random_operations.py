@@ -55,6 +55,7 @@ nothing. After every step:
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import random
 import signal
@@ -62,9 +63,11 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
+from multidict import CIMultiDict
 
 from gym_proxy.coordinator import checkpoint_files as records
 from gym_proxy.coordinator.contract import records as record_format
@@ -155,13 +158,19 @@ class Walk:
         self.root = root
         self.hold = root / "hold"
         self.model = Model()
-        self.proxy: ProxyProcess | None = None
+        self._proxy: ProxyProcess | None = None
+        self.open_id: str  # the open checkpoint's, from its prepare on
         self.expected = 0
         self.trail: list[str] = []  # operations so far, for the failure message
         self.clients: list[aiohttp.ClientSession] = []  # opened after a take-over
         self.last_log = ""
 
     # ---- plumbing ---------------------------------------------------------------
+    @property
+    def proxy(self) -> ProxyProcess:
+        assert self._proxy is not None, "the walk has started gym-proxy"
+        return self._proxy
+
     def start(
         self, workers: int, same_as: ProxyProcess | None = None, take_over: bool = False
     ) -> None:
@@ -169,7 +178,7 @@ class Walk:
         adopts the workers `same_as` left, or with `take_over` takes them from it)."""
         self.expected = workers if same_as is None else self.expected
         self.workers_arg = workers
-        self.proxy = self.command(same_as, take_over)
+        self._proxy = self.command(same_as, take_over)
         if same_as is not None:
             self.proxy.seen_pids |= same_as.seen_pids  # adopted: a failed walk stops them
         self.proxy.wait_ready()
@@ -198,7 +207,7 @@ class Walk:
         self.model.serial += 1
         return f"s{self.seed}-c{self.model.serial}"
 
-    async def post(self, path: str, **kwargs) -> tuple[int, dict, dict]:
+    async def post(self, path: str, **kwargs: Any) -> tuple[int, CIMultiDict[str], Any]:
         async with self.http.post(f"{self.proxy.url}{path}", **kwargs) as resp:
             return resp.status, resp.headers.copy(), await resp.json()
 
@@ -375,7 +384,7 @@ class Walk:
         scope = None
         if candidates and self.rng.random() < 0.4:
             scope = sorted(self.rng.sample(candidates, self.rng.randint(0, len(candidates))))
-        body = {"checkpoint_id": self.open_id, "checkpoint_dir": str(directory)}
+        body: dict[str, Any] = {"checkpoint_id": self.open_id, "checkpoint_dir": str(directory)}
         if scope is not None:
             body["episode_ids"] = [parse_episode_key(k).as_json() for k in scope]
         if self.rng.random() < 0.3:
@@ -396,7 +405,7 @@ class Walk:
         _, recs = records.read(base, kind="resources", instance="apps")
         keys = {record_format.record_key(r) for r in recs if not record_format.is_session(r)}
         assert keys == exported, (keys, exported)
-        assert not any(self.model.retired(k) for k in keys)
+        assert not any(self.model.retired(k) for k in exported)
 
     async def op_resume(self) -> None:
         if self.model.phase == "idle":
@@ -557,7 +566,7 @@ class Walk:
         for sid, (owner, tag) in list(self.model.held_owner.items()):
             self.model.recalled[tag] += 1
             await wait_until(
-                lambda o=owner, t=tag: self._cancelled(o, t, self.model.recalled[t]),
+                functools.partial(self._cancelled, owner, tag, self.model.recalled[tag]),
                 10,
                 f"{sid}'s request cancelled by the crash",
             )

@@ -4,6 +4,8 @@ the next one in; one that said `stopping` first (its stop had begun) ends it."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 
 from gym_proxy.proxy.ray_cluster.head import _Holder
@@ -11,7 +13,7 @@ from gym_proxy.proxy.ray_cluster.head import _Holder
 pytestmark = pytest.mark.fast
 
 
-def lines(*said: bytes):
+def lines(*said: bytes) -> Callable[[], bytes]:
     remaining = list(said)
     return lambda: remaining.pop(0) if remaining else b""
 
@@ -41,5 +43,10 @@ def test_the_next_holder_s_own_words_count():
 
 def test_a_signal_s_stop_ends_the_wait():
     holder = _Holder()
-    holder.follow(lambda: holder.stop() or b"")
+
+    def stopped_then_ended() -> bytes:
+        holder.stop()
+        return b""
+
+    holder.follow(stopped_then_ended)
     assert holder.wait() is False

@@ -10,14 +10,14 @@ import time
 import pytest
 
 from gym_proxy.proxy.fleet.session_watch import until_a_request_ends, worker_watch
-from tests.data_path_rig import Rig
+from tests.data_path_rig import Rig, Upstream
 
 pytestmark = pytest.mark.fast
 
 OK = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n{}"
 
 
-async def running_session(rig: Rig) -> tuple[str, object]:
+async def running_session(rig: Rig) -> tuple[str, Upstream]:
     """A request of a new session, running at its worker: (session ID, its upstream)."""
     before = set(rig.router.active)
     rig.client().send(b"POST /seed_session HTTP/1.1\r\nHost: t\r\ncontent-length: 2\r\n\r\n{}")
@@ -34,7 +34,7 @@ async def test_the_end_of_a_watched_request_wakes_the_waiter_at_once():
     )
     await rig.settle()
     assert not waiting.done() and rig.router.watchers.keys() == {session_id}
-    upstream.send(OK)  # type: ignore[attr-defined]
+    upstream.send(OK)
     await asyncio.wait_for(waiting, 1)  # woken, long before the deadline
     assert rig.router.active == {} and rig.router.watchers == {}
 
@@ -47,7 +47,7 @@ async def test_a_request_of_another_session_does_not_wake_it():
         until_a_request_ends(rig.router, [watched], time.monotonic() + 60)
     )
     await rig.settle()
-    other_upstream.send(OK)  # type: ignore[attr-defined]
+    other_upstream.send(OK)
     await rig.settle()
     assert not waiting.done()
     waiting.cancel()
@@ -73,7 +73,7 @@ async def test_two_waiters_on_one_session_are_both_woken():
     ]
     await rig.settle()
     assert len(rig.router.watchers[session_id]) == 2
-    upstream.send(OK)  # type: ignore[attr-defined]
+    upstream.send(OK)
     await asyncio.wait_for(asyncio.gather(*waits), 1)
     assert rig.router.watchers == {}
 
@@ -92,9 +92,9 @@ async def test_the_end_of_any_request_of_a_watched_worker_wakes_the_waiter():
         until_a_request_ends(rig.router, [worker_watch(owner0)], time.monotonic() + 60)
     )
     await rig.settle()
-    other.send(OK)  # type: ignore[attr-defined]
+    other.send(OK)
     await rig.settle()
     assert not waiting.done()
-    mine.send(OK)  # type: ignore[attr-defined]
+    mine.send(OK)
     await asyncio.wait_for(waiting, 1)
     assert rig.router.watchers == {}

@@ -13,7 +13,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -266,7 +266,7 @@ async def test_crashed_worker_is_unrouted_and_respawned_under_a_new_owner(rig):
     assert respawn.started_at >= r.supervisor.slots[slot].restart_at  # backoff honoured
 
 
-async def test_unexpected_registration_is_refused(rig):
+async def test_unexpected_registration_is_refused(rig: Callable[..., Awaitable[Rig]]):
     """on_register refuses a slot that does not exist, an owner the slot does not expect
     and a second registration of a live worker, and changes nothing when it does."""
     r = await rig()
@@ -276,6 +276,7 @@ async def test_unexpected_registration_is_refused(rig):
 
     def register(slot: int, owner: str) -> None:
         reg = Register(slot, owner, 1, "/nowhere.sock", "resources", "aiohttp", None, False)
+        # No channel: each is refused before its channel is used.
         r.supervisor.on_register(reg, object())  # type: ignore[arg-type]
 
     for slot, owner in [

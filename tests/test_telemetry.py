@@ -13,9 +13,11 @@ import aiohttp
 import pytest
 from aiohttp import web
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import Tracer
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from tests.support import CONTROL_TOKEN, Control, wait_until
@@ -38,7 +40,7 @@ class Receiver:
         await self.runner.setup()
         site = web.TCPSite(self.runner, "127.0.0.1", 0)
         await site.start()
-        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        port = self.runner.addresses[0][1]
         self.url = f"http://127.0.0.1:{port}"
 
     async def _traces(self, request: web.Request) -> web.Response:
@@ -68,7 +70,7 @@ class Receiver:
             await self.runner.cleanup()
 
 
-def _value(value) -> object:  # type: ignore[no-untyped-def]
+def _value(value: AnyValue) -> object:
     kind = value.WhichOneof("value")
     return getattr(value, kind) if kind else None
 
@@ -91,7 +93,7 @@ def otel_env(receiver: Receiver) -> dict[str, str]:
     }
 
 
-def controller_span() -> tuple[object, InMemorySpanExporter]:
+def controller_span() -> tuple[Tracer, InMemorySpanExporter]:
     """The controller's own tracer, in this process, as NeMo-RL's controller would have."""
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
@@ -109,16 +111,16 @@ async def test_one_checkpoint_is_one_trace_across_the_proxy_and_every_worker(
             async with http.post(f"{proxy.url}/seed_session", json={"initial_count": 1}) as r:
                 assert r.status == 200
         control = Control(http, proxy.url)
-        with tracer.start_as_current_span("controller.checkpoint") as root:  # type: ignore[attr-defined]
+        with tracer.start_as_current_span("controller.checkpoint") as root:
             headers: dict[str, str] = {}
             TraceContextTextMapPropagator().inject(headers)
             auth = {"Authorization": f"Bearer {CONTROL_TOKEN}", **headers}
-            for op, body in (
+            for op, extra in (
                 ("prepare", {}),
                 ("commit", {"checkpoint_dir": str(tmp_path)}),
                 ("resume", {}),
             ):
-                body = {"checkpoint_id": "ck-trace", "deadline_ts": Control.deadline(), **body}
+                body = {"checkpoint_id": "ck-trace", "deadline_ts": Control.deadline(), **extra}
                 async with http.post(f"{control.base}/{op}", json=body, headers=auth) as r:
                     assert r.status == 200, await r.text()
         trace_id = format(root.get_span_context().trace_id, "032x")
