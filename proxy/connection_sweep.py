@@ -18,7 +18,7 @@ from gym_proxy.coordinator.contract.keepalive import POOL_IDLE
 from gym_proxy.proxy.data_path.client_connection import (
     DISCARDING,
     LINGERING,
-    TUNNELING,
+    TUNNEL,
     ProxyState,
 )
 from gym_proxy.proxy.data_path.routing import WorkerRoute
@@ -56,7 +56,7 @@ def _expire_clients(state: ProxyState) -> None:
             if client.last_active < linger_before:
                 client.abort()
             continue
-        if phase == TUNNELING:
+        if phase == TUNNEL:
             if client.last_active < tunnel_before:
                 client.tunnel_timed_out()
             continue

@@ -17,7 +17,7 @@ from gym_proxy.proxy.data_path.client_connection import (
     DISCARDING,
     LINGERING,
     READING,
-    TUNNELING,
+    TUNNEL,
 )
 from gym_proxy.proxy.data_path.exchange import DONE
 from tests.data_path_rig import TUNNEL_BYTES, Rig, parse_requests, parse_responses
@@ -532,7 +532,7 @@ async def test_websocket_upgrade_becomes_a_tunnel_both_ways():
     assert switched[0] == 101 and switched[1][b"upgrade"] == b"websocket"
     assert (after, rest) == (TUNNEL_BYTES, b"server-frame")
     assert bytes(upstream.transport.data).endswith(b"\r\n\r\nearly-frame")
-    assert client.protocol.phase == TUNNELING and client.transport.reading
+    assert client.protocol.phase == TUNNEL and client.transport.reading
     client.send(b"\x81\x05hello")
     upstream.send(b"\x81\x02hi")
     assert bytes(upstream.transport.data).endswith(b"early-frame\x81\x05hello")
@@ -654,7 +654,7 @@ async def test_upgrade_behind_a_pipelined_request_waits_its_turn():
     upstream.send(OK)
     assert [r[1] for r in upstream.requests()][:2] == [b"/x", b"/ws"]
     upstream.send(SWITCH)
-    assert client.protocol.phase == TUNNELING
+    assert client.protocol.phase == TUNNEL
     exchange = client.protocol.pipeline[0]
     client.protocol.tunnel_timed_out()
     assert exchange.state == DONE

@@ -60,7 +60,7 @@ def test_the_exchange_drawing_is_its_table():
 
 
 def test_the_client_connection_drawing_is_its_table():
-    names = tuple("TUNNELING" if n == "tunnel" else n for n in client_connection.PHASE_NAMES)
+    names = client_connection.PHASE_NAMES
     assert drawn(client_connection) == table(client_connection.TRANSITIONS, names)
     assert set(client_connection.TRANSITIONS) == set(range(len(names)))
 
@@ -72,8 +72,7 @@ def test_every_state_is_described_in_its_docstring():
     ):
         doc = docstring(module)
         for name in names:
-            upper = "TUNNELING" if module is client_connection and name == "tunnel" else name
-            assert re.search(rf"^    {upper.upper()}\s", doc, re.M), (module.__name__, name)
+            assert re.search(rf"^    {name.upper()}\s", doc, re.M), (module.__name__, name)
 
 
 def _exchange() -> Exchange:
@@ -122,7 +121,7 @@ def listed(page: str, pattern: str) -> list[str]:
 
 
 def test_the_design_page_lists_the_data_paths_states():
-    phases = [("TUNNELING" if n == "tunnel" else n).upper() for n in client_connection.PHASE_NAMES]
+    phases = [n.upper() for n in client_connection.PHASE_NAMES]
     assert listed("design.md", r"phases of a client connection \(([^)]*)\)") == phases
     states = listed("design.md", r"`Exchange` \(`[^`]*`\) whose states \(([^)]*)\)")
     assert sorted(states) == sorted(n.upper() for n in STATE_NAMES)

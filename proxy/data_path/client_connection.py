@@ -19,7 +19,7 @@ Connection phases (`ClientConnection.phase`; each exchange has its own, `proxy.d
                 is read and dropped, then the connection closes
     UPGRADING   an upgrade request (WebSocket) was parsed; later input is held, reading
                 paused, until the worker answers
-    TUNNELING   the worker answered 101: bytes pass both ways untouched until either
+    TUNNEL      the worker answered 101: bytes pass both ways untouched until either
                 side closes or the tunnel idle timeout
     REFUSED     the input is not parsed any more (not HTTP we accept, over the
                 connection cap, a refused upgrade); the answer goes out, then LINGERING
@@ -30,11 +30,11 @@ Transitions (`TRANSITIONS` below, consulted on every change: `proxy.state_tables
 checks this drawing against it):
 
     READING    --answer before the body ended--> DISCARDING --body end--> REFUSED
-    READING    --upgrade request parsed--------> UPGRADING --101--> TUNNELING
+    READING    --upgrade request parsed--------> UPGRADING --101--> TUNNEL
     UPGRADING  --any other answer--------------> REFUSED (answered, then closed)
     READING | DISCARDING --bad input / head limits / over the cap--> REFUSED
     REFUSED    --answered, half-closed---------> LINGERING
-    READING | DISCARDING | UPGRADING | TUNNELING | REFUSED | LINGERING --close--> CLOSED
+    READING | DISCARDING | UPGRADING | TUNNEL | REFUSED | LINGERING --close--> CLOSED
 
 Every write goes through the connection's `Outbox`; a read is handled between
 `outbox.hold()` and `outbox.release()`, so what one read causes goes out as one write.
@@ -72,7 +72,7 @@ __all__ = [
     "READING",
     "DISCARDING",
     "UPGRADING",
-    "TUNNELING",
+    "TUNNEL",
     "REFUSED",
     "LINGERING",
     "CLOSED",
@@ -85,7 +85,7 @@ __all__ = [
 READING: Final = 0
 DISCARDING: Final = 1
 UPGRADING: Final = 2
-TUNNELING: Final = 3
+TUNNEL: Final = 3
 REFUSED: Final = 4
 LINGERING: Final = 5
 CLOSED: Final = 6
@@ -101,8 +101,8 @@ PHASE_NAMES: Final = (
 TRANSITIONS: Final[dict[int, tuple[int, ...]]] = {
     READING: (DISCARDING, UPGRADING, REFUSED, CLOSED),
     DISCARDING: (REFUSED, CLOSED),
-    UPGRADING: (TUNNELING, REFUSED, CLOSED),
-    TUNNELING: (CLOSED,),
+    UPGRADING: (TUNNEL, REFUSED, CLOSED),
+    TUNNEL: (CLOSED,),
     REFUSED: (LINGERING, CLOSED),
     LINGERING: (CLOSED,),
     CLOSED: (),
@@ -274,7 +274,7 @@ class ClientConnection(asyncio.Protocol):
             return
         outbox.hold()
         try:
-            if phase == TUNNELING:
+            if phase == TUNNEL:
                 self.pipeline[0].request_body(data)
             elif phase == UPGRADING:
                 self.held += data  # paused: at most one read arrives here
@@ -391,7 +391,7 @@ class ClientConnection(asyncio.Protocol):
         phase = self.phase
         if phase >= LINGERING:
             return
-        if exchange.upgrade and (phase == UPGRADING or phase == TUNNELING):
+        if exchange.upgrade and (phase == UPGRADING or phase == TUNNEL):
             if phase == UPGRADING:
                 self._to(REFUSED)  # no switch: held input is dropped, then lingering
             self.close()
@@ -415,7 +415,7 @@ class ClientConnection(asyncio.Protocol):
 
     def start_tunnel(self, exchange: Exchange) -> None:
         """The worker switched protocols: from now on bytes pass through untouched."""
-        self._to(TUNNELING)
+        self._to(TUNNEL)
         held, self.held = self.held, b""
         if held:
             exchange.request_body(held)
@@ -463,7 +463,7 @@ class ClientConnection(asyncio.Protocol):
 
     def tunnel_timed_out(self) -> None:
         """Nothing crossed the tunnel for the tunnel idle timeout (the sweep calls this)."""
-        if self.phase == TUNNELING and self.pipeline:
+        if self.phase == TUNNEL and self.pipeline:
             self.pipeline[0].finish(reuse=False)  # closes both sides
 
     # ---- internals ----------------------------------------------------------------

@@ -301,7 +301,7 @@ class Decommissioner:
     async def _decommission_later(
         self, worker: WorkerProcess, heirs: Callable[[], list[WorkerProcess]]
     ) -> None:
-        """Retire a worker left serving, as soon as its sessions let it."""
+        """Decommission a worker left serving, as soon as its sessions let it."""
         while worker.state == "live":
             await self._until_a_request_ends(worker, math.inf, RETRY_DECOMMISSION)
             if not self.exclusion.is_free():
