@@ -107,8 +107,8 @@ class Server:
         self._timers: list[asyncio.Task[None]] = []  # stop before the workers do
 
     async def run(self) -> int:
-        """Start, serve until a signal, a fatal worker error or a take-over, then hand
-        over or shut down; answers the process's exit status."""
+        """Start, serve until a signal, a fatal worker error or a take-over, then pass
+        the workers on or shut down; answers the process's exit status."""
         try:
             await self.startup()
         except StartupFailed as exc:
@@ -119,12 +119,13 @@ class Server:
             code = 0
         else:
             code = await self.serve()
+            self.signals.note_stopping()
             if self.taken.done() and code == 0:
                 await self.pass_on()
             else:
                 await self.shutdown()
         finally:
-            self.signals.request_stop()  # the first stop sets the time the log gives
+            self.signals.note_stopping()
             await self.resources.aclose()
         log.info("stopped in %.2f s", time.monotonic() - self.signals.stopping_since)
         return code

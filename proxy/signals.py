@@ -36,7 +36,7 @@ class Signals:
     def __init__(self, on_operation: Callable[[str], None]) -> None:
         self.stop = asyncio.Event()
         self.force = asyncio.Event()  # a second TERM/INT: no more waiting
-        self.stopping_since = 0.0  # monotonic time of the first TERM/INT (or of stop())
+        self.stopping_since = 0.0  # monotonic time stopping began (a TERM/INT, or another end)
         self.serving = False
         self._on_operation = on_operation
 
@@ -61,11 +61,16 @@ class Signals:
             loop.remove_signal_handler(sig)
 
     def request_stop(self) -> None:
-        """A TERM or INT (or a fatal error): stop; a second one forces."""
+        """A TERM or INT: stop; a second one forces."""
         if self.stop.is_set():
             self.force.set()
-        self.stopping_since = self.stopping_since or time.monotonic()
+        self.note_stopping()
         self.stop.set()
+
+    def note_stopping(self) -> None:
+        """The server stops (for a signal, or another reason): from the first time, the
+        final log line counts how long stopping took."""
+        self.stopping_since = self.stopping_since or time.monotonic()
 
     def _operation(self, name: str) -> None:
         if self.serving and not self.stop.is_set():
