@@ -210,11 +210,12 @@ class RolloutPrefix:
 
 
 async def late_body(send: Send) -> None:
-    """A sized answer whose body comes 50 ms after its head, as a FastAPI app's does
-    through its middleware (loop turns apart)."""
+    """A sized answer whose body comes after its head, as a FastAPI app's does through
+    its middleware (loop turns apart): here once the test opens the gate "late_body"
+    (`/release?name=late_body`)."""
     headers = [(b"content-type", b"text/plain"), (b"content-length", b"4")]
     await send({"type": "http.response.start", "status": 200, "headers": headers})
-    await asyncio.sleep(0.05)
+    await _gate("late_body").wait()
     await send({"type": "http.response.body", "body": b"late"})
 
 

@@ -175,17 +175,29 @@ async def test_unreachable_worker_socket_is_502_and_connection_stays_usable(star
     await close(writer)
 
 
-async def test_a_sized_answer_leaves_the_worker_head_and_body_together(start_proxy):
+async def test_a_sized_answer_leaves_the_worker_head_and_body_together(start_proxy, http):
     """uvicorn writes an answer's head as the app sends it; the worker's door holds a
     sized answer's head until its body, so the proxy reads one piece, not two (its
     reads per NeMo Gym call fell from 2.39 to 2.12). Read from the worker's own socket:
-    the first bytes that come hold the body, sent 50 ms after the head."""
+    nothing comes while the app holds its body back, then the head and the body."""
     proxy = start_proxy(workers=1, app=ASGI_TEST_APP)
     [socket_path] = proxy.runtime_dir().glob("w0-*.sock")
     reader, writer = await asyncio.open_unix_connection(str(socket_path))
     try:
         writer.write(b"GET /late_body HTTP/1.1\r\nHost: w\r\n\r\n")
-        first = await asyncio.wait_for(reader.read(65536), 10)
+        early = asyncio.ensure_future(reader.read(65536))
+
+        async def seen_late_body() -> bool:
+            async with http.get(f"{proxy.url}/seen") as resp:
+                return "/late_body" in (await resp.json())["paths"]
+
+        await wait_until(seen_late_body, 10, "the app to send its head")
+        assert not early.done(), early.result()  # the door holds the head
+        async with http.get(f"{proxy.url}/release?name=late_body") as resp:
+            assert resp.status == 200
+        answer = await asyncio.wait_for(early, 10)
+        while not answer.endswith(b"late"):  # both may come in two reads; head first
+            answer += await asyncio.wait_for(reader.read(65536), 10)
     finally:
         writer.close()
-    assert first.startswith(b"HTTP/1.1 200") and first.endswith(b"\r\n\r\nlate"), first
+    assert answer.startswith(b"HTTP/1.1 200") and answer.endswith(b"\r\n\r\nlate"), answer
