@@ -14,7 +14,7 @@ the end (resize), and a worker an operation stops is *leaving*: its exit is expe
 nothing restarts it. A worker an operation starts is on trial until it registers: if it
 cannot boot, only that operation fails, never the server. What a predecessor's workers
 need when they rejoin is `proxy.fleet.adoption`'s; when this gym-proxy passes its workers
-on to a successor (`--take-over`), `pass_on` stops watching them and `let_go` leaves them
+on to a successor (`--take-over`), `pass_on` stops restarting them and `stop` leaves them
 running.
 """
 
@@ -25,7 +25,6 @@ import contextlib
 import dataclasses
 import logging
 import os
-import signal
 import time
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
@@ -47,6 +46,7 @@ from gym_proxy.proxy.fleet.worker_records import (
     SubprocessLauncher,
     WorkerLauncher,
     WorkerProcess,
+    terminate,
 )
 from gym_proxy.proxy.fleet.zygote_client import Zygote
 from gym_proxy.worker.options import worker_argv
@@ -110,11 +110,10 @@ class Supervisor:
         self.reconcile()
         waiter = asyncio.ensure_future(self._registered.wait())
         either: set[asyncio.Future[Any]] = {waiter, self.fatal}
+        timeout = self.config.boot_timeout or None
         try:
             done, _ = await asyncio.wait(
-                either,
-                timeout=self.config.boot_timeout or None,
-                return_when=asyncio.FIRST_COMPLETED,
+                either, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
             )
         finally:
             waiter.cancel()
@@ -176,15 +175,9 @@ class Supervisor:
             await process.wait()
             self.slots.vacate(placeholder)
             return None
-        placeholder.started_at = time.monotonic()
-        placeholder.started_unix = time.time()
-        log.info(
-            "worker %d%s started (pid %d, owner %s)",
-            slot_index,
-            " (replacement)" if successor else "",
-            process.pid,
-            owner,
-        )
+        placeholder.started_at, placeholder.started_unix = time.monotonic(), time.time()
+        kind = " (replacement)" if successor else ""
+        log.info("worker %d%s started (pid %d, owner %s)", slot_index, kind, process.pid, owner)
         self.watch(placeholder)
         return placeholder
 
@@ -196,9 +189,8 @@ class Supervisor:
         code = await worker.process.wait()
         self._mark_dead(worker)
         if not worker.registered.done():
-            worker.registered.set_exception(
-                WorkerBootError(f"worker {worker.slot} exited with code {code} before registering")
-            )
+            why = f"worker {worker.slot} exited with code {code} before registering"
+            worker.registered.set_exception(WorkerBootError(why))
         self.slots.left(worker)
         if worker.leaving:
             log.info("worker %d (pid %d) stopped with code %s", worker.slot, worker.pid, code)
@@ -207,12 +199,10 @@ class Supervisor:
         current = replaced_slot is not None and replaced_slot.worker is worker
         self.slots.vacate(worker)
         if self.stopping:
+            after = time.monotonic() - self._stop_began
             log.info(
                 "worker %d (pid %d) exited with code %s, %.2f s after SIGTERM",
-                worker.slot,
-                worker.pid,
-                code,
-                time.monotonic() - self._stop_began,
+                *(worker.slot, worker.pid, code, after),
             )
             return
         if not current:  # a successor that died before its promotion: its operation says so
@@ -221,11 +211,8 @@ class Supervisor:
         slot = replaced_slot
         assert slot is not None
         if code == BOOT_ERROR and not worker.on_trial:
-            self._fail(
-                WorkerBootError(
-                    f"worker {worker.slot} cannot build app {self.config.app} (see above)"
-                )
-            )
+            why = f"worker {worker.slot} cannot build app {self.config.app} (see above)"
+            self._fail(WorkerBootError(why))
             return
         now = time.monotonic()
         delay = slot.exited(now - worker.started_at, now)
@@ -374,7 +361,7 @@ class Supervisor:
         self.slots.leave(worker)
         if worker.process is None:  # a placeholder whose process is still starting
             return None
-        await self._terminate([worker], grace)
+        await terminate([worker], grace)
         self._mark_dead(worker)
         self.slots.vacate(worker)
         return worker.process.returncode
@@ -389,8 +376,8 @@ class Supervisor:
     async def stop(self, grace: float) -> None:
         """SIGTERM every worker, SIGKILL those still running at the deadline, reap all;
         after `pass_on`, only let them go."""
-        if self.passing_on:
-            await self.let_go()
+        if self.passing_on:  # the workers go on serving the successor: only stop watching
+            await self._untrack_all()
             return
         self.stopping = True
         if self._timer is not None:
@@ -409,27 +396,8 @@ class Supervisor:
                 grace,
             )
         self._stop_began = time.monotonic()
-        await self._terminate(running, grace)
+        await terminate(running, grace)
         await self._untrack_all()
-
-    async def _terminate(self, workers: list[WorkerProcess], grace: float) -> None:
-        """SIGTERM (SIGKILL when `grace` is 0), SIGKILL whatever still runs after
-        `grace` seconds, and wait for every one."""
-        running = [w for w in workers if w.process.returncode is None]
-        for worker in running:
-            with contextlib.suppress(ProcessLookupError):
-                worker.process.send_signal(signal.SIGTERM if grace > 0 else signal.SIGKILL)
-        waits = [asyncio.ensure_future(w.process.wait()) for w in running]
-        if not waits:
-            return
-        _, pending = await asyncio.wait(waits, timeout=grace or None)
-        if pending:
-            for worker in running:
-                if worker.process.returncode is None:
-                    log.warning("worker %d did not stop in time; killing it", worker.slot)
-                    with contextlib.suppress(ProcessLookupError):
-                        worker.process.kill()
-            await asyncio.wait(waits)
 
     def pass_on(self) -> None:
         """A successor takes the workers (`--take-over`): start, restart and stop none,
@@ -438,10 +406,6 @@ class Supervisor:
         self.passing_on = True
         if self._timer is not None:
             self._timer.cancel()
-
-    async def let_go(self) -> None:
-        """After `pass_on`: stop watching the workers and leave them running."""
-        await self._untrack_all()
 
     async def _untrack_all(self) -> None:
         for task in list(self._tasks):

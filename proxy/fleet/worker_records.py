@@ -8,6 +8,8 @@ holds at most one worker and, during a rolling restart, its successor, plus what
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import os
 import signal
 import sys
@@ -30,7 +32,10 @@ __all__ = [
     "AdoptedProcess",
     "Slot",
     "resident_bytes",
+    "terminate",
 ]
+
+log = logging.getLogger("gym_proxy.supervisor")
 
 
 # starting -> live (registered) -> dead (exited, lost or killed)
@@ -245,3 +250,23 @@ class AdoptedProcess:
 
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
+
+
+async def terminate(workers: list[WorkerProcess], grace: float) -> None:
+    """SIGTERM (SIGKILL when `grace` is 0), SIGKILL whatever still runs after `grace`
+    seconds, and wait for every one."""
+    running = [w for w in workers if w.process.returncode is None]
+    for worker in running:
+        with contextlib.suppress(ProcessLookupError):
+            worker.process.send_signal(signal.SIGTERM if grace > 0 else signal.SIGKILL)
+    waits = [asyncio.ensure_future(w.process.wait()) for w in running]
+    if not waits:
+        return
+    _, pending = await asyncio.wait(waits, timeout=grace or None)
+    if pending:
+        for worker in running:
+            if worker.process.returncode is None:
+                log.warning("worker %d did not stop in time; killing it", worker.slot)
+                with contextlib.suppress(ProcessLookupError):
+                    worker.process.kill()
+        await asyncio.wait(waits)
