@@ -108,7 +108,8 @@ class FrontEnd:
 class GymProxy:
     """gym-proxy with `workers` ASGI counter workers."""
 
-    def __init__(self, workers: int, *extra: str) -> None:
+    def __init__(self, workers: int, *extra: str, local: bool = True) -> None:
+        """`local`: its workers listen on Unix sockets here (not placed on Ray's nodes)."""
         self.runtime = tempfile.mkdtemp(prefix="gpb-", dir="/tmp")
         self.port = free_port()
         self.log = Path(self.runtime) / "proxy.log"
@@ -121,7 +122,7 @@ class GymProxy:
             )  # fmt: skip
         wait_answering(self.port, self.proc, f"gym-proxy (see {self.log})")
         deadline = time.monotonic() + 30
-        while len(self.sockets()) < workers and time.monotonic() < deadline:
+        while local and len(self.sockets()) < workers and time.monotonic() < deadline:
             time.sleep(0.05)
 
     def sockets(self) -> list[str]:

@@ -74,11 +74,11 @@ class WorkerChannels:
 
     async def start(self, socket_path: str) -> None:
         """Listen on `socket_path` (inside the 0700 runtime directory)."""
-        self._server = await asyncio.start_unix_server(
-            self._accept, socket_path, limit=STREAM_LIMIT
-        )
+        self._server = await asyncio.start_unix_server(self.accept, socket_path, limit=STREAM_LIMIT)
 
-    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """Serve one worker connection until it ends: one from the socket, or one the
+        proxy dialed to a worker on another node (`proxy.fleet.remote_workers`)."""
         if self._limit is not None and len(self._connections) >= self._limit():
             if not self._unregistered:
                 self._drop(writer, "over the cap, and every connection registered")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import json
 import os
 import re
 from collections.abc import Sequence
@@ -33,6 +34,7 @@ LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 # workers of a proxy nobody restarts do not linger (docs/operations.md). The whole rule:
 # `Config.settle_orphan_grace`.
 DEFAULT_ORPHAN_GRACE = 30.0
+PLACEMENTS = ("local", "ray")
 COOKIE_NAME = re.compile(r"[A-Za-z0-9!#$%&'*+.^_`|~-]{1,128}\Z")  # an RFC 6265 token
 
 
@@ -98,6 +100,41 @@ class Config:
         metavar="N",
         doc="worker processes",
         doc_default="the NeMo Gym instance's `num_workers`, else 1",
+    )
+    worker_placement: str = option(
+        "local",
+        "where the workers run: local (processes of this machine) or ray (each on a node of "
+        "the server's Ray cluster, placed by Ray)",
+        choices=PLACEMENTS,
+        metavar="WHERE",
+        doc="`local`: the workers are processes of this machine; `ray`: each runs on a node of "
+        "the server's Ray cluster, in a Ray actor, reached over an authenticated TCP link "
+        "([Workers on a Ray cluster](ray.md))",
+    )
+    worker_cpus: float = option(
+        1.0,
+        "with --worker-placement ray: CPUs Ray reserves for each worker",
+        type=float,
+        metavar="N",
+        doc="with `--worker-placement ray`: the CPUs Ray reserves for each worker's actor",
+    )
+    worker_resources: str | None = option(
+        None,
+        "with --worker-placement ray: more Ray resources each worker needs, as a JSON object "
+        "(e.g. '{\"sandbox\": 1}')",
+        metavar="JSON",
+        doc="with `--worker-placement ray`: more Ray resources each worker needs, a JSON "
+        "object of name to amount: `GPU`, or a custom resource (`'{\"sandbox\": 1}'`)",
+        doc_default="none",
+    )
+    worker_strategy: str = option(
+        "spread",
+        "with --worker-placement ray: spread (over the nodes, Ray's SPREAD) or default (Ray's "
+        "DEFAULT: fill nodes in turn)",
+        choices=("spread", "default"),
+        metavar="S",
+        doc="with `--worker-placement ray`: Ray's scheduling strategy for the workers' actors: "
+        "`spread` (SPREAD, over the nodes) or `default` (DEFAULT)",
     )
     host: str = option(
         "127.0.0.1",
@@ -450,7 +487,7 @@ class Config:
         secret), so every later reader sees the number."""
         if "orphan_grace" in self.given:
             return self
-        if self.by_nemo_gym_launcher or self.secret is None:
+        if self.by_nemo_gym_launcher or self.secret is None or self.worker_placement == "ray":
             return replace(self, orphan_grace=0.0)
         return replace(self, orphan_grace=DEFAULT_ORPHAN_GRACE)
 
@@ -462,6 +499,7 @@ class Config:
             raise ConfigError(
                 "--take-over needs --orphan-grace above 0: the workers change proxies"
             )
+        self._validate_placement()
         if self.workers < 1:
             raise ConfigError(f"--workers must be at least 1, got {self.workers}")
         if not 0 <= self.port <= 65535:
@@ -514,6 +552,51 @@ class Config:
                 "--cookie-name must be 1-128 cookie-name characters "
                 "(A-Z a-z 0-9 ! # $ % & ' * + - . ^ _ ` | ~)"
             )
+
+    def _validate_placement(self) -> None:
+        if self.worker_placement != "ray":
+            for name in ("worker_cpus", "worker_resources", "worker_strategy"):
+                if name in self.given:
+                    flag = name.replace("_", "-")
+                    raise ConfigError(f"--{flag} needs --worker-placement ray")
+            return
+        # What a worker on another node cannot do yet: each says why (docs/ray.md).
+        for name, why in (
+            ("preload", "it forks the workers from a process of this machine"),
+            ("take_over", "the workers' actors end with this gym-proxy's Ray driver"),
+            ("max_worker_memory", "a node's worker memory is not read yet"),
+        ):
+            if getattr(self, name):
+                flag = name.replace("_", "-")
+                raise ConfigError(f"--{flag} does not work with --worker-placement ray: {why}")
+        if self.orphan_grace:
+            raise ConfigError(
+                "--orphan-grace does not work with --worker-placement ray: the workers' "
+                "actors end with this gym-proxy's Ray driver"
+            )
+        if not 0 <= self.worker_cpus < float("inf"):
+            raise ConfigError("--worker-cpus must be a non-negative number")
+        self.ray_resources()  # raises ConfigError when malformed
+
+    def ray_resources(self) -> dict[str, float]:
+        """`--worker-resources` as Ray takes it: name -> amount."""
+        if self.worker_resources is None:
+            return {}
+        try:
+            value = json.loads(self.worker_resources)
+        except ValueError:
+            value = None
+        if not isinstance(value, dict) or not all(
+            isinstance(amount, int | float) and not isinstance(amount, bool) and amount >= 0
+            for amount in value.values()
+        ):
+            raise ConfigError(
+                "--worker-resources must be a JSON object of resource name to a non-negative "
+                f"amount, got {self.worker_resources!r}"
+            )
+        if "CPU" in value:
+            raise ConfigError("--worker-resources: a worker's CPUs are --worker-cpus")
+        return {str(name): float(amount) for name, amount in value.items()}
 
     @property
     def instance(self) -> str:

@@ -31,22 +31,19 @@ from gym_proxy.coordinator.contract import telemetry
 from gym_proxy.coordinator.contract.channel import ChannelClosed
 from gym_proxy.coordinator.contract.exit_codes import BOOT_ERROR, USAGE_ERROR
 from gym_proxy.coordinator.contract.messages import ProxyStopping
+from gym_proxy.coordinator.contract.worker_link import link_key
 from gym_proxy.proxy import data_path
 from gym_proxy.proxy.assembly import Assembly
 from gym_proxy.proxy.config import Config, metrics_address
 from gym_proxy.proxy.connection_sweep import sweep_connections
 from gym_proxy.proxy.data_path.client_connection import ClientConnection
 from gym_proxy.proxy.fleet.liveness import watch_liveness
+from gym_proxy.proxy.fleet.remote_workers import START_WAIT, RayLauncher
 from gym_proxy.proxy.fleet.supervisor import Supervisor, WorkerBootError
 from gym_proxy.proxy.fleet.worker_records import WorkerLauncher
 from gym_proxy.proxy.metrics import listener as metrics_listener
-from gym_proxy.proxy.ray_cluster.cluster import (
-    HEAD_SOCKET,
-    RAY_ERROR,
-    RayCluster,
-    RayError,
-    RayPlan,
-)
+from gym_proxy.proxy.ray_cluster.cluster import HEAD_SOCKET, RayCluster, RayPlan
+from gym_proxy.proxy.ray_cluster.errors import RAY_ERROR, RayError
 from gym_proxy.proxy.runtime_dir import (
     RuntimeDir,
     RuntimeDirBusy,
@@ -245,11 +242,38 @@ class Server:
     async def _start_workers(self, supervisor: Supervisor) -> None:
         if self.cluster is not None:
             await self.cluster.start()
-            os.environ[CONFIG_DICT_ENV] = with_ray_address(
-                os.environ[CONFIG_DICT_ENV], self.cluster.address
-            )
+            if CONFIG_DICT_ENV in os.environ:  # a NeMo Gym server: its config names it
+                os.environ[CONFIG_DICT_ENV] = with_ray_address(
+                    os.environ[CONFIG_DICT_ENV], self.cluster.address
+                )
             os.environ.update(self.cluster.environment)
+            if self.config.worker_placement == "ray":
+                supervisor.launcher = await self._ray_launcher(self.cluster)
         await supervisor.start()
+
+    async def _ray_launcher(self, cluster: RayCluster) -> RayLauncher:
+        """The launcher of workers on the cluster's nodes (RayError when the cluster cannot
+        hold them); closed by the supervisor, after its workers."""
+        assert self.parts is not None
+        config = self.config
+        spec = {
+            "workers": config.workers,
+            "cpus": config.worker_cpus,
+            "resources": config.ray_resources(),
+            "strategy": config.worker_strategy.upper(),
+            "instance": config.instance,
+        }
+        key = link_key(self.secret, config.instance)
+        launcher = RayLauncher(
+            cluster.address,
+            spec,
+            key,
+            self.parts.channels.accept,
+            cluster.environment,
+            config.boot_timeout or START_WAIT,
+        )
+        await launcher.start()
+        return launcher
 
     async def _listen(self) -> None:
         try:

@@ -9,6 +9,7 @@ any worker starts.
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import logging
 import os
 import secrets
@@ -33,6 +34,7 @@ from gym_proxy.proxy.config import (
 )
 from gym_proxy.proxy.config_block import apply_block
 from gym_proxy.proxy.ray_cluster.cluster import RayPlan
+from gym_proxy.proxy.ray_cluster.errors import RAY_ERROR
 from gym_proxy.proxy.runtime_dir import ensure_parent, secret_fingerprint
 from gym_proxy.proxy.server import run
 from gym_proxy.proxy.takeover import TakeOverError, take_over_listener
@@ -93,13 +95,19 @@ def _from_nemo_gym_config(config: Config, cls: type) -> tuple[Config, RayPlan | 
     config = replace(config, **values)
     config.validate()
     os.environ.update(instance.environment(config.workers))
-    if not uses_ray(cls):
+    if not uses_ray(cls) and config.worker_placement != "ray":
         return config, None
-    if instance.ray_address is not None:
-        return config, RayPlan(instance.ray_address, "ray_head_node_address in the NeMo Gym config")
+    return config, cluster_plan(instance.ray_address)
+
+
+def cluster_plan(config_address: str | None = None) -> RayPlan:
+    """The server's one Ray cluster: the one its NeMo Gym config names, else the one
+    RAY_ADDRESS names, else a local one gym-proxy starts."""
+    if config_address is not None:
+        return RayPlan(config_address, "ray_head_node_address in the NeMo Gym config")
     if os.environ.get("RAY_ADDRESS"):
-        return config, RayPlan(os.environ["RAY_ADDRESS"], "RAY_ADDRESS")
-    return config, RayPlan(None)
+        return RayPlan(os.environ["RAY_ADDRESS"], "RAY_ADDRESS")
+    return RayPlan(None)
 
 
 def _fail(message: str) -> NoReturn:
@@ -139,6 +147,16 @@ def start(argv: Sequence[str] | None = None) -> None:
                 check_session_state(target, config.session_state)
         elif config.session_state is not None:
             raise ConfigError("--session-state names an attribute of a NeMo Gym server class")
+        if config.worker_placement == "ray" and ray_plan is None:
+            ray_plan = cluster_plan()
+        if ray_plan is not None and importlib.util.find_spec("ray") is None:
+            what = "--worker-placement ray" if config.worker_placement == "ray" else "the app"
+            print(
+                f"gym-proxy: error: {what} needs Ray, which this Python does not have "
+                "(pip install 'ray[default]')",
+                file=sys.stderr,
+            )
+            sys.exit(RAY_ERROR)
     except (AppLoadError, ConfigError, NemoGymConfigError) as exc:
         _fail(str(exc))
     try:

@@ -41,7 +41,7 @@ RETIRED: tuple[tuple[str, str], ...] = (
 )
 VERBS = (
     "move", "install", "hand over", "receive", "drain", "decommission", "recycle",
-    "pass on", "adopt", "retire", "release", "drop", "tunnel",
+    "pass on", "adopt", "retire", "release", "drop", "tunnel", "place", "link",
 )  # fmt: skip
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.util
 import os
 import re
 import shutil
@@ -106,6 +107,11 @@ def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
         (["--port", "70000"], "--port must be between 0 and 65535"),
         (["--no-such-flag"], "unrecognized arguments: --no-such-flag (see gym-proxy --help)"),
         (["--workers", "two"], "argument --workers: invalid int value: 'two' (see gym-proxy"),
+        (["--worker-cpus", "2"], "--worker-cpus needs --worker-placement ray"),
+        (["--worker-placement", "ray", "--preload"], "--preload does not work with --worker"),
+        (["--worker-placement", "ray", "--worker-resources", "[1]"], "must be a JSON object"),
+        (["--worker-placement", "ray", "--worker-resources", '{"CPU": 1}'], "--worker-cpus"),
+        (["--worker-placement", "ray", "--orphan-grace", "5"], "actors end with this"),
     ],
 )
 def test_bad_flags_exit_with_one_line(args, message, short_tmp):
@@ -114,6 +120,15 @@ def test_bad_flags_exit_with_one_line(args, message, short_tmp):
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], result.stderr
     assert list(short_tmp.iterdir()) == []  # nothing started, no runtime directory
+
+
+@pytest.mark.skipif(importlib.util.find_spec("ray") is not None, reason="Ray is installed")
+def test_placing_workers_on_ray_without_ray_is_one_line_and_status_5(short_tmp):
+    result = run_cli("--worker-placement", "ray", "--runtime-dir", str(short_tmp))
+    assert result.returncode == 5
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "needs Ray" in lines[0], result.stderr
+    assert list(short_tmp.iterdir()) == []
 
 
 def test_version_and_help():

@@ -229,8 +229,11 @@ async def test_status_lists_each_worker_once_with_its_state(in_process):
         await whoami(http, proxy.url, await seed(http, proxy.url))
         status = await status_of(http, proxy.url)
     assert sorted(status["operations"]) == ["last", "running"], status["operations"]
-    fields = {"slot", "owner", "pid", "in_flight", "ready", "state", "requests_served"}
+    fields = {"slot", "owner", "pid", "in_flight", "ready", "state", "requests_served", "node",
+              "address"}  # fmt: skip
     assert [sorted(w) for w in status["workers"]] == [sorted(fields)] * 2, status["workers"]
+    assert {w["node"] for w in status["workers"]} == {"local"}
+    assert all(w["address"].endswith(".sock") for w in status["workers"]), status["workers"]
     assert [(w["slot"], w["state"]) for w in status["workers"]] == [(0, "ready"), (1, "ready")]
     assert sum(w["requests_served"] for w in status["workers"]) == 2, status["workers"]
 

@@ -188,9 +188,7 @@ async def test_start_returns_with_every_slot_registered_and_routed(rig):
     for w in workers:
         route = r.router.workers[w.owner]
         assert route is w.route and route.slot == w.slot and route.responsive
-        assert route.socket_path == os.path.join(
-            r.supervisor.runtime_dir, f"w{w.slot}-{w.owner}.sock"
-        )
+        assert route.address == os.path.join(r.supervisor.runtime_dir, f"w{w.slot}-{w.owner}.sock")
     live = r.supervisor.live()
     assert [(lw.slot, lw.owner, lw.pid) for lw in live] == [
         (w.slot, w.owner, w.process.pid) for w in workers

@@ -1,4 +1,5 @@
-"""Serve an ASGI app on the worker's private Unix socket with uvicorn (httptools).
+"""Serve an ASGI app on the worker's private Unix socket with uvicorn (httptools), or on
+the connections a remote worker's gate hands on (`worker.link_gate`).
 
 uvicorn is what NeMo Gym runs its servers on. The worker drives uvicorn's server from its
 own event loop (uvloop) and keeps its own signal handling: uvicorn's `serve()` would take
@@ -29,9 +30,10 @@ class AppStartupFailed(Exception):
 
 
 class AsgiWorkerServer:
-    """One uvicorn server for one worker socket."""
+    """One uvicorn server for one worker socket (None: it listens on none, and the gate
+    makes its connections' protocols with `http_protocol`)."""
 
-    def __init__(self, app: Any, socket_path: str, graceful_timeout: float, log_level: str):
+    def __init__(self, app: Any, socket_path: str | None, graceful_timeout: float, log_level: str):
         self.config = uvicorn.Config(
             app,
             uds=socket_path,
@@ -56,10 +58,17 @@ class AsgiWorkerServer:
         self.config.load()
         self.server.lifespan = self.config.lifespan_class(self.config)
         try:
-            await self.server.startup()
+            await self.server.startup(sockets=None if self.config.uds else [])
         except SystemExit:  # uvicorn exits when the lifespan startup fails
             raise AppStartupFailed("the app's lifespan startup failed (see above)") from None
         self._main = asyncio.ensure_future(self.server.main_loop())
+
+    def http_protocol(self) -> asyncio.Protocol:
+        """A new connection's protocol, as uvicorn's listener would make it."""
+        config, server = self.config, self.server
+        return config.http_protocol_class(  # type: ignore[call-arg]
+            config=config, server_state=server.server_state, app_state=server.lifespan.state
+        )
 
     async def stop(self) -> None:
         """Stop accepting, let requests finish (graceful timeout), run lifespan shutdown."""

@@ -2,10 +2,12 @@
 
 Order: build the app, start it on the private Unix socket (an ASGI app's lifespan
 startup runs first), then register with the coordinator, so the proxy never routes to a
-worker that is not yet accepting. The worker stops by itself when the coordinator
-connection ends (no orphans) and drains gracefully on SIGTERM (an ASGI app's lifespan
-shutdown runs last). Failing to build or start the app exits with BOOT_ERROR, which tells
-the supervisor not to respawn it.
+worker that is not yet accepting. A worker on another node (`--socket=fd:N`, a TCP
+socket its host bound) serves through its gate (`worker.link_gate`) instead, and its
+coordinator channel is one the proxy dials there (`--coordinator=accept`). The worker
+stops by itself when the coordinator connection ends (no orphans) and drains gracefully
+on SIGTERM (an ASGI app's lifespan shutdown runs last). Failing to build or start the
+app exits with BOOT_ERROR, which tells the supervisor not to respawn it.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import contextlib
 import logging
 import os
 import signal
+import socket
 import sys
 import time
 import traceback
@@ -42,6 +45,7 @@ from gym_proxy.coordinator.contract.messages import (
     ProxyStopping,
     Register,
 )
+from gym_proxy.coordinator.contract.worker_link import LINK_KEY_ENV
 from gym_proxy.worker.aiohttp_door import RUNTIME, install_door, participation_of
 from gym_proxy.worker.app_loading import build_app
 from gym_proxy.worker.app_sessions import app_session_cookie
@@ -51,11 +55,15 @@ from gym_proxy.worker.channel_requests import apply_tables, handle_coordinator_m
 from gym_proxy.worker.declaration import Participation, declared
 from gym_proxy.worker.head_limits import HeadLimits, head_limits
 from gym_proxy.worker.identity import WORKER_BACKLOG, WORKER_INFO, WorkerInfo
+from gym_proxy.worker.link_gate import LinkGate
 from gym_proxy.worker.nemo_gym_server import NemoGymConfigError
 from gym_proxy.worker.options import parse_worker_args
 from gym_proxy.worker.runtime import ParticipantRuntime
 
-__all__ = ["main"]
+__all__ = ["main", "INHERITED", "ACCEPT"]
+
+INHERITED = "fd:"  # --socket=fd:N: listen on this inherited TCP socket, through a gate
+ACCEPT = "accept"  # --coordinator=accept: the proxy dials the channel in through the gate
 
 REGISTER_WAIT = 30.0
 REJOIN_EVERY = 0.1  # seconds between a lost worker's looks for a new gym-proxy
@@ -68,12 +76,19 @@ class WorkerServer(Protocol):
 
     async def stop(self) -> None: ...
 
+    def http_protocol(self) -> asyncio.Protocol: ...
+
 
 class AiohttpWorkerServer:
-    """An aiohttp app on the worker socket (runner + Unix site)."""
+    """An aiohttp app on the worker socket (runner + Unix site); with no socket, on the
+    connections a gate hands on (`http_protocol`)."""
 
     def __init__(
-        self, app: web.Application, socket_path: str, graceful_timeout: float, limits: HeadLimits
+        self,
+        app: web.Application,
+        socket_path: str | None,
+        graceful_timeout: float,
+        limits: HeadLimits,
     ):
         self.runner = web.AppRunner(
             app,
@@ -88,16 +103,23 @@ class AiohttpWorkerServer:
 
     async def start(self) -> None:
         await self.runner.setup()
-        await web.UnixSite(self.runner, self.socket_path, backlog=WORKER_BACKLOG).start()
+        if self.socket_path is not None:
+            await web.UnixSite(self.runner, self.socket_path, backlog=WORKER_BACKLOG).start()
+
+    def http_protocol(self) -> asyncio.Protocol:
+        server = self.runner.server
+        assert server is not None  # set up by start()
+        return server()
 
     async def stop(self) -> None:
         await self.runner.cleanup()
 
 
 def _host(
-    app: Any, info: WorkerInfo, args: argparse.Namespace
+    app: Any, info: WorkerInfo, args: argparse.Namespace, socket_path: str | None
 ) -> tuple[ParticipantRuntime, WorkerServer]:
-    """The runtime and the server for `app`, aiohttp or ASGI."""
+    """The runtime and the server for `app`, aiohttp or ASGI, on `socket_path` (None:
+    on a gate's connections)."""
     if isinstance(app, web.Application):
         participation = participation_of(app).with_kind(args.kind)
         runtime = ParticipantRuntime(info, participation, access_log=args.access_log)
@@ -105,7 +127,7 @@ def _host(
         app[RUNTIME] = runtime
         install_door(app)
         limits = head_limits(args.limit_request_line, args.limit_request_headers)
-        return runtime, AiohttpWorkerServer(app, args.socket, args.graceful_timeout, limits)
+        return runtime, AiohttpWorkerServer(app, socket_path, args.graceful_timeout, limits)
     participation = declared(app) or Participation(restart_only=True)
     runtime = ParticipantRuntime(
         info,
@@ -115,7 +137,7 @@ def _host(
     )
     answer_runtime_errors(app)
     server = AsgiWorkerServer(
-        AsgiDoor(app, runtime), args.socket, args.graceful_timeout, args.log_level
+        AsgiDoor(app, runtime), socket_path, args.graceful_timeout, args.log_level
     )
     return runtime, server
 
@@ -124,11 +146,17 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event | None = None) -> 
     """Run the app until `stop` is set (without one, until SIGTERM) or the coordinator
     goes away; return the exit code. Tests run workers as tasks with their own `stop`
     (`tests/in_process.py`): one process, one SIGTERM, many workers."""
-    info = WorkerInfo(args.slot, args.owner, os.getpid(), args.socket)
+    gate_socket = _inherited_socket(args.socket)
+    address = args.socket if gate_socket is None else _tcp_address(gate_socket)
+    info = WorkerInfo(args.slot, args.owner, os.getpid(), address)
+    gate: LinkGate | None = None
     try:
         app = await build_app(args.app, args.app_dir, args.workers, args.session_state)
-        runtime, server = _host(app, info, args)
+        runtime, server = _host(app, info, args, None if gate_socket else args.socket)
         await server.start()
+        if gate_socket is not None:
+            gate = LinkGate(gate_socket, _link_key(), server.http_protocol)
+            await gate.start()
     except NemoGymConfigError as exc:  # a mistake in the flags or config: no traceback
         print(f"gym-proxy worker {args.slot}: cannot start app {args.app}: {exc}", file=sys.stderr)
         return BOOT_ERROR
@@ -171,10 +199,13 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event | None = None) -> 
 
     try:
         channel, channel_task = await _register(
-            args.coordinator, handle, runtime, registration(False)
+            args.coordinator, handle, runtime, registration(False), gate
         )
-    except (OSError, ChannelClosed, ChannelTimeout, RemoteError) as exc:
-        log.error("worker %d could not register with the coordinator: %s", info.slot, exc)
+    except (OSError, TimeoutError, ChannelClosed, ChannelTimeout, RemoteError) as exc:
+        why = exc or "the proxy did not dial in"
+        log.error("worker %d could not register with the coordinator: %s", info.slot, why)
+        if gate is not None:
+            gate.close()
         await server.stop()
         return LOST_COORDINATOR
     log.debug("worker %d registered as %s", info.slot, info.owner)
@@ -196,6 +227,10 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event | None = None) -> 
             if stop.is_set() or proxy_stopping.is_set():
                 break  # a gym-proxy that stops for good leaves no worker waiting for it
             channel.close()
+            if gate is not None:  # on another node: it is nobody's to adopt (docs/ray.md)
+                log.warning("worker %d lost the coordinator; stopping", info.slot)
+                code = 0 if stop.is_set() else LOST_COORDINATOR
+                break
             joined = await _rejoin(args, info.slot, stop, handle, runtime, registration)
             if joined is None:
                 code = 0 if stop.is_set() else LOST_COORDINATOR
@@ -211,6 +246,8 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event | None = None) -> 
         runtime.loop_lag.stop()
         if expiry is not None:
             expiry.cancel()
+        if gate is not None:
+            gate.close()
         await server.stop()
         channel.close()
         channel_task.cancel()
@@ -223,10 +260,15 @@ async def _register(
     handle: Callable[[Message], Awaitable[Message]],
     runtime: ParticipantRuntime,
     registration: Register,
+    gate: LinkGate | None = None,
 ) -> tuple[Channel, asyncio.Task[None]]:
-    """Connect to the coordinator at `path`, register, and take the reply's tables;
-    raises OSError, ChannelClosed, ChannelTimeout or RemoteError (refused)."""
-    reader, writer = await asyncio.open_unix_connection(path, limit=STREAM_LIMIT)
+    """Connect to the coordinator at `path` (with a gate: take the channel the proxy
+    dials in), register, and take the reply's tables; raises OSError, TimeoutError,
+    ChannelClosed, ChannelTimeout or RemoteError (refused)."""
+    if gate is not None:
+        reader, writer = await gate.next_channel(REGISTER_WAIT)
+    else:
+        reader, writer = await asyncio.open_unix_connection(path, limit=STREAM_LIMIT)
     channel = Channel(reader, writer, handle)
     channel_task = asyncio.create_task(channel.serve())
     try:
@@ -291,6 +333,23 @@ async def _rejoin(
     if not stop.is_set():
         log.warning("worker %d: no gym-proxy adopted it within %g s; stopping", slot, grace)
     return None
+
+
+def _inherited_socket(option: str) -> socket.socket | None:
+    """The TCP socket a remote worker's host passed down (`--socket=fd:N`), else None."""
+    if not option.startswith(INHERITED):
+        return None
+    return socket.socket(fileno=int(option[len(INHERITED) :]))
+
+
+def _tcp_address(sock: socket.socket) -> str:
+    host, port = sock.getsockname()[:2]
+    return f"tcp://{host}:{port}"
+
+
+def _link_key() -> bytes:
+    """The link key from the environment, which keeps it no longer (the app never sees it)."""
+    return bytes.fromhex(os.environ.pop(LINK_KEY_ENV))
 
 
 def _joined_ray() -> bool:

@@ -104,7 +104,7 @@ class WorkerRoute:
 
     owner: str
     slot: int
-    socket_path: str
+    address: str  # its Unix socket path, or tcp://host:port on another node
     in_flight: int = 0
     pool: Any = None
     responsive: bool = True  # False while the supervisor's pings go unanswered

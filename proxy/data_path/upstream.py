@@ -269,12 +269,12 @@ class UpstreamPool:
 
     def __init__(
         self,
-        socket_path: str,
+        address: str,
         max_idle: int = 512,
         connect: Connector | None = None,
         limit: int = 0,
     ) -> None:
-        self.socket_path = socket_path
+        self.address = address
         self.max_idle = max_idle
         self.connect: Connector = connect or _connect_unix
         self.idle: list[UpstreamConnection] = []
@@ -313,7 +313,7 @@ class UpstreamPool:
         give_up = time.monotonic() + CONNECT_RETRY_SECONDS
         while True:
             try:
-                conn = await self.connect(lambda: UpstreamConnection(self), self.socket_path)
+                conn = await self.connect(lambda: UpstreamConnection(self), self.address)
                 break
             except BlockingIOError as exc:
                 # A full accept queue (a burst of new connections): a Unix socket

@@ -341,9 +341,15 @@ class Operations:
         }
 
     def worker_states(self) -> dict[str, dict[str, Any]]:
-        """owner -> {state, requests_served} (`WorkerProcess.status` says the states)."""
+        """owner -> {state, requests_served, node, address} (`WorkerProcess.status` says
+        the states; `node` is the Ray node ID, `local` for this machine's process)."""
         return {
-            w.owner: {"state": w.status, "requests_served": w.live_route.served if w.route else 0}
+            w.owner: {
+                "state": w.status,
+                "requests_served": w.live_route.served if w.route else 0,
+                "node": w.node or "local",
+                "address": w.route.address if w.route else w.socket_path,
+            }
             for w in self.pool.slots.workers()
         }
 

@@ -20,6 +20,7 @@ from typing import Literal, Protocol
 from gym_proxy.coordinator.contract.channel import Channel
 from gym_proxy.proxy.data_path.routing import WorkerRoute
 from gym_proxy.proxy.data_path.upstream import UpstreamPool
+from gym_proxy.proxy.fleet.remote_workers import RemoteWorker
 
 __all__ = [
     "WorkerState",
@@ -130,10 +131,22 @@ class WorkerProcess:
         self.state = "live"
         self.channel = channel
         self.answered_at = time.monotonic()
+        remote = self.process if isinstance(self.process, RemoteWorker) else None
+        address = self.socket_path if remote is None else remote.address
         self.route = WorkerRoute(
-            self.owner, self.slot, self.socket_path, keeps_rollout_prefix=keeps_rollout_prefix
+            self.owner, self.slot, address, keeps_rollout_prefix=keeps_rollout_prefix
         )
-        self.route.pool = UpstreamPool(self.socket_path)
+        self.route.pool = UpstreamPool(address, connect=None if remote is None else remote.connect)
+
+    @property
+    def node(self) -> str:
+        """The Ray node it runs on; "" for a process of this machine."""
+        return self.process.node_id if isinstance(self.process, RemoteWorker) else ""
+
+    @property
+    def local(self) -> bool:
+        """A process of this machine (its pid is one here: /proc, signals)."""
+        return not isinstance(self.process, RemoteWorker)
 
     @property
     def live_route(self) -> WorkerRoute:

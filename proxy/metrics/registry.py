@@ -182,10 +182,17 @@ class _Gathered(Collector):
             "killed) or replaced (a rolling restart or a recycle)",
             labels=["slot", "reason"],
         )
+        nodes = GaugeMetricFamily(
+            "gym_proxy_worker_node",
+            "1 for each worker, labelled with the node it runs on (its Ray node ID; `local`: "
+            "this machine's process)",
+            labels=["slot", "owner", "node"],
+        )
         for slot_index, workers in sorted(by_slot.items()):
             slot = str(slot_index)
             counts = dict.fromkeys(STATES, 0)
             for worker in workers:
+                nodes.add_metric([slot, worker.owner, worker.node or "local"], 1)
                 name = states.get(worker.owner, {}).get("state")
                 if name in counts:
                     counts[name] += 1
@@ -199,7 +206,7 @@ class _Gathered(Collector):
                 families["requests_running"].add_metric([slot], sum(s.requests for s in mine))
                 lag = max(s.loop_lag_seconds for s in mine)
                 families["event_loop_lag_seconds"].add_metric([slot], lag)
-            pids = [w.pid for w in workers]
+            pids = [w.pid for w in workers if w.local]  # a node's pid is not one here
             if pids:
                 rss = sum(resident_bytes(pid) for pid in pids)
                 families["resident_memory_bytes"].add_metric([slot], rss)
@@ -231,6 +238,7 @@ class _Gathered(Collector):
         yield responses
         yield connect_errors
         yield restarts
+        yield nodes
 
     def _routing(self) -> Iterator[Metric]:
         router, state = self.m.state.router, self.m.state

@@ -40,22 +40,18 @@ import sys
 from dataclasses import dataclass
 
 from gym_proxy.proxy.fleet.worker_records import AdoptedProcess
+from gym_proxy.proxy.ray_cluster.errors import RayError
 
-__all__ = ["RAY_ERROR", "HEAD_SOCKET", "RayError", "RayPlan", "RayCluster"]
+__all__ = ["HEAD_SOCKET", "RayPlan", "RayCluster"]
 
 log = logging.getLogger("gym_proxy.ray")
 
-RAY_ERROR = 5  # gym-proxy's exit status: the Ray cluster could not be started or joined
 START_WAIT = 120.0  # seconds for `ray.init()` of a local cluster (7 s here, idle)
 CHECK_WAIT = 60.0  # seconds for joining a named cluster as a driver, and leaving
 STOP_WAIT = 10.0  # seconds for `ray.shutdown()` of the cluster gym-proxy started
 AUTH_MODE = "RAY_AUTH_MODE"
 HEAD_SOCKET = "ray-head.sock"  # in the runtime directory: where a successor takes the cluster
 TAKE_WAIT = 10.0  # seconds for a waiting cluster's process to answer its successor
-
-
-class RayError(RuntimeError):
-    """The Ray cluster could not be started or joined: one line for the user."""
 
 
 @dataclass(frozen=True)

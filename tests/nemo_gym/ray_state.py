@@ -4,6 +4,8 @@ served by the head's dashboard), one JSON line per question read on stdin, until
     nodes        every node: {"node_id", "state", "is_head"}
     tasks NAME   every attempt of every task of that function name: {"task_id",
                  "attempt", "state", "node_id", "job_id", "error_type", "error"}
+    actors CLASS every actor of that class, alive or dead: {"actor_id", "state",
+                 "node_id", "name"}
 
     python -m tests.nemo_gym.ray_state ADDRESS
 
@@ -24,7 +26,7 @@ QUERY_TIMEOUT = 20  # seconds for one state API call (its default is 30)
 
 
 def _answer(address: str, question: str) -> Any:
-    from ray.util.state import list_nodes, list_tasks
+    from ray.util.state import list_actors, list_nodes, list_tasks
 
     kind, _, name = question.partition(" ")
     if kind == "nodes":
@@ -50,6 +52,18 @@ def _answer(address: str, question: str) -> Any:
                 "error": (t.error_message or "").strip().split("\n")[0],
             }
             for t in tasks
+        ]
+    if kind == "actors" and name:
+        actors = list_actors(
+            address=address,
+            filters=[("class_name", "=", name)],
+            limit=LIMIT,
+            timeout=QUERY_TIMEOUT,
+            raise_on_missing_output=False,
+        )
+        return [
+            {"actor_id": a.actor_id, "state": a.state, "node_id": a.node_id, "name": a.name}
+            for a in actors
         ]
     return {"error": f"unknown question {question!r}"}
 

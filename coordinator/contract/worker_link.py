@@ -1,0 +1,227 @@
+"""The link to a worker on another node: one TCP port per worker, which only gym-proxy
+can use.
+
+A worker Ray places on a node (`--worker-placement ray`) cannot share the proxy's Unix
+sockets, so it listens on one TCP port of its node, for its data connections and for its
+coordinator channel, and the proxy dials both (the proxy opens no port of its own
+towards the cluster). Every connection to that port opens with a challenge-response
+handshake keyed by the *link key*, which only gym-proxy and its workers hold; nothing
+reaches the app or the channel before it succeeds::
+
+    worker -> proxy   MAGIC (4) | worker nonce (16)
+    proxy  -> worker  kind (1) | proxy nonce (16) | HMAC(key, "proxy" kind nw np) (32)
+    worker -> proxy   HMAC(key, "worker" kind nw np) (32)
+
+`kind` is DATA (HTTP follows, as on a local worker's socket) or CHANNEL (the framed
+coordinator channel follows, `coordinator.contract.framing`). The worker's nonce is fresh
+for every connection, so an answer seen on the network cannot be replayed; the worker's
+own proof tells the proxy it reached the worker it started, not whatever took its port.
+A connection whose answer is wrong, short or late (HANDSHAKE_TIMEOUT) is closed having
+received the 20-byte challenge only.
+
+The link key is derived from gym-proxy's secret (`link_key`), never the secret itself: a
+worker's node learns what opens its workers' ports, not what signs session tokens. What
+it does not do is hide the traffic: like Ray's own connections without Ray's TLS, bytes
+after the handshake travel in the clear on the cluster's network (docs/ray.md says when
+that is enough and what to do when it is not).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import os
+from collections.abc import Callable
+from typing import Any, TypeVar, cast
+
+__all__ = [
+    "LINK_KEY_ENV",
+    "MAGIC",
+    "DATA",
+    "CHANNEL",
+    "CHALLENGE_SIZE",
+    "ANSWER_SIZE",
+    "PROOF_SIZE",
+    "HANDSHAKE_TIMEOUT",
+    "LinkRefused",
+    "link_key",
+    "challenge",
+    "answer",
+    "check_answer",
+    "proof",
+    "connect",
+    "dial",
+]
+
+LINK_KEY_ENV = "GYM_PROXY_LINK_KEY"  # the key, hex, in a remote worker's environment
+MAGIC = b"GPL1"
+DATA = b"D"
+CHANNEL = b"C"
+NONCE_SIZE = 16
+MAC_SIZE = 32
+CHALLENGE_SIZE = len(MAGIC) + NONCE_SIZE
+ANSWER_SIZE = 1 + NONCE_SIZE + MAC_SIZE
+PROOF_SIZE = MAC_SIZE
+HANDSHAKE_TIMEOUT = 5.0  # seconds a connection may take to prove itself, either way
+
+
+class LinkRefused(ConnectionRefusedError):
+    """The other end of a worker link did not prove it holds the link key."""
+
+
+def link_key(secret: bytes, instance: str) -> bytes:
+    """The link key of one gym-proxy instance's workers, from its secret."""
+    return hmac.new(secret, b"gym-proxy worker link|" + instance.encode(), hashlib.sha256).digest()
+
+
+def challenge() -> tuple[bytes, bytes]:
+    """A fresh worker nonce and the challenge that carries it."""
+    nonce = os.urandom(NONCE_SIZE)
+    return nonce, MAGIC + nonce
+
+
+def _mac(key: bytes, side: bytes, kind: bytes, worker_nonce: bytes, proxy_nonce: bytes) -> bytes:
+    return hmac.new(key, side + kind + worker_nonce + proxy_nonce, hashlib.sha256).digest()
+
+
+def answer(key: bytes, kind: bytes, challenge_bytes: bytes) -> tuple[bytes, bytes]:
+    """The proxy's answer to a worker's challenge, and the proof the worker must send
+    back. LinkRefused when the challenge is not one."""
+    if len(challenge_bytes) != CHALLENGE_SIZE or not challenge_bytes.startswith(MAGIC):
+        raise LinkRefused("the worker's port did not open with a gym-proxy worker challenge")
+    worker_nonce = challenge_bytes[len(MAGIC) :]
+    proxy_nonce = os.urandom(NONCE_SIZE)
+    mac = _mac(key, b"proxy", kind, worker_nonce, proxy_nonce)
+    expected = _mac(key, b"worker", kind, worker_nonce, proxy_nonce)
+    return kind + proxy_nonce + mac, expected
+
+
+def check_answer(key: bytes, worker_nonce: bytes, answer_bytes: bytes) -> bytes | None:
+    """The kind a correct answer asks for; None for any other answer."""
+    if len(answer_bytes) != ANSWER_SIZE:
+        return None
+    kind, proxy_nonce, mac = answer_bytes[:1], answer_bytes[1:-MAC_SIZE], answer_bytes[-MAC_SIZE:]
+    if kind not in (DATA, CHANNEL):
+        return None
+    if not hmac.compare_digest(mac, _mac(key, b"proxy", kind, worker_nonce, proxy_nonce)):
+        return None
+    return kind
+
+
+def proof(key: bytes, worker_nonce: bytes, answer_bytes: bytes) -> bytes:
+    """The worker's proof for an answer `check_answer` accepted."""
+    kind, proxy_nonce = answer_bytes[:1], answer_bytes[1:-MAC_SIZE]
+    return _mac(key, b"worker", kind, worker_nonce, proxy_nonce)
+
+
+P = TypeVar("P", bound=asyncio.BaseProtocol)
+
+
+class _Dialing(asyncio.Protocol):
+    """The proxy's end of the handshake; `done` gets what came after the proof."""
+
+    def __init__(self, key: bytes, kind: bytes, where: str, done: asyncio.Future[bytes]) -> None:
+        self.key, self.kind, self.where, self.done = key, kind, where, done
+        self.transport: asyncio.Transport | None = None
+        self.buffer = b""
+        self.expected = b""
+        self.greeted = asyncio.Event()  # the worker's challenge came: it is serving
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's: no subclass
+
+    def data_received(self, data: bytes) -> None:
+        self.buffer += data
+        if not self.expected and len(self.buffer) >= CHALLENGE_SIZE:
+            try:
+                reply, self.expected = answer(self.key, self.kind, self.buffer[:CHALLENGE_SIZE])
+            except LinkRefused as exc:
+                self._fail(str(exc))
+                return
+            assert self.transport is not None
+            self.transport.write(reply)
+            self.buffer = self.buffer[CHALLENGE_SIZE:]
+            self.greeted.set()
+        if self.expected and len(self.buffer) >= PROOF_SIZE:
+            if not hmac.compare_digest(self.buffer[:PROOF_SIZE], self.expected):
+                self._fail(f"the worker at {self.where} did not prove the link key")
+            elif not self.done.done():
+                self.done.set_result(self.buffer[PROOF_SIZE:])
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if not self.done.done():
+            self.done.set_exception(LinkRefused(f"the worker at {self.where} closed the link"))
+
+    def _fail(self, why: str) -> None:
+        if self.transport is not None:
+            self.transport.abort()
+        if not self.done.done():
+            self.done.set_exception(LinkRefused(why))
+
+
+async def connect(
+    host: str,
+    port: int,
+    key: bytes,
+    kind: bytes,
+    factory: Callable[[], P],
+    greet_within: float = HANDSHAKE_TIMEOUT,
+) -> tuple[asyncio.Transport, P]:
+    """Connect to a worker's port and run the handshake, then hand the connection, as it
+    is, to a protocol `factory` makes. The challenge may take `greet_within` seconds (a
+    worker still building its app accepts only then: its port was bound for it), the rest
+    HANDSHAKE_TIMEOUT. LinkRefused when the worker does not prove the key (or closes, or
+    is late), OSError when it cannot be reached."""
+    loop = asyncio.get_running_loop()
+    where = f"{host}:{port}"
+    done: asyncio.Future[bytes] = loop.create_future()
+    transport, dialing = await loop.create_connection(
+        lambda: _Dialing(key, kind, where, done), host, port
+    )
+    greeted = asyncio.ensure_future(dialing.greeted.wait())
+    try:
+        either: set[asyncio.Future[Any]] = {greeted, done}
+        finished, _ = await asyncio.wait(
+            either, timeout=greet_within, return_when=asyncio.FIRST_COMPLETED
+        )
+        if not finished:
+            raise LinkRefused(f"the worker at {where} did not open the link in {greet_within:g} s")
+        async with asyncio.timeout(HANDSHAKE_TIMEOUT):
+            rest = await done
+    except TimeoutError:
+        transport.abort()
+        raise LinkRefused(f"the worker at {where} did not finish the handshake in time") from None
+    except BaseException:
+        transport.abort()
+        raise
+    finally:
+        greeted.cancel()
+    protocol = factory()
+    transport.set_protocol(protocol)
+    protocol.connection_made(transport)
+    if rest:
+        cast(asyncio.Protocol, protocol).data_received(rest)
+    return transport, protocol
+
+
+async def dial(
+    host: str,
+    port: int,
+    key: bytes,
+    kind: bytes,
+    limit: int = 1 << 16,
+    greet_within: float = HANDSHAKE_TIMEOUT,
+) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """`connect`, as a pair of streams (the coordinator channel's)."""
+    loop = asyncio.get_running_loop()
+    reader = asyncio.StreamReader(limit=limit, loop=loop)
+    transport, protocol = await connect(
+        host,
+        port,
+        key,
+        kind,
+        lambda: asyncio.StreamReaderProtocol(reader, loop=loop),
+        greet_within,
+    )
+    return reader, asyncio.StreamWriter(transport, protocol, reader, loop)

@@ -1,0 +1,302 @@
+"""Workers on the nodes of the server's Ray cluster (`--worker-placement ray`), as the
+supervisor sees them: started by a `RayLauncher`, each a `RemoteWorker` handle.
+
+The launcher runs the Ray driver in a process of its own (`proxy.ray_cluster.placement`:
+the proxy never imports Ray) and asks it for one actor per worker. A worker it starts
+listens on a TCP port of its node behind its gate (`worker.link_gate`); the launcher dials
+its coordinator channel in (the proxy opens no port towards the cluster) and hands it to
+the coordinator as if the worker had connected to the local socket, so it registers as
+any worker does. Its data connections are dialed the same way (`RemoteWorker.connect`,
+the route's connector), each proving the link key first
+(`coordinator.contract.worker_link`).
+
+A worker's exit comes from the driver: its process's status, or EXIT_UNKNOWN with the
+reason when its actor died (its node gone). A channel that ends without an exit (a node
+that dies takes its worker's sockets with it) gets the actor killed, so the slot is
+reaped and started again on the nodes that remain, without waiting for Ray to notice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import sys
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+from gym_proxy.coordinator.contract.framing import STREAM_LIMIT
+from gym_proxy.coordinator.contract.worker_link import CHANNEL, DATA, LINK_KEY_ENV, connect, dial
+from gym_proxy.proxy.ray_cluster.errors import RayError
+
+if TYPE_CHECKING:
+    from gym_proxy.proxy.data_path.upstream import UpstreamConnection
+
+__all__ = ["RayLauncher", "RemoteWorker", "remote_environment", "EXIT_UNKNOWN"]
+
+log = logging.getLogger("gym_proxy.supervisor")
+
+EXIT_UNKNOWN = -1  # as `proxy.ray_cluster.placement` says it
+START_WAIT = 120.0  # seconds for the driver to join the cluster and check its room
+STOP_WAIT = 15.0  # seconds for the driver to kill the actors and leave
+LOST_EXIT_WAIT = 2.0  # seconds a worker whose channel ended unasked has to exit
+# A worker's actor lost before it started the worker (its node died before Ray knew) is
+# placed again this long: Ray takes up to ~30 s by default to declare a silent node dead.
+PLACE_AGAIN_FOR = 60.0
+PLACE_AGAIN_PAUSE = 1.0
+# What describes the proxy's own machine, login or Ray's assignment of it, not the app:
+# a remote worker keeps its node's values (Ray sets CUDA_VISIBLE_DEVICES per actor).
+LOCAL_ONLY = frozenset(
+    {"HOME", "USER", "LOGNAME", "SHELL", "PWD", "OLDPWD", "SHLVL", "HOSTNAME", "TERM", "_",
+     "PATH", "TMPDIR", "DISPLAY", "CUDA_VISIBLE_DEVICES", "VIRTUAL_ENV", "PYTHONHOME"}
+)  # fmt: skip
+LOCAL_PREFIXES = ("SSH_", "XDG_", "RAY_")
+CARRIED_RAY = frozenset({"RAY_AUTH_MODE"})  # how the workers join: the proxy's, as locally
+
+
+class ActorLost(OSError):
+    """The worker's actor died before it started the worker."""
+
+
+AcceptChannel = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+
+def remote_environment(environ: Mapping[str, str]) -> dict[str, str]:
+    """What a worker on a node gets of the proxy's environment: everything a local worker
+    would inherit, but what describes the proxy's machine (LOCAL_ONLY, LOCAL_PREFIXES)."""
+    return {
+        name: value
+        for name, value in environ.items()
+        if name in CARRIED_RAY or not (name in LOCAL_ONLY or name.startswith(LOCAL_PREFIXES))
+    }
+
+
+class RemoteWorker:
+    """A `WorkerHandle` for a worker on a node: signalled through the driver, its exit
+    reported by it. `address` is its port (`tcp://host:port`), `node` its Ray node."""
+
+    def __init__(self, launcher: RayLauncher, key: int, started: Mapping[str, Any]) -> None:
+        self._launcher = launcher
+        self._key = key
+        self.pid = int(started["pid"])
+        self.host = str(started["host"])
+        self.port = int(started["port"])
+        self.node_id = str(started.get("node_id", ""))
+        self.hostname = str(started.get("hostname", ""))
+        self.returncode: int | None = None
+        self.why = ""  # why it exited, when the driver knows more than a status
+        self.signalled = False  # told to stop: its exit is on its way
+        self._exited: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+
+    @property
+    def address(self) -> str:
+        return f"tcp://{self.host}:{self.port}"
+
+    async def wait(self) -> int:
+        return await asyncio.shield(self._exited)
+
+    def send_signal(self, sig: int, /) -> None:
+        self._ask(op="signal", id=self._key, signal=int(sig))
+        self.signalled = True
+
+    def kill(self) -> None:
+        """Kill its actor (and so the worker); the driver reports it exited."""
+        self._ask(op="kill", id=self._key)
+
+    def _ask(self, **request: Any) -> None:
+        if self.returncode is not None:
+            raise ProcessLookupError(self.pid)
+        try:
+            self._launcher.send(**request)
+        except OSError:  # the driver is gone: so is the worker, reported as it reads its end
+            raise ProcessLookupError(self.pid) from None
+
+    def exited(self, code: int, why: str) -> None:
+        if self.returncode is None:
+            self.returncode, self.why = code, why
+            self._exited.set_result(code)
+
+    async def connect(
+        self, factory: Callable[[], UpstreamConnection], address: str
+    ) -> UpstreamConnection:
+        """A data connection (the route's connector): dialed, the key proved, then the
+        socket handed to the data path's protocol as it is."""
+        _, conn = await connect(self.host, self.port, self._launcher.key, DATA, factory)
+        return conn
+
+
+class RayLauncher:
+    """Starts workers on the cluster's nodes through the placement driver (a
+    `WorkerLauncher`)."""
+
+    def __init__(
+        self,
+        address: str,
+        spec: Mapping[str, Any],
+        key: bytes,
+        accept_channel: AcceptChannel,
+        environment: Mapping[str, str],
+        boot_timeout: float = START_WAIT,
+    ) -> None:
+        """`boot_timeout`: how long a worker may take to build its app and open its link."""
+        self.address = address
+        self.boot_timeout = boot_timeout
+        self.spec = dict(spec)
+        self.key = key
+        self._accept_channel = accept_channel
+        self._environment = dict(environment)
+        self._driver: asyncio.subprocess.Process | None = None
+        self._reader: asyncio.Task[None] | None = None
+        self._next_key = 0
+        self._starting: dict[int, asyncio.Future[Mapping[str, Any]]] = {}
+        self._workers: dict[int, RemoteWorker] = {}
+        self._channels: set[asyncio.Task[None]] = set()
+
+    async def start(self) -> None:
+        """Start the driver; RayError (one line) when the cluster cannot hold the workers
+        or cannot be joined."""
+        self._driver = await asyncio.create_subprocess_exec(
+            sys.executable, "-P", "-m", "gym_proxy.proxy.ray_cluster.placement",
+            self.address, json.dumps(self.spec),
+            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, limit=STREAM_LIMIT,
+            env={**os.environ, **self._environment},
+        )  # fmt: skip
+        assert self._driver.stdout is not None
+        try:
+            line = await asyncio.wait_for(self._driver.stdout.readline(), START_WAIT)
+        except TimeoutError:
+            await self.close()
+            raise RayError(f"the Ray placement driver did not start in {START_WAIT:g} s") from None
+        reply = _reply(line)
+        if "ready" not in reply:
+            await self.close()
+            raise RayError(reply.get("error") or "the Ray placement driver exited (see above)")
+        ready = reply["ready"]
+        log.info(
+            "Ray placement: %s workers of %s CPU each on a cluster of %s nodes with room for %s",
+            self.spec["workers"], self.spec["cpus"], ready["nodes"], ready["room"],
+        )  # fmt: skip
+        self._reader = asyncio.ensure_future(self._read())
+
+    async def spawn(self, argv: list[str]) -> RemoteWorker:
+        """Start a worker on a node and dial its channel in; OSError when it cannot start.
+        Its socket and coordinator are its node host's (`proxy.ray_cluster.worker_host`),
+        not the local paths the supervisor names."""
+        if self._reader is None or self._reader.done():
+            raise OSError("the Ray placement driver is not running")
+        argv = [a for a in argv if not a.startswith(("--socket=", "--coordinator="))]
+        env = {**remote_environment(os.environ), **self._environment, LINK_KEY_ENV: self.key.hex()}
+        give_up = time.monotonic() + PLACE_AGAIN_FOR
+        while True:
+            key = self._next_key = self._next_key + 1
+            starting = self._starting[key] = asyncio.get_running_loop().create_future()
+            self.send(op="spawn", id=key, argv=argv, env=env, cwd=os.getcwd())
+            try:
+                started = await starting
+                break
+            except ActorLost as exc:
+                # Placed on a node that died before Ray knew: Ray places it again.
+                if time.monotonic() > give_up:
+                    raise OSError(str(exc)) from None
+                log.warning("placing a worker again: %s", exc)
+                await asyncio.sleep(PLACE_AGAIN_PAUSE)
+            finally:
+                self._starting.pop(key, None)
+        worker = self._workers[key] = RemoteWorker(self, key, started)
+        log.info(
+            "worker pid %d placed on Ray node %s (%s), port %s",
+            worker.pid, worker.node_id[:12], worker.hostname, worker.address,
+        )  # fmt: skip
+        task = asyncio.ensure_future(self._dial_channel(worker))
+        self._channels.add(task)
+        task.add_done_callback(self._channels.discard)
+        return worker
+
+    async def _dial_channel(self, worker: RemoteWorker) -> None:
+        try:
+            # The port listens from the start; the worker accepts once its app is built.
+            reader, writer = await dial(
+                worker.host, worker.port, self.key, CHANNEL, STREAM_LIMIT, self.boot_timeout
+            )
+        except OSError as exc:
+            log.error("worker pid %d at %s: its channel: %s", worker.pid, worker.address, exc)
+            with contextlib.suppress(ProcessLookupError):
+                worker.kill()
+            return
+        await self._accept_channel(reader, writer)
+        # Its channel ended. A worker told to stop finishes its requests and exits; one
+        # that ends by itself exits next. One whose node died never says so: its actor
+        # is killed, so that its slot is reaped now, not when Ray notices the node.
+        if worker.returncode is None and not worker.signalled:
+            try:
+                await asyncio.wait_for(worker.wait(), LOST_EXIT_WAIT)
+            except TimeoutError:
+                with contextlib.suppress(ProcessLookupError):
+                    worker.kill()
+
+    def send(self, **request: Any) -> None:
+        driver = self._driver
+        if driver is None or driver.stdin is None or driver.stdin.is_closing():
+            raise OSError("the Ray placement driver is not running")
+        driver.stdin.write((json.dumps(request) + "\n").encode())
+
+    async def _read(self) -> None:
+        assert self._driver is not None and self._driver.stdout is not None
+        while line := await self._driver.stdout.readline():
+            reply = _reply(line)
+            key = reply.get("id")
+            if not isinstance(key, int):
+                continue
+            if "started" in reply or "error" in reply:
+                starting = self._starting.get(key)
+                if starting is not None and not starting.done():
+                    if "error" in reply:
+                        error = ActorLost if reply.get("lost") else OSError
+                        starting.set_exception(error(str(reply["error"])))
+                    else:
+                        starting.set_result(reply["started"])
+            elif "exited" in reply:
+                worker = self._workers.pop(key, None)
+                if worker is not None:
+                    if reply.get("why"):
+                        log.warning("worker pid %d on %s: %s", worker.pid, worker.hostname,
+                                    reply["why"])  # fmt: skip
+                    worker.exited(int(reply["exited"]), str(reply.get("why", "")))
+        why = "the Ray placement driver exited"
+        for starting in self._starting.values():
+            if not starting.done():
+                starting.set_exception(OSError(why))
+        for worker in self._workers.values():
+            worker.exited(EXIT_UNKNOWN, why)
+        self._workers.clear()
+
+    async def close(self) -> None:
+        """Stop the driver: it kills every actor left and leaves the cluster."""
+        driver, self._driver = self._driver, None
+        if driver is None:
+            return
+        if driver.stdin is not None:
+            driver.stdin.close()
+        try:
+            await asyncio.wait_for(driver.wait(), STOP_WAIT)
+        except TimeoutError:
+            log.warning("the Ray placement driver did not stop in %g s; killing it", STOP_WAIT)
+            with contextlib.suppress(ProcessLookupError):
+                driver.kill()
+            await driver.wait()
+        if self._reader is not None:
+            await asyncio.gather(self._reader, return_exceptions=True)
+        for task in list(self._channels):
+            task.cancel()
+        await asyncio.gather(*self._channels, return_exceptions=True)
+
+
+def _reply(line: bytes) -> dict[str, Any]:
+    try:
+        reply = json.loads(line)
+    except ValueError:
+        return {}
+    return reply if isinstance(reply, dict) else {}

@@ -1,0 +1,213 @@
+"""The Ray driver that places a server's workers on the cluster's nodes
+(`--worker-placement ray`), one actor per worker.
+
+Run by `proxy.fleet.remote_workers.RayLauncher` as `python -m
+gym_proxy.proxy.ray_cluster.placement ADDRESS SPEC`, it joins the server's cluster (the one
+gym-proxy started or checked, `proxy.ray_cluster.cluster`) and talks JSON lines with the
+proxy: requests on stdin, answers and events on the stdout it had at start (Ray's own
+lines, and the workers' log lines Ray forwards from the nodes, go to stderr, the proxy's
+log). The proxy process never imports Ray; this process is the owner of every worker's
+actor, so they end with it.
+
+- At start it checks that the cluster's nodes have room for the workers asked (SPEC:
+  `{"workers", "cpus", "resources", "strategy", "instance"}`, by each node's total, as Ray
+  schedules them), and says `{"ready": {...}}`, or `{"error": "<one line>"}` and exits 1.
+- `{"op": "spawn", "id", "argv", "env", "cwd"}`: a `RayWorkerHost` actor with the
+  resources asked and the strategy (SPREAD unless the config says DEFAULT), which starts
+  the worker on its node; answers `{"id", "started": {pid, host, port, node_id, hostname}}`
+  or `{"id", "error", "lost"}` (`lost`: its actor died first, its node likely gone), and
+  later `{"id", "exited": CODE, "why"}` when the worker exits or its actor dies (its node
+  gone: `why` says so, CODE is EXIT_UNKNOWN).
+- `{"op": "signal", "id", "signal"}` signals the worker; `{"op": "kill", "id"}` kills its
+  actor (and so the worker, which loses its channel) and reports it exited.
+- stdin's end, SIGTERM or SIGINT: every actor is killed, the driver leaves the cluster.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+from typing import Any
+
+__all__ = ["main", "EXIT_UNKNOWN", "room_for"]
+
+EXIT_UNKNOWN = -1  # a worker whose actor died with it: no exit status came back
+NAMESPACE = "gym-proxy"
+
+
+class _Out:
+    """The proxy's end: one JSON line at a time, from any thread."""
+
+    def __init__(self, fd: int) -> None:
+        self._file = os.fdopen(fd, "w")
+        self._lock = threading.Lock()
+
+    def say(self, **fields: Any) -> None:
+        with self._lock:
+            self._file.write(json.dumps(fields) + "\n")
+            self._file.flush()
+
+
+def room_for(nodes: list[dict[str, Any]], need: dict[str, float]) -> int:
+    """How many workers needing `need` the alive nodes hold at most, by their totals."""
+    room = 0
+    for node in nodes:
+        if not node.get("Alive"):
+            continue
+        total = node.get("Resources", {})
+        fits = [int(total.get(name, 0.0) // amount) for name, amount in need.items() if amount > 0]
+        room += min(fits) if fits else 1 << 30
+    return room
+
+
+class _Stop(Exception):
+    """SIGTERM or SIGINT: stop as at stdin's end."""
+
+
+def _stop(*_: object) -> None:
+    raise _Stop
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+class _Placement:
+    def __init__(self, out: _Out, spec: dict[str, Any]) -> None:
+        import ray
+
+        from gym_proxy.proxy.ray_cluster.worker_host import RayWorkerHost
+
+        self.ray = ray
+        self.out = out
+        self.need = {"CPU": float(spec["cpus"]), **spec.get("resources", {})}
+        custom = {k: v for k, v in self.need.items() if k not in ("CPU", "GPU")}
+        options: dict[str, Any] = {
+            "num_cpus": self.need["CPU"],
+            "num_gpus": self.need.get("GPU", 0.0),  # Ray takes GPUs apart from the others
+            "resources": custom,
+            "scheduling_strategy": spec.get("strategy", "SPREAD"),
+            "max_restarts": 0,
+            "max_concurrency": 4,  # `wait` blocks one thread; `signal` needs another
+        }
+        self.host_class = ray.remote(RayWorkerHost).options(**options)
+        self.instance = spec.get("instance", "")
+        self.actors: dict[int, Any] = {}
+        self.lock = threading.Lock()
+        self.stopping = False
+
+    def spawn(self, request: dict[str, Any]) -> None:
+        key = int(request["id"])
+        actor = self.host_class.remote()
+        with self.lock:
+            if self.stopping:
+                self.ray.kill(actor)
+                self.out.say(id=key, error="gym-proxy is stopping")
+                return
+            self.actors[key] = actor
+        threading.Thread(target=self._run, args=(key, actor, request), daemon=True).start()
+
+    def _run(self, key: int, actor: Any, request: dict[str, Any]) -> None:
+        ray = self.ray
+        try:
+            call = actor.start_here.remote(request["argv"], request["env"], request.get("cwd", ""))
+            started = ray.get(call)
+        except Exception as exc:
+            self._forget(key)
+            lost = isinstance(exc, ray.exceptions.RayActorError)  # placed again by the proxy
+            why = f"the worker's actor could not start it: {_first_line(exc)}"
+            self.out.say(id=key, error=why, lost=lost)
+            return
+        self.out.say(id=key, started=started)
+        try:
+            code, why = ray.get(actor.wait.remote()), ""
+        except ray.exceptions.RayActorError as exc:
+            code, why = EXIT_UNKNOWN, f"its Ray actor died: {_first_line(exc)}"
+        except Exception as exc:
+            code, why = EXIT_UNKNOWN, f"its Ray actor cannot be reached: {_first_line(exc)}"
+        if self._forget(key):
+            self.out.say(id=key, exited=code, why=why)
+
+    def _forget(self, key: int) -> bool:
+        with self.lock:
+            return self.actors.pop(key, None) is not None
+
+    def signal(self, request: dict[str, Any]) -> None:
+        actor = self.actors.get(int(request["id"]))
+        if actor is not None:
+            actor.signal.remote(int(request["signal"]))
+
+    def kill(self, request: dict[str, Any]) -> None:
+        key = int(request["id"])
+        actor = self.actors.get(key)
+        if actor is not None:
+            self.ray.kill(actor, no_restart=True)
+            if self._forget(key):
+                self.out.say(id=key, exited=-signal.SIGKILL, why="killed with its Ray actor")
+
+    def stop(self) -> None:
+        with self.lock:
+            self.stopping = True
+            actors, self.actors = list(self.actors.values()), {}
+        for actor in actors:
+            self.ray.kill(actor, no_restart=True)
+
+
+def _serve(out: _Out, address: str, spec: dict[str, Any]) -> int:
+    import ray
+
+    try:
+        ray.init(address=address, namespace=NAMESPACE, logging_level=logging.WARNING)
+    except Exception as exc:
+        out.say(error=f"cannot join the Ray cluster at {address}: {_first_line(exc)}")
+        return 1
+    placement = _Placement(out, spec)
+    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    room = room_for(nodes, placement.need)
+    if room < int(spec["workers"]):
+        asked = ", ".join(f"{k} {v:g}" for k, v in placement.need.items())
+        out.say(
+            error=f"the Ray cluster at {address} has room for {room} workers of {{{asked}}} "
+            f"on its {len(nodes)} nodes; {spec['workers']} were asked"
+        )
+        ray.shutdown()
+        return 1
+    out.say(ready={"nodes": len(nodes), "room": room})
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _stop)
+    try:
+        for line in sys.stdin:
+            request = json.loads(line)
+            op = request.get("op")
+            if op == "spawn":
+                placement.spawn(request)
+            elif op == "signal":
+                placement.signal(request)
+            elif op == "kill":
+                placement.kill(request)
+    except (_Stop, ValueError, OSError):
+        pass  # a signal, or a line that is not JSON: stop as at the end
+    placement.stop()
+    ray.shutdown()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 2:
+        print(
+            "usage: python -m gym_proxy.proxy.ray_cluster.placement ADDRESS SPEC", file=sys.stderr
+        )
+        return 2
+    out = _Out(os.dup(1))
+    os.dup2(2, 1)  # Ray's lines and the nodes' forwarded logs: the proxy's log
+    return _serve(out, args[0], json.loads(args[1]))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,312 @@
+"""Workers on the nodes of a Ray cluster (`--worker-placement ray`): a real two-node
+cluster on this machine (`tests/ray_nodes.py`: `ray start --head` and `ray start
+--address`, token authentication on), gym-proxy started with `RAY_ADDRESS` naming it.
+
+Each worker runs in a Ray actor that SPREAD places; the tests read where from gym-proxy's
+status and check it against Ray's own state API. Through workers on both nodes: sessions
+exact; a worker's port that answers nothing but its challenge to a connection without
+the link key; a checkpoint whose restore moves sessions between nodes (and onto local
+workers); a drain (its sessions moved), a rolling restart and a resize across nodes;
+NeMo Gym's own counter with every reward right; the second node killed mid-load (its
+sessions 410 with the reason, the others untouched, a replacement started on the node
+left); and a stop that leaves no actor alive. In the NeMo Gym tier: Ray is installed by
+tests/nemo_gym/install.sh.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import socket
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+pytest.importorskip("nemo_gym", reason="the NeMo Gym tier runs in tests/nemo_gym/install.sh's venv")
+for _module in ("ray", "grpc", "aiohttp_cors", "opencensus"):  # Ray, and its state API's
+    if importlib.util.find_spec(_module) is None:
+        pytest.skip(f"needs {_module} (tests/nemo_gym/install.sh)", allow_module_level=True)
+
+from gym_proxy.coordinator.contract.worker_link import CHALLENGE_SIZE, MAGIC  # noqa: E402
+from tests.nemo_gym_stack import CounterClient  # noqa: E402
+from tests.ray_nodes import RayNodes, RayState  # noqa: E402
+from tests.support import CONTROL_TOKEN, Control, ProxyProcess, wait_until, wait_until_sync  # noqa: E402
+from tests.test_live_operations import TOKEN_HEADER, count, operate, seed, status_of  # noqa: E402
+from tests.test_nemo_gym_counter import COUNTER, counter_env, nemo_http  # noqa: E402
+
+pytestmark = pytest.mark.timeout(420)
+
+HOST_CLASS = "RayWorkerHost"  # the actor class of a placed worker
+
+
+@dataclass
+class Cluster:
+    nodes: RayNodes
+    state: RayState
+
+    def node_ids(self) -> dict[str, str]:
+        """node ID -> "head" or "second", the alive ones."""
+        return {
+            n["node_id"]: "head" if n["is_head"] else "second"
+            for n in self.state.ask("nodes")
+            if n["state"] == "ALIVE"
+        }
+
+    def alive_actors(self) -> list[dict[str, Any]]:
+        return [a for a in self.state.ask(f"actors {HOST_CLASS}") if a["state"] != "DEAD"]
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Cluster]:
+    directory = Path(tempfile.mkdtemp(prefix="rpl-", dir="/tmp"))
+    nodes = RayNodes(directory)
+    state: RayState | None = None
+    try:
+        head = nodes.start_head()
+        second = nodes.add_node()
+        nodes.wait_started(head, 120)
+        nodes.wait_started(second, 120)
+        state = RayState(nodes)
+        cluster = Cluster(nodes, state)
+        wait_until_sync(lambda: len(cluster.node_ids()) == 2, 60, "both nodes ALIVE")
+        yield cluster
+    finally:
+        if state is not None:
+            state.close()
+        nodes.stop()
+
+
+def placed(start_proxy: Any, cluster: Cluster, *args: str, **kwargs: Any) -> ProxyProcess:
+    """gym-proxy with its workers on the cluster (half a CPU each: a node that is left
+    holds a replacement beside its own worker)."""
+    env = {**cluster.nodes.environment, "RAY_ADDRESS": cluster.nodes.address}
+    env.update(kwargs.pop("env", {}))
+    return start_proxy(
+        "--worker-placement", "ray", "--worker-cpus", "0.5", "--boot-timeout", "180", *args,
+        control_token=CONTROL_TOKEN, env=env, **kwargs,
+    )  # fmt: skip
+
+
+async def workers_of(http: aiohttp.ClientSession, url: str) -> list[dict[str, Any]]:
+    return list((await status_of(http, url))["workers"])
+
+
+async def on_both_nodes(http: aiohttp.ClientSession, url: str, cluster: Cluster) -> dict[int, str]:
+    """slot -> "head" or "second"; asserts the two workers are on the two nodes."""
+    where = {
+        w["slot"]: cluster.node_ids().get(w["node"], w["node"]) for w in await workers_of(http, url)
+    }
+    assert sorted(where.values()) == ["head", "second"], where
+    return where
+
+
+async def whoami(http: aiohttp.ClientSession, url: str, token: str) -> dict[str, Any]:
+    async with http.get(f"{url}/whoami", headers={TOKEN_HEADER: token}) as response:
+        assert response.status == 200, await response.text()
+        return dict(await response.json())
+
+
+async def increment(http: aiohttp.ClientSession, url: str, token: str, by: int = 1) -> int:
+    async with http.post(
+        f"{url}/increment_counter", json={"count": by}, headers={TOKEN_HEADER: token}
+    ) as response:
+        return response.status
+
+
+def jar() -> aiohttp.ClientSession:
+    return aiohttp.ClientSession(
+        cookie_jar=aiohttp.DummyCookieJar(), timeout=aiohttp.ClientTimeout(total=60)
+    )
+
+
+async def test_sessions_exact_through_workers_on_both_nodes(start_proxy, cluster):
+    proxy = placed(start_proxy, cluster, app="tests.apps:create_app")
+    async with jar() as http:
+        where = await on_both_nodes(http, proxy.url, cluster)
+        tokens = [await seed(http, proxy.url) for _ in range(40)]
+
+        async def rollout(i: int, token: str) -> None:
+            for _ in range(5):
+                assert await increment(http, proxy.url, token, i) == 200
+            assert await count(http, proxy.url, token) == 5 * i
+
+        await asyncio.gather(*(rollout(i, t) for i, t in enumerate(tokens)))
+        slots = [(await whoami(http, proxy.url, t))["slot"] for t in tokens]
+        assert set(slots) == set(where), slots  # sessions on both nodes' workers
+        for worker in await workers_of(http, proxy.url):
+            assert worker["address"].startswith("tcp://"), worker
+
+
+async def test_a_worker_port_gives_nothing_without_the_link_key(start_proxy, cluster):
+    """Straight to a worker's port: the challenge, then nothing for an HTTP request, a
+    wrong answer or silence; the app never sees any of them."""
+    proxy = placed(start_proxy, cluster, app="tests.apps:create_app")
+    async with jar() as http:
+        worker = (await workers_of(http, proxy.url))[0]
+        host, port = worker["address"].removeprefix("tcp://").rsplit(":", 1)
+        for attempt in (b"GET /whoami HTTP/1.1\r\nHost: x\r\n\r\n", b"D" + bytes(48)):
+            reader, writer = await asyncio.open_connection(host, int(port))
+            greeting = await reader.readexactly(CHALLENGE_SIZE)
+            assert greeting.startswith(MAGIC)
+            writer.write(attempt)
+            rest = await asyncio.wait_for(reader.read(), 10)
+            assert rest == b"", (attempt, rest)  # closed, having said nothing more
+            writer.close()
+        async with http.get(f"{proxy.url}/seen") as response:
+            assert "/whoami" not in await response.text()
+
+
+async def test_a_restore_moves_sessions_between_nodes_and_onto_local_workers(
+    start_proxy, cluster, tmp_path
+):
+    first = placed(start_proxy, cluster, app="tests.apps:create_app")
+    async with jar() as http:
+        where = await on_both_nodes(http, first.url, cluster)
+        tokens = [await seed(http, first.url) for _ in range(30)]
+        for i, token in enumerate(tokens):
+            assert await increment(http, first.url, token, i) == 200
+        before = {t: where[(await whoami(http, first.url, t))["slot"]] for t in tokens}
+        await Control(http, first.url).checkpoint("ck-nodes", str(tmp_path))
+        first.close_process()
+        wait_until_sync(lambda: not cluster.alive_actors(), 60, "the first server's actors to end")
+
+        # Onto workers placed anew (3 this time), then onto local ones: every count.
+        for second in (
+            placed(start_proxy, cluster, app="tests.apps:create_app", workers=3),
+            start_proxy(app="tests.apps:create_app", control_token=CONTROL_TOKEN),
+        ):
+            control = Control(http, second.url)
+            await control.ok(
+                "restore", checkpoint_id="r", checkpoint_dir=str(tmp_path), episode_ids=[]
+            )
+            await control.ok("resume", checkpoint_id="r")
+            for i, token in enumerate(tokens):
+                assert await count(http, second.url, token) == i
+            second.close_process()
+        nodes_now = cluster.node_ids()
+        assert set(before.values()) == {"head", "second"} and nodes_now, before
+
+
+async def test_a_drain_a_restart_and_a_resize_across_nodes(start_proxy, cluster):
+    proxy = placed(start_proxy, cluster, app="tests.apps:create_app")
+    async with jar() as http:
+        where = await on_both_nodes(http, proxy.url, cluster)
+        tokens = [await seed(http, proxy.url) for _ in range(20)]
+        for i, token in enumerate(tokens):
+            assert await increment(http, proxy.url, token, i) == 200
+        status, reply = await operate(http, proxy.url, "drain", slot=0)
+        assert status == 200 and reply["complete"] and reply["moved"] >= 1, reply
+        for i, token in enumerate(tokens):
+            assert await count(http, proxy.url, token) == i
+            assert (await whoami(http, proxy.url, token))["slot"] == 1  # the other node
+        status, reply = await operate(http, proxy.url, "undrain", slot=0)
+        assert status == 200, reply
+        status, reply = await operate(http, proxy.url, "restart")
+        assert status == 200 and reply["complete"], reply
+        for i, token in enumerate(tokens):
+            assert await count(http, proxy.url, token) == i
+        await on_both_nodes(http, proxy.url, cluster)  # the replacements, placed again
+        for size in (3, 2):  # a third worker placed, then the last slot emptied and stopped
+            status, reply = await operate(http, proxy.url, "resize", workers=size)
+            assert status == 200 and reply["complete"], reply
+            nodes = {cluster.node_ids().get(w["node"]) for w in await workers_of(http, proxy.url)}
+            assert len(await workers_of(http, proxy.url)) == size and nodes <= {"head", "second"}
+            for i, token in enumerate(tokens):
+                assert await count(http, proxy.url, token) == i
+        assert set(where) == {0, 1}
+
+
+async def test_nemo_gym_counter_on_two_nodes_every_reward_right(start_proxy, cluster):
+    """NeMo Gym's released counter, its workers on both nodes, under NeMo Gym's clients."""
+    proxy = placed(start_proxy, cluster, "--name", "counter", app=COUNTER, env=counter_env())
+    async with nemo_http() as http:
+        async with jar() as plain:
+            await on_both_nodes(plain, proxy.url, cluster)
+        clients = [CounterClient(http, proxy.url, task) for task in range(60)]
+        gate = asyncio.Semaphore(20)
+
+        async def rollout(i: int, client: CounterClient) -> None:
+            async with gate:
+                await client.seed(i)
+                for step in range(4):
+                    await client.post("/increment_counter", {"count": 1})
+                    assert await client.count() == i + step + 1, (i, step)
+                assert await client.verify(i + 4) == 1.0
+
+        await asyncio.gather(*(rollout(i, c) for i, c in enumerate(clients)))
+
+
+async def test_a_node_killed_mid_load_and_a_stop_that_leaves_no_actor(start_proxy, cluster):
+    """The second node's processes killed at once while clients increment: its sessions
+    answer 410 naming the lost worker, the head's are untouched, a replacement starts on
+    the head; then a stop leaves no worker actor alive in the cluster."""
+    proxy = placed(start_proxy, cluster, app="tests.apps:create_app")
+    async with jar() as http:
+        where = await on_both_nodes(http, proxy.url, cluster)
+        tokens = [await seed(http, proxy.url) for _ in range(30)]
+        home = {t: where[(await whoami(http, proxy.url, t))["slot"]] for t in tokens}
+        sent = dict.fromkeys(tokens, 0)
+        gone: dict[str, int] = {}  # the session's first 410
+        cut: dict[str, int] = {}  # 502s: requests in flight when their worker died
+        stop = asyncio.Event()
+
+        async def client(token: str) -> None:
+            for _ in range(2000):  # bounded: stops by itself
+                if stop.is_set() or token in gone:
+                    return
+                status = await increment(http, proxy.url, token)
+                if status == 200:
+                    sent[token] += 1
+                elif status == 502:
+                    cut[token] = cut.get(token, 0) + 1
+                else:
+                    gone[token] = status
+
+        load = [asyncio.ensure_future(client(t)) for t in tokens]
+        await wait_until(lambda: sum(sent.values()) > 100, 30, "load to run")
+        second = next(n for n in cluster.nodes.nodes if n.name != "head")
+        await asyncio.to_thread(second.kill)
+        await wait_until(
+            lambda: {t for t, h in home.items() if h == "second"} <= set(gone),
+            30,
+            "every session of the second node to be answered 410",
+        )
+        stop.set()
+        await asyncio.wait_for(asyncio.gather(*load), 60)  # no request hangs
+        assert set(gone) == {t for t, h in home.items() if h == "second"}, (gone, home)
+        assert set(gone.values()) == {410}, gone
+        assert set(cut) <= set(gone) and set(cut.values()) <= {1}, cut  # one each at most
+        async with http.post(
+            f"{proxy.url}/increment_counter", json={"count": 1},
+            headers={TOKEN_HEADER: next(iter(gone))},
+        ) as response:  # fmt: skip
+            assert response.status == 410
+            assert "worker" in (await response.json())["error"]["detail"]
+        for token, h in home.items():
+            if h == "head":
+                assert await count(http, proxy.url, token) == sent[token]
+
+        async def replaced() -> bool:
+            workers = await workers_of(http, proxy.url)
+            return len(workers) == 2 and {cluster.node_ids().get(w["node"]) for w in workers} == {
+                "head"
+            }
+
+        await wait_until(replaced, 90, "a replacement worker on the head node")
+        fresh = await seed(http, proxy.url)
+        assert await increment(http, proxy.url, fresh, 3) == 200
+        ports = [
+            w["address"].removeprefix("tcp://").rsplit(":", 1)
+            for w in await workers_of(http, proxy.url)
+        ]
+        proxy.close_process()
+        assert proxy.popen.returncode == 0, proxy.log()[-3000:]
+    assert await asyncio.to_thread(cluster.alive_actors) == []
+    for host, port in ports:  # closed with its worker: nothing listens there any more
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection((host, int(port)), timeout=5).close()

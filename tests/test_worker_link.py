@@ -1,0 +1,169 @@
+"""The link to a worker on another node (`coordinator.contract.worker_link`) and the
+worker's gate (`worker.link_gate`): the handshake's logic, then a real gate on a loopback
+TCP socket, dialed as the proxy dials it. What the workers on a Ray cluster's nodes do
+with it runs in tests/test_nemo_gym_ray_placement.py."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from typing import cast
+
+import pytest
+
+from gym_proxy.coordinator.contract.worker_link import (
+    ANSWER_SIZE,
+    CHALLENGE_SIZE,
+    CHANNEL,
+    DATA,
+    MAGIC,
+    LinkRefused,
+    answer,
+    challenge,
+    check_answer,
+    dial,
+    link_key,
+    proof,
+)
+from gym_proxy.worker import link_gate
+from gym_proxy.worker.link_gate import LinkGate
+
+pytestmark = pytest.mark.fast
+
+KEY = link_key(b"secret", "apps")
+
+
+def test_the_key_is_the_instances_and_never_the_secret():
+    assert link_key(b"secret", "apps") == KEY
+    assert link_key(b"secret", "other") != KEY
+    assert link_key(b"other secret", "apps") != KEY
+    assert b"secret" not in KEY and len(KEY) == 32
+
+
+def test_an_answer_proves_the_key_for_one_challenge_only():
+    nonce, greeting = challenge()
+    assert greeting == MAGIC + nonce and len(greeting) == CHALLENGE_SIZE
+    reply, expected = answer(KEY, DATA, greeting)
+    assert len(reply) == ANSWER_SIZE
+    assert check_answer(KEY, nonce, reply) == DATA
+    assert proof(KEY, nonce, reply) == expected
+    # Another key, another challenge (a replay), a changed kind or a cut answer: refused.
+    assert check_answer(link_key(b"other", "apps"), nonce, reply) is None
+    assert check_answer(KEY, challenge()[0], reply) is None
+    assert check_answer(KEY, nonce, CHANNEL + reply[1:]) is None
+    assert check_answer(KEY, nonce, reply[:-1]) is None
+    assert check_answer(KEY, nonce, b"X" + reply[1:]) is None
+    with pytest.raises(LinkRefused):
+        answer(KEY, DATA, b"HTTP/1.1 200 OK\r\n\r\n")
+
+
+class _Echo(asyncio.Protocol):
+    """Stands for the worker's HTTP protocol: echoes what it gets, upper-cased."""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)
+
+    def data_received(self, data: bytes) -> None:
+        self.transport.write(data.upper())
+
+
+async def _gate(key: bytes = KEY) -> LinkGate:
+    sock = socket.create_server(("127.0.0.1", 0))
+    gate = LinkGate(sock, key, _Echo)
+    await gate.start()
+    return gate
+
+
+def _port(gate: LinkGate) -> int:
+    return int(gate.address.rsplit(":", 1)[1])
+
+
+async def test_a_data_connection_reaches_the_app_once_the_key_is_proved():
+    gate = await _gate()
+    try:
+        reader, writer = await dial("127.0.0.1", _port(gate), KEY, DATA)
+        writer.write(b"hello")
+        assert await reader.readexactly(5) == b"HELLO"
+        writer.close()
+    finally:
+        gate.close()
+
+
+async def test_a_channel_connection_goes_to_the_worker_not_the_app():
+    gate = await _gate()
+    try:
+        _, writer = await dial("127.0.0.1", _port(gate), KEY, CHANNEL)
+        writer.write(b"frame")
+        reader, worker_end = await gate.next_channel(5)
+        assert await reader.readexactly(5) == b"frame"  # as sent, not echoed by the app
+        worker_end.close()
+        writer.close()
+    finally:
+        gate.close()
+
+
+@pytest.mark.parametrize(
+    "sent",
+    [b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" + bytes(40), b"D" + bytes(48), b""],
+    ids=["http", "wrong-answer", "silence"],
+)
+async def test_without_the_key_a_connection_gets_the_challenge_only(sent, monkeypatch):
+    monkeypatch.setattr(link_gate, "HANDSHAKE_TIMEOUT", 0.2)  # silence: refused soon
+    gate = await _gate()
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", _port(gate))
+        assert (await reader.readexactly(CHALLENGE_SIZE)).startswith(MAGIC)
+        writer.write(sent)
+        assert await asyncio.wait_for(reader.read(), 5) == b""  # closed; the app saw nothing
+        writer.close()
+        assert gate.refused == 1 and not gate.pending
+    finally:
+        gate.close()
+
+
+async def test_a_worker_with_another_key_is_not_believed():
+    gate = await _gate(link_key(b"another secret", "apps"))
+    try:
+        with pytest.raises(LinkRefused):
+            await dial("127.0.0.1", _port(gate), KEY, DATA)
+    finally:
+        gate.close()
+
+
+async def test_connections_proving_themselves_are_bounded(monkeypatch):
+    monkeypatch.setattr(link_gate, "MAX_PENDING", 3)
+    gate = await _gate()
+    try:
+        opened = [await asyncio.open_connection("127.0.0.1", _port(gate)) for _ in range(5)]
+        for reader, _ in opened:
+            await reader.readexactly(CHALLENGE_SIZE)
+        assert len(gate.pending) == 3  # the two oldest were dropped for the newer ones
+        for reader, _ in opened[:2]:
+            assert await asyncio.wait_for(reader.read(), 5) == b""
+        reader, writer = await dial("127.0.0.1", _port(gate), KEY, DATA)  # still served
+        writer.write(b"ok")
+        assert await reader.readexactly(2) == b"OK"
+        for _, w in [*opened, (reader, writer)]:
+            w.close()
+    finally:
+        gate.close()
+
+
+async def test_a_worker_still_building_its_app_is_waited_for_as_long_as_asked():
+    """The port listens from the start (its host bound it); the worker accepts only once
+    its app is built: a dial waits for the challenge `greet_within`, then gives up."""
+    sock = socket.create_server(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    gate = LinkGate(sock, KEY, _Echo)
+    with pytest.raises(LinkRefused, match="did not open the link in 0.1 s"):
+        await dial("127.0.0.1", port, KEY, CHANNEL, greet_within=0.1)
+    dialing = asyncio.ensure_future(dial("127.0.0.1", port, KEY, CHANNEL, greet_within=10))
+    await asyncio.sleep(0)  # the dial is in the backlog before the worker serves
+    try:
+        await gate.start()
+        _, writer = await asyncio.wait_for(dialing, 10)
+        _, worker_end = await gate.next_channel(5)
+        worker_end.close()
+        writer.close()
+    finally:
+        gate.close()
