@@ -31,12 +31,14 @@ import os
 import signal
 import sys
 import threading
+import time
 from typing import Any
 
 __all__ = ["main", "EXIT_UNKNOWN", "room_for"]
 
 EXIT_UNKNOWN = -1  # a worker whose actor died with it: no exit status came back
 NAMESPACE = "gym-proxy"
+STOP_WAIT = 10.0  # seconds the actors get to be dead at the end
 
 
 class _Out:
@@ -98,6 +100,7 @@ class _Placement:
         self.host_class = ray.remote(RayWorkerHost).options(**options)
         self.instance = spec.get("instance", "")
         self.actors: dict[int, Any] = {}
+        self.watchers: list[threading.Thread] = []  # one per actor, until it is dead
         self.lock = threading.Lock()
         self.stopping = False
 
@@ -110,7 +113,9 @@ class _Placement:
                 self.out.say(id=key, error="gym-proxy is stopping")
                 return
             self.actors[key] = actor
-        threading.Thread(target=self._run, args=(key, actor, request), daemon=True).start()
+            watcher = threading.Thread(target=self._run, args=(key, actor, request), daemon=True)
+            self.watchers.append(watcher)
+        watcher.start()
 
     def _run(self, key: int, actor: Any, request: dict[str, Any]) -> None:
         ray = self.ray
@@ -151,11 +156,16 @@ class _Placement:
                 self.out.say(id=key, exited=-signal.SIGKILL, why="killed with its Ray actor")
 
     def stop(self) -> None:
+        """Kill every actor left and wait (STOP_WAIT at most) until Ray says each is dead,
+        so that none is still listed alive once the driver has gone."""
         with self.lock:
             self.stopping = True
             actors, self.actors = list(self.actors.values()), {}
         for actor in actors:
             self.ray.kill(actor, no_restart=True)
+        deadline = time.monotonic() + STOP_WAIT
+        for watcher in self.watchers:
+            watcher.join(max(0.0, deadline - time.monotonic()))
 
 
 def _serve(out: _Out, address: str, spec: dict[str, Any]) -> int:
