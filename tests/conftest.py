@@ -57,6 +57,7 @@ LONGEST_FIRST = (
     "test_reference_stack.py",
     "test_nemo_gym_counter.py",
     "test_nemo_gym_launcher.py",
+    "test_nemo_gym_ray_placement.py",
     "test_checkpoint_protocol.py",
     "test_live_operations.py",
     "test_episode_handover.py",
@@ -76,6 +77,14 @@ LONGEST_FIRST = (
     "test_episodes.py",
     "test_head_fuzz.py",
 )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # pytest-xdist (3.6+) hands files out by their number of tests, most first, unless
+    # told not to: it would ignore LONGEST_FIRST (a 136 s file of 3 tests went late and
+    # ran alone at the end, 70 s over the balanced time).
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import re
 import socket
 import tempfile
 from collections.abc import Iterator
@@ -125,7 +126,7 @@ def jar() -> aiohttp.ClientSession:
 
 
 async def test_sessions_exact_through_workers_on_both_nodes(start_proxy, cluster):
-    proxy = placed(start_proxy, cluster, app="tests.apps:create_app")
+    proxy = placed(start_proxy, cluster, "--metrics", "127.0.0.1:0", app="tests.apps:create_app")
     async with jar() as http:
         where = await on_both_nodes(http, proxy.url, cluster)
         tokens = [await seed(http, proxy.url) for _ in range(40)]
@@ -138,8 +139,19 @@ async def test_sessions_exact_through_workers_on_both_nodes(start_proxy, cluster
         await asyncio.gather(*(rollout(i, t) for i, t in enumerate(tokens)))
         slots = [(await whoami(http, proxy.url, t))["slot"] for t in tokens]
         assert set(slots) == set(where), slots  # sessions on both nodes' workers
-        for worker in await workers_of(http, proxy.url):
+        workers = await workers_of(http, proxy.url)
+        for worker in workers:
             assert worker["address"].startswith("tcp://"), worker
+        metrics = re.search(r"metrics on (http://\S+/metrics)", proxy.log())
+        assert metrics is not None, proxy.log()
+        async with http.get(metrics.group(1)) as response:
+            text = await response.text()
+        for worker in workers:  # each worker's node, as status says it
+            line = (  # the labels in the exposition's (alphabetical) order
+                f'gym_proxy_worker_node{{node="{worker["node"]}",owner="{worker["owner"]}",'
+                f'slot="{worker["slot"]}"}} 1.0'
+            )
+            assert line in text, text
 
 
 async def test_a_worker_port_gives_nothing_without_the_link_key(start_proxy, cluster):
