@@ -1,13 +1,13 @@
 """The link to a worker on another node (`coordinator.contract.worker_link`) and the
 worker's gate (`worker.link_gate`): the handshake's logic, then a real gate on a loopback
-TCP socket, dialed as the proxy dials it. What the workers on a Ray cluster's nodes do
-with it runs in tests/test_nemo_gym_ray_placement.py."""
+TCP socket, dialed as the proxy dials it; a placed worker's port that refuses. What the
+workers on a Ray cluster's nodes do with it runs in tests/test_nemo_gym_ray_placement.py."""
 
 from __future__ import annotations
 
 import asyncio
 import socket
-from typing import cast
+from typing import Any, cast
 
 import pytest
 
@@ -25,6 +25,7 @@ from gym_proxy.coordinator.contract.worker_link import (
     link_key,
     proof,
 )
+from gym_proxy.proxy.fleet.remote_workers import RayLauncher, RemoteWorker
 from gym_proxy.worker import link_gate
 from gym_proxy.worker.link_gate import LinkGate
 
@@ -167,3 +168,28 @@ async def test_a_worker_still_building_its_app_is_waited_for_as_long_as_asked():
         writer.close()
     finally:
         gate.close()
+
+
+async def test_a_placed_worker_whose_port_refuses_is_taken_as_gone():
+    """A refused data connection means nothing listens at the worker's port (its gate
+    listens from start to end): its channel is cut, which takes it out of the routes as
+    any lost channel does, instead of waiting for Ray to report its actor dead."""
+    launcher = RayLauncher("", {}, KEY, accept_channel=_never_called, environment={})
+    closed = socket.create_server(("127.0.0.1", 0))
+    port = closed.getsockname()[1]
+    closed.close()
+    worker = RemoteWorker(launcher, 1, {"pid": 1, "host": "127.0.0.1", "port": port})
+    proxy_end, worker_end = socket.socketpair()
+    _, worker.channel = await asyncio.open_connection(sock=proxy_end)
+    reader, writer = await asyncio.open_connection(sock=worker_end)
+    try:
+        with pytest.raises(ConnectionRefusedError):
+            await worker.connect(cast(Any, _Echo), worker.address)  # never built: refused
+        assert await asyncio.wait_for(reader.read(), 5) == b""  # the channel's end
+    finally:
+        writer.close()
+        worker.channel.close()
+
+
+async def _never_called(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    raise AssertionError("no channel is dialed here")

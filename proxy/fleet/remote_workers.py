@@ -14,6 +14,9 @@ A worker's exit comes from the driver: its process's status, or EXIT_UNKNOWN wit
 reason when its actor died (its node gone). A channel that ends without an exit (a node
 that dies takes its worker's sockets with it) gets the actor killed, so the slot is
 reaped and started again on the nodes that remain, without waiting for Ray to notice.
+A data connection refused at its port (nothing listens there: its worker is gone, as its
+gate listens from the start to the end) cuts its channel, so that its sessions answer 410
+from the next request on, whichever of the two ends the proxy reads first.
 """
 
 from __future__ import annotations
@@ -89,6 +92,7 @@ class RemoteWorker:
         self.returncode: int | None = None
         self.why = ""  # why it exited, when the driver knows more than a status
         self.signalled = False  # told to stop: its exit is on its way
+        self.channel: asyncio.StreamWriter | None = None  # dialed in by the launcher
         self._exited: asyncio.Future[int] = asyncio.get_running_loop().create_future()
 
     @property
@@ -124,8 +128,19 @@ class RemoteWorker:
     ) -> UpstreamConnection:
         """A data connection (the route's connector): dialed, the key proved, then the
         socket handed to the data path's protocol as it is."""
-        _, conn = await connect(self.host, self.port, self._launcher.key, DATA, factory)
+        try:
+            _, conn = await connect(self.host, self.port, self._launcher.key, DATA, factory)
+        except ConnectionRefusedError:
+            self.cut("its port refused a connection")
+            raise
         return conn
+
+    def cut(self, why: str) -> None:
+        """Its worker is gone: end its channel, which takes it out of the routes as any
+        lost channel does (`_dial_channel` then has its actor killed)."""
+        if self.channel is not None and not self.signalled:
+            log.warning("worker pid %d at %s: %s; taken as gone", self.pid, self.address, why)
+            self.channel.transport.abort()
 
 
 class RayLauncher:
@@ -226,7 +241,11 @@ class RayLauncher:
             with contextlib.suppress(ProcessLookupError):
                 worker.kill()
             return
-        await self._accept_channel(reader, writer)
+        worker.channel = writer
+        try:
+            await self._accept_channel(reader, writer)
+        finally:
+            worker.channel = None
         # Its channel ended. A worker told to stop finishes its requests and exits; one
         # that ends by itself exits next. One whose node died never says so: its actor
         # is killed, so that its slot is reaped now, not when Ray notices the node.
