@@ -100,7 +100,7 @@ async def test_an_episode_in_a_replay_step_moves_as_the_step_ends(in_process, te
         await until_step(http, proxy.url, "ep-g", 0)
         restart = asyncio.ensure_future(operate(http, proxy.url, "restart", timeout_s=20))
         # The step says so once the old worker was asked to park the episode.
-        await wait_until(lambda: _handing_over(http, proxy.url), 20, "the hand-over to begin")
+        await wait_until(lambda: handing_over(http, proxy.url), 20, "the hand-over to begin")
         assert not restart.done()  # the episode is still inside its step
         await release(http, proxy.url, "g-0", old_owner)  # the step ends on the old worker
         status, reply = await restart
@@ -114,7 +114,7 @@ async def test_an_episode_in_a_replay_step_moves_as_the_step_ends(in_process, te
         assert answer["state"]["log"] == log_of("ep-g", 3), answer
 
 
-async def _handing_over(http: aiohttp.ClientSession, url: str) -> bool:
+async def handing_over(http: aiohttp.ClientSession, url: str) -> bool:
     running = (await status_of(http, url))["operations"]["running"]
     return (
         running is not None
@@ -206,7 +206,7 @@ async def test_the_source_dies_after_giving_the_episode_up(start_proxy):
         run = await start_run(http, proxy.url, run_body("ep-k", 3, gate="k"))
         await until_step(http, proxy.url, "ep-k", 0)
         restart = asyncio.ensure_future(operate(http, proxy.url, "restart", timeout_s=20))
-        await wait_until(lambda: _handing_over(http, proxy.url), 20, "the hand-over to begin")
+        await wait_until(lambda: handing_over(http, proxy.url), 20, "the hand-over to begin")
         await release(http, proxy.url, "k-0", old_owner)  # it parks, gives up, is killed
         status, reply = await restart
         assert status == 200 and reply["episodes_moved"] == 1, reply

@@ -6,7 +6,8 @@ Each worker runs in a Ray actor that SPREAD places; the tests read where from gy
 status and check it against Ray's own state API. Through workers on both nodes: sessions
 exact; a worker's port that answers nothing but its challenge to a connection without
 the link key; a checkpoint whose restore moves sessions between nodes (and onto local
-workers); a drain (its sessions moved), a rolling restart and a resize across nodes;
+workers); a drain (its sessions moved, its running episode handed over to the other
+node), a rolling restart (a gated episode handed to its replacement) and a resize;
 NeMo Gym's own counter with every reward right; the second node killed mid-load (its
 sessions 410 with the reason, the others untouched, a replacement started on the node
 left); and a stop that leaves no actor alive. In the NeMo Gym tier: Ray is installed by
@@ -37,6 +38,14 @@ from gym_proxy.coordinator.contract.worker_link import CHALLENGE_SIZE, MAGIC  # 
 from tests.nemo_gym_stack import CounterClient  # noqa: E402
 from tests.ray_nodes import RayNodes, RayState  # noqa: E402
 from tests.support import CONTROL_TOKEN, Control, ProxyProcess, wait_until, wait_until_sync  # noqa: E402
+from tests.test_episode_handover import (  # noqa: E402
+    handing_over,
+    log_of,
+    release,
+    run_body,
+    start_run,
+    until_step,
+)
 from tests.test_live_operations import TOKEN_HEADER, count, operate, seed, status_of  # noqa: E402
 from tests.test_nemo_gym_counter import COUNTER, counter_env, nemo_http  # noqa: E402
 
@@ -205,21 +214,48 @@ async def test_a_restore_moves_sessions_between_nodes_and_onto_local_workers(
 
 
 async def test_a_drain_a_restart_and_a_resize_across_nodes(start_proxy, cluster):
+    """Each carries what it holds across nodes: the drain moves slot 0's sessions and hands
+    its running episode to the worker on the other node; the rolling restart hands a
+    gated episode to its slot's replacement; every step runs once."""
     proxy = placed(start_proxy, cluster, app="tests.apps:create_app")
     async with jar() as http:
         where = await on_both_nodes(http, proxy.url, cluster)
         tokens = [await seed(http, proxy.url) for _ in range(20)]
         for i, token in enumerate(tokens):
             assert await increment(http, proxy.url, token, i) == 200
-        status, reply = await operate(http, proxy.url, "drain", slot=0)
+        on_0 = [t for t in tokens if (await whoami(http, proxy.url, t))["slot"] == 0][0]
+        drained = await start_run(
+            http, proxy.url, run_body("ep-d", 60, pause=0.05), headers={TOKEN_HEADER: on_0}
+        )
+        await until_step(http, proxy.url, "ep-d", 2, on_0)
+        status, reply = await operate(http, proxy.url, "drain", slot=0, timeout_s=20)
         assert status == 200 and reply["complete"] and reply["moved"] >= 1, reply
+        assert reply["episodes_moved"] == 1, reply
+        other = (await workers_of(http, proxy.url))[1]["owner"]
+        code, answer = await asyncio.wait_for(drained, 30)
+        assert code == 200 and answer["owner"] == other, answer  # on the other node
+        assert answer["state"]["log"] == log_of("ep-d", 60), answer
         for i, token in enumerate(tokens):
             assert await count(http, proxy.url, token) == i
             assert (await whoami(http, proxy.url, token))["slot"] == 1  # the other node
         status, reply = await operate(http, proxy.url, "undrain", slot=0)
         assert status == 200, reply
-        status, reply = await operate(http, proxy.url, "restart")
-        assert status == 200 and reply["complete"], reply
+        # Gated, not timed: the episode is inside a step until its gate opens.
+        gated = await start_run(
+            http, proxy.url, run_body("ep-r", 3, gate="r"), headers={TOKEN_HEADER: on_0}
+        )
+        await until_step(http, proxy.url, "ep-r", 0, on_0)
+        restart = asyncio.ensure_future(operate(http, proxy.url, "restart", timeout_s=60))
+        await wait_until(lambda: handing_over(http, proxy.url), 120, "the hand-over to begin")
+        await release(http, proxy.url, "r-0", other)  # step 0 ends where it runs, then parks
+        status, reply = await restart
+        assert status == 200 and reply["complete"] and reply["episodes_moved"] == 1, reply
+        (new,) = [s["new_owner"] for s in reply["slots"] if s["old_owner"] == other]
+        for i in range(3):  # a replay step cut by the hand-over runs again on the new worker
+            await release(http, proxy.url, f"r-{i}", new)
+        code, answer = await asyncio.wait_for(gated, 30)
+        assert code == 200 and answer["owner"] == new, answer
+        assert answer["state"]["log"] == log_of("ep-r", 3), answer
         for i, token in enumerate(tokens):
             assert await count(http, proxy.url, token) == i
         await on_both_nodes(http, proxy.url, cluster)  # the replacements, placed again
