@@ -179,14 +179,17 @@ def group_alive(pgid: int) -> list[int]:
 
 
 @pytest.mark.timeout(600)  # the launcher's Ray cluster and three NeMo Gym workers on 2 cores
+@pytest.mark.parametrize("placement", ["local", "ray"])
 async def test_a_ray_server_under_the_launcher_shares_its_cluster_and_stops_in_its_second(
-    tmp_path, short_tmp
+    tmp_path, short_tmp, placement
 ):
     """code_gen (its verify runs as a Ray task) started by NeMo Gym's launcher under
     gym-proxy with 3 workers: they join the launcher's one Ray cluster (the address the
     launcher hands down), score right and wrong programs on every worker, and on Ctrl-C
     gym-proxy stops within the one second the launcher gives a server
-    (`_GRACEFUL_SHUTDOWN_TIMEOUT_SEC`), leaving no process and no runtime directory."""
+    (`_GRACEFUL_SHUTDOWN_TIMEOUT_SEC`), leaving no process and no runtime directory. The
+    same with `worker_placement: ray` in the config block: the workers in actors of the
+    launcher's cluster (the one `gcs_server`), reached over their TCP link."""
     from nemo_gym.cli import env as launcher_module
 
     psutil = pytest.importorskip("psutil")
@@ -200,6 +203,8 @@ async def test_a_ray_server_under_the_launcher_shares_its_cluster_and_stops_in_i
     config["skip_venv_if_present"] = True
     block = config[code_gen.INSTANCE]["resources_servers"]["code_gen"]
     block.update({"entrypoint": "-mgym_proxy", "num_workers": 3})
+    if placement == "ray":  # each worker in an actor of the launcher's cluster (2 CPUs here)
+        block["gym_proxy"] = {"worker_placement": "ray", "worker_cpus": 0.25}
     (tmp_path / "config.yaml").write_text(json.dumps(config))
     runtime = short_tmp
     env = {
@@ -233,6 +238,8 @@ async def test_a_ray_server_under_the_launcher_shares_its_cluster_and_stops_in_i
             assert rewards == [1.0 if code == code_gen.RIGHT else 0.0 for code, _ in calls]
             status = await Control(http, url).ok("status")
             assert [w["requests_served"] > 0 for w in status["workers"]] == [True] * 3
+            placed = [w["address"].startswith("tcp://") for w in status["workers"]]
+            assert placed == [placement == "ray"] * 3, status["workers"]
         os.kill(launcher.pid, signal.SIGINT)  # Ctrl-C: the launcher stops its servers
         launcher.wait(60)
         text = log.read_text()
