@@ -108,14 +108,17 @@ class FrontEnd:
 class GymProxy:
     """gym-proxy with `workers` ASGI counter workers."""
 
-    def __init__(self, workers: int, *extra: str, local: bool = True) -> None:
-        """`local`: its workers listen on Unix sockets here (not placed on Ray's nodes)."""
+    def __init__(
+        self, workers: int, *extra: str, local: bool = True, app: str = "asgi_counter:app"
+    ) -> None:
+        """`local`: its workers listen on Unix sockets here (not placed on Ray's nodes);
+        `app`: a module of bench/."""
         self.runtime = tempfile.mkdtemp(prefix="gpb-", dir="/tmp")
         self.port = free_port()
         self.log = Path(self.runtime) / "proxy.log"
         with open(self.log, "wb") as out:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "gym_proxy", "asgi_counter:app", "--app-dir", str(HERE),
+                [sys.executable, "-m", "gym_proxy", app, "--app-dir", str(HERE),
                  "--workers", str(workers), "--port", str(self.port), "--runtime-dir",
                  self.runtime, "--log-level", "warning", "--secret", "bench", *extra],
                 cwd=REPO, stdout=out, stderr=subprocess.STDOUT,

@@ -274,6 +274,7 @@ class Checkpointer:
             cached = self.machine.check("prepare", checkpoint_id, deadline_ts, self.clock())
             if cached is not None:
                 return cached
+            await self.exclusion.give_way()
             self.exclusion.refuse_checkpoint()
             if not self.machine.is_open:
                 self.machine.open(checkpoint_id, "preparing", deadline_ts)
@@ -492,6 +493,7 @@ class Checkpointer:
             return cached
         if self.restored_once:
             raise GymError("invalid_phase", "restore needs freshly started workers")
+        await self.exclusion.give_way()
         self.exclusion.refuse_checkpoint()
         live = self.workers.live()
         if len(live) < self.workers.expected:

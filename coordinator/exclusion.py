@@ -10,6 +10,11 @@ The open checkpoint is the phase machine's (asked, never copied); the running op
 is the one state kept here. What waits for the exclusion to be free (a queued signal's
 operation) is woken as it becomes free, by `freed()`: the end of an operation here, a
 checkpoint back to idle in the phase machine (`PhaseMachine.on_idle`).
+
+A rebalance (`proxy.fleet.balancer`) holds the exclusion too, but it is gym-proxy's own
+choice, not a controller's: it *gives way*. A checkpoint, a restore or an operator's
+operation that finds one running waits for it (`give_way`; its moves are bounded by
+`GIVE_WAY` seconds) instead of being refused.
 """
 
 from __future__ import annotations
@@ -22,13 +27,16 @@ from dataclasses import dataclass, field
 
 from gym_proxy.coordinator.contract.errors import GymError
 
-__all__ = ["Exclusion"]
+__all__ = ["Exclusion", "GIVE_WAY"]
+
+GIVE_WAY = 10.0  # seconds at most a checkpoint or an operation waits for a rebalance
 
 
 @dataclass(eq=False)
 class Exclusion:
     open_checkpoint: Callable[[], str | None]  # the checkpoint open now, if one is
     operation: str | None = None  # the move or live operation running, if one is
+    yields: bool = False  # the one running gives way (a rebalance)
     _waiting: list[asyncio.Future[None]] = field(default_factory=list)
 
     def is_free(self) -> bool:
@@ -60,15 +68,25 @@ class Exclusion:
         return None
 
     @contextlib.contextmanager
-    def hold(self, kind: str) -> Iterator[None]:
-        """Run an operation of `kind`, refused (above) unless everything is free."""
+    def hold(self, kind: str, yields: bool = False) -> Iterator[None]:
+        """Run an operation of `kind`, refused (above) unless everything is free;
+        `yields`: others wait for it to end rather than being refused (`give_way`)."""
         self.refuse_operation(kind)
-        self.operation = kind
+        self.operation, self.yields = kind, yields
         try:
             yield
         finally:
-            self.operation = None
+            self.operation, self.yields = None, False
             self.freed()
+
+    async def give_way(self) -> None:
+        """Wait (GIVE_WAY seconds at most) while an operation that gives way runs, so
+        that the caller's refusal check sees it ended."""
+        if self.operation is not None and self.yields:
+            deadline = time.monotonic() + GIVE_WAY
+            while self.operation is not None and self.yields:
+                if not await self.until_free(deadline - time.monotonic()):
+                    return
 
     def freed(self) -> None:
         """What held the exclusion ended: wake whatever waits for it (`until_free`)."""

@@ -34,6 +34,8 @@ from gym_proxy.proxy.descriptor_budget import (
     connection_cap,
     reserve,
 )
+from gym_proxy.proxy.fleet.autoscale import Autoscaler, ScalePolicy
+from gym_proxy.proxy.fleet.balancer import Balancer, bounds_of, thresholds_of
 from gym_proxy.proxy.fleet.move_table import MoveTable
 from gym_proxy.proxy.fleet.mover import Mover
 from gym_proxy.proxy.fleet.operations import Operations
@@ -63,6 +65,7 @@ class Assembly:
     operations: Operations
     metrics: Metrics
     control_runner: web.AppRunner
+    balancer: Balancer  # measures load always; moves sessions with --rebalance
     channels: WorkerChannels = field(init=False)
 
     def __post_init__(self) -> None:
@@ -91,7 +94,17 @@ class Assembly:
         table = MoveTable(router)
         mover = Mover(supervisor, table, checkpointer.exclusion)
         operations = Operations(supervisor, mover, checkpointer.exclusion)
-        metrics = Metrics(state, supervisor, checkpointer, mover, operations)
+        bounds = bounds_of(config)
+        autoscaler = None
+        if bounds is not None:
+            count = lambda: len(supervisor.slots)  # noqa: E731
+            autoscaler = Autoscaler(ScalePolicy(bounds), operations.resize, count)
+        balancer = Balancer(
+            lambda: supervisor.slots, mover, checkpointer.exclusion, thresholds_of(config),
+            acting=config.rebalance, autoscaler=autoscaler,
+            taking_over=lambda: supervisor.passing_on,
+        )  # fmt: skip
+        metrics = Metrics(state, supervisor, checkpointer, mover, operations, balancer)
         operations.observe = metrics.observe_operation
         table.on_held = metrics.observe_held
         control_app = create_control_app(
@@ -100,7 +113,7 @@ class Assembly:
         control_runner = web.AppRunner(control_app, access_log=None, handle_signals=False)
         return cls(
             runtime, router, state, supervisor, checkpointer, table, mover, operations, metrics,
-            control_runner,
+            control_runner, balancer,
         )  # fmt: skip
 
     async def open_control_site(self) -> None:

@@ -360,6 +360,98 @@ class Config:
         doc="recycle a worker whose resident memory exceeds this",
         doc_default="0 (never)",
     )
+    rebalance: bool = option(
+        False,
+        "move idle sessions off a worker that is hot against the others or whose event "
+        "loop stalls, to the least loaded workers (off: a session stays where it started)",
+        type=bool,
+        flag=True,
+        doc="move idle sessions off a hot or stalled worker to the least loaded ones, with "
+        "the moves a drain uses ([Placement that follows load](operations.md#placement-"
+        "that-follows-load))",
+    )
+    rebalance_ratio: float = option(
+        2.0,
+        "with --rebalance: a worker is hot when it runs this many times the others' average "
+        "requests (and at least 2) for 3 s",
+        type=float,
+        metavar="X",
+        doc="with `--rebalance`: a worker is hot when its average requests in flight reach "
+        "this many times the other workers' average (and at least 2), for 3 s",
+    )
+    stall_threshold: float = option(
+        1.0,
+        "with --rebalance: a worker whose event loop answers this many seconds late is "
+        "stalled: no new sessions, and its idle ones move",
+        type=float,
+        metavar="S",
+        doc="with `--rebalance`: a worker whose event loop answers the supervisor's ping "
+        "this late is stalled: it gets no new sessions and sheds its idle ones",
+    )
+    rebalance_cooldown: float = option(
+        10.0,
+        "with --rebalance: seconds a worker that shed or took sessions is left alone",
+        type=float,
+        metavar="S",
+        doc="with `--rebalance`: seconds a worker that shed or took sessions is left alone "
+        "(so nothing flaps)",
+    )
+    rebalance_max_moves: float = option(
+        10.0,
+        "with --rebalance: sessions moved per second at most, over the whole server",
+        type=float,
+        metavar="N",
+        doc="with `--rebalance`: sessions moved per second at most, over the whole server",
+    )
+    min_workers: int = option(
+        1,
+        "with --max-workers: the fewest workers the autoscaler shrinks to",
+        type=int,
+        metavar="N",
+        doc="with `--max-workers`: the fewest workers the autoscaler shrinks to",
+    )
+    max_workers: int = option(
+        0,
+        "the worker count follows demand between --min-workers and this (0: fixed at "
+        "--workers): one more when every worker is busy, one less when all are idle",
+        type=int,
+        metavar="N",
+        doc="the worker count follows demand between `--min-workers` and this: a worker "
+        "more when every worker is busy for a while, one less (drained, its sessions "
+        "moved) when all stay idle ([The worker count follows demand](operations.md#the-"
+        "worker-count-follows-demand))",
+        doc_default="0 (a fixed count)",
+    )
+    scale_up_busy: float = option(
+        4.0,
+        "with --max-workers: grow when every worker runs this many requests on average",
+        type=float,
+        metavar="N",
+        doc="with `--max-workers`: grow when every worker runs at least this many requests "
+        "on average (or is stalled) for `--scale-up-after`",
+    )
+    scale_up_after: float = option(
+        10.0,
+        "with --max-workers: seconds every worker must stay busy before a grow",
+        type=float,
+        metavar="S",
+        doc="with `--max-workers`: seconds every worker must stay busy before a grow",
+    )
+    scale_down_busy: float = option(
+        0.5,
+        "with --max-workers: shrink when every worker runs fewer requests than this",
+        type=float,
+        metavar="N",
+        doc="with `--max-workers`: shrink when every worker runs fewer requests than this "
+        "on average for `--scale-down-after`",
+    )
+    scale_down_after: float = option(
+        60.0,
+        "with --max-workers: seconds every worker must stay idle before a shrink",
+        type=float,
+        metavar="S",
+        doc="with `--max-workers`: seconds every worker must stay idle before a shrink",
+    )
     session_idle_ttl: float = option(
         0.0,
         "end sessions unused for this many seconds in the workers' session stores (0: never)",
@@ -515,13 +607,34 @@ class Config:
             "max_requests",
             "max_requests_jitter",
             "max_worker_memory",
+            "rebalance_cooldown",
+            "min_workers",
+            "max_workers",
+            "scale_up_busy",
+            "scale_down_busy",
+            "scale_up_after",
+            "scale_down_after",
         ):
             value = getattr(self, name)
             if not 0 <= value < float("inf"):
                 raise ConfigError(f"--{name.replace('_', '-')} must be a non-negative number")
         if self.orphan_grace is not None and not 0 <= self.orphan_grace < float("inf"):
             raise ConfigError("--orphan-grace must be a non-negative number")
-        for name in ("worker_timeout", "tunnel_idle_timeout"):
+        if self.max_workers and not 1 <= self.min_workers <= self.workers <= self.max_workers:
+            raise ConfigError(
+                f"--workers {self.workers} must lie within --min-workers {self.min_workers} "
+                f"and --max-workers {self.max_workers} (and --min-workers be 1 or more)"
+            )
+        if not self.scale_down_busy < self.scale_up_busy:
+            raise ConfigError("--scale-down-busy must be under --scale-up-busy")
+        if not self.rebalance_ratio > 1:
+            raise ConfigError("--rebalance-ratio must be over 1 (a worker hot against itself)")
+        for name in (
+            "worker_timeout",
+            "tunnel_idle_timeout",
+            "stall_threshold",
+            "rebalance_max_moves",
+        ):
             if not 0 < getattr(self, name) < float("inf"):
                 raise ConfigError(f"--{name.replace('_', '-')} must be a positive number")
         for name, least in (

@@ -166,6 +166,7 @@ class Server:
         log.info("data path: %s (%s)", *data_path.mode())
         self._timer(watch_liveness(parts.supervisor))
         self._timer(parts.operations.recycling.watch())
+        self._timer(parts.balancer.watch())
         await self._open_takeover_listener()
         self.signals.serving = True
 

@@ -128,6 +128,13 @@ async def slow(request: web.Request) -> web.Response:
     return web.json_response({**_info(request), "slept": seconds})
 
 
+async def block(request: web.Request) -> web.Response:
+    """Blocks the worker's event loop `?seconds=` (a CPU-bound handler that never awaits)."""
+    seconds = float(request.query.get("seconds", "1"))
+    time.sleep(seconds)  # noqa: ASYNC251 -- blocking the loop is what it is for
+    return web.json_response({**_info(request), "blocked": seconds})
+
+
 async def run(request: web.Request) -> web.Response:
     """A test episode: `steps` steps, each a replay step that waits for gate
     `<gate>-<step>` (when `gate` is given) and runs `pause` seconds, then a boundary with the
@@ -260,6 +267,7 @@ def create_app() -> web.Application:
     app.router.add_get("/download", download)
     app.router.add_post("/echo", echo)
     app.router.add_route("*", "/slow", slow)
+    app.router.add_route("*", "/block", block)
     app.router.add_get("/cancelled", cancelled)
     app.router.add_get("/stopped", stopped)
     app.router.add_route("*", "/answer", answer)

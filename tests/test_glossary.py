@@ -41,7 +41,8 @@ RETIRED: tuple[tuple[str, str], ...] = (
 )
 VERBS = (
     "move", "install", "hand over", "receive", "drain", "decommission", "recycle",
-    "pass on", "adopt", "retire", "release", "drop", "tunnel", "place", "link",
+    "pass on", "adopt", "retire", "release", "drop", "tunnel", "place", "link", "rebalance",
+    "autoscale",
 )  # fmt: skip
 
 

@@ -19,7 +19,8 @@ hands it the request's identity headers and writes the headers its `Route` says:
 4. `x-ng-session-owner`: that worker (or its alias), as a new session there (rule `owner`);
 5. nothing: a new session on the live, responsive worker with the fewest requests in
    flight, ties broken round-robin (rule `new`); a worker not answering the supervisor's
-   pings gets no new sessions, nor does one an operation is draining.
+   pings gets no new sessions, nor does one an operation is draining; one whose event
+   loop stalls (`--rebalance`) gets them only when every other does too.
 
 **Identity comes only from a verified token.** There are two session tables, and nothing
 crosses between them:
@@ -108,6 +109,9 @@ class WorkerRoute:
     in_flight: int = 0
     pool: Any = None
     responsive: bool = True  # False while the supervisor's pings go unanswered
+    # Its event loop stalls (`proxy.fleet.rebalance`): new sessions go elsewhere while
+    # any other worker takes them.
+    stalled: bool = False
     keeps_rollout_prefix: bool = False  # ASGI apps see /ng-rollout/<key>/ as sent
     draining: bool = False  # an operation empties it: no new sessions go to it
     # Requests routed to it that wait at the proxy while an operation takes it out of
@@ -267,20 +271,25 @@ class Router:
         return self.workers.get(target) if target is not None else None
 
     def least_loaded(self) -> WorkerRoute:
-        """The responsive worker with the fewest requests in flight; ties go round-robin."""
+        """The responsive worker with the fewest requests in flight, a stalled one only
+        when every one is; ties go round-robin."""
         live = self._live
         count = len(live)
         start = self._next % count if count else 0
         self._next = start + 1
         best = None
+        best_stalled = None
         for i in range(count):
             candidate = live[(start + i) % count]
-            if (
-                candidate.responsive
-                and not candidate.draining
-                and (best is None or candidate.in_flight < best.in_flight)
-            ):
+            if not candidate.responsive or candidate.draining:
+                continue
+            if candidate.stalled:
+                if best_stalled is None or candidate.in_flight < best_stalled.in_flight:
+                    best_stalled = candidate
+            elif best is None or candidate.in_flight < best.in_flight:
                 best = candidate
+        if best is None:
+            best = best_stalled
         if best is None:
             raise GymError(
                 "worker_unavailable", "no worker is live and taking sessions; retry shortly"

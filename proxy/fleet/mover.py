@@ -93,6 +93,7 @@ class Mover:
     async def move(self, session_ids: list[str], to_slot: int, within: float) -> dict[str, Any]:
         """Move `session_ids` to the worker in `to_slot`; answer what moved and what did
         not, and why (module docstring)."""
+        await self.exclusion.give_way()
         self.exclusion.refuse_operation("move")
         target = next((w for w in self.workers.live() if w.slot == to_slot), None)
         if target is None:

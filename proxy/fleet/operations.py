@@ -293,6 +293,7 @@ class Operations:
     # ---- exclusion, progress, background ------------------------------------------
     @contextlib.asynccontextmanager
     async def _exclusive(self, kind: str, reason: str) -> AsyncIterator[Progress]:
+        await self.exclusion.give_way()
         with self.exclusion.hold(kind):
             async with self._progress(kind, reason) as progress:
                 yield progress

@@ -30,6 +30,7 @@ from gym_proxy.coordinator.contract.messages import Stats, WorkerStats
 from gym_proxy.coordinator.phases import Phase
 from gym_proxy.proxy.data_path.client_connection import ProxyState
 from gym_proxy.proxy.data_path.routing import RULES
+from gym_proxy.proxy.fleet.balancer import Balancer
 from gym_proxy.proxy.fleet.mover import Mover
 from gym_proxy.proxy.fleet.operations import Operations
 from gym_proxy.proxy.fleet.supervisor import Supervisor
@@ -58,7 +59,9 @@ class Metrics:
         checkpointer: Checkpointer,
         mover: Mover,
         operations: Operations,
+        balancer: Balancer,
     ) -> None:
+        self.balancer = balancer
         self.state, self.supervisor = state, supervisor
         self.checkpointer, self.mover, self.operations = checkpointer, mover, operations
         self.loop_lag = LoopLag()
@@ -126,6 +129,7 @@ class _Gathered(Collector):
         yield from self._routing()
         yield from self._checkpoint()
         yield from self._operations()
+        yield from self._balance()
 
     def _process(self) -> Iterator[Metric]:
         state = self.m.state
@@ -348,6 +352,71 @@ class _Gathered(Collector):
         for kind in ("drain", "undrain", "restart", "resize", "decommission"):
             running.add_metric([kind], 1 if now is not None and now.operation == kind else 0)
         yield running
+
+    def _balance(self) -> Iterator[Metric]:
+        balancer = self.m.balancer
+        busy = GaugeMetricFamily(
+            "gym_proxy_worker_busy_average",
+            "Requests the worker runs, averaged over a few seconds (the rebalance's load)",
+            labels=["slot", "owner"],
+        )
+        delay = GaugeMetricFamily(
+            "gym_proxy_worker_loop_delay_seconds",
+            "How late the worker's event loop answers the supervisor's ping, worst lately",
+            labels=["slot", "owner"],
+        )
+        stalled = GaugeMetricFamily(
+            "gym_proxy_worker_stalled",
+            "1 while --rebalance takes the worker as stalled (no new sessions)",
+            labels=["slot", "owner"],
+        )
+        for owner, load in sorted(balancer.loads.items(), key=lambda item: item[1].slot):
+            labels = [str(load.slot), owner]
+            busy.add_metric(labels, load.busy)
+            delay.add_metric(labels, load.lag_peak)
+            stalled.add_metric(labels, 1 if owner in balancer.policy.stalled else 0)
+        yield busy
+        yield delay
+        yield stalled
+        rebalances = CounterMetricFamily(
+            "gym_proxy_rebalances", "Rebalances by reason (hot, stalled)", labels=["reason"]
+        )
+        moved = CounterMetricFamily(
+            "gym_proxy_rebalance_sessions_moved",
+            "Idle sessions a rebalance moved, by reason",
+            labels=["reason"],
+        )
+        for reason, count in balancer.rebalances.items():
+            rebalances.add_metric([reason], count)
+            moved.add_metric([reason], balancer.moved[reason])
+        skipped = CounterMetricFamily(
+            "gym_proxy_rebalance_skipped",
+            "Rebalances not done, by what was in the way",
+            labels=["why"],
+        )
+        for why, count in balancer.skipped.items():
+            skipped.add_metric([why], count)
+        yield rebalances
+        yield moved
+        yield skipped
+        scaler = balancer.autoscaler
+        if scaler is not None:
+            scaled = CounterMetricFamily(
+                "gym_proxy_autoscale",
+                "Resizes the autoscaler made, by direction (up, down)",
+                labels=["direction"],
+            )
+            scaled.add_metric(["up"], scaler.grown)
+            scaled.add_metric(["down"], scaler.shrunk)
+            yield scaled
+            not_done = CounterMetricFamily(
+                "gym_proxy_autoscale_skipped",
+                "Resizes the autoscaler did not make, by what was in the way",
+                labels=["why"],
+            )
+            for why, count in scaler.skipped.items():
+                not_done.add_metric([why], count)
+            yield not_done
 
 
 def gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:

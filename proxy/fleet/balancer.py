@@ -1,0 +1,235 @@
+"""`--rebalance`: placement that follows load. Samples every worker's load
+(`proxy.fleet.load`; always, for /metrics), and with `--rebalance` asks the policy who
+sheds (`proxy.fleet.rebalance`) and moves the idle sessions of each worker that sheds
+with the mover, as a drain moves them. With `--max-workers` it hands the same loads to
+the autoscaler (`proxy.fleet.autoscale`) each round too.
+
+What it never does:
+- move a session with a request running: only sessions idle at two looks `SAMPLE`
+  apart are picked (one only between two of its requests is not idle), and the mover's
+  own wait, bounded by `MOVE_WITHIN`, leaves any that became busy where they are;
+- act while a checkpoint is open, a take-over runs, or an operator's move or operation
+  runs: it skips that round and says so (one log line per streak, and
+  `gym_proxy_rebalance_skipped_total{why}`);
+- keep a checkpoint or an operation waiting long: it holds the exclusion as one that gives
+  way (`coordinator.exclusion.Exclusion.give_way`), and its moves end within `MOVE_WITHIN`.
+
+Each rebalance is one log line (who, why with the figures, how many moved to whom) and
+counted in `gym_proxy_rebalances_total{reason}` and
+`gym_proxy_rebalance_sessions_moved_total{reason}`. A stalled worker takes no new
+sessions (`WorkerRoute.stalled`) while the policy says it is stalled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from gym_proxy.coordinator.contract.channel import ChannelClosed, ChannelTimeout, RemoteError
+from gym_proxy.coordinator.contract.messages import HeldSessions, ListHeld
+from gym_proxy.coordinator.exclusion import Exclusion
+from gym_proxy.proxy.config import Config
+from gym_proxy.proxy.fleet.autoscale import Autoscaler, ScaleBounds
+from gym_proxy.proxy.fleet.liveness import PING_INTERVAL
+from gym_proxy.proxy.fleet.load import SAMPLE, LoadTracker, WorkerLoad
+from gym_proxy.proxy.fleet.mover import Mover
+from gym_proxy.proxy.fleet.rebalance import RebalancePolicy, Shed, Thresholds
+from gym_proxy.proxy.fleet.slots import Slots
+from gym_proxy.proxy.fleet.worker_records import WorkerProcess
+
+__all__ = ["Balancer", "MOVE_WITHIN", "thresholds_of", "bounds_of"]
+
+log = logging.getLogger("gym_proxy.rebalance")
+
+JUDGE_EVERY = 1.0  # seconds between the policy's judgements
+LIST_WITHIN = 2.0  # seconds a worker has to list its sessions (a stalled one may not)
+MOVE_WITHIN = 5.0  # seconds a rebalance's moves may take (a stalled source is slow)
+
+
+def thresholds_of(config: Config) -> Thresholds:
+    """The policy's thresholds as the operator set them (flags or the config block)."""
+    return Thresholds(
+        ratio=config.rebalance_ratio,
+        stall=config.stall_threshold,
+        cooldown=config.rebalance_cooldown,
+        max_moves=config.rebalance_max_moves,
+    )
+
+
+def bounds_of(config: Config) -> ScaleBounds | None:
+    """The worker count's bounds and thresholds, None without --max-workers."""
+    if not config.max_workers:
+        return None
+    return ScaleBounds(
+        least=config.min_workers,
+        most=config.max_workers,
+        up_busy=config.scale_up_busy,
+        down_busy=config.scale_down_busy,
+        up_after=config.scale_up_after,
+        down_after=config.scale_down_after,
+    )
+
+
+@dataclass
+class _Look:
+    """What a load sample reads of one worker (`proxy.fleet.load.Sampled`)."""
+
+    owner: str
+    slot: int
+    in_flight: int
+    ping_seconds: float | None
+    silent_for: float
+    taking: bool
+
+
+@dataclass(eq=False)
+class Balancer:
+    slots: Callable[[], Slots]
+    mover: Mover
+    exclusion: Exclusion
+    thresholds: Thresholds
+    acting: bool = True  # False: it only measures (no --rebalance)
+    autoscaler: Autoscaler | None = None  # with --max-workers
+    taking_over: Callable[[], bool] = lambda: False  # the workers go to a successor
+    tracker: LoadTracker = field(default_factory=lambda: LoadTracker(PING_INTERVAL))
+    policy: RebalancePolicy = field(init=False)
+    # /metrics: rebalances and sessions moved by reason, rounds skipped by why.
+    rebalances: dict[str, int] = field(default_factory=lambda: {"hot": 0, "stalled": 0})
+    moved: dict[str, int] = field(default_factory=lambda: {"hot": 0, "stalled": 0})
+    skipped: dict[str, int] = field(default_factory=dict)
+    _skipping: str = ""
+
+    def __post_init__(self) -> None:
+        self.policy = RebalancePolicy(self.thresholds)
+
+    @property
+    def loads(self) -> dict[str, WorkerLoad]:
+        return self.tracker.loads
+
+    async def watch(self) -> None:
+        """Sample every SAMPLE seconds, judge every JUDGE_EVERY, while the server serves."""
+        judged = time.monotonic()
+        while True:
+            await asyncio.sleep(SAMPLE)
+            now = time.monotonic()
+            workers = self._workers()
+            self.tracker.sample((self._look(w, now) for w in workers), now)
+            if now - judged >= JUDGE_EVERY:
+                judged = now
+                if self.acting:
+                    await self.judge(workers, now)
+                if self.autoscaler is not None:
+                    stalled, in_the_way = self.policy.stalled, self._in_the_way()
+                    await self.autoscaler.judge(self.loads, stalled, in_the_way, now)
+
+    async def judge(self, workers: list[WorkerProcess], now: float) -> None:
+        """One round: who sheds, then each shed carried out (or skipped, said why)."""
+        loads = self.tracker.loads
+        sheds = self.policy.judge(loads, now)
+        self.policy.forget(set(loads))
+        for worker in workers:
+            if worker.route is not None:
+                worker.route.stalled = worker.owner in self.policy.stalled
+        by_owner = {w.owner: w for w in workers}
+        for shed in sheds:
+            why_not = self._in_the_way()
+            if why_not:
+                self._skip(why_not, shed)
+                return
+            source = by_owner.get(shed.source)
+            if source is not None:
+                await self._carry_out(shed, source, now)
+        self._skipping = ""
+
+    def _workers(self) -> list[WorkerProcess]:
+        return [
+            w
+            for w in self.slots().workers()
+            if w.state == "live" and w.route is not None and w.channel is not None and not w.leaving
+        ]
+
+    @staticmethod
+    def _look(worker: WorkerProcess, now: float) -> _Look:
+        route = worker.route
+        assert route is not None
+        taking = route.responsive and not route.draining
+        silent = now - worker.answered_at if worker.answered_at else 0.0
+        in_flight, ping = route.in_flight, worker.ping_seconds
+        return _Look(worker.owner, worker.slot, in_flight, ping, silent, taking)
+
+    def _in_the_way(self) -> str:
+        if self.taking_over():
+            return "a take-over is under way"
+        if self.exclusion.open_checkpoint() is not None:
+            return "a checkpoint is open"
+        if self.exclusion.operation is not None:
+            return f"a {self.exclusion.operation} is running"
+        return ""
+
+    def _skip(self, why: str, shed: Shed) -> None:
+        self.skipped[why] = self.skipped.get(why, 0) + 1
+        if self._skipping != why:  # one line per streak, not one a second
+            self._skipping = why
+            log.info("rebalance of worker %d (%s) skipped: %s", shed.slot, shed.reason, why)
+
+    async def _carry_out(self, shed: Shed, source: WorkerProcess, now: float) -> None:
+        budget = self.policy.budget(now)
+        if budget < 1:
+            return
+        held = await self._listing(source)
+        if held is None or not held.movable:
+            return
+        busy = {s for e in held.episodes for s in ([e.session_id] if e.session_id else [])}
+        busy.update(s for e in held.episodes for s in e.sessions)
+        running = self.mover.table.running_requests
+        idle = [s for s in held.session_ids if s not in busy and not running(s)]
+        # Idle at two looks SAMPLE apart: a session that is only between two of its
+        # requests (the one that keeps a loop blocked, say) is not taken for idle.
+        await asyncio.sleep(SAMPLE)
+        idle = [s for s in idle if not running(s)]
+        count = min(budget, math.ceil(shed.share * len(idle)))
+        if count < 1:
+            return
+        chosen = idle[:count]
+        plan: dict[str, list[str]] = {}
+        for i, session_id in enumerate(chosen):
+            plan.setdefault(shed.targets[i % len(shed.targets)], []).append(session_id)
+        try:
+            with self.exclusion.hold("rebalance", yields=True):
+                result = await self.mover.move_sessions(
+                    plan, [source], time.monotonic() + MOVE_WITHIN
+                )
+        except Exception as exc:  # a refusal (something began meanwhile), a lost channel
+            log.warning("rebalance of worker %d (%s) not done: %s", shed.slot, shed.reason, exc)
+            return
+        self.policy.spend(len(result.moved))
+        self.policy.shed(shed, list(plan), time.monotonic())
+        self.rebalances[shed.reason] += 1
+        self.moved[shed.reason] += len(result.moved)
+        to = sorted({slot for slot in self._slots_of(set(result.moved.values()))})
+        log.info(
+            "rebalance: worker %d (%s: %s) shed %d of its %d idle sessions to workers %s%s",
+            shed.slot, shed.reason, shed.why, len(result.moved), len(idle),
+            ", ".join(map(str, to)) or "-",
+            _not_moved(result.failed),
+        )  # fmt: skip
+
+    async def _listing(self, worker: WorkerProcess) -> HeldSessions | None:
+        try:
+            return await worker.live_channel.request(ListHeld(), within=LIST_WITHIN)
+        except (ChannelClosed, ChannelTimeout, RemoteError) as exc:
+            log.debug("worker %d did not list its sessions: %s", worker.slot, exc)
+            return None
+
+    def _slots_of(self, owners: set[str]) -> list[int]:
+        return [w.slot for w in self._workers() if w.owner in owners]
+
+
+def _not_moved(failed: dict[str, str]) -> str:
+    if not failed:
+        return ""
+    return f"; {len(failed)} not moved ({'; '.join(sorted(set(failed.values())))})"

@@ -1,0 +1,214 @@
+"""`--rebalance` with real workers: a hot worker (in process) and a stalled one (real
+processes: a handler that blocks its event loop) shed their idle sessions to the other
+worker and keep their busy one, every count exact; a stalled worker gets no new
+sessions; an even load moves nothing; a checkpoint waits for no rebalance and none runs
+while it is open."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+
+import aiohttp
+import pytest
+
+from tests.support import CONTROL_TOKEN, Control, wait_until
+from tests.test_live_operations import TOKEN_HEADER, count, seed, status_of, whoami
+from tests.test_metrics import metrics_url
+
+APP = "tests.apps:create_app"
+
+
+async def increment(http: aiohttp.ClientSession, url: str, token: str, by: int) -> None:
+    async with http.post(
+        f"{url}/increment_counter", json={"count": by}, headers={TOKEN_HEADER: token}
+    ) as response:
+        assert response.status == 200, await response.text()
+
+
+async def sessions_by_slot(
+    http: aiohttp.ClientSession, url: str, wanted: int, on: int = 0
+) -> tuple[list[str], list[str]]:
+    """Seed sessions until `wanted` are on slot `on`: (those, the others)."""
+    mine: list[str] = []
+    others: list[str] = []
+    while len(mine) < wanted:
+        token = await seed(http, url)
+        (mine if (await whoami(http, url, token))["slot"] == on else others).append(token)
+    return mine, others
+
+
+async def metric(http: aiohttp.ClientSession, url: str, name: str) -> float:
+    async with http.get(url) as response:
+        text = await response.text()
+    found = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
+    return float(found.group(1)) if found else 0.0
+
+
+async def test_a_hot_worker_sheds_its_idle_sessions_and_keeps_its_busy_one(in_process, http):
+    proxy = await in_process(
+        "--rebalance", "--metrics", "127.0.0.1:0", workers=2, control_token=CONTROL_TOKEN, app=APP
+    )
+    light, _ = await sessions_by_slot(http, proxy.url, 6)
+    for i, token in enumerate(light):
+        await increment(http, proxy.url, token, i)
+    heavy, *light = light
+    headers = {TOKEN_HEADER: heavy}
+
+    async def slow() -> int:
+        async with http.get(f"{proxy.url}/slow?seconds=12", headers=headers) as response:
+            return response.status
+
+    # Four requests running on one session of slot 0, none on slot 1: hot, for 3 s.
+    running = [asyncio.ensure_future(slow()) for _ in range(4)]
+
+    async def shed() -> bool:
+        slots = [(await whoami(http, proxy.url, t))["slot"] for t in light]
+        return slots == [1] * len(light)
+
+    await wait_until(shed, 20, "the idle sessions to move to slot 1")
+    assert (await whoami(http, proxy.url, heavy))["slot"] == 0  # busy: it stays
+    assert [await count(http, proxy.url, t) for t in light] == [1, 2, 3, 4, 5]
+    moved = 'gym_proxy_rebalance_sessions_moved_total{reason="hot"}'
+    assert await metric(http, metrics_url(proxy), moved) == len(light)
+    assert await asyncio.gather(*running) == [200] * 4
+
+
+async def test_an_even_load_moves_nothing(in_process, http):
+    proxy = await in_process(
+        "--rebalance", "--metrics", "127.0.0.1:0", workers=2, control_token=CONTROL_TOKEN, app=APP
+    )
+    on_0, on_1 = await sessions_by_slot(http, proxy.url, 3)
+    on_1 += (await sessions_by_slot(http, proxy.url, 3, on=1))[0]
+    where = {t: (await whoami(http, proxy.url, t))["slot"] for t in on_0 + on_1}
+
+    async def slow(token: str) -> int:
+        async with http.get(
+            f"{proxy.url}/slow?seconds=7", headers={TOKEN_HEADER: token}
+        ) as response:
+            return response.status
+
+    # Two requests on each worker for 7 s: busy, evenly; past the 3 s a hot one needs.
+    codes = await asyncio.gather(*(slow(t) for t in (on_0[0], on_0[1], on_1[0], on_1[1])))
+    assert codes == [200] * 4
+    assert {t: (await whoami(http, proxy.url, t))["slot"] for t in where} == where
+    assert await metric(http, metrics_url(proxy), "gym_proxy_sessions_moved_total") == 0
+
+
+@pytest.mark.parametrize("test_app", [APP], indirect=True)
+async def test_a_stalled_worker_gets_no_new_sessions_and_sheds_its_idle_ones(start_proxy, http):
+    proxy = start_proxy(
+        "--rebalance", "--stall-threshold", "0.5", "--metrics", "127.0.0.1:0",
+        workers=2, control_token=CONTROL_TOKEN,
+    )  # fmt: skip
+    light, _ = await sessions_by_slot(http, proxy.url, 5)
+    for i, token in enumerate(light):
+        await increment(http, proxy.url, token, i)
+    heavy, *light = light
+    stop = asyncio.Event()
+
+    async def stall() -> None:  # its loop blocked 1.5 s at a time, a few ms free between
+        while not stop.is_set():
+            async with http.get(
+                f"{proxy.url}/block?seconds=1.5", headers={TOKEN_HEADER: heavy}
+            ) as response:
+                assert response.status == 200
+
+    owner = (await whoami(http, proxy.url, heavy))["owner"]
+    flag = f'gym_proxy_worker_stalled{{owner="{owner}",slot="0"}}'
+    staller = asyncio.ensure_future(stall())
+    try:
+
+        async def stalled() -> bool:
+            return await metric(http, metrics_url(proxy), flag) == 1
+
+        await wait_until(stalled, 20, "slot 0 to be taken as stalled")
+        fresh = [await seed(http, proxy.url) for _ in range(4)]
+        assert [(await whoami(http, proxy.url, t))["slot"] for t in fresh] == [1] * 4
+
+        moved = 'gym_proxy_rebalance_sessions_moved_total{reason="stalled"}'
+
+        async def shed() -> bool:  # asked of /metrics: a request of theirs would busy them
+            return await metric(http, metrics_url(proxy), moved) == len(light)
+
+        await wait_until(shed, 30, "the stalled worker's idle sessions to move")
+    finally:
+        stop.set()
+        await staller
+    assert [(await whoami(http, proxy.url, t))["slot"] for t in light] == [1] * len(light)
+    assert [await count(http, proxy.url, t) for t in light] == [1, 2, 3, 4]
+    assert (await whoami(http, proxy.url, heavy))["slot"] == 0
+    reason = 'gym_proxy_rebalances_total{reason="stalled"}'
+    assert await metric(http, metrics_url(proxy), reason) >= 1
+
+
+async def test_no_rebalance_while_a_checkpoint_is_open(in_process, http):
+    """A worker hot while a checkpoint is open (its prepare waits for the requests to
+    end): the rebalance skips, says why, and moves nothing."""
+    proxy = await in_process(
+        "--rebalance", "--metrics", "127.0.0.1:0", workers=2, control_token=CONTROL_TOKEN, app=APP
+    )
+    light, _ = await sessions_by_slot(http, proxy.url, 4)
+    heavy, *light = light
+
+    async def slow() -> int:
+        async with http.get(
+            f"{proxy.url}/slow?seconds=8", headers={TOKEN_HEADER: heavy}
+        ) as response:
+            return response.status
+
+    running = [asyncio.ensure_future(slow()) for _ in range(4)]
+    in_flight = 'gym_proxy_worker_requests_in_flight{slot="0"}'
+
+    async def started() -> bool:
+        return await metric(http, metrics_url(proxy), in_flight) == 4
+
+    await wait_until(started, 10, "the four requests to run")
+    control = Control(http, proxy.url)
+    prepare = asyncio.ensure_future(control.ok("prepare", checkpoint_id="ck"))
+    skipped = 'gym_proxy_rebalance_skipped_total{why="a checkpoint is open"}'
+
+    async def said() -> bool:
+        return await metric(http, metrics_url(proxy), skipped) >= 1
+
+    await wait_until(said, 20, "the rebalance to say it skipped")
+    assert await metric(http, metrics_url(proxy), "gym_proxy_sessions_moved_total") == 0
+    assert await asyncio.gather(*running) == [200] * 4
+    assert (await prepare)["phase"] == "prepared"
+    await control.ok("resume", checkpoint_id="ck")
+    assert [(await whoami(http, proxy.url, t))["slot"] for t in light] == [0] * len(light)
+
+
+async def test_the_worker_count_follows_demand_within_its_bounds(in_process, http):
+    """One worker, busy past --scale-up-busy for --scale-up-after: a second starts (not a
+    third: --max-workers 2); new sessions go to it; once idle for --scale-down-after,
+    it is drained away, its sessions moved, every count exact."""
+    proxy = await in_process(
+        "--min-workers", "1", "--max-workers", "2", "--scale-up-busy", "2",
+        "--scale-up-after", "1", "--scale-down-after", "2", "--metrics", "127.0.0.1:0",
+        workers=1, control_token=CONTROL_TOKEN, app=APP,
+    )  # fmt: skip
+    first = [await seed(http, proxy.url) for _ in range(3)]
+
+    async def slow() -> int:
+        async with http.get(
+            f"{proxy.url}/slow?seconds=6", headers={TOKEN_HEADER: first[0]}
+        ) as response:
+            return response.status
+
+    running = [asyncio.ensure_future(slow()) for _ in range(4)]
+
+    async def workers(n: int) -> bool:
+        return len((await status_of(http, proxy.url))["workers"]) == n
+
+    await wait_until(lambda: workers(2), 20, "a second worker")
+    later = [await seed(http, proxy.url) for _ in range(3)]
+    assert {(await whoami(http, proxy.url, t))["slot"] for t in later} == {1}
+    for i, token in enumerate(first + later):
+        await increment(http, proxy.url, token, i)
+    assert await asyncio.gather(*running) == [200] * 4
+    await wait_until(lambda: workers(1), 30, "the count back to one worker")
+    assert [await count(http, proxy.url, t) for t in first + later] == list(range(6))
+    url = metrics_url(proxy)
+    assert await metric(http, url, 'gym_proxy_autoscale_total{direction="up"}') == 1
+    assert await metric(http, url, 'gym_proxy_autoscale_total{direction="down"}') == 1

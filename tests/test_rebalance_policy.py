@@ -1,0 +1,207 @@
+"""The load a rebalance judges (`proxy.fleet.load`), its policy (`proxy.fleet.rebalance`)
+and the autoscaler's (`proxy.fleet.autoscale`), pure: who is hot, who is stalled, who
+sheds to whom, when the count grows or shrinks, and that nothing flaps (a sustained
+streak, a cool-down, a bucket of moves, the bounds)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+
+from gym_proxy.proxy.config import ConfigError, config_from_args
+from gym_proxy.proxy.data_path.routing import Router, WorkerRoute
+from gym_proxy.proxy.fleet.autoscale import ScaleBounds, ScalePolicy
+from gym_proxy.proxy.fleet.load import LoadTracker, WorkerLoad
+from gym_proxy.proxy.fleet.rebalance import RebalancePolicy, Thresholds
+
+pytestmark = pytest.mark.fast
+
+
+@dataclass
+class Look:
+    owner: str
+    slot: int
+    in_flight: int = 0
+    ping_seconds: float | None = 0.001
+    silent_for: float = 0.0
+    taking: bool = True
+
+
+def loads(*busy: float, lag: dict[int, float] | None = None) -> dict[str, WorkerLoad]:
+    lag = lag or {}
+    return {
+        f"w{i}": WorkerLoad(f"w{i}", i, busy=b, lag=lag.get(i, 0.0), lag_peak=lag.get(i, 0.0))
+        for i, b in enumerate(busy)
+    }
+
+
+def test_busy_is_averaged_and_a_burst_does_not_make_a_hot_worker():
+    tracker = LoadTracker(ping_interval=1.0, half_life=3.0)
+    tracker.sample([Look("a", 0, in_flight=0)], 0.0)
+    tracker.sample([Look("a", 0, in_flight=10)], 0.25)
+    assert 0 < tracker.loads["a"].busy < 1  # one quarter second of 10 is not 10
+    for i in range(2, 160):  # 40 s of it
+        tracker.sample([Look("a", 0, in_flight=10)], i * 0.25)
+    assert tracker.loads["a"].busy == pytest.approx(10, abs=0.1)
+
+
+def test_lag_grows_while_a_ping_waits_and_its_peak_decays():
+    tracker = LoadTracker(ping_interval=1.0, half_life=3.0)
+    tracker.sample([Look("a", 0, silent_for=0.5)], 0.0)
+    assert tracker.loads["a"].lag == pytest.approx(0.001)  # the last round trip
+    tracker.sample([Look("a", 0, silent_for=3.5)], 3.0)  # its ping has waited 2.5 s
+    assert tracker.loads["a"].lag == pytest.approx(2.5)
+    tracker.sample([Look("a", 0, silent_for=0.2)], 6.0)  # it answered
+    load = tracker.loads["a"]
+    assert load.lag == pytest.approx(0.001) and load.lag_peak == pytest.approx(1.25)
+
+
+def test_a_worker_gone_is_forgotten():
+    tracker = LoadTracker(ping_interval=1.0)
+    tracker.sample([Look("a", 0), Look("b", 1)], 0.0)
+    tracker.sample([Look("b", 1)], 0.25)
+    assert set(tracker.loads) == {"b"}
+
+
+def test_a_worker_hot_for_the_sustain_sheds_to_the_least_busy():
+    policy = RebalancePolicy(Thresholds(sustain=3.0))
+    now = loads(8, 1, 0.5)
+    assert policy.judge(now, 0.0) == []  # hot, not yet for long enough
+    assert policy.judge(now, 2.0) == []
+    (shed,) = policy.judge(now, 3.0)
+    assert shed.source == "w0" and shed.reason == "hot"
+    assert shed.targets == ("w2", "w1")  # least busy first
+    assert shed.share == pytest.approx((8 - 0.75) / 8)
+
+
+def test_a_break_in_the_streak_starts_it_again():
+    policy = RebalancePolicy(Thresholds(sustain=3.0))
+    policy.judge(loads(8, 1), 0.0)
+    policy.judge(loads(1, 1), 2.0)  # cooled for a moment
+    assert policy.judge(loads(8, 1), 4.0) == []
+    assert policy.judge(loads(8, 1), 7.0) != []
+
+
+@pytest.mark.parametrize(
+    "busy",
+    [
+        (3, 2, 2),  # under the ratio
+        (1.5, 0, 0),  # under min_busy, whatever the others
+        (4, 4, 4),  # an even load: nobody sheds, ever
+    ],
+)
+def test_no_shed_without_a_margin(busy):
+    policy = RebalancePolicy(Thresholds(sustain=0.0))
+    assert all(policy.judge(loads(*busy), t) == [] for t in range(20))
+
+
+def test_after_a_shed_source_and_targets_rest_for_the_cooldown():
+    policy = RebalancePolicy(Thresholds(sustain=0.0, cooldown=10.0))
+    (shed,) = policy.judge(loads(8, 1, 1), 0.0)
+    policy.shed(shed, ["w1"], 0.0)
+    assert policy.judge(loads(8, 1, 1), 5.0) == []  # the source rests
+    # w1 took sessions and got hot: it rests too, so nothing bounces back.
+    assert policy.judge(loads(1, 8, 1), 6.0) == []
+    (again,) = policy.judge(loads(1, 8, 1), 11.0)
+    assert again.source == "w1"
+
+
+def test_a_stalled_worker_sheds_every_idle_session_and_stays_stalled_between_stalls():
+    policy = RebalancePolicy(Thresholds(stall=1.0, sustain=3.0))
+    (shed,) = policy.judge(loads(0, 0, lag={0: 1.5}), 0.0)
+    assert shed.reason == "stalled" and shed.share == 1.0 and set(shed.targets) == {"w1"}
+    assert policy.stalled == {"w0"}
+    policy.shed(shed, ["w1"], 0.0)
+    assert policy.judge(loads(0, 0, lag={0: 0.7}), 1.0) == []  # resting; still stalled
+    assert policy.stalled == {"w0"}  # 0.7 is not under half the threshold
+    (again,) = policy.judge(loads(0, 0, lag={0: 0.7}), 3.0)  # sheds what turned idle
+    assert again.reason == "stalled"
+    policy.judge(loads(0, 0, lag={0: 0.4}), 4.0)
+    assert policy.stalled == set()
+
+
+def test_no_target_no_shed_and_never_to_a_stalled_or_draining_worker():
+    policy = RebalancePolicy(Thresholds(stall=1.0, sustain=0.0))
+    assert policy.judge(loads(0, 0, lag={0: 2.0, 1: 2.0}), 0.0) == []  # all stalled
+    both = loads(8, 1, 0)
+    both["w2"].taking = False  # draining, or not answering
+    (shed,) = policy.judge(both, 1.0)
+    assert shed.targets == ("w1",)
+
+
+def test_the_bucket_caps_moves_per_second():
+    policy = RebalancePolicy(Thresholds(max_moves=4.0))
+    assert policy.budget(0.0) == 4
+    policy.spend(4)
+    assert policy.budget(0.5) == 2
+    policy.spend(2)
+    assert policy.budget(10.0) == 4  # never more than one second's worth
+
+
+def test_new_sessions_skip_a_stalled_worker_unless_all_are():
+    router = Router()
+    stalled, calm = WorkerRoute("a", 0, "/a"), WorkerRoute("b", 1, "/b", in_flight=5)
+    router.add_worker(stalled)
+    router.add_worker(calm)
+    stalled.stalled = True
+    assert {router.least_loaded().owner for _ in range(4)} == {"b"}
+    calm.stalled = True
+    assert router.least_loaded().owner == "a"  # fewest in flight, stalled as they all are
+
+
+def scale(**kw: float) -> ScalePolicy:
+    bounds = {"least": 1, "most": 3, "up_after": 10.0, "down_after": 60.0, "cooldown": 5.0}
+    return ScalePolicy(ScaleBounds(**{**bounds, **kw}))  # type: ignore[arg-type]
+
+
+def test_grow_only_when_every_worker_stays_busy_and_never_past_max():
+    policy = scale()
+    assert policy.judge(loads(5, 5), set(), 2, 0.0) == (0, "")
+    assert policy.judge(loads(5, 1), set(), 2, 5.0) == (0, "")  # one is not busy: a break
+    assert policy.judge(loads(5, 5), set(), 2, 6.0) == (0, "")
+    step, why = policy.judge(loads(5, 5), set(), 2, 16.0)
+    assert step == 1 and "every worker busy" in why
+    policy.scaled(16.0)
+    assert all(policy.judge(loads(9, 9, 9), set(), 3, t)[0] == 0 for t in range(17, 200, 5))
+
+
+def test_a_stalled_worker_counts_as_busy():
+    policy = scale(up_after=0.0)
+    assert policy.judge(loads(5, 0), {"w1"}, 2, 0.0)[0] == 1
+
+
+def test_shrink_only_after_a_long_idle_and_never_under_min():
+    policy = scale()
+    assert policy.judge(loads(0.1, 0.1), set(), 2, 0.0) == (0, "")
+    assert policy.judge(loads(0.1, 0.1), set(), 2, 59.0) == (0, "")
+    assert policy.judge(loads(0.1, 0.1), set(), 2, 60.0)[0] == -1
+    policy.scaled(60.0)
+    assert all(policy.judge(loads(0), set(), 1, t)[0] == 0 for t in range(61, 300, 5))
+
+
+def test_after_a_resize_the_streak_starts_again_after_the_cooldown():
+    policy = scale(up_after=0.0)
+    assert policy.judge(loads(5, 5), set(), 2, 0.0)[0] == 1
+    policy.scaled(0.0)
+    assert policy.judge(loads(5, 5, 5), set(), 3 - 1, 4.0) == (0, "")  # resting
+    assert policy.judge(loads(5, 5, 5), set(), 2, 6.0)[0] == 1
+
+
+def test_a_count_outside_the_bounds_comes_back_inside():
+    assert scale().judge(loads(0), set(), 5, 0.0)[0] == -1  # an operator's resize past max
+    assert scale(least=2).judge(loads(0), set(), 1, 0.0)[0] == 1
+
+
+@pytest.mark.parametrize(
+    "args, error",
+    [
+        (["--workers", "4", "--max-workers", "3"], "--workers 4 must lie within"),
+        (["--workers", "1", "--min-workers", "2", "--max-workers", "3"], "must lie within"),
+        (["--rebalance-ratio", "1"], "--rebalance-ratio must be over 1"),
+        (["--max-workers", "2", "--scale-down-busy", "5"], "--scale-down-busy must be under"),
+    ],
+)
+def test_bad_bounds_are_one_line_errors(args, error):
+    with pytest.raises(ConfigError, match=error):
+        config_from_args(args)
