@@ -1,16 +1,17 @@
 """Placement that follows load: a skewed load, static placement against `--rebalance`.
 
-    .venv/bin/python bench/rebalance.py [--seconds 40] [--workers 4] [--heavy 2]
+    .venv/bin/python bench/rebalance.py [--seconds 60] [--workers 4] [--heavy 2]
                                         [--light 32] [--think 0.3] [--block 0.1] [--rounds 2]
 
 The app is gym-proxy's counter with `/block` (`bench/skewed_app.py`). A few heavy
 sessions call `/block` back to back (each call blocks its worker's event loop `--block`
 seconds: a synchronous call, as in NeMo Gym#3039); many light sessions call
-`/increment_counter`, each pausing `--think` seconds between calls (a model generating
-between two tool calls). The heavy sessions start first, so each takes a worker of its
-own; the light ones spread over every worker, and those that share a worker with a heavy
-one wait behind its blocks. Two servers, one after the other, alternating for
-`--rounds` rounds: gym-proxy as it is (static), and with `--rebalance`.
+`/increment_counter`, each pausing about `--think` seconds between calls (drawn from
+0.5-1.5 times it: a model generating between two tool calls). The heavy sessions start
+first, so each takes a worker of its own; the light ones spread over every worker, and
+those that share a worker with a heavy one wait behind its blocks. Two servers, one
+after the other, alternating for `--rounds` rounds: gym-proxy as it is (static), and
+with `--rebalance`.
 
 Per server: the light calls' p50/p99 over the whole run and over its second half (after
 the rebalance had its time), the heavy and total calls per second, the sessions a
@@ -22,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
+import random
 import re
 import statistics
 import sys
@@ -64,6 +66,7 @@ async def load(port: int, opts: argparse.Namespace) -> dict[str, Any]:
         done = dict.fromkeys(light, 0)
         heavy_calls = 0
         errors = 0
+        pauses = random.Random(7)
 
         async def light_loop(token: str) -> None:
             nonlocal errors
@@ -78,7 +81,9 @@ async def load(port: int, opts: argparse.Namespace) -> dict[str, Any]:
                     else:
                         errors += 1
                 latencies.append((sent, time.monotonic() - sent))
-                await asyncio.sleep(opts.think)
+                # Drawn, not fixed: a fixed pause that is a multiple of --block falls into
+                # step with the blocks and never waits behind one.
+                await asyncio.sleep(pauses.uniform(0.5, 1.5) * opts.think)
 
         async def heavy_loop(token: str) -> None:
             nonlocal heavy_calls, errors
@@ -117,9 +122,10 @@ def run_server(kind: str, opts: argparse.Namespace) -> dict[str, Any]:
     proxy = GymProxy(opts.workers, *extra, app="skewed_app:create_app")
     try:
         cell = asyncio.run(load(proxy.port, opts))
+        log = proxy.log.read_text()
     finally:
         proxy.stop()
-    moved = re.findall(r"rebalance: .* shed (\d+) of", proxy.log.read_text())
+    moved = re.findall(r"rebalance: .* shed (\d+) of", log)
     cell["moved"] = sum(map(int, moved))
     cell["rebalances"] = len(moved)
     print(f"  {kind:<9} light p99 {cell['light_p99_ms']:.1f} ms (late half "
@@ -152,7 +158,7 @@ def table(rounds: list[dict[str, dict[str, Any]]]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--seconds", type=float, default=40.0)
+    parser.add_argument("--seconds", type=float, default=60.0)
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--heavy", type=int, default=2)
     parser.add_argument("--light", type=int, default=32)

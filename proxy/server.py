@@ -302,8 +302,9 @@ class Server:
         assert self.parts is not None and self.runtime is not None
         exclusion = self.parts.checkpointer.exclusion
         self.takeover = TakeOverListener(
-            self.fingerprint, self.listen_sock, self._taken, exclusion.in_the_way
-        )
+            self.fingerprint, self.listen_sock, self._taken, exclusion.in_the_way,
+            exclusion.give_way,
+        )  # fmt: skip
         await self.takeover.start(self.runtime.join(TAKEOVER_NAME))
         self.resources.push_async_callback(self.takeover.close)
 

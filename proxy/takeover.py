@@ -22,7 +22,7 @@ import contextlib
 import os
 import socket
 import tempfile
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import orjson
@@ -116,7 +116,8 @@ class TakeOverListener:
     """The running instance's end: hands `listen_sock` to the first new instance that
     proves the same secret, then calls `on_taken` (once). While `busy` names something
     the new instance could not carry on (an open checkpoint, a running move or live
-    operation: their state is this process's), the take-over is refused with that."""
+    operation: their state is this process's), the take-over is refused with that; what
+    only gives way (a rebalance) is waited for first (`give_way`)."""
 
     def __init__(
         self,
@@ -124,11 +125,13 @@ class TakeOverListener:
         listen_sock: socket.socket,
         on_taken: Callable[[int], None],
         busy: Callable[[], str | None] = lambda: None,
+        give_way: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         self._fingerprint = fingerprint
         self._listen_sock = listen_sock
         self._on_taken = on_taken
         self._busy = busy
+        self._give_way = give_way
         self._server: asyncio.AbstractServer | None = None
         self._successor: asyncio.StreamWriter | None = None  # told when the directory is free
         self.taken = False
@@ -145,6 +148,8 @@ class TakeOverListener:
         except (TimeoutError, ValueError, orjson.JSONDecodeError, ConnectionError):
             writer.close()
             return
+        if self._give_way is not None:
+            await self._give_way()
         why = None
         if self.taken:
             why = "it is being taken over already"

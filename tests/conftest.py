@@ -60,6 +60,7 @@ LONGEST_FIRST = (
     "test_nemo_gym_ray_placement.py",
     "test_checkpoint_protocol.py",
     "test_live_operations.py",
+    "test_rebalance.py",
     "test_episode_handover.py",
     "test_nemo_gym_ray_multinode.py",
     "test_nemo_gym_servers.py",

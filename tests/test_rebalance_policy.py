@@ -96,15 +96,17 @@ def test_no_shed_without_a_margin(busy):
     assert all(policy.judge(loads(*busy), t) == [] for t in range(20))
 
 
-def test_after_a_shed_source_and_targets_rest_for_the_cooldown():
-    policy = RebalancePolicy(Thresholds(sustain=0.0, cooldown=10.0))
-    (shed,) = policy.judge(loads(8, 1, 1), 0.0)
-    policy.shed(shed, ["w1"], 0.0)
+def test_after_a_shed_the_targets_rest_for_the_cooldown_and_the_source_for_the_sustain():
+    policy = RebalancePolicy(Thresholds(sustain=3.0, cooldown=10.0))
+    policy.judge(loads(8, 1, 1), 0.0)
+    (shed,) = policy.judge(loads(8, 1, 1), 3.0)
+    policy.shed(shed, ["w1"], 3.0)
     assert policy.judge(loads(8, 1, 1), 5.0) == []  # the source rests
-    # w1 took sessions and got hot: it rests too, so nothing bounces back.
-    assert policy.judge(loads(1, 8, 1), 6.0) == []
-    (again,) = policy.judge(loads(1, 8, 1), 11.0)
-    assert again.source == "w1"
+    (again,) = policy.judge(loads(8, 1, 1), 9.0)  # still hot: it sheds more, to w2 only
+    assert again.source == "w0" and again.targets == ("w2",)
+    # w1 took sessions and got hot: it rests, so nothing bounces back.
+    assert [s.source for s in policy.judge(loads(1, 8, 1), 10.0)] == []
+    assert [s.source for s in policy.judge(loads(1, 8, 1), 13.0)] == ["w1"]
 
 
 def test_a_stalled_worker_sheds_every_idle_session_and_stays_stalled_between_stalls():
@@ -205,3 +207,19 @@ def test_a_count_outside_the_bounds_comes_back_inside():
 def test_bad_bounds_are_one_line_errors(args, error):
     with pytest.raises(ConfigError, match=error):
         config_from_args(args)
+
+
+def test_a_loop_blocked_in_stretches_is_hot_by_its_delay_not_under_an_even_delay():
+    policy = RebalancePolicy(Thresholds(sustain=0.0))
+    (shed,) = policy.judge(loads(1, 0.2, 0.2, lag={0: 0.09, 1: 0.004, 2: 0.005}), 0.0)
+    assert shed.source == "w0" and shed.reason == "hot" and "delay 90 ms" in shed.why
+    assert set(shed.targets) == {"w1", "w2"} and shed.share > 0.9
+    even = RebalancePolicy(Thresholds(sustain=0.0))  # the whole machine slow: all late
+    assert even.judge(loads(1, 1, 1, lag={0: 0.2, 1: 0.15, 2: 0.18}), 0.0) == []
+
+
+def test_a_hot_worker_never_sheds_to_another_hot_one():
+    policy = RebalancePolicy(Thresholds(sustain=0.0))
+    sheds = policy.judge(loads(3, 1.2, 0.2, 0.2, lag={1: 0.09, 2: 0.004, 3: 0.004}), 0.0)
+    assert {s.source for s in sheds} == {"w0", "w1"}  # by requests, and by delay
+    assert all(set(s.targets) <= {"w2", "w3"} for s in sheds), sheds
