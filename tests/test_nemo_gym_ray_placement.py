@@ -328,7 +328,10 @@ async def test_a_node_killed_mid_load_and_a_stop_that_leaves_no_actor(start_prox
         await asyncio.wait_for(asyncio.gather(*load), 60)  # no request hangs
         assert set(gone) == {t for t, h in home.items() if h == "second"}, (gone, home)
         assert set(gone.values()) == {410}, gone
-        assert set(cut) <= set(gone) and set(cut.values()) <= {1}, cut  # one each at most
+        # A 502 only for a request on a connection that died with the node (the one in
+        # flight, or a pooled one whose end the proxy had not read yet); a connection
+        # refused since answers 410 at once (`WorkerGone`), not 502 until Ray tells.
+        assert set(cut) <= set(gone) and max(cut.values(), default=0) <= 3, cut
         async with http.post(
             f"{proxy.url}/increment_counter", json={"count": 1},
             headers={TOKEN_HEADER: next(iter(gone))},

@@ -11,6 +11,7 @@ from typing import Any, cast
 
 import pytest
 
+from gym_proxy.coordinator.contract.errors import WorkerGone
 from gym_proxy.coordinator.contract.worker_link import (
     ANSWER_SIZE,
     CHALLENGE_SIZE,
@@ -173,7 +174,8 @@ async def test_a_worker_still_building_its_app_is_waited_for_as_long_as_asked():
 async def test_a_placed_worker_whose_port_refuses_is_taken_as_gone():
     """A refused data connection means nothing listens at the worker's port (its gate
     listens from start to end): its channel is cut, which takes it out of the routes as
-    any lost channel does, instead of waiting for Ray to report its actor dead."""
+    any lost channel does, instead of waiting for Ray to report its actor dead; the
+    request that found it is told its worker is gone (`WorkerGone`: a 410, not a 502)."""
     launcher = RayLauncher("", {}, KEY, accept_channel=_never_called, environment={})
     closed = socket.create_server(("127.0.0.1", 0))
     port = closed.getsockname()[1]
@@ -183,7 +185,7 @@ async def test_a_placed_worker_whose_port_refuses_is_taken_as_gone():
     _, worker.channel = await asyncio.open_connection(sock=proxy_end)
     reader, writer = await asyncio.open_connection(sock=worker_end)
     try:
-        with pytest.raises(ConnectionRefusedError):
+        with pytest.raises(WorkerGone):
             await worker.connect(cast(Any, _Echo), worker.address)  # never built: refused
         assert await asyncio.wait_for(reader.read(), 5) == b""  # the channel's end
     finally:

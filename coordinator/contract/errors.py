@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import orjson
 
-__all__ = ["STATUS", "RETRY_AFTER", "GymError", "error_body", "status_of"]
+__all__ = ["STATUS", "RETRY_AFTER", "GymError", "WorkerGone", "error_body", "status_of"]
 
 STATUS: dict[str, int] = {
     # the data path
@@ -65,6 +65,12 @@ def status_of(code: str) -> int:
 def error_body(code: str, detail: str) -> bytes:
     """`{"error": {"code", "detail"}}` as JSON bytes."""
     return orjson.dumps({"error": {"code": code, "detail": detail}})
+
+
+class WorkerGone(ConnectionRefusedError):
+    """A worker's connector found the worker gone (a placed worker's port refuses): the
+    request that asked is answered as its session's worker being gone (410), not 502,
+    though the router hears of it an instant later."""
 
 
 class GymError(Exception):

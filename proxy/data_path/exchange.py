@@ -54,7 +54,7 @@ import logging
 import time
 from typing import TYPE_CHECKING, Final
 
-from gym_proxy.coordinator.contract.errors import GymError, status_of
+from gym_proxy.coordinator.contract.errors import GymError, WorkerGone, status_of
 from gym_proxy.coordinator.contract.headers import (
     CONTROL_PREFIX,
     EMPTY_ROLLOUT_KEY,
@@ -609,7 +609,9 @@ class Exchange:
         elif (
             worker is not None
             and worker is not proxy.control
-            and (proxy.router.workers.get(worker.owner) is not worker)
+            and (
+                isinstance(exc, WorkerGone) or proxy.router.workers.get(worker.owner) is not worker
+            )
         ):
             self.fail("session_owner_gone", f"the worker {worker.owner} is gone")
         else:

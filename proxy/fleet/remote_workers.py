@@ -16,7 +16,8 @@ that dies takes its worker's sockets with it) gets the actor killed, so the slot
 reaped and started again on the nodes that remain, without waiting for Ray to notice.
 A data connection refused at its port (nothing listens there: its worker is gone, as its
 gate listens from the start to the end) cuts its channel, so that its sessions answer 410
-from the next request on, whichever of the two ends the proxy reads first.
+from the request that found it on (`WorkerGone`), whichever of the two ends the proxy
+reads first.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
+from gym_proxy.coordinator.contract.errors import WorkerGone
 from gym_proxy.coordinator.contract.framing import STREAM_LIMIT
 from gym_proxy.coordinator.contract.worker_link import CHANNEL, DATA, LINK_KEY_ENV, connect, dial
 from gym_proxy.proxy.ray_cluster.errors import RayError
@@ -130,9 +132,9 @@ class RemoteWorker:
         socket handed to the data path's protocol as it is."""
         try:
             _, conn = await connect(self.host, self.port, self._launcher.key, DATA, factory)
-        except ConnectionRefusedError:
+        except ConnectionRefusedError as exc:
             self.cut("its port refused a connection")
-            raise
+            raise WorkerGone(f"worker pid {self.pid} at {self.address} is gone") from exc
         return conn
 
     def cut(self, why: str) -> None:
