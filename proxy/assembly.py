@@ -108,8 +108,9 @@ class Assembly:
         operations.observe = metrics.observe_operation
         table.on_held = metrics.observe_held
         control_app = create_control_app(
-            checkpointer, config.control_token, mover, operations, metrics.observe_checkpoint
-        )
+            checkpointer, config.control_token, mover, operations, metrics.observe_checkpoint,
+            balancer,
+        )  # fmt: skip
         control_runner = web.AppRunner(control_app, access_log=None, handle_signals=False)
         return cls(
             runtime, router, state, supervisor, checkpointer, table, mover, operations, metrics,

@@ -373,11 +373,12 @@ class Config:
     rebalance_ratio: float = option(
         2.0,
         "with --rebalance: a worker is hot when it runs this many times the others' average "
-        "requests (and at least 2) for 3 s",
+        "requests (and at least 2) for 3 s; 0: only a stalled worker sheds",
         type=float,
         metavar="X",
         doc="with `--rebalance`: a worker is hot when its average requests in flight reach "
-        "this many times the other workers' average (and at least 2), for 3 s",
+        "this many times the other workers' average (and at least 2), for 3 s; 0 turns "
+        "the hot rule off (only a stalled worker sheds)",
     )
     stall_threshold: float = option(
         1.0,
@@ -627,8 +628,10 @@ class Config:
             )
         if not self.scale_down_busy < self.scale_up_busy:
             raise ConfigError("--scale-down-busy must be under --scale-up-busy")
-        if not self.rebalance_ratio > 1:
-            raise ConfigError("--rebalance-ratio must be over 1 (a worker hot against itself)")
+        if not (self.rebalance_ratio > 1 or self.rebalance_ratio == 0):
+            raise ConfigError(
+                "--rebalance-ratio must be over 1 (a worker hot against itself), or 0 (off)"
+            )
         for name in (
             "worker_timeout",
             "tunnel_idle_timeout",

@@ -25,7 +25,11 @@ name a wrong attempt), and the live operations:
   running episode);
 - an upgrade (`--take-over`): refused in one line while a checkpoint is open, nothing
   changed; when idle, the new gym-proxy serves everything as it was from the same worker
-  processes and the old one exits 0.
+  processes and the old one exits 0;
+- load-driven moves (one seed in five runs with `--rebalance`, its hot rule off): a
+  request that blocks a worker's event loop past the stall threshold; the worker sheds
+  every idle session it holds (the blocking one once idle, or not) to the others, and
+  none with a request running; with no other worker to take them, nothing moves.
 
 Each hands the running episodes of the workers it empties over to the workers taking
 over (an episode runs a 50 ms step at a time: it is handed over at its next boundary).
@@ -46,7 +50,9 @@ nothing. After every step:
   the workers draining are the model's (a draining worker takes no new session);
 - after a live operation, its answer is the model's (what moved, what did not and why,
   each slot's outcome), every session answers from the worker the model places it on,
-  with its token and its exact count, and every session a kill took answers 410.
+  with its token and its exact count, and every session a kill took answers 410;
+- with `--rebalance`, every rebalance `status` lists is one the model expects, each move
+  of an idle session the model knows, and the model places each where it went.
 
 `GYM_PROXY_RANDOM_SEEDS` sets the number of seeds (default 100),
 `GYM_PROXY_RANDOM_FIRST_SEED` the first one (to replay a failing seed alone).
@@ -86,6 +92,14 @@ STILL_RUNNING = "a request of the session was still running at the timeout"
 NOT_FOUND = "not found on a source worker ("
 HELD_TIMEOUT = 1.0  # an operation's timeout when a held request will outlive it
 TIMEOUT = 20.0  # otherwise (it ends as soon as the sessions moved)
+REBALANCING = 5  # one seed in this many runs with --rebalance
+# A stalling request blocks its worker's loop BLOCK seconds; the ping sees a lag of at
+# least BLOCK less its interval (1 s) and the wait before the handler runs, and the policy
+# judges once a second, while the lag's peak decays (half-life 3 s): 3 s is over
+# STALL_AT with room, and a worker's lag past STALL_AT is far from what the walk's
+# machine shows otherwise.
+BLOCK = 3.0
+STALL_AT = 0.75
 
 
 @dataclass
@@ -164,6 +178,8 @@ class Walk:
         self.trail: list[str] = []  # operations so far, for the failure message
         self.clients: list[aiohttp.ClientSession] = []  # opened after a take-over
         self.last_log = ""
+        self.rebalancing = seed % REBALANCING == 2
+        self.rebalances_seen = 0  # of this gym-proxy's `status` rebalance list
 
     # ---- plumbing ---------------------------------------------------------------
     @property
@@ -178,6 +194,7 @@ class Walk:
         adopts the workers `same_as` left, or with `take_over` takes them from it)."""
         self.expected = workers if same_as is None else self.expected
         self.workers_arg = workers
+        self.rebalances_seen = 0  # a new gym-proxy's list starts empty
         self._proxy = self.command(same_as, take_over)
         if same_as is not None:
             self.proxy.seen_pids |= same_as.seen_pids  # adopted: a failed walk stops them
@@ -189,6 +206,10 @@ class Walk:
             "--orphan-grace",
             "30",
             *(["--take-over"] if take_over else []),
+            # hot rule off: only the walk's own stalls move sessions
+            *(["--rebalance", "--rebalance-ratio", "0"] if self.rebalancing else []),
+            *(["--rebalance-max-moves", "100"] if self.rebalancing else []),
+            *(["--stall-threshold", str(STALL_AT)] if self.rebalancing else []),
             workers=self.workers_arg,
             app="tests.apps:create_app",
             control_token=CONTROL_TOKEN,
@@ -881,6 +902,64 @@ class Walk:
                 self.model.where[sid] = new["owner"]
         await self.verify_sessions()
 
+    # ---- load-driven moves --------------------------------------------------------
+    async def op_stall(self) -> None:
+        """A request blocks a worker's loop past the stall threshold: once it is no longer
+        stalled, every session it held that was idle has moved to another worker taking
+        sessions (the blocking one may have, once idle), no held one; nothing moved when
+        no other worker took sessions."""
+        if not self.rebalancing or self.model.phase != "idle" or self.model.held_back:
+            return
+        while len(self.model.sessions) < 3:  # something to shed
+            await self.op_session()
+        live = {w["owner"]: w for w in await self.live()}
+        choices = sorted(s for s, o in self.model.where.items() if o in live)
+        if not choices:
+            return
+        sid = self.rng.choice(choices)
+        owner = self.model.where[sid]
+        idle = set(self.model.on(owner)) - set(self.model.held) - {sid}
+        takers = [o for o in live if o != owner and o not in self.model.draining]
+        token = self.model.sessions[sid][0]
+        status, _, body = await self.post(f"/block?seconds={BLOCK}", headers={TOKEN: token})
+        assert status == 200, body
+
+        seen = False  # stalled once: the policy judges once a second
+
+        async def calm() -> bool:
+            nonlocal seen
+            stalled = any(
+                w["owner"] == owner and w["load"]["stalled"]
+                for w in (await self.status())["workers"]
+            )
+            seen |= stalled
+            return seen and not stalled
+
+        await wait_until(calm, 30, "the worker to be stalled, then to calm down")
+        moved = await self.rebalanced()
+        if not takers:
+            assert moved == {}, (moved, live)
+        else:
+            assert set(moved) - {sid} == idle, (moved, idle, sid)
+            assert set(moved.values()) <= set(takers), (moved, takers)
+        self.trail[-1] += f"({len(moved)} moved)"
+        await self.verify_sessions()
+
+    async def rebalanced(self) -> dict[str, str]:
+        """The sessions moved by rebalances listed since the last look (to their new
+        owner), checked: only known idle sessions, for a stall (the hot rule is off)."""
+        recent = (await self.status())["rebalance"]["recent"]
+        assert len(recent) < 32, "the list keeps the latest 32: the walk lost count"
+        moved: dict[str, str] = {}
+        for event in recent[self.rebalances_seen :]:
+            assert event["reason"] == "stalled", event
+            for sid, owner in event["moved"].items():
+                assert sid in self.model.sessions and sid not in self.model.held, (sid, event)
+                moved[sid] = owner
+        self.rebalances_seen = len(recent)
+        self.model.where.update(moved)
+        return moved
+
     # ---- invariants -------------------------------------------------------------
     async def check(self) -> None:
         status = await self.status()
@@ -889,6 +968,9 @@ class Walk:
         assert status["retired_rollouts"] == len(self.model.marks), status
         assert status["expected_workers"] == self.expected, (status, self.expected)
         assert status["operations"]["running"] is None, status["operations"]
+        assert status["rebalance"]["acting"] == self.rebalancing, status["rebalance"]
+        if self.rebalancing:  # only the walk's own stalls move sessions
+            assert len(status["rebalance"]["recent"]) == self.rebalances_seen, status["rebalance"]
         live = status["workers"]
         draining = {w["owner"] for w in live if w["state"] == "draining"}
         assert draining == self.model.draining, (live, self.model.draining)
@@ -933,6 +1015,7 @@ class Walk:
             (self.op_restart, 1),
             (self.op_crash, 1),
             (self.op_take_over, 1),
+            (self.op_stall, 4 if self.rebalancing else 0),  # last: other seeds walk as before
         ]
         functions, weights = zip(*operations, strict=True)
         self.start(self.rng.randint(1, 3))

@@ -141,6 +141,16 @@ async def test_a_stalled_worker_gets_no_new_sessions_and_sheds_its_idle_ones(sta
     assert (await whoami(http, proxy.url, heavy))["slot"] == 0
     reason = 'gym_proxy_rebalances_total{reason="stalled"}'
     assert await metric(http, metrics_url(proxy), reason) >= 1
+    # `status` names each move: the light sessions, from slot 0 to slot 1's worker
+    rebalance = (await Control(http, proxy.url).ok("status"))["rebalance"]
+    assert rebalance["acting"] is True
+    ids = {(await whoami(http, proxy.url, t))["session_id"] for t in light}
+    target = (await whoami(http, proxy.url, light[0]))["owner"]
+    moves = {sid: to for event in rebalance["recent"] for sid, to in event["moved"].items()}
+    assert moves == dict.fromkeys(ids, target), rebalance
+    assert {(e["slot"], e["owner"], e["reason"]) for e in rebalance["recent"]} == {
+        (0, owner, "stalled")
+    }
 
 
 async def test_no_rebalance_while_a_checkpoint_is_open(in_process, http):

@@ -223,3 +223,11 @@ def test_a_hot_worker_never_sheds_to_another_hot_one():
     sheds = policy.judge(loads(3, 1.2, 0.2, 0.2, lag={1: 0.09, 2: 0.004, 3: 0.004}), 0.0)
     assert {s.source for s in sheds} == {"w0", "w1"}  # by requests, and by delay
     assert all(set(s.targets) <= {"w2", "w3"} for s in sheds), sheds
+
+
+def test_a_ratio_of_zero_turns_the_hot_rule_off_and_leaves_the_stall_rule():
+    assert config_from_args(["--rebalance-ratio", "0"]).rebalance_ratio == 0
+    policy = RebalancePolicy(Thresholds(ratio=0.0, sustain=0.0))
+    assert policy.judge(loads(8, 0, 0, lag={0: 0.09}), 0.0) == []  # hot by both measures
+    (shed,) = policy.judge(loads(1, 0, 0, lag={0: 2.0}), 1.0)
+    assert shed.source == "w0" and shed.reason == "stalled"

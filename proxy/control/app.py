@@ -27,6 +27,7 @@ from gym_proxy.coordinator.contract.errors import GymError, error_body, status_o
 from gym_proxy.coordinator.contract.headers import CHECKPOINT_PATH, MOVE_PATH, WORKERS_PATH
 from gym_proxy.coordinator.contract.ids import is_valid_id
 from gym_proxy.coordinator.contract.telemetry import ATTRIBUTE
+from gym_proxy.proxy.fleet.balancer import Balancer
 from gym_proxy.proxy.fleet.mover import Mover
 from gym_proxy.proxy.fleet.operations import RESTART_PAUSE, Operations
 
@@ -50,6 +51,7 @@ _FIELDS: dict[str, tuple[set[str], set[str]]] = {
 CHECKPOINTER = web.AppKey("gym_proxy_checkpointer", Checkpointer)
 MOVER = web.AppKey("gym_proxy_mover", Mover)
 OPERATIONS = web.AppKey("gym_proxy_operations", Operations)
+BALANCER = web.AppKey("gym_proxy_balancer", Balancer)
 # Told each checkpoint call's operation, outcome (ok or the error code) and seconds.
 OBSERVE = web.AppKey[Callable[[str, str, float], None]]("gym_proxy_observe")
 # Controllers give deadlines of minutes; a day ahead is a bug, and would hold the lease
@@ -307,6 +309,11 @@ async def _status(request: web.Request) -> web.Response:
         states = operations.worker_states()
         for worker in status["workers"]:
             worker.update(states.get(worker["owner"], {}))
+    balancer = request.app.get(BALANCER)
+    if balancer is not None:
+        status["rebalance"] = balancer.status()
+        for worker in status["workers"]:
+            worker["load"] = balancer.load_of(worker["owner"])
     return _json(status)
 
 
@@ -345,6 +352,7 @@ def create_control_app(
     mover: Mover | None = None,
     operations: Operations | None = None,
     observe: Callable[[str, str, float], None] | None = None,
+    balancer: Balancer | None = None,
 ) -> web.Application:
     """The control-plane app; `token` None means checkpoint control is off (404)."""
     # restore and retire bodies list episode IDs: allow large runs, not unbounded ones
@@ -367,4 +375,6 @@ def create_control_app(
             ("resize", _resize),
         ):
             app.router.add_post(f"{WORKERS_PATH}/{name}", handler)
+    if balancer is not None:
+        app[BALANCER] = balancer
     return app

@@ -26,6 +26,7 @@ import asyncio
 import logging
 import math
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -41,13 +42,14 @@ from gym_proxy.proxy.fleet.rebalance import RebalancePolicy, Shed, Thresholds
 from gym_proxy.proxy.fleet.slots import Slots
 from gym_proxy.proxy.fleet.worker_records import WorkerProcess
 
-__all__ = ["Balancer", "MOVE_WITHIN", "thresholds_of", "bounds_of"]
+__all__ = ["Balancer", "MOVE_WITHIN", "RECENT", "thresholds_of", "bounds_of"]
 
 log = logging.getLogger("gym_proxy.rebalance")
 
 JUDGE_EVERY = 1.0  # seconds between the policy's judgements
 LIST_WITHIN = 2.0  # seconds a worker has to list its sessions (a stalled one may not)
 MOVE_WITHIN = 5.0  # seconds a rebalance's moves may take (a stalled source is slow)
+RECENT = 32  # rebalances `status` lists, latest last
 
 
 def thresholds_of(config: Config) -> Thresholds:
@@ -101,6 +103,8 @@ class Balancer:
     rebalances: dict[str, int] = field(default_factory=lambda: {"hot": 0, "stalled": 0})
     moved: dict[str, int] = field(default_factory=lambda: {"hot": 0, "stalled": 0})
     skipped: dict[str, int] = field(default_factory=dict)
+    # `status`: the latest rebalances, each with the sessions it moved and where to.
+    recent: deque[dict[str, object]] = field(default_factory=lambda: deque(maxlen=RECENT))
     _skipping: str = ""
 
     def __post_init__(self) -> None:
@@ -109,6 +113,23 @@ class Balancer:
     @property
     def loads(self) -> dict[str, WorkerLoad]:
         return self.tracker.loads
+
+    def status(self) -> dict[str, object]:
+        """For the control call `status`: whether it acts, who is stalled (by slot) and the
+        latest rebalances (a controller can tell every move it did not ask for)."""
+        stalled = sorted(load.slot for o, load in self.loads.items() if o in self.policy.stalled)
+        return {"acting": self.acting, "stalled_slots": stalled, "recent": list(self.recent)}
+
+    def load_of(self, owner: str) -> dict[str, object] | None:
+        """One worker's load as `status` shows it; None before its first sample."""
+        load = self.loads.get(owner)
+        if load is None:
+            return None
+        return {
+            "busy_average": round(load.busy, 3),
+            "loop_delay_s": round(load.lag_peak, 3),
+            "stalled": owner in self.policy.stalled,
+        }
 
     async def watch(self) -> None:
         """Sample every SAMPLE seconds, judge every JUDGE_EVERY, while the server serves."""
@@ -211,6 +232,17 @@ class Balancer:
         self.rebalances[shed.reason] += 1
         self.moved[shed.reason] += len(result.moved)
         to = sorted({slot for slot in self._slots_of(set(result.moved.values()))})
+        self.recent.append(
+            {
+                "at": time.time(),
+                "slot": shed.slot,
+                "owner": shed.source,
+                "reason": shed.reason,
+                "why": shed.why,
+                "moved": dict(result.moved),
+                "not_moved": dict(result.failed),
+            }
+        )
         log.info(
             "rebalance: worker %d (%s: %s) shed %d of its %d idle sessions to workers %s%s",
             shed.slot, shed.reason, shed.why, len(result.moved), len(idle),

@@ -11,7 +11,8 @@ Two reasons, judged on the loads of `proxy.fleet.load`:
   the average of the other workers that take sessions, or its loop's delay is at least
   `HOT_DELAY` and `ratio` times theirs (a loop blocked in stretches: each session there
   waits behind them), without a break for `sustain` seconds. It sheds that share of its
-  idle sessions which the excess is of its load (or delay).
+  idle sessions which the excess is of its load (or delay). A `ratio` of 0 turns this
+  rule off: only a stalled worker sheds.
 
 It never flaps: a worker that took sessions is left alone for `cooldown` seconds (it
 neither sheds nor takes more), so nothing bounces back; one that shed may shed again
@@ -111,9 +112,9 @@ class RebalancePolicy:
     ) -> tuple[float, str, float, float] | None:
         """(share, why, and the busy and delay a target must be under) when `load` is hot
         against `others` by its requests or by its loop's delay; None when it is not."""
-        if not others:
-            return None
         t = self.thresholds
+        if not others or not t.ratio:
+            return None
         busy = sum(w.busy for w in others) / len(others)
         if load.busy >= t.min_busy and load.busy >= t.ratio * busy:
             why = f"{load.busy:.1f} requests on average against {busy:.1f} on the others"
