@@ -23,6 +23,7 @@ class Look:
     owner: str
     slot: int
     in_flight: int = 0
+    served: int = 0
     ping_seconds: float | None = 0.001
     silent_for: float = 0.0
     taking: bool = True
@@ -231,3 +232,15 @@ def test_a_ratio_of_zero_turns_the_hot_rule_off_and_leaves_the_stall_rule():
     assert policy.judge(loads(8, 0, 0, lag={0: 0.09}), 0.0) == []  # hot by both measures
     (shed,) = policy.judge(loads(1, 0, 0, lag={0: 2.0}), 1.0)
     assert shed.source == "w0" and shed.reason == "stalled"
+
+
+def test_the_answer_time_is_in_flight_over_arrivals():
+    tracker = LoadTracker(ping_interval=1.0, half_life=3.0)
+    tracker.sample([Look("a", 0, in_flight=2, served=0)], 0.0)
+    assert tracker.loads["a"].answer_seconds is None  # nothing has come yet
+    for i in range(1, 160):  # 40 s of 2 in flight, 10 requests a second: 0.2 s each
+        tracker.sample([Look("a", 0, in_flight=2, served=i * 10 // 4)], i * 0.25)
+    assert tracker.loads["a"].answer_seconds == pytest.approx(0.2, rel=0.05)
+    for i in range(160, 320):  # none come: no answer time to tell
+        tracker.sample([Look("a", 0, in_flight=0, served=397)], i * 0.25)
+    assert tracker.loads["a"].answer_seconds is None

@@ -83,6 +83,7 @@ class _Look:
     owner: str
     slot: int
     in_flight: int
+    served: int
     ping_seconds: float | None
     silent_for: float
     taking: bool
@@ -127,6 +128,7 @@ class Balancer:
             return None
         return {
             "busy_average": round(load.busy, 3),
+            "answer_s": None if load.answer_seconds is None else round(load.answer_seconds, 4),
             "loop_delay_s": round(load.lag_peak, 3),
             "stalled": owner in self.policy.stalled,
         }
@@ -179,8 +181,8 @@ class Balancer:
         assert route is not None
         taking = route.responsive and not route.draining
         silent = now - worker.answered_at if worker.answered_at else 0.0
-        in_flight, ping = route.in_flight, worker.ping_seconds
-        return _Look(worker.owner, worker.slot, in_flight, ping, silent, taking)
+        in_flight, served, ping = route.in_flight, route.served, worker.ping_seconds
+        return _Look(worker.owner, worker.slot, in_flight, served, ping, silent, taking)
 
     def _in_the_way(self) -> str:
         if self.taking_over():

@@ -3,6 +3,9 @@
 - `busy`: the requests it runs (`WorkerRoute.in_flight`: the proxy routed them and has
   not finished them), averaged over about `HALF_LIFE` seconds, so that one burst does not
   look like a hot worker and one quiet moment does not look like a cool one;
+- `answer_seconds`: how long it takes to answer a request, on average: by Little's law,
+  `busy` over the rate requests reach it (`rate`, averaged alike), so the data path
+  times nothing. None while none reach it;
 - `lag`: how late its event loop answers. The liveness watch pings every worker each
   second over its channel, which the worker's loop serves: the round trip of the last
   ping, or, while a ping waits, how long it has waited past its interval. A loop blocked
@@ -20,10 +23,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
-__all__ = ["WorkerLoad", "LoadTracker", "HALF_LIFE", "SAMPLE"]
+__all__ = ["WorkerLoad", "LoadTracker", "HALF_LIFE", "SAMPLE", "MIN_RATE"]
 
 HALF_LIFE = 3.0  # seconds
 SAMPLE = 0.25  # seconds between samples
+MIN_RATE = 0.01  # requests a second under which no answer time is told
 
 
 class Sampled(Protocol):
@@ -32,6 +36,7 @@ class Sampled(Protocol):
     owner: str
     slot: int
     in_flight: int
+    served: int  # requests routed to it so far
     ping_seconds: float | None
     silent_for: float  # seconds since its last pong
     taking: bool  # it takes new sessions (responsive, not draining)
@@ -42,10 +47,17 @@ class WorkerLoad:
     owner: str
     slot: int
     busy: float = 0.0
+    rate: float = 0.0  # requests routed to it a second, averaged
+    served: int = 0  # at the last sample
     lag: float = 0.0
     lag_peak: float = 0.0
     taking: bool = True
     samples: int = 0
+
+    @property
+    def answer_seconds(self) -> float | None:
+        """Little's law: requests in flight over requests a second (None: none come)."""
+        return self.busy / self.rate if self.rate > MIN_RATE else None
 
 
 class LoadTracker:
@@ -73,6 +85,10 @@ class LoadTracker:
             else:
                 load.busy = keep * load.busy + (1 - keep) * worker.in_flight
                 load.lag_peak = max(load.lag, keep * load.lag_peak)
+                if elapsed > 0:
+                    arrived = max(0, worker.served - load.served) / elapsed
+                    load.rate = keep * load.rate + (1 - keep) * arrived
+            load.served = worker.served
             load.taking = worker.taking
             load.samples += 1
             seen[worker.owner] = load

@@ -365,6 +365,11 @@ class _Gathered(Collector):
             "How late the worker's event loop answers the supervisor's ping, worst lately",
             labels=["slot", "owner"],
         )
+        answer = GaugeMetricFamily(
+            "gym_proxy_worker_answer_seconds",
+            "How long the worker takes to answer, on average lately (in flight over arrivals)",
+            labels=["slot", "owner"],
+        )
         stalled = GaugeMetricFamily(
             "gym_proxy_worker_stalled",
             "1 while --rebalance takes the worker as stalled (no new sessions)",
@@ -374,9 +379,12 @@ class _Gathered(Collector):
             labels = [str(load.slot), owner]
             busy.add_metric(labels, load.busy)
             delay.add_metric(labels, load.lag_peak)
+            if load.answer_seconds is not None:
+                answer.add_metric(labels, load.answer_seconds)
             stalled.add_metric(labels, 1 if owner in balancer.policy.stalled else 0)
         yield busy
         yield delay
+        yield answer
         yield stalled
         rebalances = CounterMetricFamily(
             "gym_proxy_rebalances", "Rebalances by reason (hot, stalled)", labels=["reason"]
