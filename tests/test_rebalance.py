@@ -142,7 +142,10 @@ async def test_a_stalled_worker_gets_no_new_sessions_and_sheds_its_idle_ones(sta
     reason = 'gym_proxy_rebalances_total{reason="stalled"}'
     assert await metric(http, metrics_url(proxy), reason) >= 1
     # `status` names each move: the light sessions, from slot 0 to slot 1's worker
-    rebalance = (await Control(http, proxy.url).ok("status"))["rebalance"]
+    status = await Control(http, proxy.url).ok("status")
+    rebalance = status["rebalance"]
+    answer = {w["slot"]: w["load"]["answer_s"] for w in status["workers"]}
+    assert answer[0] > 0.5 and answer[1] < 0.5, answer  # 1.5 s blocks; quick calls
     assert rebalance["acting"] is True
     ids = {(await whoami(http, proxy.url, t))["session_id"] for t in light}
     target = (await whoami(http, proxy.url, light[0]))["owner"]
