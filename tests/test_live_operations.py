@@ -230,8 +230,11 @@ async def test_status_lists_each_worker_once_with_its_state(in_process):
         status = await status_of(http, proxy.url)
     assert sorted(status["operations"]) == ["last", "running"], status["operations"]
     fields = {"slot", "owner", "pid", "in_flight", "ready", "state", "requests_served", "node",
-              "address"}  # fmt: skip
+              "address", "load"}  # fmt: skip
     assert [sorted(w) for w in status["workers"]] == [sorted(fields)] * 2, status["workers"]
+    load = {"busy_average", "answer_s", "loop_delay_s", "stalled"}  # None before its first look
+    assert all(w["load"] is None or set(w["load"]) == load for w in status["workers"]), status
+    assert status["rebalance"] == {"acting": False, "stalled_slots": [], "recent": []}
     assert {w["node"] for w in status["workers"]} == {"local"}
     assert all(w["address"].endswith(".sock") for w in status["workers"]), status["workers"]
     assert [(w["slot"], w["state"]) for w in status["workers"]] == [(0, "ready"), (1, "ready")]
