@@ -2,8 +2,13 @@
 
     .venv/bin/python bench/rebalance.py [--seconds 60] [--workers 4] [--heavy 2]
                                         [--light 32] [--think 0.3] [--block 0.1] [--rounds 2]
+    .venv313/bin/python bench/rebalance.py --app nemo_gym ...
 
-The app is gym-proxy's counter with `/block` (`bench/skewed_app.py`). A few heavy
+The app is gym-proxy's counter with `/block` (`bench/skewed_app.py`), or with `--app
+nemo_gym` NeMo Gym's own counter server with `/block` (`bench/skewed_nemo_gym.py`: the
+released package's `StatefulCounterResourcesServer`, its session dict declared so that
+its sessions move, called as NeMo Gym's agents call it, by the cookies of the last
+response; it needs the NeMo Gym tier's venv). A few heavy
 sessions call `/block` back to back (each call blocks its worker's event loop `--block`
 seconds: a synchronous call, as in NeMo Gym#3039); many light sessions call
 `/increment_counter`, each pausing about `--think` seconds between calls (drawn from
@@ -47,18 +52,39 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-async def seed(http: aiohttp.ClientSession, url: str) -> str:
-    async with http.post(f"{url}/seed_session", json={"initial_count": 0}) as response:
-        assert response.status == 200, await response.text()
-        return response.headers[TOKEN]
+class Session:
+    """One session's calls: to gym-proxy's counter with its token header, to NeMo Gym's
+    with the cookies of the last response (as NeMo Gym's agents make them)."""
+
+    def __init__(self, http: aiohttp.ClientSession, url: str) -> None:
+        self.http = http
+        self.url = url
+        self.headers: dict[str, str] = {}
+        self.cookies: dict[str, str] = {}
+
+    async def call(self, path: str, body: dict[str, Any] | None = None) -> tuple[int, Any]:
+        async with self.http.post(
+            f"{self.url}{path}", json=body or {}, headers=self.headers,
+            cookies=self.cookies or None,
+        ) as response:  # fmt: skip
+            payload = await response.read()
+            if TOKEN in response.headers:
+                self.headers = {TOKEN: response.headers[TOKEN]}
+            self.cookies.update({name: m.value for name, m in response.cookies.items()})
+            return response.status, orjson.loads(payload) if payload else None
+
+    async def seed(self) -> Session:
+        status, body = await self.call("/seed_session", {"initial_count": 0})
+        assert status == 200, body
+        return self
 
 
 async def load(port: int, opts: argparse.Namespace) -> dict[str, Any]:
     url = f"http://127.0.0.1:{port}"
     limits = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=limits, cookie_jar=aiohttp.DummyCookieJar()) as http:
-        heavy = [await seed(http, url) for _ in range(opts.heavy)]
-        light = [await seed(http, url) for _ in range(opts.light)]
+        heavy = [await Session(http, url).seed() for _ in range(opts.heavy)]
+        light = [await Session(http, url).seed() for _ in range(opts.light)]
         start = time.monotonic()
         end = start + opts.seconds
         half = start + opts.seconds / 2
@@ -68,41 +94,33 @@ async def load(port: int, opts: argparse.Namespace) -> dict[str, Any]:
         errors = 0
         pauses = random.Random(7)
 
-        async def light_loop(token: str) -> None:
+        async def light_loop(session: Session) -> None:
             nonlocal errors
             while time.monotonic() < end:
                 sent = time.monotonic()
-                async with http.post(
-                    f"{url}/increment_counter", json={"count": 1}, headers={TOKEN: token}
-                ) as response:
-                    await response.read()
-                    if response.status == 200:
-                        done[token] += 1
-                    else:
-                        errors += 1
+                status, _ = await session.call("/increment_counter", {"count": 1})
+                if status == 200:
+                    done[session] += 1
+                else:
+                    errors += 1
                 latencies.append((sent, time.monotonic() - sent))
                 # Drawn, not fixed: a fixed pause that is a multiple of --block falls into
                 # step with the blocks and never waits behind one.
                 await asyncio.sleep(pauses.uniform(0.5, 1.5) * opts.think)
 
-        async def heavy_loop(token: str) -> None:
+        async def heavy_loop(session: Session) -> None:
             nonlocal heavy_calls, errors
             while time.monotonic() < end:
-                async with http.post(
-                    f"{url}/block?seconds={opts.block}", headers={TOKEN: token}
-                ) as response:
-                    await response.read()
-                    heavy_calls += response.status == 200
-                    errors += response.status != 200
+                status, _ = await session.call(f"/block?seconds={opts.block}")
+                heavy_calls += status == 200
+                errors += status != 200
 
         await asyncio.gather(*map(heavy_loop, heavy), *map(light_loop, light))
         elapsed = time.monotonic() - start
         exact = True
-        for token, calls in done.items():
-            async with http.post(
-                f"{url}/get_counter_value", json={}, headers={TOKEN: token}
-            ) as response:
-                exact &= (await response.json())["count"] == calls
+        for session, calls in done.items():
+            _, body = await session.call("/get_counter_value")
+            exact &= body["count"] == calls
     every = [lat for _, lat in latencies]
     later = [lat for sent, lat in latencies if sent >= half]
     return {
@@ -119,12 +137,24 @@ async def load(port: int, opts: argparse.Namespace) -> dict[str, Any]:
 
 def run_server(kind: str, opts: argparse.Namespace) -> dict[str, Any]:
     extra = ["--log-level", "info", "--rebalance"] if kind == "rebalance" else []
-    proxy = GymProxy(opts.workers, *extra, app="skewed_app:create_app")
+    if opts.app == "nemo_gym":
+        import skewed_nemo_gym as nemo_gym  # NeMo Gym's venv only
+
+        # --preload as docs/nemo_gym.md recommends; its session dict, so that they move
+        extra += ["--name", nemo_gym.INSTANCE, "--preload"]
+        extra += ["--session-state", nemo_gym.SESSION_STATE]
+        app, env = "skewed_nemo_gym:SkewedCounter", nemo_gym.config_env()
+    else:
+        app, env = "skewed_app:create_app", {}
+    proxy = GymProxy(opts.workers, *extra, app=app, env=env)
     try:
         cell = asyncio.run(load(proxy.port, opts))
         log = proxy.log.read_text()
     finally:
         proxy.stop()
+    for line in log.splitlines():
+        if "rebalance" in line:
+            print("   ", line[24:], file=sys.stderr)
     moved = re.findall(r"rebalance: .* shed (\d+) of", log)
     cell["moved"] = sum(map(int, moved))
     cell["rebalances"] = len(moved)
@@ -165,6 +195,7 @@ def main() -> None:
     parser.add_argument("--think", type=float, default=0.3)
     parser.add_argument("--block", type=float, default=0.1)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--app", choices=("gym_proxy", "nemo_gym"), default="gym_proxy")
     opts = parser.parse_args()
     rounds = []
     for number in range(opts.rounds):
@@ -173,7 +204,7 @@ def main() -> None:
     print(table(rounds))
     RESULTS.mkdir(exist_ok=True)
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    out = RESULTS / f"rebalance-{stamp}.json"
+    out = RESULTS / f"rebalance-{opts.app}-{stamp}.json"
     raw = {"options": vars(opts), "rounds": rounds}
     out.write_bytes(orjson.dumps(raw, option=orjson.OPT_INDENT_2))
     print(f"\nraw results: {out.relative_to(HERE.parent)}", file=sys.stderr)

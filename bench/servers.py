@@ -68,7 +68,8 @@ def wait_answering(port: int, proc: subprocess.Popen[bytes], what: str) -> None:
     deadline = time.monotonic() + 60
     while True:
         try:
-            if post(port, "/increment_counter")[0] == 200:
+            # typed, for a FastAPI app (NeMo Gym's counter validates the body as JSON)
+            if post(port, "/increment_counter", {"Content-Type": "application/json"})[0] == 200:
                 return
         except OSError:
             pass
@@ -109,10 +110,15 @@ class GymProxy:
     """gym-proxy with `workers` ASGI counter workers."""
 
     def __init__(
-        self, workers: int, *extra: str, local: bool = True, app: str = "asgi_counter:app"
+        self,
+        workers: int,
+        *extra: str,
+        local: bool = True,
+        app: str = "asgi_counter:app",
+        env: dict[str, str] | None = None,
     ) -> None:
         """`local`: its workers listen on Unix sockets here (not placed on Ray's nodes);
-        `app`: a module of bench/."""
+        `app`: a module of bench/; `env`: added to gym-proxy's environment."""
         self.runtime = tempfile.mkdtemp(prefix="gpb-", dir="/tmp")
         self.port = free_port()
         self.log = Path(self.runtime) / "proxy.log"
@@ -121,7 +127,7 @@ class GymProxy:
                 [sys.executable, "-m", "gym_proxy", app, "--app-dir", str(HERE),
                  "--workers", str(workers), "--port", str(self.port), "--runtime-dir",
                  self.runtime, "--log-level", "warning", "--secret", "bench", *extra],
-                cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
+                cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
             )  # fmt: skip
         wait_answering(self.port, self.proc, f"gym-proxy (see {self.log})")
         deadline = time.monotonic() + 30

@@ -63,6 +63,7 @@ LONGEST_FIRST = (
     "test_rebalance.py",
     "test_episode_handover.py",
     "test_nemo_gym_ray_multinode.py",
+    "test_nemo_gym_rebalance.py",
     "test_nemo_gym_servers.py",
     "test_proxy_adoption.py",
     "test_nemo_gym_quickstart.py",

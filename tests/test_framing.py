@@ -18,7 +18,7 @@ from gym_proxy.coordinator.contract.framing import (
     encode_frame,
     read_frame,
 )
-from gym_proxy.coordinator.contract.messages import Done, Message, Ping, Request, message
+from gym_proxy.coordinator.contract.messages import Done, Message, Ping, Pong, Request, message
 
 pytestmark = pytest.mark.fast
 
@@ -269,7 +269,10 @@ async def test_request_deadline_and_pings_while_a_handler_is_stuck():
     with pytest.raises(ChannelTimeout):
         await a.request(After(), within=0.2)  # queued behind the stuck handler
     # the peer's reader still answers pings: its event loop runs
-    assert isinstance(await a.request(Ping(), within=1.0), Done)
+    assert await a.request(Ping(), within=1.0) == Pong(0.0)
+    b.pong_lag = lambda: 1.5  # a peer that measures its loop says so, when asked only
+    assert await a.request(Ping(loop_lag=True), within=1.0) == Pong(1.5)
+    assert await a.request(Ping(), within=1.0) == Pong(0.0)
     gate.set()
     assert (await stalled).done == "stall"
     assert handled == ["stall", "after"]  # in arrival order; the late reply was dropped

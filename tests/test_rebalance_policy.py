@@ -5,10 +5,13 @@ streak, a cool-down, a bucket of moves, the bounds)."""
 
 from __future__ import annotations
 
+import asyncio
+import time
 from dataclasses import dataclass
 
 import pytest
 
+from gym_proxy.coordinator.contract.loop_lag import LoopLag
 from gym_proxy.proxy.config import ConfigError, config_from_args
 from gym_proxy.proxy.data_path.routing import Router, WorkerRoute
 from gym_proxy.proxy.fleet.autoscale import ScaleBounds, ScalePolicy
@@ -25,6 +28,7 @@ class Look:
     in_flight: int = 0
     served: int = 0
     ping_seconds: float | None = 0.001
+    loop_lag_seconds: float = 0.0
     silent_for: float = 0.0
     taking: bool = True
 
@@ -244,3 +248,24 @@ def test_the_answer_time_is_in_flight_over_arrivals():
     for i in range(160, 320):  # none come: no answer time to tell
         tracker.sample([Look("a", 0, in_flight=0, served=397)], i * 0.25)
     assert tracker.loads["a"].answer_seconds is None
+
+
+def test_a_stall_the_worker_measured_counts_when_its_pings_were_answered_in_time():
+    """Blocks as long as the ping interval, back to back: each ping lands between two
+    and is answered at once; the worker's own measure, in its pong, tells the stall."""
+    tracker = LoadTracker(ping_interval=1.0, half_life=3.0)
+    tracker.sample([Look("a", 0, ping_seconds=0.002, loop_lag_seconds=0.95)], 0.0)
+    assert tracker.loads["a"].lag == pytest.approx(0.95)
+
+
+async def test_each_reader_of_a_loop_lag_sees_every_stall():
+    lag = LoopLag(("scrape", "ping"))
+    lag.start()
+    await asyncio.sleep(0.05)  # the sampler waits for its next sample, due in 0.1 s
+    time.sleep(0.7)  # noqa: ASYNC251 -- a stall of the loop is what is measured
+    await asyncio.sleep(0.05)  # it wakes, 0.65 s late
+    lag.stop()
+    assert lag.take_worst("ping") >= 0.5
+    assert lag.take_worst("scrape") >= 0.5  # not taken by the other reader
+    lag.last = 0.0
+    assert lag.take_worst("ping") == 0.0  # taken: none since

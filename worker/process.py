@@ -270,6 +270,7 @@ async def _register(
     else:
         reader, writer = await asyncio.open_unix_connection(path, limit=STREAM_LIMIT)
     channel = Channel(reader, writer, handle)
+    channel.pong_lag = lambda: runtime.loop_lag.take_worst("ping")
     channel_task = asyncio.create_task(channel.serve())
     try:
         reply = await channel.request(registration, within=REGISTER_WAIT)

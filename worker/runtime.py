@@ -166,7 +166,8 @@ class ParticipantRuntime:
     # request (replayed by the proxy) takes it (worker.handovers).
     arrivals: dict[str, dict[str, Any]] = field(default_factory=dict)
     opened: asyncio.Event = field(default_factory=asyncio.Event)
-    loop_lag: LoopLag = field(default_factory=LoopLag)  # sampled once serving (process)
+    # sampled once serving (process); read by the Stats of a scrape and by the pings
+    loop_lag: LoopLag = field(default_factory=lambda: LoopLag(("scrape", "ping")))
     seq: int = 0
     _report_due: bool = False
 

@@ -76,6 +76,8 @@ class Channel:
         self._inbox: deque[dict[str, Any]] = deque()
         self._dispatcher: asyncio.Task[None] | None = None
         self._closed = False
+        # The worst loop lag since the last pong, for a ping that asks (a worker's).
+        self.pong_lag: Callable[[], float] | None = None
 
     @property
     def closed(self) -> bool:
@@ -150,7 +152,10 @@ class Channel:
                     if future is not None and not future.done():
                         future.set_result(message)
                 elif kind == Ping.TYPE:
-                    self.send_nowait({"type": "ok", "id": message.get("id")})
+                    pong: dict[str, Any] = {"type": "ok", "id": message.get("id")}
+                    if message.get("loop_lag") is True and self.pong_lag is not None:
+                        pong["loop_lag_seconds"] = self.pong_lag()
+                    self.send_nowait(pong)
                 else:
                     self._inbox.append(message)
                     if self._dispatcher is None or self._dispatcher.done():

@@ -16,7 +16,7 @@ naming the message and the key, before a handler sees it.
     sessions_ended (no reply)        release    -> Released
                                      install    -> Installed
     either way                       uninstall  -> Released
-    ping      -> Done                tables     -> Done
+    ping      -> Pong                tables     -> Done
                                      retire     -> Retired
                                      forget     -> Forgotten
                                      stop       -> Done
@@ -50,6 +50,7 @@ __all__ = [
     "message",
     "Done",
     "Ping",
+    "Pong",
     "Tables",
     "Register",
     "RegisterReply",
@@ -357,9 +358,21 @@ class SessionsEnded(Message):
     session_ids: list[str]
 
 
+@message()
+class Pong(Message):
+    """A ping's answer: with `Ping.loop_lag`, the worst event-loop lag the peer measured
+    itself since its last pong (0 from a peer that does not measure it)."""
+
+    loop_lag_seconds: float = 0.0
+
+
 @message("ping")
-class Ping(Request[Done]):
-    """Answered by the channel's reader itself: the peer's event loop runs."""
+class Ping(Request[Pong]):
+    """Answered by the channel's reader itself: the peer's event loop runs. `loop_lag`:
+    the answer carries the peer's own loop lag (the supervisor's pings ask for it: a
+    ping's round trip alone misses a stall that ends just before each ping)."""
+
+    loop_lag: bool = False
 
 
 # ---- coordinator -> worker --------------------------------------------------------------

@@ -85,6 +85,7 @@ class _Look:
     in_flight: int
     served: int
     ping_seconds: float | None
+    loop_lag_seconds: float
     silent_for: float
     taking: bool
 
@@ -182,7 +183,8 @@ class Balancer:
         taking = route.responsive and not route.draining
         silent = now - worker.answered_at if worker.answered_at else 0.0
         in_flight, served, ping = route.in_flight, route.served, worker.ping_seconds
-        return _Look(worker.owner, worker.slot, in_flight, served, ping, silent, taking)
+        lag = worker.loop_lag_seconds
+        return _Look(worker.owner, worker.slot, in_flight, served, ping, lag, silent, taking)
 
     def _in_the_way(self) -> str:
         if self.taking_over():
@@ -208,8 +210,17 @@ class Balancer:
             return
         busy = {s for e in held.episodes for s in ([e.session_id] if e.session_id else [])}
         busy.update(s for e in held.episodes for s in e.sessions)
-        running = self.mover.table.running_requests
-        idle = [s for s in held.session_ids if s not in busy and not running(s)]
+        listed = [s for s in held.session_ids if s not in busy]
+        # An app's own session ID (NeMo Gym's) runs its requests under the gym-proxy
+        # sessions that carried them: idle is none of them running.
+        links = await self.mover.linked_sessions(listed, LIST_WITHIN) if listed else {}
+        table = self.mover.table
+
+        def running(session_id: str) -> bool:
+            ids = (session_id, *links.get(session_id, ()))
+            return any(table.running_requests(x) for x in ids)
+
+        idle = [s for s in listed if not running(s)]
         # Idle at two looks SAMPLE apart: a session that is only between two of its
         # requests (the one that keeps a loop blocked, say) is not taken for idle.
         await asyncio.sleep(SAMPLE)

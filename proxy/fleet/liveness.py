@@ -61,11 +61,12 @@ async def _ping(worker: WorkerProcess, within: float) -> None:
     assert worker.channel is not None
     sent = time.monotonic()
     try:
-        await worker.channel.request(Ping(), within=within)
+        pong = await worker.channel.request(Ping(loop_lag=True), within=within)
     except (ConnectionError, TimeoutError):
         return  # a lost channel takes the worker out; silence is judged by the watch
     worker.answered_at = time.monotonic()
     worker.ping_seconds = worker.answered_at - sent
+    worker.loop_lag_seconds = pong.loop_lag_seconds
     if worker.route is not None and not worker.route.responsive:
         log.info("worker %d answers again", worker.slot)
         worker.route.responsive = True

@@ -8,8 +8,11 @@
   times nothing. None while none reach it;
 - `lag`: how late its event loop answers. The liveness watch pings every worker each
   second over its channel, which the worker's loop serves: the round trip of the last
-  ping, or, while a ping waits, how long it has waited past its interval. A loop blocked
-  by a handler cannot answer, so the lag grows while it is blocked, not after;
+  ping, or, while a ping waits, how long it has waited past its interval (a loop blocked
+  by a handler cannot answer, so the lag grows while it is blocked, not after), or the
+  worst lag the worker measured itself between its last two pongs (its own timer every
+  0.1 s): a ping alone misses stalls that end just before each ping, such as blocks as
+  long as its interval, back to back;
   `lag_peak` keeps the worst of it, decaying with the same half-life, so a loop that
   stalls again and again stays stalled between its stalls.
 
@@ -38,6 +41,7 @@ class Sampled(Protocol):
     in_flight: int
     served: int  # requests routed to it so far
     ping_seconds: float | None
+    loop_lag_seconds: float  # the worst the worker measured between its last two pongs
     silent_for: float  # seconds since its last pong
     taking: bool  # it takes new sessions (responsive, not draining)
 
@@ -78,7 +82,7 @@ class LoadTracker:
         for worker in workers:
             load = self.loads.get(worker.owner) or WorkerLoad(worker.owner, worker.slot)
             waited = max(0.0, worker.silent_for - self.ping_interval)
-            load.lag = max(worker.ping_seconds or 0.0, waited)
+            load.lag = max(worker.ping_seconds or 0.0, waited, worker.loop_lag_seconds)
             if load.samples == 0:
                 load.busy = float(worker.in_flight)
                 load.lag_peak = load.lag

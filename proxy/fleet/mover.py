@@ -129,7 +129,7 @@ class Mover:
         target_of = {s: owner for owner, ids in plan.items() for s in ids}
         if not target_of:
             return Moved()
-        links = await self._links(list(target_of), max(0.1, deadline - time.monotonic()))
+        links = await self.linked_sessions(list(target_of), max(0.1, deadline - time.monotonic()))
         groups = {s: [s, *links.get(s, ())] for s in target_of}
         result = Moved()
         held = {s for group in groups.values() for s in group}
@@ -176,8 +176,10 @@ class Mover:
             if isinstance(reply, BaseException):
                 log.warning("worker %d did not close moving tunnels: %s", worker.slot, reply)
 
-    async def _links(self, wanted: list[str], within: float) -> dict[str, list[str]]:
-        """Every worker's gym-proxy sessions that carried these app sessions' requests."""
+    async def linked_sessions(self, wanted: list[str], within: float) -> dict[str, list[str]]:
+        """Every worker's gym-proxy sessions that carried these app sessions' requests
+        (an app that keeps its own session IDs, as NeMo Gym's servers do: the proxy
+        counts a request's running under the gym-proxy session it routed it by)."""
         links: dict[str, list[str]] = {}
         for worker, reply in await broadcast(self.workers.live(), LinkedSessions(wanted), within):
             if isinstance(reply, Links):

@@ -121,6 +121,7 @@ class WorkerProcess:
     leaving: bool = False  # an operation stops it: its exit is expected, never restarted
     started_unix: float = 0.0
     ping_seconds: float | None = None  # the last ping's round trip
+    loop_lag_seconds: float = 0.0  # its worst loop lag between its last two pongs
 
     @property
     def pid(self) -> int:
