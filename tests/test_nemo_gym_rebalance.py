@@ -94,7 +94,12 @@ async def test_a_stalled_worker_sheds_nemo_gym_sessions_and_keeps_the_busy_one(s
             # rounds (six 1 s blocks) it must still hold the busy one.
             after = blocks
             await wait_until(lambda: blocks >= after + 6, 30, "six more blocks")
-            held = await sessions_held(http, metrics)
+
+            async def both() -> dict[int, float]:  # a scrape in a block lacks its slot
+                held = await sessions_held(http, metrics)
+                return held if len(held) == 2 else {}
+
+            held = await wait_until(both, 10, "a scrape that both workers answered")
             assert held == {slot: 1, other: len(clients) - 1}, held
         finally:
             stop.set()
