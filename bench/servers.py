@@ -129,7 +129,11 @@ class GymProxy:
                  self.runtime, "--log-level", "warning", "--secret", "bench", *extra],
                 cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
             )  # fmt: skip
-        wait_answering(self.port, self.proc, f"gym-proxy (see {self.log})")
+        try:
+            wait_answering(self.port, self.proc, f"gym-proxy (see {self.log})")
+        except BaseException:  # a server that never answered is not left running
+            terminate(self.proc)
+            raise
         deadline = time.monotonic() + 30
         while local and len(self.sockets()) < workers and time.monotonic() < deadline:
             time.sleep(0.05)
