@@ -182,9 +182,16 @@ class Balancer:
         assert route is not None
         taking = route.responsive and not route.draining
         silent = now - worker.answered_at if worker.answered_at else 0.0
-        in_flight, served, ping = route.in_flight, route.served, worker.ping_seconds
-        lag = worker.loop_lag_seconds
-        return _Look(worker.owner, worker.slot, in_flight, served, ping, lag, silent, taking)
+        return _Look(
+            owner=worker.owner,
+            slot=worker.slot,
+            in_flight=route.in_flight,
+            served=route.served,
+            ping_seconds=worker.ping_seconds,
+            loop_lag_seconds=worker.loop_lag_seconds,
+            silent_for=silent,
+            taking=taking,
+        )
 
     def _in_the_way(self) -> str:
         if self.taking_over():

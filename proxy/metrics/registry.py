@@ -362,7 +362,8 @@ class _Gathered(Collector):
         )
         delay = GaugeMetricFamily(
             "gym_proxy_worker_loop_delay_seconds",
-            "How late the worker's event loop answers the supervisor's ping, worst lately",
+            "How late the worker's event loop answers the supervisor's ping, or the worst lag "
+            "it measured itself between two pings, worst lately",
             labels=["slot", "owner"],
         )
         answer = GaugeMetricFamily(
