@@ -112,8 +112,8 @@ _NEXT: Final = masks(TRANSITIONS, len(PHASE_NAMES))
 _PAUSE_PIPELINE: Final = 1
 _PAUSE_UPSTREAM: Final = 2
 _PAUSE_UPGRADE: Final = 4
-_HEAD_DETAIL = "the request header block is too large"
-IDLE_CLOSE_BATCH = 32  # at most this many idle connections closed per scan at the cap
+_HEAD_DETAIL: Final = "the request header block is too large"
+IDLE_CLOSE_BATCH: Final = 32  # at most this many idle connections closed per scan at the cap
 
 
 def close_idle_clients(state: ProxyState) -> int:

@@ -46,9 +46,9 @@ SESSION_NEW_LINE: Final = names.SESSION_NEW + b": 1\r\n"
 EPISODE_KEY_LINE: Final = names.EPISODE_KEY + b": "
 APP_SESSION_CLAIM_LINE: Final = names.APP_SESSION_CLAIM + b": "
 CONTINUE_100 = b"HTTP/1.1 100 Continue\r\n\r\n"
-LAST_CHUNK = b"0\r\n\r\n"
+LAST_CHUNK: Final = b"0\r\n\r\n"
 
-_REASONS = {status.value: status.phrase.encode() for status in HTTPStatus}
+_REASONS: Final = {status.value: status.phrase.encode() for status in HTTPStatus}
 
 
 def reason_phrase(status: int) -> bytes:

@@ -12,34 +12,47 @@ transport is kept; closing or half-closing a transport sends what is queued firs
 from __future__ import annotations
 
 import asyncio
+from typing import Final
 
 __all__ = ["Outbox", "batch", "hold", "release"]
 
-_depth = 0
-_batch = 0  # which read is being handled (or was last): writes in one batch go together
-_dirty: list[Outbox] = []
+
+class _Reads:
+    """The read being handled: how deep the handlers nest, which batch it is, and the
+    outboxes with writes queued. One object, not module globals: compiled (setup.py),
+    an attribute is a field of a C struct, where a global is a dict lookup."""
+
+    __slots__ = ("depth", "batch", "dirty")
+
+    def __init__(self) -> None:
+        self.depth = 0
+        self.batch = 0  # which read is being handled (or was last): its writes go together
+        self.dirty: list[Outbox] = []
+
+
+_READS: Final = _Reads()
 
 
 def hold() -> None:
     """A read is being handled: queue writes until the matching `release`."""
-    global _depth, _batch
-    if not _depth:
-        _batch += 1
-    _depth += 1
+    reads = _READS
+    if not reads.depth:
+        reads.batch += 1
+    reads.depth += 1
 
 
 def batch() -> int:
     """The current batch: a write made in a later batch is a separate write."""
-    return _batch
+    return _READS.batch
 
 
 def release() -> None:
     """The read is handled: send every queued write (one write per transport)."""
-    global _depth
-    _depth -= 1
-    if _depth == 0 and _dirty:
-        dirty = _dirty[:]
-        _dirty.clear()
+    reads = _READS
+    reads.depth -= 1
+    if reads.depth == 0 and reads.dirty:
+        dirty = reads.dirty
+        reads.dirty = []
         for outbox in dirty:
             outbox.flush()
 
@@ -57,9 +70,9 @@ class Outbox:
     def write(self, data: bytes) -> None:
         if self.closed or not data:
             return
-        if _depth:
+        if _READS.depth:
             if not self.pending:
-                _dirty.append(self)
+                _READS.dirty.append(self)
             self.pending.append(data)
         else:
             self.transport.write(data)

@@ -16,7 +16,7 @@ gym-proxy's token), which passes through unchanged.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import Final
 
 from gym_proxy.coordinator.contract import headers as names
 from gym_proxy.coordinator.contract.errors import GymError
@@ -26,10 +26,22 @@ from gym_proxy.proxy.data_path.session_tokens import TokenError
 __all__ = ["RequestHead", "rewrite_request_head", "PROTECTED"]
 
 # Headers a Connection list may name without effect: framing and Host are the proxy's.
-PROTECTED = frozenset({b"content-length", b"transfer-encoding", b"host"})
+PROTECTED: Final = frozenset({b"content-length", b"transfer-encoding", b"host"})
 
-_PASS, _COOKIE, _TOKEN, _OWNER, _DROP, _TE, _CL, _EXPECT, _CONNECTION, _HOST, _UPGRADE = range(11)
-_KINDS = {
+# Final, as every name below read per header: the compiled data path (setup.py) inlines
+# an int and keeps an object in a C static instead of looking it up in the module's dict.
+_PASS: Final = 0
+_COOKIE: Final = 1
+_TOKEN: Final = 2
+_OWNER: Final = 3
+_DROP: Final = 4
+_TE: Final = 5
+_CL: Final = 6
+_EXPECT: Final = 7
+_CONNECTION: Final = 8
+_HOST: Final = 9
+_UPGRADE: Final = 10
+_KINDS: Final = {
     b"cookie": _COOKIE,
     names.APP_TOKEN: _TOKEN,
     names.SESSION_OWNER: _OWNER,
@@ -47,19 +59,25 @@ _KINDS = {
 }
 
 
-@dataclass(slots=True)
 class RequestHead:
     """The forwarded head (request line and header lines, no framing, no final CRLF)
-    and what the router needs from the client's head."""
+    and what the router needs from the client's head. (A plain class, not a dataclass:
+    mypyc compiles its __init__, where a dataclass's runs as Python.)"""
 
-    parts: list[bytes]
-    token: bytes | None = None  # this instance's token from the header
-    app_token: bytes | None = None  # the first other token in that header (the app's)
-    cookie: bytes | None = None
-    owner_hint: bytes | None = None
-    content_length: int | None = None
-    chunked: bool = False
-    expect_continue: bool = False
+    __slots__ = (
+        "parts", "token", "app_token", "cookie", "owner_hint", "content_length", "chunked",
+        "expect_continue",
+    )  # fmt: skip
+
+    def __init__(self, parts: list[bytes]) -> None:
+        self.parts = parts
+        self.token: bytes | None = None  # this instance's token from the header
+        self.app_token: bytes | None = None  # the first other token in that header (the app's)
+        self.cookie: bytes | None = None
+        self.owner_hint: bytes | None = None
+        self.content_length: int | None = None
+        self.chunked = False
+        self.expect_continue = False
 
 
 def rewrite_request_head(

@@ -10,20 +10,29 @@ connection becomes a tunnel. Headers only a worker may send to the proxy
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import Final
 
 from gym_proxy.coordinator.contract import headers as names
 from gym_proxy.proxy.data_path import http_wire as wire
 
 __all__ = ["ResponseHead", "rewrite_response_head", "NO_BODY_STATUS"]
 
-NO_BODY_STATUS = frozenset({204, 304})
-_STATUS_LINES = {
+NO_BODY_STATUS: Final = frozenset({204, 304})
+# Final, as every name below read per header: the compiled data path (setup.py) inlines
+# an int and keeps an object in a C static instead of looking it up in the module's dict.
+_STATUS_LINES: Final = {
     status: b"HTTP/1.1 %d %s\r\n" % (status, wire.reason_phrase(status))
     for status in range(100, 600)
 }
-_PASS, _LENGTH, _CHUNKED, _CONNECTION, _DROP, _UPGRADE, _APP_SESSION, _APP_END = range(8)
-_KINDS = {
+_PASS: Final = 0
+_LENGTH: Final = 1
+_CHUNKED: Final = 2
+_CONNECTION: Final = 3
+_DROP: Final = 4
+_UPGRADE: Final = 5
+_APP_SESSION: Final = 6
+_APP_END: Final = 7
+_KINDS: Final = {
     **dict.fromkeys(wire.HOP_BY_HOP, _DROP),
     b"content-length": _LENGTH,
     b"transfer-encoding": _CHUNKED,
@@ -34,17 +43,22 @@ _KINDS = {
 }
 
 
-@dataclass(slots=True)
 class ResponseHead:
-    """The head to write, and the framing the body then follows."""
+    """The head to write, and the framing the body then follows. (A plain class, not a
+    dataclass: mypyc compiles its __init__, where a dataclass's runs as Python.)"""
 
-    data: bytes
-    chunked: bool = False  # the proxy frames the body as chunks toward the client
-    until_eof: bool = False  # the worker's body ends where its connection ends
-    close: bool = False  # the client connection closes after this response
-    tunnel: bool = False  # a 101: after the head, bytes pass through both ways
-    app_session: bytes | None = None  # a worker announced a session it holds
-    app_session_end: bytes | None = None  # ... or that one ended
+    __slots__ = (
+        "data", "chunked", "until_eof", "close", "tunnel", "app_session", "app_session_end"
+    )  # fmt: skip
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+        self.chunked = False  # the proxy frames the body as chunks toward the client
+        self.until_eof = False  # the worker's body ends where its connection ends
+        self.close = False  # the client connection closes after this response
+        self.tunnel = False  # a 101: after the head, bytes pass through both ways
+        self.app_session: bytes | None = None  # a worker announced a session it holds
+        self.app_session_end: bytes | None = None  # ... or that one ended
 
 
 def rewrite_response_head(

@@ -141,19 +141,23 @@ class ExpectedHandover:
             self.arrived.set_result(why_not)
 
 
-@dataclass(slots=True)
 class Route:
     """The decision for one request, and the rule that made it. `new`: the session ID was
     minted for this request, so the client gets a token; an existing session keeps the
     token it has (`token`, as the request carried it; `cookie`: the name of this
-    instance's cookie when that routed it, None otherwise)."""
+    instance's cookie when that routed it, None otherwise). (A plain class, not a
+    dataclass: one is made per request, and mypyc compiles this __init__, where a
+    dataclass's runs as Python.)"""
 
-    worker: WorkerRoute
-    session_id: str
-    new: bool
-    rule: str = NEW
-    token: bytes | None = None
-    cookie: bytes | None = None
+    __slots__ = ("worker", "session_id", "new", "rule", "token", "cookie")
+
+    def __init__(self, worker: WorkerRoute, session_id: str, new: bool, rule: str = NEW) -> None:
+        self.worker = worker
+        self.session_id = session_id
+        self.new = new
+        self.rule = rule
+        self.token: bytes | None = None
+        self.cookie: bytes | None = None
 
 
 def _gone(owner: str) -> GymError:

@@ -27,6 +27,7 @@ import hashlib
 import hmac
 import secrets
 from dataclasses import dataclass
+from typing import Final
 
 from gym_proxy.coordinator.contract.ids import is_valid_id
 
@@ -39,9 +40,9 @@ __all__ = [
     "new_owner_id",
 ]
 
-_MAC_LEN = 43
-_TAG_LEN = 11
-NO_OWNER = "-"
+_MAC_LEN: Final = 43
+_TAG_LEN: Final = 11
+NO_OWNER: Final = "-"
 
 
 class TokenError(ValueError):

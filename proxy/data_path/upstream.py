@@ -47,7 +47,7 @@ import os
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Final
 
 import httptools
 
@@ -60,8 +60,8 @@ if TYPE_CHECKING:
 
 __all__ = ["UpstreamConnection", "UpstreamPool", "Connector"]
 
-CONNECT_RETRY_FIRST = 0.002  # seconds; doubling up to 0.1
-CONNECT_RETRY_SECONDS = 5.0  # how long a full accept queue is waited out
+CONNECT_RETRY_FIRST: Final = 0.002  # seconds; doubling up to 0.1
+CONNECT_RETRY_SECONDS: Final = 5.0  # how long a full accept queue is waited out
 
 # Opens a connection to a worker socket for a protocol (tests pass their own).
 Connector = Callable[[Callable[[], "UpstreamConnection"], str], Awaitable["UpstreamConnection"]]
