@@ -6,6 +6,7 @@ Every error the proxy itself answers is built by `error_response`, with its stat
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from http import HTTPStatus
 from typing import Final
 
@@ -23,6 +24,8 @@ __all__ = [
     "chunk",
     "connection_listed",
     "without_headers",
+    "length_mask",
+    "MASKED_LENGTHS",
 ]
 
 # Headers that describe one connection, not the message (RFC 9110 7.6.1).
@@ -132,3 +135,19 @@ def without_headers(parts: list[bytes], start: int, names: set[bytes]) -> list[b
 def chunk(data: bytes) -> list[bytes]:
     """`data` framed as one chunk of a chunked body, as buffers for writelines."""
     return [b"%x\r\n" % len(data), data, b"\r\n"]
+
+
+# Header names of at most this many bytes can be told apart by `length_mask`.
+MASKED_LENGTHS: Final = 62
+
+
+def length_mask(names: Iterable[bytes]) -> int:
+    """A bit per length of the names in `names` (bytes), for a test that skips lowering
+    and looking up a header whose name is of no length the proxy acts on: most names
+    (date, server, content-type, accept, user-agent) are so, and those two steps are
+    most of a header's cost. Every name must be shorter than MASKED_LENGTHS."""
+    mask = 0
+    for name in names:
+        assert len(name) < MASKED_LENGTHS, name
+        mask |= 1 << len(name)
+    return mask

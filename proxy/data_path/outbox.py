@@ -57,14 +57,21 @@ def release() -> None:
             outbox.flush()
 
 
+# Queued writes up to this size are joined into one buffer; larger ones go out as they
+# are, in one writev (`writelines`): joining would copy every byte of a large body once
+# more (a 64 KiB POST: 64k instructions, a third of the proxy's cost for it).
+JOIN_AT_MOST: Final = 16384
+
+
 class Outbox:
     """The write side of one transport."""
 
-    __slots__ = ("transport", "pending", "closed")
+    __slots__ = ("transport", "pending", "queued", "closed")
 
     def __init__(self, transport: asyncio.Transport) -> None:
         self.transport = transport
         self.pending: list[bytes] = []
+        self.queued = 0  # bytes in `pending`
         self.closed = False
 
     def write(self, data: bytes) -> None:
@@ -74,6 +81,7 @@ class Outbox:
             if not self.pending:
                 _READS.dirty.append(self)
             self.pending.append(data)
+            self.queued += len(data)
         else:
             self.transport.write(data)
 
@@ -85,7 +93,13 @@ class Outbox:
         pending = self.pending
         if pending and not self.closed:
             self.pending = []
-            self.transport.write(pending[0] if len(pending) == 1 else b"".join(pending))
+            if len(pending) == 1:
+                self.transport.write(pending[0])
+            elif self.queued <= JOIN_AT_MOST:
+                self.transport.write(b"".join(pending))
+            else:
+                self.transport.writelines(pending)
+            self.queued = 0
 
     def close(self) -> None:
         """Send what is queued, then close after the transport's buffer drains."""
@@ -105,4 +119,5 @@ class Outbox:
         """Drop what is queued and cut the connection now (also after a half-close)."""
         self.closed = True
         self.pending = []
+        self.queued = 0
         self.transport.abort()

@@ -57,6 +57,7 @@ _KINDS: Final = {
         if name not in (b"transfer-encoding", b"connection", b"upgrade")
     },
 }
+_KIND_LENGTHS: Final = wire.length_mask(_KINDS)
 
 
 class RequestHead:
@@ -107,7 +108,11 @@ def rewrite_request_head(
     host_seen = False
     kinds = _KINDS
     for name, value in headers:
-        kind = kinds.get(name.lower(), _PASS)
+        size = len(name)
+        if size < wire.MASKED_LENGTHS and _KIND_LENGTHS >> size & 1:
+            kind = kinds.get(name.lower(), _PASS)
+        else:
+            kind = _PASS  # no name the proxy acts on is this long
         if kind == _PASS:
             parts += (name, b": ", value, b"\r\n")
         elif kind == _COOKIE:

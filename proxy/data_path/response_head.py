@@ -41,6 +41,7 @@ _KINDS: Final = {
     names.APP_SESSION: _APP_SESSION,
     names.APP_SESSION_END: _APP_END,
 }
+_KIND_LENGTHS: Final = wire.length_mask(_KINDS)
 
 
 class ResponseHead:
@@ -81,7 +82,11 @@ def rewrite_response_head(
     upgrade: bytes | None = None
     kinds = _KINDS
     for name, value in headers:
-        kind = kinds.get(name.lower(), _PASS)
+        size = len(name)
+        if size < wire.MASKED_LENGTHS and _KIND_LENGTHS >> size & 1:
+            kind = kinds.get(name.lower(), _PASS)
+        else:
+            kind = _PASS  # no name the proxy acts on is this long
         if kind == _PASS:
             parts += (name, b": ", value, b"\r\n")
         elif kind == _LENGTH:

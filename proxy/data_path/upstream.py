@@ -54,6 +54,7 @@ import httptools
 from gym_proxy.proxy.data_path import outbox
 from gym_proxy.proxy.data_path.exchange import HANDOVER, RESPONDING
 from gym_proxy.proxy.data_path.outbox import Outbox
+from gym_proxy.proxy.data_path.spent_parsers import SPENT_RESPONSE_PARSER
 
 if TYPE_CHECKING:
     from gym_proxy.proxy.data_path.exchange import Exchange
@@ -187,6 +188,7 @@ class UpstreamConnection(asyncio.Protocol):
         if exchange is not None:
             self.exchange = None
             exchange.upstream_lost(exc)
+        self.parser = SPENT_RESPONSE_PARSER  # no cycle through its callbacks (spent_parsers)
 
     def _read_what_is_left(self) -> None:
         """Feed the parser what the worker sent before the connection failed."""

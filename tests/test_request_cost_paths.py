@@ -1,0 +1,86 @@
+"""The data path's shortcuts for a cheaper request (issue 40) give exactly what the long
+way gives: the request-line version, the header-length filter, and large writes that
+go out unjoined."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from gym_proxy.proxy.data_path import http_wire as wire
+from gym_proxy.proxy.data_path import outbox
+from gym_proxy.proxy.data_path.client_connection import _request_line_version
+from gym_proxy.proxy.data_path.outbox import JOIN_AT_MOST, Outbox
+from gym_proxy.proxy.data_path.request_head import rewrite_request_head
+from gym_proxy.proxy.data_path.response_head import rewrite_response_head
+
+pytestmark = pytest.mark.fast
+
+
+@pytest.mark.parametrize(
+    ("chunk", "version"),
+    [
+        (b"GET / HTTP/1.1\r\nhost: a\r\n\r\n", "1.1"),
+        (b"POST /x?y=1 HTTP/1.0\r\n\r\n", "1.0"),
+        (b"GET / HTTP/1.1\nhost: a\r\n\r\n", ""),  # a bare LF: the parser is asked
+        (b"\r\nGET / HTTP/1.1\r\n\r\n", ""),  # not a request line first
+        (b"GET / HTTP/2.0\r\n\r\n", ""),
+        (b"GET / HTTP/1.1", ""),  # the line has not ended in this read
+        (b"", ""),
+    ],
+)
+def test_the_request_line_version_is_read_only_when_it_is_certain(chunk, version):
+    assert _request_line_version(chunk) == version
+
+
+def test_headers_of_no_masked_length_pass_and_those_of_one_are_acted_on():
+    head = rewrite_request_head(
+        b"GET",
+        b"/",
+        "1.1",
+        [(b"Host", b"a"), (b"X-Long-" + b"n" * 70, b"v"), (b"Keep-Alive", b"5"), (b"Date", b"d")],
+    )
+    forwarded = b"".join(head.parts).lower()
+    assert b"keep-alive" not in forwarded  # hop-by-hop, whatever its case
+    assert b"x-long-" in forwarded and b"date: d" in forwarded
+    response = rewrite_response_head(
+        200,
+        [(b"Content-Length", b"2"), (b"TRANSFER-ENCODING", b"chunked"), (b"Server", b"s")],
+        http10=False,
+        head_request=False,
+        close=False,
+    )
+    assert b"transfer-encoding" not in response.data.lower()
+    assert b"Content-Length: 2" in response.data and not response.chunked
+    assert wire.length_mask([b"ab", b"abcd"]) == (1 << 2) | (1 << 4)
+
+
+class _Transport(asyncio.Transport):
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[str, list[bytes]]] = []
+
+    def write(self, data) -> None:
+        self.calls.append(("write", [bytes(data)]))
+
+    def writelines(self, list_of_data) -> None:
+        self.calls.append(("writelines", [bytes(d) for d in list_of_data]))
+
+
+@pytest.mark.parametrize("body_size", [100, JOIN_AT_MOST + 1])
+def test_one_read_sends_one_write_joined_only_when_small(body_size):
+    transport = _Transport()
+    box = Outbox(transport)
+    body = b"x" * body_size
+    outbox.hold()
+    try:
+        box.write(b"HEAD\r\n\r\n")
+        box.write(body)
+    finally:
+        outbox.release()
+    assert len(transport.calls) == 1
+    kind, buffers = transport.calls[0]
+    assert b"".join(buffers) == b"HEAD\r\n\r\n" + body
+    assert kind == ("write" if body_size <= JOIN_AT_MOST else "writelines")
+    assert box.queued == 0
