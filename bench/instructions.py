@@ -42,12 +42,13 @@ from pathlib import Path
 from typing import Any
 
 import orjson
-from servers import REPO, GymProxy, children, free_port, post
+from servers import REPO, GymProxy, children, free_port, wait_answering
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 CELLS = ("get", "post", "post64k", "connect")
 IDLE_SECONDS = 3.0
+UNDER_VALGRIND = 600.0  # seconds a front end may take to answer (Python boots slowly)
 SESSION = "x-ng-session-id: bench-1\r\n"
 
 
@@ -61,20 +62,6 @@ def request_bytes(cell: str, host: str, extra: str) -> bytes:
         f"content-type: application/json\r\ncontent-length: {len(body)}\r\n\r\n"
     )
     return head.encode() + body
-
-
-def wait_up(port: int, proc: subprocess.Popen[bytes], what: str) -> None:
-    """Until the front end answers (a Python process under callgrind boots in ~1 min)."""
-    deadline = time.monotonic() + 600
-    while True:
-        try:
-            if post(port, "/increment_counter", {"Content-Type": "application/json"})[0] == 200:
-                return
-        except OSError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise SystemExit(f"{what} did not start")
-        time.sleep(0.5)
 
 
 def read_response(sock: socket.socket) -> None:
@@ -218,7 +205,7 @@ def _strace_calls(
             cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )  # fmt: skip
         try:
-            wait_up(port, proc, " ".join(argv[:3]))
+            wait_answering(port, proc, " ".join(argv[:3]), UNDER_VALGRIND)
             send_requests(port, cell, 20 + requests, extra(port))
         finally:
             for child in children(proc.pid):  # the traced front end: strace then reports
@@ -270,7 +257,7 @@ def main() -> None:
         config = haproxy_config(logs, port, sockets)
         haproxy = Callgrind(["haproxy", "-f", str(config)], logs / "haproxy.log")
         try:
-            wait_up(port, haproxy.proc, "haproxy under callgrind")
+            wait_answering(port, haproxy.proc, "haproxy under callgrind", UNDER_VALGRIND)
             results["haproxy"] = measure(
                 haproxy, port, SESSION, opts.requests, _keep(opts, "haproxy")
             )
@@ -286,7 +273,7 @@ def main() -> None:
         ]  # fmt: skip
         proxy = Callgrind(argv, logs / "gym-proxy.log")
         try:
-            wait_up(port, proxy.proc, "gym-proxy under callgrind")
+            wait_answering(port, proxy.proc, "gym-proxy under callgrind", UNDER_VALGRIND)
             token = _token(port)
             results["gym-proxy"] = measure(
                 proxy, port, token, opts.requests, _keep(opts, "gym-proxy")

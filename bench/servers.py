@@ -64,8 +64,10 @@ def post(port: int, path: str, headers: dict[str, str] | None = None) -> tuple[i
         conn.close()
 
 
-def wait_answering(port: int, proc: subprocess.Popen[bytes], what: str) -> None:
-    deadline = time.monotonic() + 60
+def wait_answering(
+    port: int, proc: subprocess.Popen[bytes], what: str, timeout: float = 60.0
+) -> None:
+    deadline = time.monotonic() + timeout
     while True:
         try:
             # typed, for a FastAPI app (NeMo Gym's counter validates the body as JSON)
