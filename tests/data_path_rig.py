@@ -27,7 +27,7 @@ SECRET = b"rig-secret-0123456789abcdef"
 class RecordingTransport(asyncio.Transport):
     """Records writes; closing tells the protocol the way asyncio would (next tick)."""
 
-    def __init__(self, protocol: asyncio.Protocol) -> None:
+    def __init__(self, protocol: asyncio.BaseProtocol) -> None:
         super().__init__()
         self.protocol = protocol
         self.data = bytearray()
@@ -83,6 +83,9 @@ class RecordingTransport(asyncio.Transport):
     def get_extra_info(self, name: str, default: Any = None) -> Any:
         return default
 
+    def get_write_buffer_size(self) -> int:
+        return 0  # every write is recorded (copied) at once
+
     def take(self) -> bytes:
         """What was written since the last take."""
         data = bytes(self.data)
@@ -99,7 +102,14 @@ class Client:
         self.protocol.connection_made(self.transport)
 
     def send(self, data: bytes) -> None:
-        self.protocol.data_received(data)
+        """`data` arrives: read into the protocol's buffer as a transport does, as many
+        reads as its buffer needs."""
+        while data:
+            buffer = self.protocol.get_buffer(len(data))
+            size = min(len(buffer), len(data))
+            buffer[:size] = data[:size]
+            self.protocol.buffer_updated(size)
+            data = data[size:]
 
     def hang_up(self) -> None:
         """The client's connection dropped (reset or closed)."""

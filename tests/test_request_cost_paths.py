@@ -31,7 +31,9 @@ pytestmark = pytest.mark.fast
     ],
 )
 def test_the_request_line_version_is_read_only_when_it_is_certain(chunk, version):
-    assert _request_line_version(chunk) == version
+    assert _request_line_version(bytearray(chunk), 0, len(chunk)) == version
+    # Where the part starts in the read, and where it ends, bound the search.
+    assert _request_line_version(bytearray(b"xx" + chunk + b"\n"), 2, len(chunk) + 2) == version
 
 
 def test_headers_of_no_masked_length_pass_and_those_of_one_are_acted_on():

@@ -38,6 +38,13 @@ checks this drawing against it):
 
 Every write goes through the connection's `Outbox`; a read is handled between
 `outbox.hold()` and `outbox.release()`, so what one read causes goes out as one write.
+
+Reads land in the shared read buffer (`proxy.data_path.read_buffer`; the connection is
+a `BufferedProtocol`). A read that holds more than PASS_BODY_AFTER bytes from a
+request's start has the head alone fed to the parser; a Content-Length body then goes
+to the worker as views of the buffer, counted down here, and a new parser takes the
+next request. llhttp has accepted the head and its one Content-Length by then, so the
+body ends where llhttp's would: the worker still gets exactly the request llhttp parsed.
 """
 
 from __future__ import annotations
@@ -54,7 +61,7 @@ from typing import TYPE_CHECKING, Final
 import httptools
 
 from gym_proxy.coordinator.contract.errors import GymError
-from gym_proxy.proxy.data_path import outbox
+from gym_proxy.proxy.data_path import outbox, read_buffer
 from gym_proxy.proxy.data_path.exchange import ANSWERING, RESPONDING, Exchange
 from gym_proxy.proxy.data_path.exchange import TUNNEL as EXCHANGE_TUNNEL
 from gym_proxy.proxy.data_path.outbox import Outbox
@@ -114,6 +121,10 @@ _PAUSE_PIPELINE: Final = 1
 _PAUSE_UPSTREAM: Final = 2
 _PAUSE_UPGRADE: Final = 4
 _HEAD_DETAIL: Final = "the request header block is too large"
+# A read with more than this after a request's start has its body passed (_parse): below
+# it the parser's copy costs less than a second feed and a new parser.
+PASS_BODY_AFTER: Final = 8192
+_NO_CHUNK: Final = bytearray()
 IDLE_CLOSE_BATCH: Final = 32  # at most this many idle connections closed per scan at the cap
 
 
@@ -134,19 +145,30 @@ def _last_active(client: ClientConnection) -> float:
     return client.last_active
 
 
-def _request_line_version(chunk: bytes) -> str:
-    """The version a request line at the start of `chunk` ends with, when it is one of
-    the two the proxy serves ("" otherwise: then the parser is asked). llhttp accepted
-    that line, so this is the version it parsed; reading it here saves the parser's
-    version string, formatted anew on every request (5% of a GET's instructions)."""
-    end = chunk.find(b"\n")
-    if end >= 10:
-        tail = chunk[end - 10 : end]
-        if tail == b" HTTP/1.1\r":
+def _request_line_version(read: bytearray, start: int, stop: int) -> str:
+    """The version a request line at `start` of `read` ends with, when it is one of the
+    two the proxy serves ("" otherwise: then the parser is asked). llhttp accepted that
+    line, so this is the version it parsed; reading it here saves the parser's version
+    string, formatted anew on every request (5% of a GET's instructions)."""
+    end = read.find(b"\n", start, stop)
+    if end - start >= 10:
+        if read.startswith(b" HTTP/1.1\r", end - 10):
             return "1.1"
-        if tail == b" HTTP/1.0\r":
+        if read.startswith(b" HTTP/1.0\r", end - 10):
             return "1.0"
     return ""
+
+
+def _declared_length(headers: list[tuple[bytes, bytes]]) -> int:
+    """The body length a head llhttp accepted declares (0 when chunked or none)."""
+    length = 0
+    for name, value in headers:
+        size = len(name)
+        if size == 14 and name.lower() == b"content-length":
+            length = int(value)  # llhttp checked: digits only, exactly one
+        elif size == 17 and name.lower() == b"transfer-encoding":
+            return 0
+    return length
 
 
 class _Discarded(Exception):
@@ -189,7 +211,7 @@ class ProxyState:
         self.token_prefix = self.codec.prefix.encode()
 
 
-class ClientConnection(asyncio.Protocol):
+class ClientConnection(asyncio.BufferedProtocol):
     """One client connection; see the module docstring for the phases and flow rules."""
 
     __slots__ = (
@@ -210,6 +232,8 @@ class ClientConnection(asyncio.Protocol):
         "head_marks",
         "held",
         "chunk",
+        "chunk_at",
+        "body_left",
     )
 
     def __init__(self, proxy_state: ProxyState) -> None:
@@ -231,9 +255,15 @@ class ClientConnection(asyncio.Protocol):
         self.head_bytes = 0  # bytes of the current head seen so far (a lower bound)
         self.head_marks = 0  # message boundaries seen, to tell reads inside one head
         self.held = b""  # input after an upgrade request, for the tunnel
-        # While a read is parsed: the read, when its first line is the request line of the
-        # first request it completes (else b""), for `_request_line_version`.
-        self.chunk = b""
+        # While a part of a read is parsed: the read buffer, when the part's first line
+        # is the request line of the first request it completes (else empty), and where
+        # the part begins in it, for `_request_line_version`.
+        self.chunk = _NO_CHUNK
+        self.chunk_at = 0
+        # Bytes of the current request's body still to come that the parser is not fed:
+        # a Content-Length body behind a head that came with more than PASS_BODY_AFTER
+        # bytes goes on as views of the read (module docstring).
+        self.body_left = 0
 
     @property
     def between_requests(self) -> bool:
@@ -288,51 +318,101 @@ class ClientConnection(asyncio.Protocol):
             self.parsing = None
         self.parser = SPENT_REQUEST_PARSER  # no cycle through its callbacks (spent_parsers)
 
-    def data_received(self, data: bytes) -> None:
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return read_buffer.READ.view
+
+    def buffer_updated(self, nbytes: int) -> None:
         self.last_active = self.proxy_state.now
         phase = self.phase
         if phase >= REFUSED:
             return
+        read = read_buffer.READ
         outbox.hold()
         try:
             if phase == TUNNEL:
-                self.pipeline[0].request_body(data)
+                self.pipeline[0].request_body(read.view[:nbytes])
             elif phase == UPGRADING:
-                self.held += data  # paused: at most one read arrives here
+                self.held += bytes(read.view[:nbytes])  # paused: at most one read arrives here
             else:
-                self._parse(data)
+                self._parse(read.data, read.view, nbytes)
         finally:
             outbox.release()
 
-    def _parse(self, data: bytes) -> None:
+    def _parse(self, read: bytearray, view: memoryview, end: int) -> None:
+        """Parse `read[:end]`: the parser is fed all of it, but for the bodies it passes."""
         if self.head_since is None and self.in_head:
             self.head_since = self.proxy_state.clock()  # a head begins: its timeout runs
+        start = 0
+        while start < end and self.phase < REFUSED:
+            if self.body_left:
+                start = self._pass_body(view, start, end)
+                continue
+            stop = end
+            if self.parsing is None and end - start > PASS_BODY_AFTER:
+                # A long read at a request's start: its head alone goes to the parser, so a
+                # Content-Length body can go on without it (a view instead of two copies).
+                head_end = read.find(b"\r\n\r\n", start, end)
+                if head_end >= 0:
+                    stop = head_end + 4
+            if not self._feed(read, view, start, stop, end):
+                return
+            if stop < end and self.parsing is not None and not self.in_head:
+                self.body_left = _declared_length(self.parsing.headers)
+            start = stop
+
+    def _feed(self, read: bytearray, view: memoryview, start: int, stop: int, end: int) -> bool:
+        """Feed `read[start:stop]` to the parser; False when parsing this read is over."""
         marks = self.head_marks
-        # No request begun before this read: its first line is the next request line.
-        self.chunk = data if self.parsing is None else b""
+        # No request begun before this part: its first line is the next request line.
+        if self.parsing is None:
+            self.chunk = read
+            self.chunk_at = start
         try:
-            self.parser.feed_data(data)
+            self.parser.feed_data(view[start:stop])
         except httptools.HttpParserUpgrade as exc:
-            self._upgrading(data[exc.args[0] :] if exc.args else b"")
-            return
+            rest = start + exc.args[0] if exc.args else end
+            self._upgrading(bytes(view[rest:end]))
+            return False
         except httptools.HttpParserCallbackError as exc:
             refused = exc.__context__
             if isinstance(refused, _Discarded):
-                return
+                return False
             if not isinstance(refused, GymError):
                 raise
             self._refuse(refused.code, refused.detail)
-            return
+            return False
         except httptools.HttpParserError as exc:
             self._refuse("bad_request", f"malformed HTTP request: {exc}")
-            return
+            return False
         finally:
-            self.chunk = b""  # never kept past the read
+            self.chunk = _NO_CHUNK  # never kept past the part
         if self.in_head and marks == self.head_marks and self.parsing is not None:
-            # This whole read lay inside one unfinished head (httptools buffers it).
-            self.head_bytes += len(data)
+            # This whole part lay inside one unfinished head (httptools buffers it).
+            self.head_bytes += stop - start
             if self.head_bytes > self.proxy_state.limit_request_head and self.phase < REFUSED:
                 self._refuse("headers_too_large", _HEAD_DETAIL)
+                return False
+        return True
+
+    def _pass_body(self, view: memoryview, start: int, end: int) -> int:
+        """Send on what `view[start:end]` holds of a body the parser is not fed; at its
+        end, the request is complete and a new parser takes the next one. Returns where
+        the unread input starts."""
+        exchange = self.parsing
+        if exchange is None:  # cannot be: the body belongs to the request being parsed
+            self.body_left = 0
+            return end
+        stop = min(end, start + self.body_left)
+        self.body_left -= stop - start
+        exchange.request_body(view[start:stop])
+        if not self.body_left:
+            # The old parser still waits for the body it never saw.
+            self.parser = httptools.HttpRequestParser(self)
+            try:
+                self.on_message_complete()
+            except _Discarded:
+                return end
+        return stop
 
     def eof_received(self) -> bool:
         # Like nginx without proxy_ignore_client_abort: a client that closed its side has
@@ -376,8 +456,9 @@ class ClientConnection(asyncio.Protocol):
         exchange: Exchange = self.parsing  # type: ignore[assignment]
         parser = self.parser
         exchange.method = parser.get_method()
-        version = _request_line_version(self.chunk)
-        self.chunk = b""  # a later request of the same read: asked of the parser
+        chunk = self.chunk
+        version = _request_line_version(chunk, self.chunk_at, len(chunk)) if chunk else ""
+        self.chunk = _NO_CHUNK  # a later request of the same part: asked of the parser
         exchange.version = version or parser.get_http_version()
         exchange.keep_alive = parser.should_keep_alive()
         if parser.should_upgrade():

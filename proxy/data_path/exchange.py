@@ -364,7 +364,9 @@ class Exchange:
         return worker
 
     # ---- request body ------------------------------------------------------------
-    def request_body(self, body: bytes) -> None:
+    def request_body(self, body: bytes | memoryview) -> None:
+        """Body bytes from the client: bytes, or a view of the read buffer, which only a
+        write may keep (read_buffer); kept here, it is copied."""
         state = self.state
         if state == SENDING or state == RESPONDING or state == TUNNEL:
             conn = self.upstream
@@ -387,7 +389,7 @@ class Exchange:
             # the body; reading resumes once it goes out (attach) or is answered (fail).
             if self.body_buffer is None:
                 self.body_buffer = []
-            self.body_buffer.append(body)
+            self.body_buffer.append(bytes(body))
             self.client.pause_reading_for_upstream()
         # ANSWERING, DONE: the answer is decided; the body is read and dropped
 

@@ -132,7 +132,7 @@ def without_headers(parts: list[bytes], start: int, names: set[bytes]) -> list[b
     return kept
 
 
-def chunk(data: bytes) -> list[bytes]:
+def chunk(data: bytes | memoryview) -> list[bytes | memoryview]:
     """`data` framed as one chunk of a chunked body, as buffers for writelines."""
     return [b"%x\r\n" % len(data), data, b"\r\n"]
 

@@ -14,6 +14,8 @@ from __future__ import annotations
 import asyncio
 from typing import Final
 
+from gym_proxy.proxy.data_path import read_buffer
+
 __all__ = ["Outbox", "batch", "hold", "release"]
 
 
@@ -64,17 +66,21 @@ JOIN_AT_MOST: Final = 16384
 
 
 class Outbox:
-    """The write side of one transport."""
+    """The write side of one transport.
 
-    __slots__ = ("transport", "pending", "queued", "closed")
+    A write may be a view of the shared read buffer (read_buffer): should the transport
+    keep it, unsent, past the write, the buffer is lent (`read_buffer.READ.lend`)."""
+
+    __slots__ = ("transport", "pending", "queued", "closed", "views")
 
     def __init__(self, transport: asyncio.Transport) -> None:
         self.transport = transport
-        self.pending: list[bytes] = []
+        self.pending: list[bytes | memoryview] = []
         self.queued = 0  # bytes in `pending`
         self.closed = False
+        self.views = False  # `pending` holds a view of the read buffer
 
-    def write(self, data: bytes) -> None:
+    def write(self, data: bytes | memoryview) -> None:
         if self.closed or not data:
             return
         if _READS.depth:
@@ -82,12 +88,22 @@ class Outbox:
                 _READS.dirty.append(self)
             self.pending.append(data)
             self.queued += len(data)
+            if not isinstance(data, bytes):
+                self.views = True
         else:
             self.transport.write(data)
+            if not isinstance(data, bytes):
+                self._lend_if_kept()
 
-    def writelines(self, parts: list[bytes]) -> None:
+    def writelines(self, parts: list[bytes | memoryview]) -> None:
         for part in parts:
             self.write(part)
+
+    def _lend_if_kept(self) -> None:
+        """A view went to the transport: if it kept any of it, the buffer is not ours."""
+        self.views = False
+        if self.transport.get_write_buffer_size():
+            read_buffer.READ.lend()
 
     def flush(self) -> None:
         pending = self.pending
@@ -97,9 +113,12 @@ class Outbox:
                 self.transport.write(pending[0])
             elif self.queued <= JOIN_AT_MOST:
                 self.transport.write(b"".join(pending))
+                self.views = False  # joined: a copy
             else:
                 self.transport.writelines(pending)
             self.queued = 0
+            if self.views:
+                self._lend_if_kept()
 
     def close(self) -> None:
         """Send what is queued, then close after the transport's buffer drains."""
@@ -120,4 +139,5 @@ class Outbox:
         self.closed = True
         self.pending = []
         self.queued = 0
+        self.views = False
         self.transport.abort()
