@@ -8,13 +8,26 @@ from __future__ import annotations
 import pytest
 
 from gym_proxy.proxy.data_path import read_buffer
-from gym_proxy.proxy.data_path.client_connection import PASS_BODY_AFTER
+from gym_proxy.proxy.data_path.client_connection import (
+    DISCARDING,
+    LINGERING,
+    PASS_BODY_AFTER,
+    TUNNEL,
+)
 from tests.data_path_rig import RecordingTransport, Rig
 
 pytestmark = pytest.mark.fast
 
 GET = b"GET /after HTTP/1.1\r\nHost: t\r\n\r\n"
 OK = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok"
+UPGRADE = (
+    b"GET /ws HTTP/1.1\r\nHost: t\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n"
+    b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n"
+)
+SWITCH = (
+    b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+    b"Sec-WebSocket-Accept: s3pPLMBiTxaQ9kYGzzhZRbK+xOo=\r\n\r\n"
+)
 
 
 def post(body: bytes) -> bytes:
@@ -96,3 +109,31 @@ async def test_a_view_a_transport_keeps_is_not_overwritten_by_later_reads():
     other = rig.client()  # a later read, into the buffer now in use, overwrites nothing
     other.send(post(body_of(4 * PASS_BODY_AFTER, 4)))
     assert b"".join(bytes(part) for part in keeping.kept).endswith(body)
+
+
+async def test_a_passed_body_the_worker_answered_early_is_dropped_then_the_connection_closes():
+    rig = Rig()
+    client, upstream = await _warm(rig)
+    body = body_of(8 * PASS_BODY_AFTER, 5)
+    whole = post(body) + GET
+    client.send(whole[: 2 * PASS_BODY_AFTER])  # the head and a quarter of the body
+    upstream.send(b"HTTP/1.1 413 Too Large\r\ncontent-length: 0\r\n\r\n")
+    assert client.protocol.phase == DISCARDING and client.transport.reading
+    sent = len(upstream.transport.data)
+    client.send(whole[2 * PASS_BODY_AFTER :])  # the rest, and a request never served
+    assert client.protocol.phase == LINGERING and client.transport.eof
+    assert [r[0] for r in client.responses()] == [200, 413]
+    assert len(rig.upstreams) == 1 and len(upstream.transport.data) == sent
+
+
+async def test_an_upgrade_in_a_long_read_holds_everything_behind_its_head():
+    rig = Rig()
+    client = rig.client()
+    frames = body_of(2 * PASS_BODY_AFTER, 6)
+    client.send(UPGRADE + frames)  # one read, longer than PASS_BODY_AFTER
+    upstream = await rig.upstream()
+    [(_, url, _, _), (marker, held, _, _)] = upstream.requests()
+    assert (url, marker, held) == (b"/ws", b"UPGRADED", b"")  # held until the switch
+    upstream.send(SWITCH)
+    assert client.protocol.phase == TUNNEL
+    assert bytes(upstream.transport.data).endswith(b"\r\n\r\n" + frames)

@@ -25,15 +25,20 @@ pytestmark = pytest.mark.fast
         (b"POST /x?y=1 HTTP/1.0\r\n\r\n", "1.0"),
         (b"GET / HTTP/1.1\nhost: a\r\n\r\n", ""),  # a bare LF: the parser is asked
         (b"\r\nGET / HTTP/1.1\r\n\r\n", ""),  # not a request line first
+        (b"GET  / HTTP/1.1\r\n\r\n", ""),  # not where one space each puts it
         (b"GET / HTTP/2.0\r\n\r\n", ""),
-        (b"GET / HTTP/1.1", ""),  # the line has not ended in this read
+        (b"GET / HTTP/1.1\r", ""),  # the line has not ended in this read
+        (b"GET / HTTP/1.", ""),
         (b"", ""),
     ],
 )
 def test_the_request_line_version_is_read_only_when_it_is_certain(chunk, version):
-    assert _request_line_version(bytearray(chunk), 0, len(chunk)) == version
-    # Where the part starts in the read, and where it ends, bound the search.
-    assert _request_line_version(bytearray(b"xx" + chunk + b"\n"), 2, len(chunk) + 2) == version
+    method, _, rest = chunk.partition(b" ")
+    url = rest.lstrip(b" ").partition(b" ")[0] if b" " in rest else b"/"
+    method = method.lstrip(b"\r\n") or b"GET"
+    assert _request_line_version(bytearray(chunk), 0, method, url) == version
+    # Where the part starts in the read.
+    assert _request_line_version(bytearray(b"xx" + chunk), 2, method, url) == version
 
 
 def test_headers_of_no_masked_length_pass_and_those_of_one_are_acted_on():

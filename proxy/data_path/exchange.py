@@ -84,7 +84,7 @@ if TYPE_CHECKING:
     import asyncio
 
     from gym_proxy.proxy.data_path.client_connection import ClientConnection
-    from gym_proxy.proxy.data_path.upstream import UpstreamConnection
+    from gym_proxy.proxy.data_path.upstream import UpstreamConnection, UpstreamPool
 
 __all__ = [
     "Exchange",
@@ -277,7 +277,8 @@ class Exchange:
         self._routed_to(worker)
         if self.expect_continue and not self.request_done:
             self.client.outbox.write(wire.CONTINUE_100)
-        worker.pool.acquire(self)
+        pool: UpstreamPool = worker.pool  # typed (WorkerRoute's is Any): a native call
+        pool.acquire(self)
 
     def _routed_to(self, worker: WorkerRoute) -> None:
         """-> CONNECTING, counted on `worker` (its pool is asked next)."""
@@ -526,7 +527,8 @@ class Exchange:
         self.upstream = None
         if conn is not None:
             if reusable and self.upstream_keep_alive and source is not None:
-                source.pool.release(conn)
+                source_pool: UpstreamPool = source.pool
+                source_pool.release(conn)
             else:
                 conn.exchange = None
                 conn.close()
@@ -547,7 +549,8 @@ class Exchange:
         self.body_buffer = [body] if body else None
         self._routed_to(target)
         handover.settle("")
-        target.pool.acquire(self)
+        target_pool: UpstreamPool = target.pool
+        target_pool.acquire(self)
 
     def response_body(self, body: bytes) -> None:
         if self.state == HANDOVER:
@@ -693,7 +696,8 @@ class Exchange:
         if conn is not None:
             self.upstream = None
             if reuse and worker is not None:
-                worker.pool.release(conn)
+                pool: UpstreamPool = worker.pool
+                pool.release(conn)
             else:
                 conn.exchange = None
                 conn.close()
