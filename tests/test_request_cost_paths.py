@@ -48,7 +48,7 @@ def test_headers_of_no_masked_length_pass_and_those_of_one_are_acted_on():
         "1.1",
         [(b"Host", b"a"), (b"X-Long-" + b"n" * 70, b"v"), (b"Keep-Alive", b"5"), (b"Date", b"d")],
     )
-    forwarded = b"".join(head.parts).lower()
+    forwarded = head.out.getvalue().lower()
     assert b"keep-alive" not in forwarded  # hop-by-hop, whatever its case
     assert b"x-long-" in forwarded and b"date: d" in forwarded
     response = rewrite_response_head(
@@ -91,3 +91,35 @@ def test_one_read_sends_one_write_joined_only_when_small(body_size):
     assert b"".join(buffers) == b"HEAD\r\n\r\n" + body
     assert kind == ("write" if body_size <= JOIN_AT_MOST else "writelines")
     assert box.queued == 0
+
+
+def test_a_connection_list_drops_the_headers_it_names_but_they_still_route():
+    head = rewrite_request_head(
+        b"GET",
+        b"/a",
+        "1.1",
+        [
+            (b"X-A", b"1"),
+            (b"Cookie", b"c=1"),
+            (b"Connection", b"x-a, Cookie, host"),
+            (b"Host", b"h"),
+        ],
+    )
+    forwarded = head.out.getvalue()
+    assert forwarded == b"GET /a HTTP/1.1\r\nHost: h\r\n"  # Host is the proxy's to keep
+    assert head.cookie == b"c=1"  # read for routing before the line was dropped
+    response = rewrite_response_head(
+        200,
+        [(b"X-B", b"2"), (b"Content-Length", b"0"), (b"Connection", b"x-b, content-length")],
+        http10=False,
+        head_request=False,
+        close=False,
+    )
+    assert response.data == b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n"  # framing kept
+
+
+def test_a_new_target_replaces_only_the_request_line():
+    head = rewrite_request_head(b"POST", b"/ng-rollout/k/run", "1.1", [(b"Host", b"h")])
+    head.set_target(b"POST", b"/run")
+    head.add_line(b"x-a: ", b"1")
+    assert head.out.getvalue() == b"POST /run HTTP/1.1\r\nHost: h\r\nx-a: 1\r\n"

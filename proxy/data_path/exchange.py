@@ -259,21 +259,21 @@ class Exchange:
             return
         self.chunked_request = head.chunked
         self.expect_continue = head.expect_continue
-        parts = head.parts
         if self.url.startswith(_CONTROL_PREFIX):
             worker = self.client.proxy_state.control
         else:
-            routed = self._route_session(parts, head)
+            routed = self._route_session(head)
             if routed is None:
                 return  # answered with an error
             worker = routed
+        out = head.out
         if head.chunked:
-            parts.append(b"transfer-encoding: chunked\r\n\r\n")
+            out.write(b"transfer-encoding: chunked\r\n\r\n")
         elif head.content_length is not None:
-            parts.append(b"content-length: %d\r\n\r\n" % head.content_length)
+            out.write(b"content-length: %d\r\n\r\n" % head.content_length)
         else:
-            parts.append(b"\r\n")
-        self.head = b"".join(parts)
+            out.write(b"\r\n")
+        self.head = out.getvalue()
         self._routed_to(worker)
         if self.expect_continue and not self.request_done:
             self.client.outbox.write(wire.CONTINUE_100)
@@ -294,7 +294,7 @@ class Exchange:
         self.held_since = self.held_since or time.monotonic()
         self._to(HELD)
 
-    def _route_session(self, parts: list[bytes], head: RequestHead) -> WorkerRoute | None:
+    def _route_session(self, head: RequestHead) -> WorkerRoute | None:
         """Pick the worker and add the identity headers; None after answering an error."""
         proxy = self.client.proxy_state
         if proxy.booting:
@@ -340,12 +340,12 @@ class Exchange:
         router.decisions[route.rule] += 1
         if key is not None and not worker.keeps_rollout_prefix:
             # aiohttp routes before any middleware: the app sees /rest, the runtime the key.
-            parts[2] = rest
-            parts += (wire.EPISODE_KEY_LINE, key, b"\r\n")
+            head.set_target(self.method, rest)
+            head.add_line(wire.EPISODE_KEY_LINE, key)
         if route.rule == APP_TOKEN or route.rule == APP_COOKIE:
             # Only the worker was picked by what the client wrote: the app verifies its own
             # token or cookie, and the request has no gym-proxy session (proxy.data_path.routing).
-            parts += (wire.APP_SESSION_CLAIM_LINE, route.session_id.encode(), b"\r\n")
+            head.add_line(wire.APP_SESSION_CLAIM_LINE, route.session_id.encode())
             return worker
         token = route.token
         if route.new:
@@ -355,13 +355,13 @@ class Exchange:
                 return worker
             token = proxy.codec.sign(route.session_id, worker.owner).encode()
             self.new_token = token
-            parts.append(wire.SESSION_NEW_LINE)
+            head.out.write(wire.SESSION_NEW_LINE)
         elif route.cookie is not None:
             self.cookie_token = token
             self.cookie_name = route.cookie
-        parts += (wire.SESSION_ID_LINE, route.session_id.encode(), b"\r\n")
+        head.add_line(wire.SESSION_ID_LINE, route.session_id.encode())
         if token is not None:
-            parts += (wire.SESSION_TOKEN_LINE, token, b"\r\n")
+            head.add_line(wire.SESSION_TOKEN_LINE, token)
         return worker
 
     # ---- request body ------------------------------------------------------------

@@ -23,7 +23,6 @@ __all__ = [
     "reason_phrase",
     "chunk",
     "connection_listed",
-    "without_headers",
     "length_mask",
     "MASKED_LENGTHS",
 ]
@@ -121,15 +120,6 @@ def connection_listed(value: bytes) -> set[bytes]:
     names = {token.strip().lower() for token in value.split(b",")}
     names.difference_update((b"keep-alive", b"close", b"upgrade", b""))
     return names
-
-
-def without_headers(parts: list[bytes], start: int, names: set[bytes]) -> list[bytes]:
-    """`parts` (a head line, then name/": "/value/CRLF groups of four) minus `names`."""
-    kept = parts[:start]
-    for i in range(start, len(parts), 4):
-        if parts[i].lower() not in names:
-            kept += parts[i : i + 4]
-    return kept
 
 
 def chunk(data: bytes | memoryview) -> list[bytes | memoryview]:

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import Final
 
+from librt.strings import BytesWriter
+
 from gym_proxy.coordinator.contract import headers as names
 from gym_proxy.proxy.data_path import http_wire as wire
 
@@ -70,12 +72,17 @@ def rewrite_response_head(
     head_request: bool,
     close: bool,
     extra: bytes = b"",
+    dropped: set[bytes] | None = None,
 ) -> ResponseHead:
     """The client's head for a worker's response. `close`: the proxy closes after it
-    whatever the worker says; `extra`: header lines the proxy adds (its cookie)."""
-    parts = [
+    whatever the worker says; `extra`: header lines the proxy adds (its cookie);
+    `dropped`: header names not forwarded (what the worker's `Connection` lists: the
+    head is built again without them once a pass has found any). Written into a
+    BytesWriter, as the request head is (proxy.data_path.request_head)."""
+    out = BytesWriter()
+    out.write(
         _STATUS_LINES.get(status) or b"HTTP/1.1 %d %s\r\n" % (status, wire.reason_phrase(status))
-    ]
+    )
     head = ResponseHead(b"")
     length_known = upstream_chunked = False
     listed: set[bytes] | None = None
@@ -87,11 +94,14 @@ def rewrite_response_head(
             kind = kinds.get(name.lower(), _PASS)
         else:
             kind = _PASS  # no name the proxy acts on is this long
-        if kind == _PASS:
-            parts += (name, b": ", value, b"\r\n")
-        elif kind == _LENGTH:
-            length_known = True
-            parts += (name, b": ", value, b"\r\n")
+        if kind == _PASS or kind == _LENGTH:
+            length_known = length_known or kind == _LENGTH
+            # The framing stays whatever the Connection header lists.
+            if dropped is None or kind == _LENGTH or name.lower() not in dropped:
+                out.write(name)
+                out.write(b": ")
+                out.write(value)
+                out.write(b"\r\n")
         elif kind == _CHUNKED:
             upstream_chunked = True
         elif kind == _CONNECTION:
@@ -102,29 +112,40 @@ def rewrite_response_head(
             head.app_session = value
         elif kind == _APP_END:
             head.app_session_end = value
-    if listed:
-        parts = wire.without_headers(parts, 1, listed)
+    if listed and dropped is None:
+        # Rare (a Connection header naming other headers): built again without them.
+        return rewrite_response_head(
+            status,
+            headers,
+            http10=http10,
+            head_request=head_request,
+            close=close,
+            extra=extra,
+            dropped=listed,
+        )
     if extra:
-        parts.append(extra)
+        out.write(extra)
     if status == 101:
         head.tunnel = True
         if upgrade is not None:
-            parts += (b"upgrade: ", upgrade, b"\r\n")
-        parts.append(b"connection: upgrade\r\n\r\n")
-        head.data = b"".join(parts)
+            out.write(b"upgrade: ")
+            out.write(upgrade)
+            out.write(b"\r\n")
+        out.write(b"connection: upgrade\r\n\r\n")
+        head.data = out.getvalue()
         return head
     if not (head_request or status in NO_BODY_STATUS) and not length_known:
         head.until_eof = not upstream_chunked
         if http10:
             close = True  # an HTTP/1.0 client reads to the end of the stream
         else:
-            parts.append(b"transfer-encoding: chunked\r\n")
+            out.write(b"transfer-encoding: chunked\r\n")
             head.chunked = True
     if close:
-        parts.append(b"connection: close\r\n")
+        out.write(b"connection: close\r\n")
     elif http10:
-        parts.append(b"connection: keep-alive\r\n")
-    parts.append(b"\r\n")
+        out.write(b"connection: keep-alive\r\n")
+    out.write(b"\r\n")
     head.close = close
-    head.data = b"".join(parts)
+    head.data = out.getvalue()
     return head
