@@ -60,7 +60,26 @@ def test_headers_of_no_masked_length_pass_and_those_of_one_are_acted_on():
     )
     assert b"transfer-encoding" not in response.data.lower()
     assert b"Content-Length: 2" in response.data and not response.chunked
-    assert wire.length_mask([b"ab", b"abcd"]) == (1 << 2) | (1 << 4)
+
+
+@pytest.mark.parametrize(
+    ("name", "kind"),
+    [
+        (b"content-length", 1),
+        (b"Content-Length", 1),
+        (b"CONTENT-length", 1),  # neither lowercase nor Title-Case: lowered
+        (b"content-lengtH", 1),
+        (b"content-lengths", 0),  # a length no name has
+        (b"Content-Lenhtg", 0),  # a length some name has
+        (b"x-a", 3),
+        (b"X-A", 3),
+        (b"y-a", 0),
+        (b"-x-a"[1:], 3),
+    ],
+)
+def test_header_kinds_match_a_name_in_any_case_and_nothing_else(name, kind):
+    kinds = wire.HeaderKinds({b"content-length": 1, b"content-lengtx": 2, b"x-a": 3})
+    assert kinds.kind(name, 0) == kind
 
 
 class _Transport(asyncio.Transport):

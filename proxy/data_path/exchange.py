@@ -270,7 +270,9 @@ class Exchange:
         if head.chunked:
             out.write(b"transfer-encoding: chunked\r\n\r\n")
         elif head.content_length is not None:
-            out.write(b"content-length: %d\r\n\r\n" % head.content_length)
+            out.write(b"content-length: ")
+            out.write(head.content_length)
+            out.write(b"\r\n\r\n")
         else:
             out.write(b"\r\n")
         self.head = out.getvalue()

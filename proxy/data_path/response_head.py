@@ -43,7 +43,7 @@ _KINDS: Final = {
     names.APP_SESSION: _APP_SESSION,
     names.APP_SESSION_END: _APP_END,
 }
-_KIND_LENGTHS: Final = wire.length_mask(_KINDS)
+_HEADER_KINDS: Final = wire.HeaderKinds(_KINDS)
 
 
 class ResponseHead:
@@ -87,13 +87,9 @@ def rewrite_response_head(
     length_known = upstream_chunked = False
     listed: set[bytes] | None = None
     upgrade: bytes | None = None
-    kinds = _KINDS
+    kinds = _HEADER_KINDS
     for name, value in headers:
-        size = len(name)
-        if size < wire.MASKED_LENGTHS and _KIND_LENGTHS >> size & 1:
-            kind = kinds.get(name.lower(), _PASS)
-        else:
-            kind = _PASS  # no name the proxy acts on is this long
+        kind = kinds.kind(name, _PASS)
         if kind == _PASS or kind == _LENGTH:
             length_known = length_known or kind == _LENGTH
             # The framing stays whatever the Connection header lists.
