@@ -137,3 +137,17 @@ async def test_an_upgrade_in_a_long_read_holds_everything_behind_its_head():
     upstream.send(SWITCH)
     assert client.protocol.phase == TUNNEL
     assert bytes(upstream.transport.data).endswith(b"\r\n\r\n" + frames)
+
+
+async def test_input_handed_as_bytes_is_read_as_reads_are():
+    # uvloop looks data_received up on every connection; whoever calls it gets a read.
+    rig = Rig()
+    client, upstream = await _warm(rig)
+    body = body_of(2 * read_buffer.SIZE, 7)  # more than one buffer holds
+    client.protocol.data_received(post(body) + GET)
+    upstream.send(OK)
+    await rig.settle()
+    upstream.send(OK)
+    requests = upstream.requests()
+    assert requests[1][3] == body and requests[2][1] == b"/after"
+    assert [r[0] for r in client.responses()] == [200, 200, 200]
