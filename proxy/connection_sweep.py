@@ -11,7 +11,6 @@ The sweep never awaits anything but its own timer.
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Callable, Iterable
 
 from gym_proxy.coordinator.contract.keepalive import POOL_IDLE
@@ -37,7 +36,7 @@ async def sweep_connections(state: ProxyState, routes: Callable[[], Iterable[Wor
         await asyncio.sleep(SWEEP_INTERVAL)
         state.now = loop.time()
         _expire_clients(state)
-        pool_before = time.monotonic() - POOL_IDLE
+        pool_before = state.now - POOL_IDLE
         for route in routes():
             route.pool.close_idle(pool_before)
 

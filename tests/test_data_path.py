@@ -237,6 +237,25 @@ async def test_client_connection_close_is_honoured_after_the_response():
     assert rig.worker().pool.idle == [upstream.protocol]
 
 
+async def test_an_idle_worker_connection_is_closed_after_the_pool_idle_time_only():
+    rig = Rig()
+    client = rig.client()
+    client.send(GET)
+    upstream = await rig.upstream()
+    upstream.send(OK)
+    pool = rig.worker().pool
+    idle_since = upstream.protocol.last_active  # its last read, by the coarse clock
+    pool.close_idle(idle_since)  # not idle for longer than that
+    assert pool.idle == [upstream.protocol] and not upstream.transport.closing
+    pool.close_idle(idle_since + 0.001)
+    assert upstream.transport.closing
+    await rig.settle()
+    assert pool.idle == [] and not upstream.protocol.pooled  # forgotten once it closed
+    client.send(GET)  # and never handed out again
+    (await rig.upstream()).send(OK)
+    assert len(rig.upstreams) == 2 and [r[0] for r in client.responses()] == [200, 200]
+
+
 async def test_worker_connection_close_keeps_the_client_open():
     rig = Rig()
     client = rig.client()

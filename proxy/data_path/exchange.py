@@ -680,11 +680,11 @@ class Exchange:
             self.session_id = None
             router = self.client.proxy_state.router
             active = router.active
-            left = active.get(session_id, 1) - 1
-            if left > 0:
-                active[session_id] = left
-            else:
-                active.pop(session_id, None)
+            count = active.get(session_id, 0)
+            if count > 1:
+                active[session_id] = count - 1
+            elif count:
+                del active[session_id]  # (pop with a default is a generic call, compiled)
             if router.watchers:  # empty but while an operation waits
                 _wake(router.watchers, session_id)
         worker = self.worker

@@ -88,6 +88,7 @@ class UpstreamConnection(asyncio.Protocol):
         "spoiled",
         "tunnel",
         "counted",
+        "pooled",
     )
 
     def __init__(self, pool: UpstreamPool) -> None:
@@ -109,6 +110,7 @@ class UpstreamConnection(asyncio.Protocol):
         self.spoiled = False  # ... and bytes followed its end
         self.tunnel = False  # after a 101: no more HTTP on this connection
         self.counted = False  # in its pool's `open` count (a pool with a limit)
+        self.pooled = False  # idle, in its pool's `idle` list
 
     # asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -279,8 +281,9 @@ class UpstreamPool:
         self.address = address
         self.max_idle = max_idle
         self.connect: Connector = connect or _connect_unix
+        # Idle connections, most recently used last; each knows whether it is here
+        # (`pooled`) and since when (its `last_active`, the coarse clock of its last read).
         self.idle: list[UpstreamConnection] = []
-        self.idle_since: dict[UpstreamConnection, float] = {}
         self.connecting: dict[asyncio.Task[None], Exchange] = {}
         self.closed = False
         self.connect_errors = 0  # for /metrics
@@ -294,7 +297,7 @@ class UpstreamPool:
         idle = self.idle
         while idle:
             conn = idle.pop()
-            self.idle_since.pop(conn, None)
+            conn.pooled = False
             if not conn.closed:
                 exchange.attach(conn)
                 return
@@ -361,8 +364,8 @@ class UpstreamPool:
             return
         if conn.read_paused:
             conn.resume_reading()
+        conn.pooled = True
         self.idle.append(conn)
-        self.idle_since[conn] = time.monotonic()
         if self.waiting:
             self._wake()
 
@@ -371,16 +374,15 @@ class UpstreamPool:
         if conn.counted:
             conn.counted = False
             self._uncount()
-        if self.idle_since.pop(conn, None) is not None:
-            try:
-                self.idle.remove(conn)
-            except ValueError:
-                pass
+        if conn.pooled:
+            conn.pooled = False
+            self.idle.remove(conn)
 
     def close_idle(self, older_than: float) -> None:
-        """Close idle connections unused since before `older_than` (monotonic)."""
-        for conn, since in list(self.idle_since.items()):
-            if since < older_than:
+        """Close idle connections unused since before `older_than` (the coarse clock,
+        `ProxyState.now`: the loop's time)."""
+        for conn in list(self.idle):
+            if conn.last_active < older_than:
                 conn.close()
 
     def close(self) -> None:
