@@ -124,7 +124,6 @@ _HEAD_DETAIL: Final = "the request header block is too large"
 # A read with more than this after a request's start has its body passed (_parse): below
 # it the parser's copy costs less than a second feed and a new parser.
 PASS_BODY_AFTER: Final = 8192
-_NO_CHUNK: Final = bytearray()
 IDLE_CLOSE_BATCH: Final = 32  # at most this many idle connections closed per scan at the cap
 
 
@@ -163,7 +162,9 @@ def _request_line_version(read: bytearray, at: int, method: bytes, url: bytes) -
 
 
 def _declared_length(headers: list[tuple[bytes, bytes]]) -> int:
-    """The body length a head llhttp accepted declares (0 when chunked or none)."""
+    """The body length a head llhttp accepted declares (0 when chunked or none).
+    Read here, not taken from the forwarded head: a pipelined request's head is only
+    rewritten when it reaches the pipeline's front, and this runs on long reads only."""
     length = 0
     for name, value in headers:
         size = len(name)
@@ -234,8 +235,7 @@ class ClientConnection(asyncio.BufferedProtocol):
         "head_bytes",
         "head_marks",
         "held",
-        "chunk",
-        "chunk_at",
+        "line_at",
         "body_left",
     )
 
@@ -258,11 +258,10 @@ class ClientConnection(asyncio.BufferedProtocol):
         self.head_bytes = 0  # bytes of the current head seen so far (a lower bound)
         self.head_marks = 0  # message boundaries seen, to tell reads inside one head
         self.held = b""  # input after an upgrade request, for the tunnel
-        # While a part of a read is parsed: the read buffer, when the part's first line
-        # is the request line of the first request it completes (else empty), and where
-        # the part begins in it, for `_request_line_version`.
-        self.chunk = _NO_CHUNK
-        self.chunk_at = 0
+        # While a part of a read is parsed: where the part begins in the read buffer, when
+        # its first line is the request line of the first request it completes (else -1),
+        # for `_request_line_version`.
+        self.line_at = -1
         # Bytes of the current request's body still to come that the parser is not fed:
         # a Content-Length body behind a head that came with more than PASS_BODY_AFTER
         # bytes goes on as views of the read (module docstring).
@@ -381,8 +380,7 @@ class ClientConnection(asyncio.BufferedProtocol):
         marks = self.head_marks
         # No request begun before this part: its first line is the next request line.
         if self.parsing is None:
-            self.chunk = read
-            self.chunk_at = start
+            self.line_at = start
         try:
             self.parser.feed_data(view[start:stop])
         except httptools.HttpParserUpgrade as exc:
@@ -401,7 +399,7 @@ class ClientConnection(asyncio.BufferedProtocol):
             self._refuse("bad_request", f"malformed HTTP request: {exc}")
             return False
         finally:
-            self.chunk = _NO_CHUNK  # never kept past the part
+            self.line_at = -1  # never kept past the part
         if self.in_head and marks == self.head_marks and self.parsing is not None:
             # This whole part lay inside one unfinished head (httptools buffers it).
             self.head_bytes += stop - start
@@ -415,9 +413,8 @@ class ClientConnection(asyncio.BufferedProtocol):
         end, the request is complete and a new parser takes the next one. Returns where
         the unread input starts."""
         exchange = self.parsing
-        if exchange is None:  # cannot be: the body belongs to the request being parsed
-            self.body_left = 0
-            return end
+        if exchange is None:
+            raise AssertionError("a body passed with no request being parsed")
         stop = min(end, start + self.body_left)
         self.body_left -= stop - start
         exchange.request_body(view[start:stop])
@@ -473,13 +470,13 @@ class ClientConnection(asyncio.BufferedProtocol):
         exchange: Exchange = self.parsing  # type: ignore[assignment]
         parser = self.parser
         exchange.method = parser.get_method()
-        chunk = self.chunk
+        line_at = self.line_at
         version = (
-            _request_line_version(chunk, self.chunk_at, exchange.method, exchange.url)
-            if chunk
+            _request_line_version(read_buffer.READ.data, line_at, exchange.method, exchange.url)
+            if line_at >= 0
             else ""
         )
-        self.chunk = _NO_CHUNK  # a later request of the same part: asked of the parser
+        self.line_at = -1  # a later request of the same part: asked of the parser
         exchange.version = version or parser.get_http_version()
         exchange.keep_alive = parser.should_keep_alive()
         if parser.should_upgrade():
