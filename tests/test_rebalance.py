@@ -56,10 +56,12 @@ async def test_a_hot_worker_sheds_its_idle_sessions_and_keeps_its_busy_one(in_pr
     headers = {TOKEN_HEADER: heavy}
 
     async def slow() -> int:
-        async with http.get(f"{proxy.url}/slow?seconds=12", headers=headers) as response:
+        async with http.get(f"{proxy.url}/slow?seconds=25", headers=headers) as response:
             return response.status
 
-    # Four requests running on one session of slot 0, none on slot 1: hot, for 3 s.
+    # Four requests running on one session of slot 0, none on slot 1: hot after 3 s, and
+    # busy for longer than the wait below may take (on a loaded machine the last light
+    # session can go in a shed ten seconds after the first: the busy one must still run).
     running = [asyncio.ensure_future(slow()) for _ in range(4)]
 
     async def shed() -> bool:
