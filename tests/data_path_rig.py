@@ -19,9 +19,18 @@ from gym_proxy.proxy.data_path.routing import Router, WorkerRoute
 from gym_proxy.proxy.data_path.session_tokens import TokenCodec
 from gym_proxy.proxy.data_path.upstream import UpstreamConnection, UpstreamPool
 
-__all__ = ["Rig", "RecordingTransport", "parse_responses", "parse_requests"]
+__all__ = ["Rig", "RecordingTransport", "parse_responses", "parse_requests", "UPGRADE", "SWITCH"]
 
 SECRET = b"rig-secret-0123456789abcdef"
+# A WebSocket upgrade request, and the worker's switch.
+UPGRADE = (
+    b"GET /ws HTTP/1.1\r\nHost: t\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n"
+    b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n"
+)
+SWITCH = (
+    b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+    b"Sec-WebSocket-Accept: s3pPLMBiTxaQ9kYGzzhZRbK+xOo=\r\n\r\n"
+)
 
 
 class RecordingTransport(asyncio.Transport):

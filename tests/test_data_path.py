@@ -20,7 +20,14 @@ from gym_proxy.proxy.data_path.client_connection import (
     TUNNEL,
 )
 from gym_proxy.proxy.data_path.exchange import DONE
-from tests.data_path_rig import TUNNEL_BYTES, Rig, parse_requests, parse_responses
+from tests.data_path_rig import (
+    SWITCH,
+    TUNNEL_BYTES,
+    UPGRADE,
+    Rig,
+    parse_requests,
+    parse_responses,
+)
 
 pytestmark = pytest.mark.fast
 
@@ -527,14 +534,6 @@ async def test_one_read_makes_one_write_each_way():
 
 
 # ---- upgrades and tunnels ---------------------------------------------------------
-UPGRADE = (
-    b"GET /ws HTTP/1.1\r\nHost: t\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n"
-    b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n"
-)
-SWITCH = (
-    b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
-    b"Sec-WebSocket-Accept: s3pPLMBiTxaQ9kYGzzhZRbK+xOo=\r\n\r\n"
-)
 
 
 async def test_websocket_upgrade_becomes_a_tunnel_both_ways():

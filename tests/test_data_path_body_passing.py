@@ -14,20 +14,12 @@ from gym_proxy.proxy.data_path.client_connection import (
     PASS_BODY_AFTER,
     TUNNEL,
 )
-from tests.data_path_rig import RecordingTransport, Rig
+from tests.data_path_rig import SWITCH, UPGRADE, RecordingTransport, Rig
 
 pytestmark = pytest.mark.fast
 
 GET = b"GET /after HTTP/1.1\r\nHost: t\r\n\r\n"
 OK = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok"
-UPGRADE = (
-    b"GET /ws HTTP/1.1\r\nHost: t\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n"
-    b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n"
-)
-SWITCH = (
-    b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
-    b"Sec-WebSocket-Accept: s3pPLMBiTxaQ9kYGzzhZRbK+xOo=\r\n\r\n"
-)
 
 
 def post(body: bytes) -> bytes:
@@ -46,6 +38,16 @@ async def _warm(rig: Rig):
     upstream = await rig.upstream()
     upstream.send(OK)
     return client, upstream
+
+
+async def _answered_with_the_get_behind(rig: Rig, client, upstream, body: bytes) -> None:
+    """The worker answers the POST and the GET behind it: both reached it intact."""
+    upstream.send(OK)
+    await rig.settle()
+    upstream.send(OK)
+    requests = upstream.requests()
+    assert requests[1][3] == body and requests[2][1] == b"/after"
+    assert [r[0] for r in client.responses()] == [200, 200, 200]
 
 
 async def test_a_passed_body_and_the_request_behind_it_arrive_intact():
@@ -73,12 +75,7 @@ async def test_a_passed_body_may_span_reads():
     whole = post(body) + GET
     for at in range(0, len(whole), 3 * PASS_BODY_AFTER - 5):
         client.send(whole[at : at + 3 * PASS_BODY_AFTER - 5])
-    upstream.send(OK)
-    await rig.settle()
-    upstream.send(OK)
-    requests = upstream.requests()
-    assert requests[1][3] == body and requests[2][1] == b"/after"
-    assert [r[0] for r in client.responses()] == [200, 200, 200]
+    await _answered_with_the_get_behind(rig, client, upstream, body)
 
 
 class _KeepingTransport(RecordingTransport):
@@ -145,9 +142,4 @@ async def test_input_handed_as_bytes_is_read_as_reads_are():
     client, upstream = await _warm(rig)
     body = body_of(2 * read_buffer.SIZE, 7)  # more than one buffer holds
     client.protocol.data_received(post(body) + GET)
-    upstream.send(OK)
-    await rig.settle()
-    upstream.send(OK)
-    requests = upstream.requests()
-    assert requests[1][3] == body and requests[2][1] == b"/after"
-    assert [r[0] for r in client.responses()] == [200, 200, 200]
+    await _answered_with_the_get_behind(rig, client, upstream, body)
