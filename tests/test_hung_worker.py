@@ -158,7 +158,9 @@ async def test_timers_run_while_the_coordinator_waits(start_proxy, http, tmp_pat
 
 
 async def test_silent_worker_gets_no_new_sessions_then_is_replaced(start_proxy, http):
-    proxy = start_proxy("--worker-timeout", "3", "--upstream-timeout", "2", workers=2)
+    # The worker timeout well past the upstream timeout's 2-3 s (a coarse 1 s clock): a
+    # kill 3 s after the last ping answer could come first (then 410, not 504).
+    proxy = start_proxy("--worker-timeout", "5", "--upstream-timeout", "2", workers=2)
     owners = await sessions_by_owner(http, proxy.url)
     victim, healthy = sorted(owners)
     victim_pid = await pid_of(http, proxy.url, victim)
