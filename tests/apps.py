@@ -25,6 +25,7 @@ GATES = web.AppKey("gates", dict)
 CANCELLED = web.AppKey("cancelled", list)
 PROGRESS = web.AppKey("progress", dict)
 STOPPED = web.AppKey("stopped", list)
+GENERATING = web.AppKey("generating", list)  # one count: calls inside `generate`
 
 
 def _info(request: web.Request) -> dict[str, object]:
@@ -80,8 +81,17 @@ async def release(request: web.Request) -> web.Response:
 
 async def generate(request: web.Request) -> web.Response:
     """A model's generation route (run with GYM_TEST_KIND=model): waits for `generate`."""
-    await _gate(request, "generate").wait()
+    request.app[GENERATING][0] += 1
+    try:
+        await _gate(request, "generate").wait()
+    finally:
+        request.app[GENERATING][0] -= 1
     return web.json_response({**_info(request), "generated": True})
+
+
+async def generating(request: web.Request) -> web.Response:
+    """How many generation calls are in the app (past the worker's door), waiting."""
+    return web.json_response({"waiting": request.app[GENERATING][0]})
 
 
 async def upload(request: web.Request) -> web.Response:
@@ -256,6 +266,7 @@ def create_app() -> web.Application:
     app.middlewares.append(record)
     app[SEEN] = []
     app[GATES] = {}
+    app[GENERATING] = [0]
     app[CANCELLED] = []
     app[PROGRESS] = {}
     app.router.add_route("*", "/whoami", whoami)
@@ -264,6 +275,7 @@ def create_app() -> web.Application:
     app.router.add_route("*", "/release", release)
     app.router.add_post("/upload", upload)
     app.router.add_post("/v1/responses", generate)
+    app.router.add_get("/generating", generating)
     app.router.add_get("/download", download)
     app.router.add_post("/echo", echo)
     app.router.add_route("*", "/slow", slow)

@@ -26,7 +26,7 @@ from gym_proxy.worker.declaration import KINDS, TUNNEL_POLICIES
 from gym_proxy.worker.participant import Participation, context, current_session, declare, episode
 from tests.apps import env_choice, hold_while_file
 
-STATE: dict[str, Any] = {"seen": [], "gates": {}, "cancelled": [], "progress": {}}
+STATE: dict[str, Any] = {"seen": [], "gates": {}, "cancelled": [], "progress": {}, "generating": 0}
 
 
 def _json(payload: Any, status: int = 200) -> Response:
@@ -116,8 +116,17 @@ async def release(request: Request) -> Response:
 
 async def generate(request: Request) -> Response:
     """A model's generation route (run with GYM_TEST_KIND=model): waits for `generate`."""
-    await _gate("generate").wait()
+    STATE["generating"] += 1
+    try:
+        await _gate("generate").wait()
+    finally:
+        STATE["generating"] -= 1
     return _json({**_info(request), "generated": True})
+
+
+async def generating(request: Request) -> Response:
+    """How many generation calls are in the app (past the worker's door), waiting."""
+    return _json({"waiting": STATE["generating"]})
 
 
 async def upload(request: Request) -> Response:
@@ -248,6 +257,7 @@ def create_app() -> Any:
             Route("/release", release, methods=["GET", "POST"]),
             Route("/upload", upload, methods=["POST"]),
             Route("/v1/responses", generate, methods=["POST"]),
+            Route("/generating", generating),
             Route("/download", download),
             Route("/echo", echo, methods=["POST"]),
             Route("/slow", slow, methods=["GET", "POST"]),

@@ -78,10 +78,11 @@ async def test_model_kind_gates_generation_routes_only(start_proxy, http):
 
     admitted = asyncio.ensure_future(call(generate))
 
-    async def running() -> bool:
-        return (await control.ok("status"))["workers"][0]["in_flight"] >= 1
+    async def in_app() -> bool:  # past the worker's door: routed is not enough
+        async with http.get(f"{proxy.url}/generating") as resp:
+            return (await resp.json())["waiting"] == 1
 
-    await wait_until(running, 10, "the generation call to be admitted")
+    await wait_until(in_app, 10, "the generation call to be in the app")
     assert (await control.ok("prepare", checkpoint_id="g1"))["phase"] == "prepared"
     waiting = asyncio.ensure_future(call(generate))
 
