@@ -36,7 +36,7 @@ from gym_proxy.proxy import data_path
 from gym_proxy.proxy.assembly import Assembly
 from gym_proxy.proxy.config import Config, metrics_address
 from gym_proxy.proxy.connection_sweep import sweep_connections
-from gym_proxy.proxy.data_path.client_connection import ClientConnection
+from gym_proxy.proxy.data_path.client_connection import ClientFactory
 from gym_proxy.proxy.fleet.liveness import watch_liveness
 from gym_proxy.proxy.fleet.remote_workers import START_WAIT, RayLauncher
 from gym_proxy.proxy.fleet.supervisor import Supervisor, WorkerBootError
@@ -290,7 +290,7 @@ class Server:
         assert self.parts is not None
         state = self.parts.state
         self.public = await asyncio.get_running_loop().create_server(
-            lambda: ClientConnection(state), sock=self.listen_sock, backlog=self.config.backlog
+            ClientFactory(state), sock=self.listen_sock, backlog=self.config.backlog
         )
         self.resources.callback(self._close_public)
 

@@ -96,6 +96,19 @@ def test_cache_does_not_accept_what_it_did_not_verify():
         small.read(tokens[0][:-2] + "zz")
 
 
+def test_tokens_read_off_the_wire_are_remembered_only_once_verified():
+    """read_bytes remembers by the bytes a request carried, bounded like read's cache:
+    a damaged copy of a remembered token is still refused, and a foreign one still passes."""
+    small = TokenCodec(b"k", "i", cache_size=2)
+    tokens = [small.sign(f"s{i}", "o").encode() for i in range(5)]
+    for _ in range(2):
+        for i, token in enumerate(tokens):
+            assert small.read_bytes(token) == SessionIdentity(f"s{i}", "o")
+    with pytest.raises(TokenError):
+        small.read_bytes(tokens[4][:-2] + b"zz")
+    assert small.read_bytes(TokenCodec(b"other", "i").sign("s0", "o").encode()) is None
+
+
 def test_empty_secret_rejected():
     with pytest.raises(ValueError):
         TokenCodec(b"")
