@@ -1,6 +1,7 @@
 """Routing bench: gym-proxy against the alternatives, in one run, as ratios.
 
     python bench/routing.py [--seconds 5] [--workers 2 4] [--connections 1 64 256 1024]
+                            [--pairs N]
 
 Every front end serves the same app (the ASGI counter) and gets the same load: the
 load generator (`bench/loadgen.py`, its own process) keeps C keep-alive connections
@@ -16,10 +17,14 @@ so a session's calls arrive on any connection, as from NeMo Gym's clients.
   forwards a request to its session's worker over a Unix socket ((N-1)/N of them).
 
 Per cell: requests/s, ratio to direct, p50/p99/p99.9 latency, errors, the front end's
-CPU per request (its own process: gym-proxy, haproxy) and the whole server's (front end
-plus workers). With wrk installed (`apt-get install wrk`), gym-proxy, HAProxy and
-port-sharing are also loaded with wrk (less client CPU than the Python generator; its
-script rotates the sessions over the connections too) for the same ratios.
+CPU per request (its own process: gym-proxy, haproxy; split into user and system time in
+the summary) and the whole server's (front end plus workers). With `--pairs N`, then N
+back-to-back pairs of gym-proxy and HAProxy cells per connection count, and the median
+of their front-end CPU ratios: one cell of each can land in different moments of a
+shared machine (the ratio moved by 0.3x between runs ten minutes apart). With wrk
+installed (`apt-get install wrk`), gym-proxy, HAProxy and port-sharing are also loaded
+with wrk (less client CPU than the Python generator; its script rotates the sessions over
+the connections too) for the same ratios.
 Then: the proxy's memory with 10,000 idle keep-alive connections, and SSE throughput
 through the proxy vs direct. Raw results go to bench/results/routing-<date>.json, and
 plots (matplotlib, the `bench` extra) of req/s and p99 vs connections next to it.
@@ -34,6 +39,7 @@ import os
 import resource
 import shutil
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -42,7 +48,16 @@ from pathlib import Path
 from typing import Any
 
 import orjson
-from servers import REPO, FrontEnd, GymProxy, HAProxy, PortSharing, cpu_seconds, rss_mib
+from servers import (
+    REPO,
+    FrontEnd,
+    GymProxy,
+    HAProxy,
+    PortSharing,
+    cpu_seconds,
+    cpu_split,
+    rss_mib,
+)
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
@@ -59,15 +74,23 @@ def load(plan: str, seconds: float, connections: int) -> dict[str, Any]:
 
 
 def measure(front: FrontEnd, plan: str, seconds: float, connections: int) -> dict[str, Any]:
-    """One cell: load `front` and charge CPU to its processes."""
-    before = {pid: cpu_seconds(pid) for pid in front.server_pids}
+    """One cell: load `front` and charge CPU to its processes (the front end's also
+    split into user and system time: the kernel's part is what any proxy pays)."""
+    before = {pid: cpu_split(pid) for pid in front.server_pids}
     result = load(plan, seconds, connections)
-    used = {pid: cpu_seconds(pid) - start for pid, start in before.items()}
+    split = {}
+    for pid, (user, system) in before.items():
+        user_now, system_now = cpu_split(pid)
+        split[pid] = (user_now - user, system_now - system)
+    used = {pid: sum(times) for pid, times in split.items()}
     total = max(1, result["total"])  # CPU covers the warm-up too, and so does this count
     result["rps"] = result["requests"] / result["seconds"]
     result["front_cpu_us"] = (
         sum(used[p] for p in front.front_pids) * 1e6 / total if front.front_pids else None
     )
+    if front.front_pids:
+        result["front_user_us"] = sum(split[p][0] for p in front.front_pids) * 1e6 / total
+        result["front_sys_us"] = sum(split[p][1] for p in front.front_pids) * 1e6 / total
     result["server_cpu_us"] = sum(used.values()) * 1e6 / total
     return result
 
@@ -147,6 +170,9 @@ def run_workers(workers: int, opts: argparse.Namespace, notes: list[str]) -> dic
                 cells.setdefault(front.name, {})[str(connections)] = cell
                 print(f"  {workers} workers, {connections:>4} conns, {front.name:<12} "
                       f"{cell['rps']:>9,.0f} req/s", file=sys.stderr)  # fmt: skip
+        pairs: dict[str, list[float]] = {}
+        if haproxy is not None and opts.pairs:
+            pairs = alternate(fronts[0], fronts[2], plans, opts)
         wrk: dict[str, Any] = {}
         if shutil.which("wrk") and haproxy is not None:
             for connections in (c for c in opts.connections if c >= 64):
@@ -155,12 +181,29 @@ def run_workers(workers: int, opts: argparse.Namespace, notes: list[str]) -> dic
                     wrk.setdefault(front.name, {})[str(connections)] = cell
         elif workers == opts.workers[0]:
             notes.append("wrk is not installed (apt-get install wrk): wrk rows skipped")
-        return {"cells": cells, "wrk": wrk, "sessions": sessions}
+        return {"cells": cells, "wrk": wrk, "sessions": sessions, "pairs": pairs}
     finally:
         for server in (sharing, haproxy, proxy):
             if server is not None:
                 server.stop()
         shutil.rmtree(directory, ignore_errors=True)
+
+
+def alternate(
+    gym_proxy: FrontEnd, haproxy: FrontEnd, plans: dict[str, str], opts: argparse.Namespace
+) -> dict[str, list[float]]:
+    """gym-proxy's front-end CPU per request over HAProxy's, in `--pairs` back-to-back
+    pairs of cells per connection count: a pair shares the machine's state of the
+    moment, which one cell of each an hour apart does not."""
+    ratios: dict[str, list[float]] = {}
+    for connections in opts.connections:
+        for _ in range(opts.pairs):
+            ours = measure(gym_proxy, plans[gym_proxy.name], opts.seconds, connections)
+            theirs = measure(haproxy, plans[haproxy.name], opts.seconds, connections)
+            ratio = ours["front_cpu_us"] / theirs["front_cpu_us"]
+            ratios.setdefault(str(connections), []).append(ratio)
+            print(f"  pair at {connections:>4} conns: {ratio:.2f}x", file=sys.stderr)
+    return ratios
 
 
 async def idle_memory(count: int) -> dict[str, float]:
@@ -271,9 +314,18 @@ def summary(workers: int, run: dict[str, Any], connections: list[int]) -> list[s
             hp = cells["haproxy"][str(c)]
             parts.append(
                 f"vs haproxy {gp['rps'] / hp['rps']:.2f}x req/s, "
-                f"{gp['front_cpu_us'] / hp['front_cpu_us']:.2f}x front-end CPU/req"
+                f"{gp['front_cpu_us'] / hp['front_cpu_us']:.2f}x front-end CPU/req "
+                f"(user {gp['front_user_us']:.1f} vs {hp['front_user_us']:.1f} us, "
+                f"system {gp['front_sys_us']:.1f} vs {hp['front_sys_us']:.1f} us)"
             )
         lines.append(" ".join(parts))
+    for c, ratios in run.get("pairs", {}).items():
+        ordered = sorted(ratios)
+        lines.append(
+            f"{workers}w {int(c):>4}c: front-end CPU/req against haproxy in {len(ordered)} "
+            f"back-to-back pairs: median {statistics.median(ordered):.2f}x "
+            f"({', '.join(f'{r:.2f}' for r in ordered)})"
+        )
     for c, gp in run["wrk"].get("gym-proxy", {}).items():
         hp = run["wrk"]["haproxy"][c]
         lines.append(
@@ -329,6 +381,12 @@ def main() -> None:
     parser.add_argument("--connections", type=int, nargs="+", default=[1, 64, 256, 1024])
     parser.add_argument("--idle-connections", type=int, default=10000)
     parser.add_argument("--skip-extras", action="store_true", help="no memory or SSE runs")
+    parser.add_argument(
+        "--pairs",
+        type=int,
+        default=0,
+        help="then N back-to-back gym-proxy/HAProxy pairs per connection count (CPU ratios)",
+    )
     opts = parser.parse_args()
     notes: list[str] = []
     started = datetime.datetime.now(datetime.UTC)

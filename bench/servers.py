@@ -30,10 +30,15 @@ REPO = HERE.parent
 TICK = os.sysconf("SC_CLK_TCK")
 
 
+def cpu_split(pid: int) -> tuple[float, float]:
+    """User and system CPU seconds of one process."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return int(fields[11]) / TICK, int(fields[12]) / TICK
+
+
 def cpu_seconds(pid: int) -> float:
     """User plus system CPU seconds of one process."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICK
+    return sum(cpu_split(pid))
 
 
 def rss_mib(pid: int) -> float:
