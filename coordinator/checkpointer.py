@@ -576,8 +576,10 @@ class Checkpointer:
         workers still expect, read from the checkpoint the dead instance restored."""
         expected = claims_recovery.still_expected(self._expected_by_adopted)
         self._expected_by_adopted = []
-        note = claims_recovery.recall(self.restored_note) if self.restored_note else None
-        if not expected or note is None:
+        if not expected or self.restored_note is None:
+            return  # a fresh start, or adopted workers that expect no restored episode
+        note = claims_recovery.recall(self.restored_note)
+        if note is None:
             return
         checkpoint_dir, scope = note
         base = files.checkpoint_path(checkpoint_dir, self._kind(), self.instance)

@@ -35,6 +35,8 @@ def recall(path: str) -> tuple[str, set[str]] | None:
     """The checkpoint directory and scope a dead instance restored; None when it did not
     (or its note is unreadable, which is logged)."""
     note = load_document(path, log, "restored episodes cannot be continued")
+    if note is None:
+        return None  # no restore to continue, or one line said why not
     directory = note.get("checkpoint_dir") if isinstance(note, dict) else None
     scope = note.get("scope") if isinstance(note, dict) else None
     if not isinstance(directory, str) or not isinstance(scope, list):

@@ -12,8 +12,10 @@ else take the proxy's descriptors: with a `limit` (the workers the supervisor ha
 a margin: proxy.descriptor_budget), a connection over it first makes room by closing the
 oldest connection that has not registered yet (a worker registers at once), and is
 itself closed when every one has. A connection that does not register within
-REGISTER_TIMEOUT is closed too. Dropped connections are logged at most every LOG_EVERY
-seconds.
+REGISTER_TIMEOUT is closed too, and so is one whose `register` the kernel contradicts:
+its sender runs as another user, or is not the pid it names (`SO_PEERCRED`), since that
+pid is what the supervisor watches and signals. Dropped connections are logged at most
+every LOG_EVERY seconds.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
 import time
 from collections.abc import Awaitable, Callable
 
@@ -32,6 +35,7 @@ from gym_proxy.coordinator.contract.messages import (
     Register,
     RegisterReply,
 )
+from gym_proxy.coordinator.contract.trust import Untrusted, own_peer
 
 __all__ = ["WorkerChannels", "RegistrationRefused"]
 
@@ -122,7 +126,8 @@ class WorkerChannels:
             return
         try:
             registration = Register.decode(first)
-        except MalformedMessage as exc:
+            _check_claim(writer, registration)
+        except (MalformedMessage, Untrusted) as exc:
             self._drop(writer, str(exc))
             return
         self._unregistered.pop(writer, None)
@@ -176,3 +181,16 @@ class WorkerChannels:
             await asyncio.gather(*self._connections, return_exceptions=True)
         if self._server is not None:
             await self._server.wait_closed()
+
+
+def _check_claim(writer: asyncio.StreamWriter, registration: Register) -> None:
+    """Untrusted unless the process at the other end of a Unix connection runs as this
+    user and is the pid the registration names (the kernel's word, `SO_PEERCRED`): a pid
+    is adopted, watched and signalled on this claim. A connection the proxy dialed to a
+    worker on another node proved the link key instead."""
+    sock = writer.get_extra_info("socket")
+    if sock is None or sock.family != socket.AF_UNIX:
+        return
+    peer = own_peer(sock, "the coordinator socket")
+    if peer.pid != registration.pid:
+        raise Untrusted(f"a registration claims pid {registration.pid}, but pid {peer.pid} sent it")

@@ -24,6 +24,7 @@ __all__ = [
     "DEFAULT_APP",
     "SECRET_ENV",
     "metrics_address",
+    "MAX_WORKERS",
 ]
 
 DEFAULT_APP = "gym_proxy.worker.counter:create_app"
@@ -35,6 +36,10 @@ LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 # `Config.settle_orphan_grace`.
 DEFAULT_ORPHAN_GRACE = 30.0
 PLACEMENTS = ("local", "ray")
+# The most workers one server may have, however the count comes (a flag, the config
+# block, a resize, a predecessor's fleet.json): a slot holds a process, sockets and
+# descriptors, and a count past this is a typo, not a plan.
+MAX_WORKERS = 256
 COOKIE_NAME = re.compile(r"[A-Za-z0-9!#$%&'*+.^_`|~-]{1,128}\Z")  # an RFC 6265 token
 
 
@@ -593,8 +598,11 @@ class Config:
                 "--take-over needs --orphan-grace above 0: the workers change proxies"
             )
         self._validate_placement()
-        if self.workers < 1:
-            raise ConfigError(f"--workers must be at least 1, got {self.workers}")
+        for name in ("workers", "min_workers", "max_workers"):
+            value, least = getattr(self, name), 0 if name == "max_workers" else 1
+            if not least <= value <= MAX_WORKERS:
+                flag = name.replace("_", "-")
+                raise ConfigError(f"--{flag} must be {least}-{MAX_WORKERS}, got {value}")
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"--port must be between 0 and 65535, got {self.port}")
         for name in (
@@ -609,8 +617,6 @@ class Config:
             "max_requests_jitter",
             "max_worker_memory",
             "rebalance_cooldown",
-            "min_workers",
-            "max_workers",
             "scale_up_busy",
             "scale_down_busy",
             "scale_up_after",

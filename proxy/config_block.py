@@ -86,7 +86,7 @@ def _value(meta: Mapping[str, Any], raw: Any, where: str) -> Any:
     if kind in (int, float):
         if isinstance(raw, bool) or not isinstance(raw, int | float):
             raise ConfigError(f"{where} must be a number, got {raw!r}")
-        if kind is int and raw != int(raw):
+        if kind is int and isinstance(raw, float) and not raw.is_integer():  # .inf, .nan too
             raise ConfigError(f"{where} must be a whole number, got {raw!r}")
         return kind(raw)
     if isinstance(raw, bool) or not isinstance(raw, str | int):

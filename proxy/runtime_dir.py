@@ -17,11 +17,15 @@ import logging
 import os
 import shutil
 import socket
-import stat
 import tempfile
 import time
 
-from gym_proxy.coordinator.contract.state_files import load_document, replace_document
+from gym_proxy.coordinator.contract.state_files import (
+    UnreadableDocument,
+    read_document,
+    replace_document,
+)
+from gym_proxy.coordinator.contract.trust import Untrusted, private_directory
 
 __all__ = [
     "RuntimeDir",
@@ -37,6 +41,7 @@ __all__ = [
     "live_workers_in",
     "waiting_workers",
     "read_identity",
+    "trusted_directory",
 ]
 
 log = logging.getLogger("gym_proxy")
@@ -106,7 +111,7 @@ def waiting_workers(parent: str | None) -> dict[str, str]:
     waiting: dict[str, str] = {}
     with contextlib.suppress(OSError):
         for entry in os.scandir(parent or tempfile.gettempdir()):
-            if not entry.name.startswith(PREFIX) or not entry.is_dir(follow_symlinks=False):
+            if not entry.name.startswith(PREFIX) or not trusted_directory(entry.path):
                 continue
             identity = read_identity(entry.path)
             if identity is not None and _abandoned(entry.path) and live_worker_in(entry.path):
@@ -115,9 +120,30 @@ def waiting_workers(parent: str | None) -> dict[str, str]:
 
 
 def read_identity(path: str) -> dict[str, object] | None:
-    """The identity file of the runtime directory at `path`, None without a readable one."""
-    found = load_document(os.path.join(path, IDENTITY_NAME))
-    return found if isinstance(found, dict) else None
+    """The identity file of the runtime directory at `path`, None without one to believe."""
+    with contextlib.suppress(UnreadableDocument):
+        return _identity(path)
+    return None
+
+
+def _identity(path: str) -> dict[str, object] | None:
+    """The identity file of the runtime directory at `path`: None when there is none,
+    UnreadableDocument when it cannot be believed."""
+    where = os.path.join(path, IDENTITY_NAME)
+    found = read_document(where)
+    if found is None or (isinstance(found, dict) and isinstance(found.get("instance"), str)):
+        return found
+    raise UnreadableDocument(f"{where} is not an identity file")
+
+
+def trusted_directory(path: str) -> bool:
+    """Whether `path` is a directory this user owns and no one else may write (another
+    user's `gym-proxy-*` under a shared parent is not looked into)."""
+    try:
+        private_directory(path)
+    except Untrusted:
+        return False
+    return True
 
 
 def _abandoned(path: str) -> bool:
@@ -186,10 +212,12 @@ class RuntimeDirLocked(RuntimeDirBusy):
 class RuntimeDir:
     """This instance's runtime directory, locked while it lives. With a `name` (an
     instance whose workers outlive it), the directory a dead instance of the same name
-    left is taken over, workers and all (`found` then holds its identity file)."""
+    left is taken over, workers and all (`found` then holds its identity file; when the
+    directory had none to believe, `unidentified` says why)."""
 
     def __init__(self, parent: str | None, name: str | None = None) -> None:
         self.found: dict[str, object] | None = None
+        self.unidentified: str | None = None
         if name is None:
             self.path = tempfile.mkdtemp(prefix=PREFIX, dir=parent)
             os.chmod(self.path, 0o700)
@@ -202,9 +230,10 @@ class RuntimeDir:
         try:
             os.mkdir(self.path, 0o700)
         except FileExistsError:
-            info = os.lstat(self.path)
-            if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
-                raise RuntimeDirBusy(f"{self.path} is not a directory of this user") from None
+            try:  # one another user could have written into is not one to adopt from
+                private_directory(self.path)
+            except Untrusted as exc:
+                raise RuntimeDirBusy(str(exc)) from None
             os.chmod(self.path, 0o700)
         self._lock_fd = os.open(
             os.path.join(self.path, LOCK_NAME), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600
@@ -216,7 +245,13 @@ class RuntimeDir:
             raise RuntimeDirLocked(
                 f"another gym-proxy of this instance runs with {self.path} (it holds the lock)"
             ) from None
-        self.found = read_identity(self.path)
+        try:
+            self.found = _identity(self.path)
+        except UnreadableDocument as exc:
+            self.unidentified = str(exc)
+        else:
+            if self.found is None:
+                self.unidentified = f"{self.join(IDENTITY_NAME)} is missing"
 
     def write_identity(self, identity: dict[str, object]) -> None:
         """Record which instance this is (read by the one that may adopt its workers)."""

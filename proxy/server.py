@@ -215,6 +215,18 @@ class Server:
         supervisor, runtime = parts.supervisor, parts.runtime
         # A dead instance's directory where a worker still listens: its workers wait to rejoin.
         orphans = live_workers_in(runtime.path) if runtime.found is not None else 0
+        if runtime.unidentified is not None and live_workers_in(runtime.path):
+            # Without the identity nothing says they serve this secret's tokens.
+            log.error(
+                "not adopting the workers waiting in %s: %s, so nothing says they serve this "
+                "secret's tokens; they stop with their sessions",
+                runtime.path,
+                runtime.unidentified,
+            )
+            supervisor.orphans_refused = (
+                "nothing says it serves this gym-proxy's secret: the runtime directory's "
+                "identity was not believed at start"
+            )
         if orphans:
             passed_on = self.take_over is not None
             left = "the previous instance passed on" if passed_on else "a dead instance left"

@@ -59,6 +59,9 @@ def test_secret_files_in_the_block_are_read_and_beat_the_environment(tmp_path: P
         ({"sesion_state": "x"}, f"{WHERE}.sesion_state is not a gym-proxy option"),
         ({"max_connections": "64"}, f"{WHERE}.max_connections must be a number, got '64'"),
         ({"max_connections": 6.5}, f"{WHERE}.max_connections must be a whole number"),
+        ({"max_connections": float("inf")}, f"{WHERE}.max_connections must be a whole number"),
+        ({"max_requests": float("nan")}, f"{WHERE}.max_requests must be a whole number"),
+        ({"backlog": float("-inf")}, f"{WHERE}.backlog must be a whole number"),
         ({"access_log": "yes"}, f"{WHERE}.access_log must be true or false, got 'yes'"),
         ({"session_state": ["a"]}, f"{WHERE}.session_state must be text, got ['a']"),
         ({"kind": "robot"}, f"{WHERE}.kind must be one of resources, agent, environment, model"),
@@ -70,6 +73,20 @@ def test_a_setting_that_cannot_work_is_one_line(block, message: str):
     with pytest.raises(ConfigError) as raised:
         apply_block(config_from_args([]), block, WHERE)
     assert str(raised.value).startswith(message) and "\n" not in str(raised.value)
+
+
+@pytest.mark.parametrize(
+    ("block", "message"),
+    [
+        ({"max_workers": 1e30}, "--max-workers must be 0-256, got 1000000000000000019884624838656"),
+        ({"min_workers": 100000}, "--min-workers must be 1-256, got 100000"),
+        ({"max_workers": 300}, "--max-workers must be 0-256, got 300"),
+    ],
+)
+def test_a_count_has_the_bounds_of_its_flag(block, message: str):
+    config = apply_block(config_from_args([]), block, WHERE)
+    with pytest.raises(ConfigError, match=f"^{message}$"):
+        config.validate()
 
 
 def test_no_block_changes_nothing():

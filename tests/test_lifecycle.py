@@ -100,7 +100,9 @@ def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--workers", "0"], "--workers must be at least 1"),
+        (["--workers", "0"], "--workers must be 1-256, got 0"),
+        (["--workers", "100000"], "--workers must be 1-256, got 100000"),
+        (["--workers", "2", "--max-workers", "300"], "--max-workers must be 0-256, got 300"),
         (["no_such_module:app"], "cannot import module 'no_such_module'"),
         (["gym_proxy.worker.counter:nothing"], "has no attribute 'nothing'"),
         (["gym_proxy.worker.counter"], "APP must look like module:attr"),
@@ -308,6 +310,7 @@ def test_secret_flags_warn_and_files_are_checked(tmp_path):
 def test_command_line_secret_is_warned_about(start_proxy):
     proxy = start_proxy(workers=1)  # the test helper passes --secret on the command line
     assert "--secret on the command line is visible to every local user" in proxy.log()
+    assert "restored.json" not in proxy.log()  # a fresh start has no restore to continue
 
 
 def test_stale_runtime_directories_are_removed(start_proxy):

@@ -632,6 +632,10 @@ class Walk:
             assert reason in refused.log(), refused.log()
             refused._log.close()
             self.trail[-1] += "(refused)"
+            # The sessions are not asked here: while the checkpoint is open their
+            # requests wait at the door until its resume.
+            assert {w["owner"]: w["pid"] for w in await self.live()} == before
+            return
         else:
             await self.http.close()  # nothing runs: the old proxy's connections all idle
             self.http = client()

@@ -27,6 +27,7 @@ from gym_proxy.coordinator.contract.errors import GymError, error_body, status_o
 from gym_proxy.coordinator.contract.headers import CHECKPOINT_PATH, MOVE_PATH, WORKERS_PATH
 from gym_proxy.coordinator.contract.ids import is_valid_id
 from gym_proxy.coordinator.contract.telemetry import ATTRIBUTE
+from gym_proxy.proxy.config import MAX_WORKERS
 from gym_proxy.proxy.fleet.balancer import Balancer
 from gym_proxy.proxy.fleet.mover import Mover
 from gym_proxy.proxy.fleet.operations import RESTART_PAUSE, Operations
@@ -284,9 +285,6 @@ async def _restart(request: web.Request) -> web.Response:
     operations = request.app[OPERATIONS]
     reply = await operations.restart(slots, _timeout(body, 60.0), pause=float(pause))
     return _json(reply)
-
-
-MAX_WORKERS = 256
 
 
 async def _resize(request: web.Request) -> web.Response:

@@ -5,11 +5,12 @@ A gym-proxy that takes over a runtime directory where workers still listen waits
 ADOPT_WINDOW seconds for them to rejoin (they look every 0.1 s) before the supervisor
 starts the slots still empty. Each rejoining worker takes its slot as it was (a slot
 past `--workers` too: the predecessor had been resized up), under a pidfd-backed handle
-(`AdoptedProcess`: not this process's child). The predecessor's intent (its worker
-count, drains and aliases: `proxy.fleet.intent`) holds, and a rejoining worker's
-sessions route to it whatever owner their tokens name; a session two adopted workers
-hold (a move cut by the crash) stays with the one that used it last
-(`proxy.fleet.adopted_copies`), the other copy is dropped.
+(`AdoptedProcess`: not this process's child) of the pid the kernel says registered
+(`coordinator.worker_channels`), with its socket in the runtime directory. The
+predecessor's intent (its worker count, drains and aliases: `proxy.fleet.intent`)
+holds, and a rejoining worker's sessions route to it whatever owner their tokens name;
+a session two adopted workers hold (a move cut by the crash) stays with the one that
+used it last (`proxy.fleet.adopted_copies`), the other copy is dropped.
 """
 
 from __future__ import annotations
@@ -17,14 +18,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import stat
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from gym_proxy.coordinator.contract import failpoints
 from gym_proxy.coordinator.contract.channel import ChannelClosed, ChannelTimeout, RemoteError
 from gym_proxy.coordinator.contract.messages import Drop, Register
+from gym_proxy.coordinator.contract.trust import SOCKET, Untrusted, check_owned
 from gym_proxy.coordinator.worker_channels import RegistrationRefused
+from gym_proxy.proxy.config import MAX_WORKERS
 from gym_proxy.proxy.fleet.adopted_copies import AdoptedCopies
 from gym_proxy.proxy.fleet.intent import load_intent
 from gym_proxy.proxy.fleet.mover import DROP_WAIT
@@ -58,6 +63,16 @@ class Adoption:
         intent = load_intent(supervisor.runtime_dir)
         if intent is None:
             return
+        ceiling = supervisor.config.max_workers or MAX_WORKERS
+        if intent.workers > ceiling:
+            log.warning(
+                "not keeping the %d workers the dead instance had, over the %d this server "
+                "may have (--max-workers, or the limit): --workers %d holds",
+                intent.workers,
+                ceiling,
+                len(supervisor.slots),
+            )
+            intent = replace(intent, workers=len(supervisor.slots))
         if intent.workers != len(supervisor.slots):
             log.warning(
                 "keeping the %d workers the dead instance was resized to (--workers %d; "
@@ -91,6 +106,7 @@ class Adoption:
             raise RegistrationRefused(
                 "gym-proxy adopts a dead instance's workers only while it starts"
             )
+        self._check_socket(registration.socket)
         slot_index = registration.slot
         self._grow_for(slot_index)
         slots = self.supervisor.slots
@@ -120,6 +136,21 @@ class Adoption:
         if sum(1 for s in slots if s.worker is not None) >= self.orphans:
             self._all_back.set()  # every worker found listening is back
         return worker
+
+    def _check_socket(self, path: str) -> None:
+        """A rejoining worker's socket is where this proxy's workers listen: a socket of
+        this user's, directly in the runtime directory (never a path elsewhere that new
+        sessions would be routed to)."""
+        directory = os.path.realpath(self.supervisor.runtime_dir)
+        if os.path.dirname(os.path.realpath(path)) != directory:
+            raise RegistrationRefused(f"its socket {path} is not in the runtime directory")
+        try:
+            info = os.lstat(path)
+            check_owned(info, path, SOCKET)
+        except (OSError, Untrusted) as exc:
+            raise RegistrationRefused(f"its socket {path}: {exc}") from None
+        if not stat.S_ISSOCK(info.st_mode):
+            raise RegistrationRefused(f"its socket {path} is not a socket")
 
     def routed(self, worker: WorkerProcess, held: dict[str, float]) -> None:
         """An adopted worker is routable: its drain holds, and its sessions route to it
@@ -155,7 +186,8 @@ class Adoption:
         """A predecessor's worker in a slot past `--workers` (it had been resized up):
         adopted, not dropped with its sessions; the server keeps that many workers."""
         slots = self.supervisor.slots
-        if not len(slots) <= slot_index < max(len(slots), self.orphans) + MAX_GROWTH:
+        ceiling = min(max(len(slots), self.orphans) + MAX_GROWTH, MAX_WORKERS)
+        if not len(slots) <= slot_index < ceiling:
             return
         log.warning(
             "adopting worker %d beyond --workers %d (the dead instance had been resized): "

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gym_proxy.coordinator.contract.state_files import load_document, replace_document
+from gym_proxy.proxy.config import MAX_WORKERS
 from gym_proxy.proxy.data_path.routing import Router
 
 __all__ = ["FleetIntent", "KeptIntent", "INTENT_NAME", "load_intent", "save_intent"]
@@ -57,10 +58,17 @@ def load_intent(directory: str) -> FleetIntent | None:
         document = {}
     workers, drained = document.get("workers"), document.get("drained")
     aliases = document.get("aliases", {})  # a file from before aliases were kept has none
+    if isinstance(workers, int) and not 1 <= workers <= MAX_WORKERS:
+        log.warning(
+            "%s names %d workers, not 1-%d: the command line's worker count, no drains",
+            path,
+            workers,
+            MAX_WORKERS,
+        )
+        return None
     if not (
         isinstance(workers, int)
         and not isinstance(workers, bool)
-        and workers > 0
         and isinstance(drained, list)
         and all(isinstance(owner, str) for owner in drained)
         and isinstance(aliases, dict)

@@ -75,6 +75,7 @@ class Supervisor:
     intent: KeptIntent = field(init=False)  # what an operator asked, kept for a successor
     # Set while a predecessor's workers may rejoin (`proxy.fleet.adoption`).
     adoption: Adoption | None = None
+    orphans_refused: str | None = None  # why a predecessor's workers are not adopted
     passing_on: bool = False  # a successor takes the workers (`pass_on`)
     _tasks: set[asyncio.Task[Any]] = field(default_factory=set)
     _registered: asyncio.Event = field(default_factory=asyncio.Event)
@@ -236,7 +237,8 @@ class Supervisor:
         if registration.rejoining:
             if self.adoption is None:
                 raise RegistrationRefused(
-                    "gym-proxy adopts a dead instance's workers only while it starts"
+                    self.orphans_refused
+                    or "gym-proxy adopts a dead instance's workers only while it starts"
                 )
             worker = self.adoption.admit(registration)
         else:

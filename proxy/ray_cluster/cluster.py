@@ -34,11 +34,10 @@ import asyncio
 import contextlib
 import json
 import logging
-import socket
-import struct
 import sys
 from dataclasses import dataclass
 
+from gym_proxy.coordinator.contract.trust import peer_of
 from gym_proxy.proxy.fleet.worker_records import AdoptedProcess
 from gym_proxy.proxy.ray_cluster.errors import RayError
 
@@ -142,10 +141,7 @@ class RayCluster:
             writer.close()
             return None
         # Watched through a pidfd (it is not this process's child), named by the kernel.
-        creds = writer.get_extra_info("socket").getsockopt(
-            socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")
-        )
-        self._taken = (writer, AdoptedProcess(struct.unpack("3i", creds)[0]))
+        self._taken = (writer, AdoptedProcess(peer_of(writer.get_extra_info("socket")).pid))
         return reply
 
     async def _start_head(self) -> dict[str, str]:
