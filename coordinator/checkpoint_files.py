@@ -9,6 +9,9 @@
   (disk full) removes its temp files and the records file it created.
 - A commit onto an existing manifest with identical content returns that manifest; with
   other content it fails (and removes the records file it wrote).
+- A manifest this write published but whose commit was never answered (a resume came
+  first) is withdrawn (`withdraw`): the commit said it did not happen, so no checkpoint
+  may stand in its name.
 
 Restore opens regular files only (never blocking on a FIFO or a device), and verifies
 schema, kind, instance, digest, record count and the type of every field of the
@@ -121,9 +124,11 @@ def write(
     extras: dict[str, Any],
     abort: threading.Event | None = None,
     encoded: list[EncodedRecords] | None = None,
+    linked: threading.Event | None = None,
 ) -> dict[str, Any]:
     """Write the records file (`encoded` parts, as the workers encoded them, then
-    `records`) then the manifest; return the manifest that is in place.
+    `records`) then the manifest; return the manifest that is in place. `linked` is set
+    once this write has published the manifest itself (not found it there).
 
     Raises OSError (nothing of this write is left behind), InvalidCheckpoint (another
     manifest with other content is there) or WriteAborted (`abort` was set first).
@@ -161,6 +166,8 @@ def write(
             _write_durably(temp, orjson.dumps(manifest, option=orjson.OPT_INDENT_2))
             os.link(temp, base / MANIFEST)
             published = True
+            if linked is not None:
+                linked.set()
         except FileExistsError:
             existing = _existing_manifest(base)
             if existing != manifest:
@@ -176,6 +183,14 @@ def write(
     finally:
         if created and not published:
             _unlink(records_file)
+
+
+def withdraw(base: Path, manifest: dict[str, Any]) -> None:
+    """Remove the manifest a write published, and its records file (a commit that was
+    never answered: see the module docstring); the directory is fsynced."""
+    _unlink(base / MANIFEST)
+    _unlink(base / str(manifest["records_file"]))
+    _fsync_dir(base)
 
 
 def _existing_manifest(base: Path) -> object:

@@ -11,7 +11,9 @@ not answer stays a blocker) and answers `preparing` at its deadline. Commit, res
 retire run one at a time under a lock and fail with `deadline_exceeded` when a worker
 does not answer in time (a failed restore rolls back). A resume never waits behind them:
 it cancels a running commit or restore of its checkpoint (the commit's file write is
-stopped before its manifest is published), then reopens every live worker at once.
+stopped before its manifest is published, and a manifest published by a commit it
+cancelled before its answer is withdrawn: a commit answered 409 leaves none), then
+reopens every live worker at once.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import threading
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 from gym_proxy.coordinator import checkpoint_files as files
@@ -127,8 +130,11 @@ class _Write:
     target: tuple[str, tuple[str, ...] | None]  # (checkpoint_dir, scope) it was asked for
     task: asyncio.Future[dict[str, Any]]
     abort: threading.Event
+    linked: threading.Event  # set once the write published its manifest
+    base: Path  # the directory it writes in
     keys: frozenset[str]  # capture keys of the episodes the records belong to
     counted: bool = False  # its records and bytes are in CheckpointIO (once, retries too)
+    answered: bool = False  # a commit answered 200 with its manifest
 
 
 @dataclass
@@ -398,6 +404,7 @@ class Checkpointer:
         if stop:
             await self._stop_workers(live, deadline_ts)
         exported = sorted(write.keys)
+        write.answered = True
         return self.machine.succeed(
             "commit",
             "committed",
@@ -439,11 +446,12 @@ class Checkpointer:
         )
         placed = {s: o for s, o in self.tables.sessions.items() if o in owners}
         placed_app = {s: o for s, o in self.tables.app_sessions.items() if o in owners}
-        abort = threading.Event()
+        abort, linked = threading.Event(), threading.Event()
+        base = files.checkpoint_path(checkpoint_dir, self._kind(), self.instance)
         task = asyncio.ensure_future(
             asyncio.to_thread(
                 files.write,
-                files.checkpoint_path(checkpoint_dir, self._kind(), self.instance),
+                base,
                 kind=self._kind(),
                 instance=self.instance,
                 checkpoint_id=checkpoint_id,
@@ -455,12 +463,15 @@ class Checkpointer:
                 },
                 abort=abort,
                 encoded=encoded,
+                linked=linked,
             )
         )
         task.add_done_callback(_retrieve)
         keys = frozenset().union(*(part.keys for part in encoded))
         keys |= {key for r in records if (key := record_key(r))}
-        self._write = _Write(checkpoint_id, (checkpoint_dir, scope), task, abort, keys)
+        self._write = _Write(
+            checkpoint_id, (checkpoint_dir, scope), task, abort, linked, base, keys
+        )
         return self._write
 
     async def restore(
@@ -652,15 +663,37 @@ class Checkpointer:
             await asyncio.wait({op[1]})
         write = self._write
         if write is not None and write.checkpoint_id == checkpoint_id:
-            write.abort.set()
-            await asyncio.wait({write.task})  # after this, no manifest can appear
+            await self._stop_write(write)
         return stopped
+
+    async def _stop_write(self, write: _Write) -> None:
+        """Stop the write before it publishes; a manifest it published that no commit
+        answered with (the commit was cancelled or timed out first) is withdrawn. After
+        this, no manifest of it is there or can appear."""
+        write.abort.set()
+        await asyncio.wait({write.task})
+        if write.linked.is_set() and not write.answered and _succeeded(write.task):
+            manifest = write.task.result()
+            try:
+                await asyncio.to_thread(files.withdraw, write.base, manifest)
+            except OSError as exc:
+                log.error(
+                    "checkpoint %s: could not withdraw the manifest of a commit answered "
+                    "with an error: %s",
+                    write.checkpoint_id,
+                    exc,
+                )
+            else:
+                log.warning(
+                    "checkpoint %s: withdrew the manifest its commit published as it was "
+                    "resumed (the commit was not answered with it)",
+                    write.checkpoint_id,
+                )
 
     async def _reopen(self) -> None:
         write = self._write
         if write is not None:
-            write.abort.set()
-            await asyncio.wait({write.task})
+            await self._stop_write(write)
             self._write = None
         self.machine.close()
         self.readiness.reset()

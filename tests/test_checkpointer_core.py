@@ -434,6 +434,32 @@ async def test_resume_cancels_a_commit_waiting_for_export(make_rig, tmp_path):
     assert rig.cp.status()["phase"] == "idle"
 
 
+async def test_a_commit_resumed_after_its_manifest_leaves_none(make_rig, tmp_path):
+    """Resume once the write published its manifest but before the commit answered (it
+    waits on a worker's Release of a scoped commit): the commit is `stale_checkpoint`,
+    so its manifest is withdrawn before resume returns, records file and all."""
+    rig = await make_rig()
+    await rig.prepared()
+    gate = held(rig.workers[0], msg.Release)
+    commit = asyncio.ensure_future(rig.cp.commit("c1", NOW + 5, str(tmp_path), []))
+    await rig.until(lambda: rig.workers[0].received(msg.Release))
+    assert manifest_path(tmp_path).exists()  # published; the answer waits for Release
+    resume = asyncio.ensure_future(rig.cp.resume("c1", NOW + 5))
+    assert (await refusal(asyncio.wait_for(commit, 5))).code == "stale_checkpoint"
+    gate.set()
+    assert await asyncio.wait_for(resume, 5) == {"phase": "idle", "idempotent": False}
+    assert not any(manifest_path(tmp_path).parent.iterdir())
+
+
+async def test_a_commit_answered_keeps_its_manifest_through_the_resume(make_rig, tmp_path):
+    rig = await make_rig()
+    await rig.prepared()
+    reply = await rig.cp.commit("c1", NOW + 5, str(tmp_path), [])
+    assert reply["phase"] == "committed"
+    await rig.cp.resume("c1", NOW + 5)
+    assert files.read(manifest_path(tmp_path).parent, kind="resources", instance=INSTANCE)
+
+
 # ---- restore ------------------------------------------------------------------------------
 async def test_restore_installs_what_a_commit_wrote(make_rig, tmp_path):
     """A commit's checkpoint restores onto fresh workers: each old owner's sessions on one
