@@ -9,9 +9,11 @@ modules as Python, and GYM_PROXY_COMPILE=0 skips the compile on purpose. At run 
 edited since the build).
 
 The build's bookkeeping is one manifest per interpreter ABI, named like the extension
-files it vouches for, and a build only ever writes its own: an install that does not
-compile (or one for another Python in the same checkout) cannot change which data path
-an earlier build's interpreter runs.
+files it vouches for, and a build only ever writes its own, where its extensions go
+(`BuildDataPath`): an editable install in place, a wheel or a plain `pip install .` in
+its build folder. So an install that does not compile, one for another Python in the
+same checkout, or a non-editable install run in a checkout cannot change which data
+path an earlier build's interpreter runs.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import sysconfig
 from pathlib import Path
 
 from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
 
 # The compile boundary is a folder: every module of proxy/data_path/ (what a proxied
 # request runs through, and nothing that starts or stops things) but its __init__, which
@@ -37,6 +40,7 @@ COMPILED_MODULES = sorted(
 # proxy/data_path/_compiled_sources.cpython-311-x86_64-linux-gnu.json
 EXT_SUFFIX = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
 MANIFEST = DATA_PATH / ("_compiled_sources" + EXT_SUFFIX.removesuffix(".so") + ".json")
+SOURCES = {name: Path(*name.split(".")).with_suffix(".py") for name in COMPILED_MODULES}
 
 
 def data_path_extensions() -> list[Extension]:
@@ -46,18 +50,12 @@ def data_path_extensions() -> list[Extension]:
         from mypyc.build import mypycify
     except ImportError:  # built without the build requirements (--no-build-isolation)
         return []
-    files = {name: Path(*name.split(".")).with_suffix(".py") for name in COMPILED_MODULES}
-    # This ABI's earlier build is replaced: should the C compiler fail this time, none of
-    # its old extensions may stay to pass for the new sources under the new manifest.
-    MANIFEST.unlink(missing_ok=True)
-    for old in DATA_PATH.glob("*" + EXT_SUFFIX):
-        old.unlink()
     try:
         extensions = mypycify(
             # mypy checks what is compiled; the modules it imports are checked by the test
             # suite's mypy, in a venv that has what they import (the build's isolated one
             # has only the build requirements: no OpenTelemetry, no aiohttp).
-            ["--follow-imports=silent", *(str(path) for path in files.values())],
+            ["--follow-imports=silent", *(str(path) for path in SOURCES.values())],
             opt_level="3",
             # Inside the folder (its shared library, compiled__mypyc, too): the wheel's
             # one top-level name stays gym_proxy, and the build stays within the boundary.
@@ -68,9 +66,34 @@ def data_path_extensions() -> list[Extension]:
         return []
     for extension in extensions:
         extension.optional = True  # no compiler: the Python modules are installed instead
-    digests = {name: hashlib.sha256(path.read_bytes()).hexdigest() for name, path in files.items()}
-    MANIFEST.write_text(json.dumps(digests, indent=1) + "\n")
     return extensions
 
 
-setup(ext_modules=data_path_extensions())
+class BuildDataPath(build_ext):
+    """build_ext that keeps the manifest beside the extensions it builds, wherever they go
+    (`--inplace` for an editable install: the checkout; otherwise the build folder)."""
+
+    def run(self) -> None:
+        if not self.extensions:
+            super().run()
+            return
+        folder = Path(self.get_ext_fullpath(self.extensions[0].name)).parent
+        # This ABI's earlier build there is replaced: should the C compiler fail this
+        # time, none of its old extensions may stay to pass for the new sources.
+        (folder / MANIFEST.name).unlink(missing_ok=True)
+        for old in folder.glob("*" + EXT_SUFFIX):
+            old.unlink()
+        super().run()
+        built = [Path(self.get_ext_fullpath(e.name)) for e in self.extensions]
+        if not all(path.exists() for path in built):
+            for path in built:  # an optional extension failed: none, not some
+                path.unlink(missing_ok=True)
+            print("gym-proxy: the data path did not compile; it runs as Python")
+            return
+        digests = {
+            name: hashlib.sha256(path.read_bytes()).hexdigest() for name, path in SOURCES.items()
+        }
+        (folder / MANIFEST.name).write_text(json.dumps(digests, indent=1) + "\n")
+
+
+setup(ext_modules=data_path_extensions(), cmdclass={"build_ext": BuildDataPath})

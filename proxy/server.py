@@ -163,7 +163,8 @@ class Server:
         host, port = self.listen_sock.getsockname()[:2]
         count = parts.supervisor.expected  # an adoption may have kept another count
         log.info("ready on http://%s:%d with %s", host, port, _workers(count))
-        log.info("data path: %s (%s)", *data_path.mode())
+        level = logging.WARNING if data_path.unexpected() else logging.INFO
+        log.log(level, "data path: %s (%s)", *data_path.mode())
         self._timer(watch_liveness(parts.supervisor))
         self._timer(parts.operations.recycling.watch())
         self._timer(parts.balancer.watch())

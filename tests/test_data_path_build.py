@@ -25,20 +25,32 @@ BUILD_SKIPPED = os.environ.get("GYM_PROXY_COMPILE") == "0"
 PURE_ASKED = os.environ.get("GYM_PROXY_PURE_PYTHON") == "1"
 PROBE = (
     "import gym_proxy.proxy.data_path.exchange as e, gym_proxy.proxy.data_path as d;"
-    "print(*d.mode(), sep='\\n'); print(e.__file__)"
+    "print(*d.mode(), sep='\\n'); print(e.__file__); print(d.unexpected())"
 )
 
 
 def probe(root: Path, pure: bool = False) -> tuple[str, str, str]:
-    """(mode, reason, file of the exchange module) as a fresh interpreter in `root` sees."""
+    """(mode, reason, file of the exchange module) as a fresh interpreter in `root` sees;
+    the source runs unexpected (a warning at start) exactly when a build is there and
+    the source was not asked for."""
     env = {**os.environ, "GYM_PROXY_PURE_PYTHON": "1" if pure else ""}
     result = subprocess.run(
         [sys.executable, "-c", PROBE], cwd=root, env=env, capture_output=True, text=True,
         timeout=60,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
-    mode, reason, module_file = result.stdout.splitlines()
+    mode, reason, module_file, unexpected = result.stdout.splitlines()
+    built = any((root / "proxy" / "data_path").glob("*" + data_path.EXT_SUFFIX))
+    built = built or (root / data_path.MANIFEST.relative_to(REPO)).exists()
+    assert unexpected == str(mode == "python" and built and not pure), (mode, reason)
     return mode, reason, module_file
+
+
+def copy_checkout(tmp_path: Path) -> Path:
+    """The checkout with its build, in `tmp_path`/checkout (no venvs, history or build folder)."""
+    ignore = shutil.ignore_patterns("__pycache__", ".venv*", "build", ".git")
+    shutil.copytree(REPO, tmp_path / "checkout", ignore=ignore, symlinks=True)
+    return tmp_path / "checkout"
 
 
 @pytest.mark.skipif(BUILD_SKIPPED or PURE_ASKED, reason="the compiled build is off on purpose")
@@ -86,14 +98,36 @@ def test_an_edited_source_runs_as_python_not_as_its_stale_build(tmp_path: Path):
     mode, reason, module_file = probe(tmp_path)
     assert mode == "python" and module_file == str(built / "exchange.py")
 
+    (tmp_path / data_path.MANIFEST.relative_to(REPO)).write_bytes(data_path.MANIFEST.read_bytes())
+    for extension in built.glob("*" + data_path.EXT_SUFFIX):
+        extension.unlink()  # a manifest whose extensions are gone
+    mode, reason, _ = probe(tmp_path)
+    assert mode == "python" and "manifest is there but none" in reason
+
+
+@pytest.mark.skipif(data_path.mode()[0] != "compiled", reason="no compiled build installed")
+def test_a_build_that_is_not_in_place_leaves_the_checkouts_build_alone(tmp_path: Path):
+    """`pip install .` (not editable) in a built checkout runs setup.py there: its
+    build goes to the build folder and the wheel, and the checkout's own build (an
+    editable install's) stays as it was, manifest and extensions."""
+    checkout = copy_checkout(tmp_path)
+    manifest = checkout / data_path.MANIFEST.relative_to(REPO)
+    before = manifest.read_bytes()
+    result = subprocess.run(
+        [sys.executable, "setup.py", "--version"], cwd=checkout,
+        env={**os.environ, "GYM_PROXY_COMPILE": "1"}, capture_output=True, text=True,
+        timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert manifest.read_bytes() == before
+    assert probe(checkout)[0] == "compiled"
+
 
 @pytest.mark.skipif(data_path.mode()[0] != "compiled", reason="no compiled build installed")
 def test_an_install_that_does_not_compile_leaves_the_build_alone(tmp_path: Path):
     """`GYM_PROXY_COMPILE=0 pip install -e .` in a built checkout (or a build for another
     Python) runs setup.py, whose bookkeeping must not change what this build runs."""
-    ignore = shutil.ignore_patterns("__pycache__", ".venv*", "build", ".git")
-    shutil.copytree(REPO, tmp_path / "checkout", ignore=ignore)
-    checkout = tmp_path / "checkout"
+    checkout = copy_checkout(tmp_path)
     manifest = checkout / data_path.MANIFEST.relative_to(REPO)
     before = manifest.read_bytes()
     result = subprocess.run(

@@ -29,7 +29,7 @@ import os
 import sys
 from pathlib import Path
 
-__all__ = ["MANIFEST", "choose", "mode", "source_digest"]
+__all__ = ["MANIFEST", "choose", "mode", "unexpected", "source_digest"]
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 EXT_SUFFIX = importlib.machinery.EXTENSION_SUFFIXES[0]  # this ABI's, e.g. .cpython-311-...so
@@ -38,6 +38,7 @@ MANIFEST = PACKAGE_DIR / ("_compiled_sources" + EXT_SUFFIX.removesuffix(".so") +
 
 _mode = "python"
 _reason = "not built (no compiled modules installed)"
+_unexpected = False  # a build is there, but the source runs (not asked for)
 
 
 def source_digest(path: Path) -> str:
@@ -47,6 +48,13 @@ def source_digest(path: Path) -> str:
 def mode() -> tuple[str, str]:
     """("compiled" or "python", why): for the start-up log and the bench."""
     return _mode, _reason
+
+
+def unexpected() -> bool:
+    """Whether the source runs though a build of this Python is there (edited, partial,
+    or its extensions gone): the start-up log says so as a warning, since the server
+    then spends a third more CPU per request than its build would."""
+    return _unexpected
 
 
 class _SourceFirst(importlib.abc.MetaPathFinder):
@@ -85,12 +93,17 @@ def _recorded() -> dict[str, str]:
 
 
 def choose() -> None:
-    global _mode, _reason
+    global _mode, _reason, _unexpected
     sources = _extensions()
-    if not sources:
-        return
     recorded = _recorded()
+    if not sources:
+        if recorded and os.environ.get("GYM_PROXY_PURE_PYTHON") != "1":
+            _unexpected = True
+            _reason = "the build's manifest is there but none of its compiled modules"
+        return
+    _unexpected = True
     if os.environ.get("GYM_PROXY_PURE_PYTHON") == "1":
+        _unexpected = False
         _reason = "GYM_PROXY_PURE_PYTHON=1"
     elif set(recorded) != set(sources):
         # Extensions the manifest does not list (a build since undone, or one that
@@ -102,6 +115,7 @@ def choose() -> None:
         )
         if not edited:
             _mode, _reason = "compiled", f"{len(sources)} modules compiled with mypyc"
+            _unexpected = False
             return
         _reason = f"edited since the build: {', '.join(edited)} (pip install -e . rebuilds)"
     if any(name in sys.modules for name in sources):
