@@ -551,3 +551,40 @@ async def test_a_take_over_waits_for_an_open_checkpoint_to_resume(start_proxy):
     async with aiohttp.ClientSession() as again:
         counts, _ = await counts_and_pids(again, second.url, sessions)
     assert counts == [n + 1 for n in range(4)]
+
+
+async def test_a_session_lost_after_a_move_stays_lost_through_an_adoption(start_proxy, http):
+    """A session moved from worker 0 to worker 1, then worker 1 killed: the session is
+    lost (410). After a crash of the proxy, the same command adopts the workers, which
+    name only the sessions they hold, so the session's token routes back to worker 0: it
+    refuses it 410 (it dropped that session when it moved), never serving it anew."""
+    first = start_proxy(*GRACE, "--control-token", CONTROL, workers=2)
+    sessions = await seed(http, first.url, 6)
+    slots = await slots_of(http, first.url, sessions)
+    token = next(t for (t, _), slot in zip(sessions, slots, strict=True) if slot == 0)
+    auth = {"Authorization": f"Bearer {CONTROL}"}
+    async with http.post(
+        f"{first.url}{MOVE}", json={"session_ids": [token.split(".")[2]], "to_slot": 1},
+        headers=auth,
+    ) as resp:  # fmt: skip
+        assert resp.status == 200, await resp.text()
+    status = await Control(http, first.url, CONTROL).ok("status")
+    target = next(w for w in status["workers"] if w["slot"] == 1)
+    os.kill(target["pid"], signal.SIGKILL)
+
+    async def lost(url: str) -> bool:
+        async with aiohttp.ClientSession() as client:
+            async with client.get(f"{url}/whoami", headers={TOKEN_HEADER: token}) as resp:
+                body = await resp.json()
+                return resp.status == 410 and body["error"]["code"] == "session_owner_gone"
+
+    await wait_until(lambda: lost(first.url), 15, "the kill to lose the session")
+
+    async def both_live() -> bool:
+        return len((await Control(http, first.url, CONTROL).ok("status"))["workers"]) == 2
+
+    await wait_until(both_live, 30, "slot 1 to be restarted")
+    crash(first)
+    second = start_proxy(*GRACE, "--control-token", CONTROL, workers=2, same_as=first)
+    assert "adopted 2 workers of the dead instance" in second.log()
+    assert await lost(second.url)

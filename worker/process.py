@@ -217,6 +217,7 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event | None = None) -> 
         **{"gym_proxy.slot": str(info.slot)},
     )
     expiry = None
+    runtime.moved_away.idle_ttl = args.session_idle_ttl
     if args.session_idle_ttl > 0:
         expiry = asyncio.create_task(runtime.expire_sessions(args.session_idle_ttl))
     stop_task = asyncio.create_task(stop.wait())

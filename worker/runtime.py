@@ -59,6 +59,7 @@ from gym_proxy.worker.declaration import Participation
 from gym_proxy.worker.episodes import Episode
 from gym_proxy.worker.handovers import EpisodeHandover
 from gym_proxy.worker.identity import WorkerInfo
+from gym_proxy.worker.moved_away import MovedAway
 from gym_proxy.worker.sessions import SessionEntry, SessionStore, session_record
 
 __all__ = [
@@ -160,6 +161,8 @@ class ParticipantRuntime:
     # until the controller forgets the rollout.
     marks: RetireMarks = field(default_factory=RetireMarks)
     retired_sessions: dict[str, str] = field(default_factory=dict)
+    # Sessions that moved to another worker: refused here (`worker.moved_away`).
+    moved_away: MovedAway = field(default_factory=MovedAway)
     # An app session -> the gym-proxy sessions its requests came under (moved with it).
     links: dict[str, set[str]] = field(default_factory=dict)
     # Episode key -> the record of an episode handed over to this worker, until its
@@ -252,6 +255,11 @@ class ParticipantRuntime:
         key = self._key(facts)
         if key in self.retired_sessions and facts.path != "/close_session":
             raise GymError("stale_attempt", f"session {key} belongs to a retired attempt")
+        if key in self.moved_away and not facts.new_session:
+            raise GymError(
+                "session_owner_gone",
+                f"session {key} moved away from this worker, and the worker that took it is gone",
+            )
 
     async def _claim(self, identity: EpisodeId, digest: str) -> Any:
         self.claims.check(identity)
@@ -511,7 +519,9 @@ class ParticipantRuntime:
         if hooks is not None and hooks.restore is not None:
             await hooks.restore({r["session_id"]: r.get("state") for r in records})
             records = [{**r, "state": None} for r in records]
-        return self.store.install(records, restored)
+        installed = self.store.install(records, restored)
+        self.moved_away.discard(r["session_id"] for r in records)
+        return installed
 
     async def export_sessions(self, session_ids: list[str]) -> list[dict[str, Any]]:
         """Records of those of `session_ids` this worker holds, for a move; it keeps them
@@ -545,6 +555,7 @@ class ParticipantRuntime:
     async def drop_sessions(self, session_ids: list[str]) -> int:
         """These sessions moved away: end them here (the app's hooks free their state)."""
         dropped = [sid for sid in session_ids if self.store.delete(sid)]
+        self.moved_away.add(dropped)
         return await self.forget_sessions(dropped)
 
     async def forget_sessions(self, session_ids: list[str]) -> int:
