@@ -85,7 +85,8 @@ def test_a_planted_link_at_the_temporary_name_is_never_written_through(tmp_path,
     os.symlink(outside, runtime / f"{name}.tmp")  # the name earlier versions wrote
     replace_document(runtime / name, {"instance": "x", "workers": 1, "drained": []})
     assert outside.read_bytes() == b"precious"
-    assert read_document(runtime / name)["instance"] == "x"
+    written = read_document(runtime / name)
+    assert written is not None and written["instance"] == "x"
     assert stat.S_IMODE(os.stat(runtime / name).st_mode) == 0o600
     left = sorted(p.name for p in runtime.iterdir())
     assert left == sorted([name, f"{name}.tmp"]), left  # no temporary of its own left
