@@ -34,6 +34,7 @@ __all__ = [
     "RuntimeDirLocked",
     "ensure_parent",
     "remove_stale",
+    "remove_abandoned",
     "longest_parent",
     "adoptable_name",
     "secret_fingerprint",
@@ -103,6 +104,16 @@ def remove_stale(parent: str | None) -> list[str]:
         shutil.rmtree(entry.path, ignore_errors=True)
         removed.append(entry.path)
     return removed
+
+
+def remove_abandoned(path: str) -> bool:
+    """Remove the runtime directory at `path` if the instance that made it is dead (its
+    lock can be taken) and no worker listens in it, at any age; whether it did. What
+    outlives a gym-proxy killed with -9 (its Ray placement driver) cleans up with this."""
+    if not trusted_directory(path) or not _abandoned(path) or live_worker_in(path):
+        return False
+    shutil.rmtree(path, ignore_errors=True)
+    return not os.path.exists(path)
 
 
 def waiting_workers(parent: str | None) -> dict[str, str]:

@@ -276,6 +276,7 @@ class Server:
             "resources": config.ray_resources(),
             "strategy": config.worker_strategy.upper(),
             "instance": config.instance,
+            "runtime_dir": self.parts.runtime.path,  # the driver's to remove if this dies
         }
         key = link_key(self.secret, config.instance)
         launcher = RayLauncher(

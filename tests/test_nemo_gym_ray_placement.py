@@ -10,17 +10,26 @@ workers); a drain (its sessions moved, its running episode handed over to the ot
 node), a rolling restart (a gated episode handed to its replacement) and a resize;
 NeMo Gym's own counter with every reward right; the second node killed mid-load (its
 sessions 410 with the reason, the others untouched, a replacement started on the node
-left); and a stop that leaves no actor alive. In the NeMo Gym tier: Ray is installed by
-tests/nemo_gym/install.sh.
+left); and a stop that leaves no actor alive. A placed worker is lost only when it is
+gone: not for a flood of strangers' silent connections at its port, nor for a handler
+that blocks its loop past the handshake's limit. A stop goes through no Ray actor (one
+second, with every actor frozen), and a gym-proxy killed with -9 leaves nothing behind.
+In the NeMo Gym tier: Ray is installed by tests/nemo_gym/install.sh.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib.util
+import os
 import re
+import signal
 import socket
+import subprocess
+import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,7 +46,14 @@ for _module in ("ray", "grpc", "aiohttp_cors", "opencensus"):  # Ray, and its st
 from gym_proxy.coordinator.contract.worker_link import CHALLENGE_SIZE, MAGIC  # noqa: E402
 from tests.nemo_gym_stack import CounterClient  # noqa: E402
 from tests.ray_nodes import RayNodes, RayState  # noqa: E402
-from tests.support import CONTROL_TOKEN, Control, ProxyProcess, wait_until, wait_until_sync  # noqa: E402
+from tests.support import (  # noqa: E402
+    CONTROL_TOKEN,
+    REPO,
+    Control,
+    ProxyProcess,
+    wait_until,
+    wait_until_sync,
+)
 from tests.test_episode_handover import (  # noqa: E402
     handing_over,
     log_of,
@@ -52,6 +68,7 @@ from tests.test_nemo_gym_counter import COUNTER, counter_env, nemo_http  # noqa:
 pytestmark = pytest.mark.timeout(420)
 
 HOST_CLASS = "RayWorkerHost"  # the actor class of a placed worker
+FLOOD_SOURCE = "127.0.0.2"  # a loopback address of its own: not the one gym-proxy dials from
 
 
 @dataclass
@@ -287,6 +304,190 @@ async def test_nemo_gym_counter_on_two_nodes_every_reward_right(start_proxy, clu
                 assert await client.verify(i + 4) == 1.0
 
         await asyncio.gather(*(rollout(i, c) for i, c in enumerate(clients)))
+
+
+def address_of(worker: dict[str, Any]) -> tuple[str, int]:
+    host, port = worker["address"].removeprefix("tcp://").rsplit(":", 1)
+    return host, int(port)
+
+
+async def sessions_on(http: aiohttp.ClientSession, url: str, slot: int, wanted: int) -> list[str]:
+    """New sessions until `wanted` of them are on worker `slot` (bounded); those."""
+    on_slot: list[str] = []
+    for _ in range(20 * wanted):
+        token = await seed(http, url)
+        if (await whoami(http, url, token))["slot"] == slot:
+            on_slot.append(token)
+            if len(on_slot) == wanted:
+                return on_slot
+    raise AssertionError(f"no {wanted} sessions on worker {slot}: {on_slot}")
+
+
+async def get_status(http: aiohttp.ClientSession, url: str, token: str) -> int:
+    async with http.get(url, headers={TOKEN_HEADER: token}) as response:
+        await response.read()
+        return response.status
+
+
+async def loop_blocked(host: str, port: int) -> bool:
+    """Whether a worker's loop is blocked: the kernel takes the connection, but its gate
+    sends no challenge within a second."""
+    reader, writer = await asyncio.open_connection(host, port)
+    try:
+        await asyncio.wait_for(reader.readexactly(CHALLENGE_SIZE), 1.0)
+        return False
+    except TimeoutError:
+        return True
+    finally:
+        writer.close()
+
+
+async def test_a_flood_of_silent_connections_at_a_workers_port_loses_no_session(
+    start_proxy, cluster
+):
+    """About 10,000 silent connections a second at worker 0's port from another address
+    (opening them needs no key): the gate drops strangers' half-open handshakes, never
+    gym-proxy's, so the 60 data connections the proxy dials meanwhile prove the key and
+    every call on the worker's sessions answers 200; the worker is never taken as gone."""
+    proxy = placed(start_proxy, cluster, app="tests.apps:create_app")
+    async with jar() as http:
+        owners = [w["owner"] for w in await workers_of(http, proxy.url)]
+        on_0 = await sessions_on(http, proxy.url, 0, 6)
+        host, port = address_of((await workers_of(http, proxy.url))[0])
+        flooder = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "tests.link_flood", host, str(port), FLOOD_SOURCE, "10000", "30",
+            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        try:
+            assert flooder.stdout is not None
+            started = await asyncio.wait_for(flooder.stdout.readline(), 30)
+            assert started == b"flooding\n", started
+            # 60 at once: the worker's pooled connections are too few, so most are dialed
+            # while the flood runs.
+            statuses = await asyncio.gather(
+                *(get_status(http, f"{proxy.url}/slow?seconds=1", on_0[i % 6]) for i in range(60))
+            )
+            assert flooder.returncode is None, "the flood ended before the calls did"
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                flooder.kill()
+            await flooder.wait()
+        assert statuses == [200] * 60, statuses
+        assert [w["owner"] for w in await workers_of(http, proxy.url)] == owners
+        for token in on_0:
+            assert await increment(http, proxy.url, token) == 200
+            assert await count(http, proxy.url, token) == 1
+
+
+async def test_a_handler_that_blocks_a_placed_workers_loop_past_the_handshake_limit(
+    start_proxy, cluster
+):
+    """A CPU-bound call blocks worker 0's loop for 7 s, past the 5 s a link has to prove
+    itself: the data connections the proxy dials meanwhile are not answered in time and
+    are dialed again, the worker is not taken as gone, and every call on its sessions
+    answers 200 once its loop is back, as with a local worker (which is given up only
+    after `--worker-timeout` of unanswered pings)."""
+    proxy = placed(start_proxy, cluster, app="tests.apps:create_app")
+    async with jar() as http:
+        owners = [w["owner"] for w in await workers_of(http, proxy.url)]
+        on_0 = await sessions_on(http, proxy.url, 0, 6)
+        host, port = address_of((await workers_of(http, proxy.url))[0])
+        blocked = asyncio.ensure_future(get_status(http, f"{proxy.url}/block?seconds=7", on_0[0]))
+        try:
+            await wait_until(lambda: loop_blocked(host, port), 30, "worker 0's loop to be blocked")
+            # Each of these needs a connection of its own: dialed while the loop is blocked.
+            statuses = await asyncio.gather(*(increment(http, proxy.url, t) for t in on_0 * 2))
+            assert statuses == [200] * 12, statuses
+            assert await blocked == 200
+        finally:
+            blocked.cancel()
+        assert [w["owner"] for w in await workers_of(http, proxy.url)] == owners
+        for token in on_0:
+            assert await count(http, proxy.url, token) == 2
+
+
+async def test_a_stop_goes_through_no_ray_actor(start_proxy, cluster):
+    """Every worker's actor frozen (SIGSTOP: a Ray that is slow to answer, as on a loaded
+    machine): SIGTERM still stops gym-proxy within the one second NeMo Gym's launcher
+    gives a server, each worker told over its link and finishing its app's shutdown, and
+    the runtime directory removed; the frozen actors end with the placement driver."""
+    psutil = pytest.importorskip("psutil")
+    proxy = placed(start_proxy, cluster, "--graceful-timeout", "5", app="tests.apps:create_app")
+    async with jar() as http:
+        workers = await workers_of(http, proxy.url)
+        token = await seed(http, proxy.url)
+        assert await increment(http, proxy.url, token) == 200
+    pids = [int(w["pid"]) for w in workers]
+    actors = [psutil.Process(pid).parent() for pid in pids]  # each worker's RayWorkerHost
+    for actor in actors:
+        actor.suspend()
+    try:
+        began = time.monotonic()
+        proxy.signal(signal.SIGTERM)
+        code = await asyncio.to_thread(proxy.wait_exit, 60)
+        took = time.monotonic() - began
+    finally:
+        for actor in actors:
+            with contextlib.suppress(psutil.Error):
+                actor.resume()
+    assert code == 0, proxy.log()[-3000:]
+    assert took < 1.0, f"stopped in {took:.2f} s:\n{proxy.log()[-3000:]}"
+    assert proxy.runtime_dirs() == []
+    for worker in workers:
+        assert f"worker {worker['slot']} (pid {worker['pid']}) exited with code 0" in proxy.log()
+    wait_until_sync(lambda: not any(psutil.pid_exists(p) for p in pids), 30, "the workers to end")
+    wait_until_sync(lambda: not cluster.alive_actors(), 60, "the frozen actors to end")
+
+
+async def test_ctrl_c_in_a_terminal_lets_the_placed_workers_finish(start_proxy, cluster):
+    """Ctrl-C in a terminal: SIGINT to the whole process group, the placement driver's
+    included (NeMo Gym's launcher's too, when it started gym-proxy). The driver leaves the
+    stop to gym-proxy, which stops its workers as local ones: the call in flight is
+    answered, and every worker exits 0 (not killed with its actor)."""
+    proxy = placed(start_proxy, cluster, app="tests.apps:create_app", new_session=True)
+    async with jar() as http:
+        workers = await workers_of(http, proxy.url)
+        token = await seed(http, proxy.url)
+        call = asyncio.ensure_future(get_status(http, f"{proxy.url}/slow?seconds=2", token))
+        try:
+
+            async def in_the_worker() -> bool:
+                async with http.get(f"{proxy.url}/seen", headers={TOKEN_HEADER: token}) as r:
+                    return "/slow" in (await r.json())["paths"]
+
+            await wait_until(in_the_worker, 30, "the call to be in its worker")
+            os.killpg(proxy.pid, signal.SIGINT)
+            assert await asyncio.wait_for(call, 30) == 200
+        finally:
+            call.cancel()
+    assert await asyncio.to_thread(proxy.wait_exit, 60) == 0, proxy.log()[-3000:]
+    for worker in workers:
+        exited = f"worker {worker['slot']} (pid {worker['pid']}) exited with code 0"
+        assert exited in proxy.log(), proxy.log()[-3000:]
+
+
+async def test_a_proxy_killed_with_9_leaves_nothing_behind(start_proxy, cluster):
+    """gym-proxy killed with -9 (as NeMo Gym's launcher kills a server that missed its
+    second): its placement driver kills the workers' actors and, its proxy dead, removes
+    the runtime directory; the workers stop as their channels end; nothing of it is left."""
+    psutil = pytest.importorskip("psutil")
+    proxy = placed(start_proxy, cluster, app="tests.apps:create_app")
+    async with jar() as http:
+        workers = await workers_of(http, proxy.url)
+    pids = [int(w["pid"]) for w in workers]
+    (driver,) = [
+        p for p in psutil.Process(proxy.pid).children() if "placement" in " ".join(p.cmdline())
+    ]
+    assert len(proxy.runtime_dirs()) == 1
+    proxy.popen.kill()
+    proxy.popen.wait(10)
+    wait_until_sync(lambda: not driver.is_running(), 30, "the placement driver to end")
+    wait_until_sync(lambda: not any(psutil.pid_exists(p) for p in pids), 30, "the workers to end")
+    assert proxy.runtime_dirs() == [], proxy.runtime_dirs()
+    wait_until_sync(lambda: not cluster.alive_actors(), 60, "the actors to end")
+    for host, port in (address_of(w) for w in workers):  # nothing listens there any more
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection((host, port), timeout=5).close()
 
 
 async def test_a_node_killed_mid_load_and_a_stop_that_leaves_no_actor(start_proxy, cluster):

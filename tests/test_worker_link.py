@@ -1,7 +1,10 @@
 """The link to a worker on another node (`coordinator.contract.worker_link`) and the
 worker's gate (`worker.link_gate`): the handshake's logic, then a real gate on a loopback
-TCP socket, dialed as the proxy dials it; a placed worker's port that refuses. What the
-workers on a Ray cluster's nodes do with it runs in tests/test_nemo_gym_ray_placement.py."""
+TCP socket, dialed as the proxy dials it; strangers' half-open connections (from other
+loopback addresses) that never push gym-proxy's out; a stop asked over the link; a
+placed worker's port that refuses (gone) and one that does not greet in time (dialed
+again, not gone). What the workers on a Ray cluster's nodes do with it runs in
+tests/test_nemo_gym_ray_placement.py."""
 
 from __future__ import annotations
 
@@ -11,6 +14,7 @@ from typing import Any, cast
 
 import pytest
 
+from gym_proxy.coordinator.contract import worker_link
 from gym_proxy.coordinator.contract.errors import WorkerGone
 from gym_proxy.coordinator.contract.worker_link import (
     ANSWER_SIZE,
@@ -18,17 +22,22 @@ from gym_proxy.coordinator.contract.worker_link import (
     CHANNEL,
     DATA,
     MAGIC,
+    PROOF_SIZE,
     LinkRefused,
+    LinkUnproven,
     answer,
     challenge,
     check_answer,
     dial,
     link_key,
     proof,
+    stop_worker,
 )
+from gym_proxy.proxy.fleet import remote_workers
 from gym_proxy.proxy.fleet.remote_workers import RayLauncher, RemoteWorker
 from gym_proxy.worker import link_gate
 from gym_proxy.worker.link_gate import LinkGate
+from tests.support import wait_until
 
 pytestmark = pytest.mark.fast
 
@@ -69,9 +78,9 @@ class _Echo(asyncio.Protocol):
         self.transport.write(data.upper())
 
 
-async def _gate(key: bytes = KEY) -> LinkGate:
+async def _gate(key: bytes = KEY, on_stop: Any = None) -> LinkGate:
     sock = socket.create_server(("127.0.0.1", 0))
-    gate = LinkGate(sock, key, _Echo)
+    gate = LinkGate(sock, key, _Echo, on_stop or (lambda: None))
     await gate.start()
     return gate
 
@@ -124,9 +133,11 @@ async def test_without_the_key_a_connection_gets_the_challenge_only(sent, monkey
 
 
 async def test_a_worker_with_another_key_is_not_believed():
+    """Its gate cannot check the proxy's answer and drops the link: it never proves itself
+    (`LinkUnproven`, dialed again while the worker's own channel says it is there)."""
     gate = await _gate(link_key(b"another secret", "apps"))
     try:
-        with pytest.raises(LinkRefused):
+        with pytest.raises(LinkUnproven, match="closed the link before proving itself"):
             await dial("127.0.0.1", _port(gate), KEY, DATA)
     finally:
         gate.close()
@@ -139,7 +150,7 @@ async def test_connections_proving_themselves_are_bounded(monkeypatch):
         opened = [await asyncio.open_connection("127.0.0.1", _port(gate)) for _ in range(5)]
         for reader, _ in opened:
             await reader.readexactly(CHALLENGE_SIZE)
-        assert len(gate.pending) == 3  # the two oldest were dropped for the newer ones
+        assert gate.pending == 3  # the two oldest were dropped for the newer ones
         for reader, _ in opened[:2]:
             assert await asyncio.wait_for(reader.read(), 5) == b""
         reader, writer = await dial("127.0.0.1", _port(gate), KEY, DATA)  # still served
@@ -151,13 +162,95 @@ async def test_connections_proving_themselves_are_bounded(monkeypatch):
         gate.close()
 
 
+Link = tuple[asyncio.StreamReader, asyncio.StreamWriter, bytes]
+
+
+async def _half_open(port: int, source: str) -> Link:
+    """A connection from `source` that got its challenge (returned) and answers nothing yet."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port, local_addr=(source, 0))
+    greeting = await reader.readexactly(CHALLENGE_SIZE)
+    assert greeting.startswith(MAGIC)
+    return reader, writer, greeting
+
+
+async def _proves(link: Link) -> bool:
+    """Answer the challenge now: whether the gate still held it and sent its proof."""
+    reader, writer, greeting = link
+    reply, expected = answer(KEY, DATA, greeting)
+    writer.write(reply)
+    try:
+        return await asyncio.wait_for(reader.readexactly(PROOF_SIZE), 5) == expected
+    except asyncio.IncompleteReadError:
+        return False  # dropped before its answer
+
+
+async def _dropped(link: Link) -> bool:
+    return await asyncio.wait_for(link[0].read(), 5) == b""
+
+
+async def test_a_flood_from_one_address_does_not_push_out_anothers_handshake(monkeypatch):
+    """Before anyone proved the key (a worker's first link, its channel): at the bound, a
+    new connection drops the oldest handshake of the address holding the most, so a
+    flood from one address drops its own and the proxy's handshake waits for its answer."""
+    monkeypatch.setattr(link_gate, "MAX_PENDING", 3)
+    gate = await _gate()
+    port = _port(gate)
+    links: list[Link] = []
+    try:
+        links.append(ours := await _half_open(port, "127.0.0.1"))
+        links += (strangers := [await _half_open(port, "127.0.0.2") for _ in range(6)])
+        assert await _proves(ours)  # never dropped
+        assert [await _dropped(link) for link in strangers[:4]] == [True] * 4  # the oldest
+        assert gate.pending == 2  # the newest two, still proving themselves
+    finally:
+        for _, writer, _ in links:
+            writer.close()
+        gate.close()
+
+
+async def test_strangers_half_open_connections_never_push_out_the_proxys(monkeypatch):
+    """An address that proved the key (gym-proxy's) has a lane of its own: strangers from
+    any number of addresses drop only each other, never one of its handshakes still
+    waiting for its answer, however many of them it holds."""
+    monkeypatch.setattr(link_gate, "MAX_PENDING", 3)
+    gate = await _gate()
+    port = _port(gate)
+    links: list[Link] = []
+    try:
+        _, proven = await dial("127.0.0.1", port, KEY, DATA)  # 127.0.0.1 proves the key
+        proven.close()
+        links += (ours := [await _half_open(port, "127.0.0.1") for _ in range(2)])
+        links += (strangers := [await _half_open(port, f"127.0.0.{2 + i}") for i in range(8)])
+        assert [await _proves(link) for link in ours] == [True, True]
+        assert [await _dropped(link) for link in strangers[:5]] == [True] * 5
+    finally:
+        for _, writer, _ in links:
+            writer.close()
+        gate.close()
+
+
+async def test_a_stop_asked_over_the_link_stops_the_worker():
+    """The proxy's SIGTERM for a worker it cannot signal (`STOP`): proved like any link,
+    then the worker's stop is called and the link closed; a wrong key stops nothing."""
+    stops: list[str] = []
+    gate = await _gate(on_stop=lambda: stops.append("stop"))
+    try:
+        with pytest.raises(LinkUnproven):  # dropped: it cannot check this answer
+            await stop_worker("127.0.0.1", _port(gate), link_key(b"other", "apps"))
+        assert stops == []
+        await stop_worker("127.0.0.1", _port(gate), KEY)  # returns once it is heard
+        assert stops == ["stop"] and gate.pending == 0
+    finally:
+        gate.close()
+
+
 async def test_a_worker_still_building_its_app_is_waited_for_as_long_as_asked():
     """The port listens from the start (its host bound it); the worker accepts only once
     its app is built: a dial waits for the challenge `greet_within`, then gives up."""
     sock = socket.create_server(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    gate = LinkGate(sock, KEY, _Echo)
-    with pytest.raises(LinkRefused, match="did not open the link in 0.1 s"):
+    gate = LinkGate(sock, KEY, _Echo, lambda: None)
+    with pytest.raises(LinkUnproven, match="did not open the link in 0.1 s"):
         await dial("127.0.0.1", port, KEY, CHANNEL, greet_within=0.1)
     dialing = asyncio.ensure_future(dial("127.0.0.1", port, KEY, CHANNEL, greet_within=10))
     await asyncio.sleep(0)  # the dial is in the backlog before the worker serves
@@ -189,6 +282,43 @@ async def test_a_placed_worker_whose_port_refuses_is_taken_as_gone():
             await worker.connect(cast(Any, _Echo), worker.address)  # never built: refused
         assert await asyncio.wait_for(reader.read(), 5) == b""  # the channel's end
     finally:
+        writer.close()
+        worker.channel.close()
+
+
+async def test_a_placed_worker_that_does_not_greet_in_time_is_dialed_again_not_cut(monkeypatch):
+    """A worker whose loop is blocked (a CPU-bound handler) takes no connection for a
+    while, as one whose gate is not serving yet: a data dial that is not answered in the
+    handshake's time is dialed again, its channel is left alone (its pings and its
+    channel say whether it is gone, as for a local worker), and once the worker serves,
+    the connection is made."""
+    monkeypatch.setattr(worker_link, "HANDSHAKE_TIMEOUT", 0.2)
+    dials = []
+
+    async def counted(*args: Any, **kwargs: Any) -> Any:
+        dials.append(args[:2])
+        return await worker_link.connect(*args, **kwargs)
+
+    monkeypatch.setattr(remote_workers, "connect", counted)
+    launcher = RayLauncher("", {}, KEY, accept_channel=_never_called, environment={})
+    sock = socket.create_server(("127.0.0.1", 0))  # listening; nothing accepts yet
+    port = sock.getsockname()[1]
+    gate = LinkGate(sock, KEY, _Echo, lambda: None)
+    worker = RemoteWorker(launcher, 1, {"pid": 1, "host": "127.0.0.1", "port": port})
+    proxy_end, worker_end = socket.socketpair()
+    _, worker.channel = await asyncio.open_connection(sock=proxy_end)
+    reader, writer = await asyncio.open_connection(sock=worker_end)
+    connecting = asyncio.ensure_future(worker.connect(cast(Any, _Echo), worker.address))
+    try:
+        await wait_until(lambda: len(dials) >= 2 or connecting.done(), 10, "a second dial")
+        assert not connecting.done(), connecting  # not given up, not taken as gone
+        await gate.start()
+        conn = cast(_Echo, await asyncio.wait_for(connecting, 10))
+        conn.transport.close()
+        assert not reader.at_eof()  # its channel was never cut
+    finally:
+        connecting.cancel()
+        gate.close()
         writer.close()
         worker.channel.close()
 

@@ -5,9 +5,20 @@ The gate listens on the socket the worker's host bound on its node and passed do
 inherited descriptor). A connection that proves the key is handed on as it is, without a
 copy or a second hop: a DATA one to a fresh HTTP protocol of the worker's server (aiohttp's
 or uvicorn's, the same that serve a local worker's Unix socket), a CHANNEL one to the
-worker as a stream pair. One that does not is aborted, having received the challenge
-only. At most MAX_PENDING connections may be proving themselves at once (the oldest is
-dropped for a new one), each for HANDSHAKE_TIMEOUT seconds at most.
+worker as a stream pair; a STOP one stops the worker (`on_stop`, as SIGTERM does) and is
+closed. One that does not is aborted, having received the challenge only.
+
+Connections proving themselves are bounded, each for HANDSHAKE_TIMEOUT seconds at most,
+and held in two lanes of MAX_PENDING each. Anyone may open a connection, so a stranger
+can always fill a bound; what it must not do is push out gym-proxy's own links, which
+answer within a round trip but may still be waiting for it when a flood arrives. So an
+address that has proved the key (gym-proxy's) has a lane of its own, which no
+connection from another address ever takes a place from; everyone else shares the
+other, where a new connection at the bound drops the oldest one of the address holding
+the most (a flood from one address drops its own, not a worker's first link, its
+channel, before any address has proved the key). The source address of a TCP
+connection cannot be forged without being on its path; a stranger on gym-proxy's own
+machine shares its lane, and its dials are then dialed again when dropped.
 """
 
 from __future__ import annotations
@@ -24,6 +35,7 @@ from gym_proxy.coordinator.contract.worker_link import (
     ANSWER_SIZE,
     CHANNEL,
     HANDSHAKE_TIMEOUT,
+    STOP,
     challenge,
     check_answer,
     proof,
@@ -42,14 +54,24 @@ StreamPair = tuple[asyncio.StreamReader, asyncio.StreamWriter]
 
 class LinkGate:
     """The worker's TCP port: `http` makes the protocol of an authenticated data
-    connection; `channels` receives the authenticated channel connections."""
+    connection; `channels` receives the authenticated channel connections; `on_stop` is
+    called for an authenticated stop."""
 
-    def __init__(self, sock: socket.socket, key: bytes, http: Callable[[], asyncio.Protocol]):
+    def __init__(
+        self,
+        sock: socket.socket,
+        key: bytes,
+        http: Callable[[], asyncio.Protocol],
+        on_stop: Callable[[], None],
+    ) -> None:
         self.sock = sock
         self.key = key
         self.http = http
+        self.on_stop = on_stop
         self.channels: asyncio.Queue[StreamPair] = asyncio.Queue()
-        self.pending: dict[_Handshake, None] = {}  # oldest first
+        self.proven: set[str] = set()  # addresses that proved the key: gym-proxy's
+        self.ours = _Lane()  # connections from those addresses
+        self.strangers = _Lane()  # from any other
         self.refused = 0
         self._server: asyncio.AbstractServer | None = None
         self._quiet_until = 0.0
@@ -58,6 +80,11 @@ class LinkGate:
     def address(self) -> str:
         host, port = self.sock.getsockname()[:2]
         return f"tcp://{host}:{port}"
+
+    @property
+    def pending(self) -> int:
+        """Connections proving themselves now."""
+        return self.ours.count + self.strangers.count
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -73,13 +100,12 @@ class LinkGate:
         """Accept nothing more; connections handed on are their owners' to close."""
         if self._server is not None:
             self._server.close()
-        for handshake in list(self.pending):
+        for handshake in [*self.ours.all(), *self.strangers.all()]:
             handshake.refuse("the worker is stopping")
 
     def _admit(self, handshake: _Handshake) -> None:
-        if len(self.pending) >= MAX_PENDING:
-            next(iter(self.pending)).refuse("too many connections proving themselves")
-        self.pending[handshake] = None
+        handshake.lane = self.ours if handshake.peer in self.proven else self.strangers
+        handshake.lane.add(handshake)
 
     def _refused(self, peer: object, why: str) -> None:
         self.refused += 1
@@ -106,12 +132,44 @@ class LinkGate:
             protocol.data_received(rest)
 
 
+class _Lane:
+    """Handshakes in progress by peer address, each address's oldest first; a new one at
+    MAX_PENDING drops the oldest of the address holding the most."""
+
+    def __init__(self) -> None:
+        self.by_peer: dict[str, dict[_Handshake, None]] = {}
+        self.count = 0
+
+    def add(self, handshake: _Handshake) -> None:
+        if self.count >= MAX_PENDING:
+            heaviest = max(self.by_peer.values(), key=len)
+            next(iter(heaviest)).refuse(
+                "dropped for a newer connection: too many proving themselves"
+            )
+        self.by_peer.setdefault(handshake.peer, {})[handshake] = None
+        self.count += 1
+
+    def remove(self, handshake: _Handshake) -> None:
+        held = self.by_peer.get(handshake.peer)
+        if held is None or handshake not in held:
+            return
+        del held[handshake]
+        self.count -= 1
+        if not held:
+            del self.by_peer[handshake.peer]
+
+    def all(self) -> list[_Handshake]:
+        return [h for held in self.by_peer.values() for h in held]
+
+
 class _Handshake(asyncio.Protocol):
     """One connection until it proves the key (or fails to)."""
 
     def __init__(self, gate: LinkGate) -> None:
         self.gate = gate
         self.transport: asyncio.Transport | None = None
+        self.peer = ""
+        self.lane: _Lane | None = None
         self.buffer = b""
         self.nonce = b""
         self.timer: asyncio.TimerHandle | None = None
@@ -119,6 +177,8 @@ class _Handshake(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # A stream transport: uvloop's are not asyncio.Transport subclasses.
         self.transport = cast(asyncio.Transport, transport)
+        peername = transport.get_extra_info("peername")
+        self.peer = str(peername[0]) if peername else ""
         self.gate._admit(self)
         self.nonce, greeting = challenge()
         self.transport.write(greeting)
@@ -130,18 +190,23 @@ class _Handshake(asyncio.Protocol):
         if len(self.buffer) < ANSWER_SIZE:
             return
         answer_bytes, rest = self.buffer[:ANSWER_SIZE], self.buffer[ANSWER_SIZE:]
-        kind = check_answer(self.gate.key, self.nonce, answer_bytes)
+        gate = self.gate
+        kind = check_answer(gate.key, self.nonce, answer_bytes)
         if kind is None:
             self.refuse("a wrong answer to the challenge")
             return
         transport = self._done()
         if transport is None:
             return
-        transport.write(proof(self.gate.key, self.nonce, answer_bytes))
+        gate.proven.add(self.peer)
+        transport.write(proof(gate.key, self.nonce, answer_bytes))
         if kind == CHANNEL:
-            self.gate._channel(transport, rest)
+            gate._channel(transport, rest)
+        elif kind == STOP:
+            transport.close()
+            gate.on_stop()
         else:
-            self.gate._data(transport, rest)
+            gate._data(transport, rest)
 
     def eof_received(self) -> bool:
         self.refuse("it closed before answering")
@@ -157,8 +222,9 @@ class _Handshake(asyncio.Protocol):
             transport.abort()
 
     def _done(self) -> asyncio.Transport | None:
-        """Leave the pending set once; the transport, the first time only."""
-        self.gate.pending.pop(self, None)
+        """Leave the lane once; the transport, the first time only."""
+        if self.lane is not None:
+            self.lane.remove(self)
         if self.timer is not None:
             self.timer.cancel()
             self.timer = None

@@ -3,8 +3,9 @@
 Order: build the app, start it on the private Unix socket (an ASGI app's lifespan
 startup runs first), then register with the coordinator, so the proxy never routes to a
 worker that is not yet accepting. A worker on another node (`--socket=fd:N`, a TCP
-socket its host bound) serves through its gate (`worker.link_gate`) instead, and its
-coordinator channel is one the proxy dials there (`--coordinator=accept`). The worker
+socket its host bound) serves through its gate (`worker.link_gate`) instead, its
+coordinator channel is one the proxy dials there (`--coordinator=accept`), and a stop
+the proxy asks over that link is its SIGTERM (with no Ray call on the way). The worker
 stops by itself when the coordinator connection ends (no orphans) and drains gracefully
 on SIGTERM (an ASGI app's lifespan shutdown runs last). Failing to build or start the
 app exits with BOOT_ERROR, which tells the supervisor not to respawn it.
@@ -149,13 +150,16 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event | None = None) -> 
     gate_socket = _inherited_socket(args.socket)
     address = args.socket if gate_socket is None else _tcp_address(gate_socket)
     info = WorkerInfo(args.slot, args.owner, os.getpid(), address)
+    own_process = stop is None  # the process is this worker's: SIGTERM stops it
+    if stop is None:
+        stop = asyncio.Event()
     gate: LinkGate | None = None
     try:
         app = await build_app(args.app, args.app_dir, args.workers, args.session_state)
         runtime, server = _host(app, info, args, None if gate_socket else args.socket)
         await server.start()
         if gate_socket is not None:
-            gate = LinkGate(gate_socket, _link_key(), server.http_protocol)
+            gate = LinkGate(gate_socket, _link_key(), server.http_protocol, stop.set)
             await gate.start()
     except NemoGymConfigError as exc:  # a mistake in the flags or config: no traceback
         print(f"gym-proxy worker {args.slot}: cannot start app {args.app}: {exc}", file=sys.stderr)
@@ -165,10 +169,9 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event | None = None) -> 
         print(f"gym-proxy worker {args.slot}: cannot start app {args.app}", file=sys.stderr)
         return BOOT_ERROR
 
-    if stop is None:  # the process is this worker's
+    if own_process:
         freeze_startup_heap()
         loop = asyncio.get_running_loop()
-        stop = asyncio.Event()
         loop.add_signal_handler(signal.SIGTERM, stop.set)
         # Ctrl-C reaches the whole process group; the proxy decides and sends SIGTERM.
         loop.add_signal_handler(signal.SIGINT, lambda: None)

@@ -12,12 +12,21 @@ reaches the app or the channel before it succeeds::
     proxy  -> worker  kind (1) | proxy nonce (16) | HMAC(key, "proxy" kind nw np) (32)
     worker -> proxy   HMAC(key, "worker" kind nw np) (32)
 
-`kind` is DATA (HTTP follows, as on a local worker's socket) or CHANNEL (the framed
-coordinator channel follows, `coordinator.contract.framing`). The worker's nonce is fresh
-for every connection, so an answer seen on the network cannot be replayed; the worker's
-own proof tells the proxy it reached the worker it started, not whatever took its port.
-A connection whose answer is wrong, short or late (HANDSHAKE_TIMEOUT) is closed having
-received the 20-byte challenge only.
+`kind` is DATA (HTTP follows, as on a local worker's socket), CHANNEL (the framed
+coordinator channel follows, `coordinator.contract.framing`) or STOP (nothing follows:
+the worker stops as on SIGTERM, which the proxy cannot send to a process of another
+node). The worker's nonce is fresh for every connection, so an answer seen on the network
+cannot be replayed; the worker's own proof tells the proxy it reached the worker it
+started, not whatever took its port. A connection whose answer is wrong, short or late
+(HANDSHAKE_TIMEOUT) is closed having received the 20-byte challenge only.
+
+A dial fails in one of three ways, which mean different things: ConnectionRefusedError
+from the kernel (nothing listens at the port: the worker is gone, its gate listening from
+its start to its end), LinkRefused (what listens there is not the worker: it did not open
+with a challenge, or did not prove the key) and LinkUnproven (something listens but did
+not prove itself in time, or dropped the link first: a worker whose loop is busy, or
+whose gate dropped the half-open link for others; dial again, and leave the verdict on
+the worker to its pings and its channel).
 
 The link key is derived from gym-proxy's secret (`link_key`), never the secret itself: a
 worker's node learns what opens its workers' ports, not what signs session tokens. What
@@ -40,11 +49,14 @@ __all__ = [
     "MAGIC",
     "DATA",
     "CHANNEL",
+    "STOP",
     "CHALLENGE_SIZE",
     "ANSWER_SIZE",
     "PROOF_SIZE",
     "HANDSHAKE_TIMEOUT",
+    "LinkError",
     "LinkRefused",
+    "LinkUnproven",
     "link_key",
     "challenge",
     "answer",
@@ -52,12 +64,15 @@ __all__ = [
     "proof",
     "connect",
     "dial",
+    "stop_worker",
 ]
 
 LINK_KEY_ENV = "GYM_PROXY_LINK_KEY"  # the key, hex, in a remote worker's environment
 MAGIC = b"GPL1"
 DATA = b"D"
 CHANNEL = b"C"
+STOP = b"S"
+KINDS = (DATA, CHANNEL, STOP)
 NONCE_SIZE = 16
 MAC_SIZE = 32
 CHALLENGE_SIZE = len(MAGIC) + NONCE_SIZE
@@ -66,8 +81,19 @@ PROOF_SIZE = MAC_SIZE
 HANDSHAKE_TIMEOUT = 5.0  # seconds a connection may take to prove itself, either way
 
 
-class LinkRefused(ConnectionRefusedError):
-    """The other end of a worker link did not prove it holds the link key."""
+class LinkError(ConnectionError):
+    """A worker link that did not open (never ConnectionRefusedError: that one says
+    nothing listens at the port, which neither of these does)."""
+
+
+class LinkRefused(LinkError):
+    """What answers at a worker's port is not the worker: it did not open with a
+    gym-proxy challenge, or did not prove the link key."""
+
+
+class LinkUnproven(LinkError):
+    """Something listens at a worker's port but did not prove itself in time, or dropped
+    the link before it did: try again; whether the worker is gone is not this to say."""
 
 
 def link_key(secret: bytes, instance: str) -> bytes:
@@ -102,7 +128,7 @@ def check_answer(key: bytes, worker_nonce: bytes, answer_bytes: bytes) -> bytes 
     if len(answer_bytes) != ANSWER_SIZE:
         return None
     kind, proxy_nonce, mac = answer_bytes[:1], answer_bytes[1:-MAC_SIZE], answer_bytes[-MAC_SIZE:]
-    if kind not in (DATA, CHANNEL):
+    if kind not in KINDS:
         return None
     if not hmac.compare_digest(mac, _mac(key, b"proxy", kind, worker_nonce, proxy_nonce)):
         return None
@@ -127,6 +153,7 @@ class _Dialing(asyncio.Protocol):
         self.buffer = b""
         self.expected = b""
         self.greeted = asyncio.Event()  # the worker's challenge came: it is serving
+        self.lost: tuple[Exception | None] | None = None  # ended, with the error if any
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's: no subclass
@@ -150,8 +177,10 @@ class _Dialing(asyncio.Protocol):
                 self.done.set_result(self.buffer[PROOF_SIZE:])
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self.lost = (exc,)
         if not self.done.done():
-            self.done.set_exception(LinkRefused(f"the worker at {self.where} closed the link"))
+            why = f"the worker at {self.where} closed the link before proving itself"
+            self.done.set_exception(LinkUnproven(why))
 
     def _fail(self, why: str) -> None:
         if self.transport is not None:
@@ -166,13 +195,16 @@ async def connect(
     key: bytes,
     kind: bytes,
     factory: Callable[[], P],
-    greet_within: float = HANDSHAKE_TIMEOUT,
+    greet_within: float | None = None,
 ) -> tuple[asyncio.Transport, P]:
     """Connect to a worker's port and run the handshake, then hand the connection, as it
     is, to a protocol `factory` makes. The challenge may take `greet_within` seconds (a
     worker still building its app accepts only then: its port was bound for it), the rest
-    HANDSHAKE_TIMEOUT. LinkRefused when the worker does not prove the key (or closes, or
-    is late), OSError when it cannot be reached."""
+    HANDSHAKE_TIMEOUT (also the default for the challenge). ConnectionRefusedError when
+    nothing listens, LinkRefused when what listens is not the worker, LinkUnproven when it
+    does not prove itself in time or drops the link first (module docstring)."""
+    if greet_within is None:
+        greet_within = HANDSHAKE_TIMEOUT
     loop = asyncio.get_running_loop()
     where = f"{host}:{port}"
     done: asyncio.Future[bytes] = loop.create_future()
@@ -186,12 +218,13 @@ async def connect(
             either, timeout=greet_within, return_when=asyncio.FIRST_COMPLETED
         )
         if not finished:
-            raise LinkRefused(f"the worker at {where} did not open the link in {greet_within:g} s")
+            raise LinkUnproven(f"the worker at {where} did not open the link in {greet_within:g} s")
         async with asyncio.timeout(HANDSHAKE_TIMEOUT):
             rest = await done
     except TimeoutError:
         transport.abort()
-        raise LinkRefused(f"the worker at {where} did not finish the handshake in time") from None
+        why = f"the worker at {where} did not finish the handshake in {HANDSHAKE_TIMEOUT:g} s"
+        raise LinkUnproven(why) from None
     except BaseException:
         transport.abort()
         raise
@@ -202,7 +235,16 @@ async def connect(
     protocol.connection_made(transport)
     if rest:
         cast(asyncio.Protocol, protocol).data_received(rest)
+    if dialing.lost is not None:  # it ended with the proof: its end is the new protocol's
+        protocol.connection_lost(dialing.lost[0])
     return transport, protocol
+
+
+async def stop_worker(host: str, port: int, key: bytes) -> None:
+    """Ask the worker at `host:port` to stop, as SIGTERM does (STOP); returns once it
+    proved the key, having heard it. The errors of `connect`."""
+    transport, _ = await connect(host, port, key, STOP, asyncio.Protocol)
+    transport.close()
 
 
 async def dial(
@@ -211,7 +253,7 @@ async def dial(
     key: bytes,
     kind: bytes,
     limit: int = 1 << 16,
-    greet_within: float = HANDSHAKE_TIMEOUT,
+    greet_within: float | None = None,
 ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
     """`connect`, as a pair of streams (the coordinator channel's)."""
     loop = asyncio.get_running_loop()

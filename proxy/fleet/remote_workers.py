@@ -14,10 +14,20 @@ A worker's exit comes from the driver: its process's status, or EXIT_UNKNOWN wit
 reason when its actor died (its node gone). A channel that ends without an exit (a node
 that dies takes its worker's sockets with it) gets the actor killed, so the slot is
 reaped and started again on the nodes that remain, without waiting for Ray to notice.
-A data connection refused at its port (nothing listens there: its worker is gone, as its
-gate listens from the start to the end) cuts its channel, so that its sessions answer 410
+
+A worker is lost only when it is gone. A data connection refused at its port (nothing
+listens there: its worker is gone, as its gate listens from the start to the end), or
+answered by something that is not it, cuts its channel, so that its sessions answer 410
 from the request that found it on (`WorkerGone`), whichever of the two ends the proxy
-reads first.
+reads first. One that is not proved in time, or dropped before its proof (a worker whose
+loop a handler blocks, a gate full of strangers' half-open connections), is dialed again
+until it is: as for a local worker, only its pings (`--worker-timeout`) and its channel
+say it is gone.
+
+Stopping goes through no Ray call: SIGTERM is asked over the worker's link as well as
+through the driver (whichever comes first stops it), and a worker told to stop closes its
+channel last, after its app's shutdown, which is its exit here (on a loaded machine Ray's
+report of it can come late: the driver ends the actor when it does).
 """
 
 from __future__ import annotations
@@ -27,14 +37,25 @@ import contextlib
 import json
 import logging
 import os
+import signal
 import sys
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from asyncio import StreamReader, StreamWriter
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from typing import TYPE_CHECKING, Any
 
 from gym_proxy.coordinator.contract.errors import WorkerGone
 from gym_proxy.coordinator.contract.framing import STREAM_LIMIT
-from gym_proxy.coordinator.contract.worker_link import CHANNEL, DATA, LINK_KEY_ENV, connect, dial
+from gym_proxy.coordinator.contract.worker_link import (
+    CHANNEL,
+    DATA,
+    LINK_KEY_ENV,
+    LinkRefused,
+    LinkUnproven,
+    connect,
+    dial,
+    stop_worker,
+)
 from gym_proxy.proxy.ray_cluster.errors import RayError
 
 if TYPE_CHECKING:
@@ -52,6 +73,11 @@ LOST_EXIT_WAIT = 2.0  # seconds a worker whose channel ended unasked has to exit
 # placed again this long: Ray takes up to ~30 s by default to declare a silent node dead.
 PLACE_AGAIN_FOR = 60.0
 PLACE_AGAIN_PAUSE = 1.0
+# A link that did not prove itself is dialed again after this pause, doubled each time
+# up to DIAL_AGAIN_MAX: at once would add to a flood at the worker's port.
+DIAL_AGAIN_FIRST = 0.01
+DIAL_AGAIN_MAX = 0.5
+LOG_EVERY = 10.0  # seconds between a worker's log lines about links dialed again
 # What describes the proxy's own machine, login or Ray's assignment of it, not the app:
 # a remote worker keeps its node's values (Ray sets CUDA_VISIBLE_DEVICES per actor).
 LOCAL_ONLY = frozenset(
@@ -80,8 +106,9 @@ def remote_environment(environ: Mapping[str, str]) -> dict[str, str]:
 
 
 class RemoteWorker:
-    """A `WorkerHandle` for a worker on a node: signalled through the driver, its exit
-    reported by it. `address` is its port (`tcp://host:port`), `node` its Ray node."""
+    """A `WorkerHandle` for a worker on a node: signalled through the driver (SIGTERM over
+    its link too), its exit reported by the driver (after SIGTERM, its channel's end).
+    `address` is its port (`tcp://host:port`), `node_id` its Ray node."""
 
     def __init__(self, launcher: RayLauncher, key: int, started: Mapping[str, Any]) -> None:
         self._launcher = launcher
@@ -93,9 +120,11 @@ class RemoteWorker:
         self.hostname = str(started.get("hostname", ""))
         self.returncode: int | None = None
         self.why = ""  # why it exited, when the driver knows more than a status
-        self.signalled = False  # told to stop: its exit is on its way
+        self.signalled = False  # signalled by the supervisor: its exit is on its way
+        self.terminated = False  # SIGTERM: its channel's end is its exit
         self.channel: asyncio.StreamWriter | None = None  # dialed in by the launcher
         self._exited: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        self._quiet_until = 0.0
 
     @property
     def address(self) -> str:
@@ -105,8 +134,12 @@ class RemoteWorker:
         return await asyncio.shield(self._exited)
 
     def send_signal(self, sig: int, /) -> None:
+        # Through Ray too: a worker still building its app does not serve its link yet.
         self._ask(op="signal", id=self._key, signal=int(sig))
         self.signalled = True
+        if sig == signal.SIGTERM:
+            self.terminated = True
+            self._launcher.track(self._stop_over_link())
 
     def kill(self) -> None:
         """Kill its actor (and so the worker); the driver reports it exited."""
@@ -125,17 +158,40 @@ class RemoteWorker:
             self.returncode, self.why = code, why
             self._exited.set_result(code)
 
+    async def _stop_over_link(self) -> None:
+        try:
+            await stop_worker(self.host, self.port, self._launcher.key)
+        except OSError as exc:  # the SIGTERM asked through the driver is on its way
+            log.debug("worker pid %d at %s: no stop over its link: %s", self.pid, self.address, exc)
+
     async def connect(
         self, factory: Callable[[], UpstreamConnection], address: str
     ) -> UpstreamConnection:
         """A data connection (the route's connector): dialed, the key proved, then the
-        socket handed to the data path's protocol as it is."""
-        try:
-            _, conn = await connect(self.host, self.port, self._launcher.key, DATA, factory)
-        except ConnectionRefusedError as exc:
-            self.cut("its port refused a connection")
-            raise WorkerGone(f"worker pid {self.pid} at {self.address} is gone") from exc
-        return conn
+        socket handed to the data path's protocol as it is. Dialed again while it does
+        not prove itself (module docstring); WorkerGone when the worker is gone."""
+        pause = DIAL_AGAIN_FIRST
+        while True:
+            try:
+                _, conn = await connect(self.host, self.port, self._launcher.key, DATA, factory)
+                return conn
+            except LinkUnproven as exc:
+                self._dialing_again(exc)
+            except (ConnectionRefusedError, LinkRefused) as exc:
+                refused = isinstance(exc, ConnectionRefusedError)
+                self.cut("its port refused a connection" if refused else str(exc))
+                raise WorkerGone(f"worker pid {self.pid} at {self.address} is gone") from exc
+            await asyncio.sleep(pause)
+            pause = min(2 * pause, DIAL_AGAIN_MAX)
+
+    def _dialing_again(self, why: LinkUnproven) -> None:
+        now = time.monotonic()
+        if now >= self._quiet_until:
+            self._quiet_until = now + LOG_EVERY
+            log.warning(
+                "worker pid %d at %s: a data connection did not prove itself (%s); dialing "
+                "again (its loop may be busy, or its port flooded)", self.pid, self.address, why,
+            )  # fmt: skip
 
     def cut(self, why: str) -> None:
         """Its worker is gone: end its channel, which takes it out of the routes as any
@@ -170,7 +226,7 @@ class RayLauncher:
         self._next_key = 0
         self._starting: dict[int, asyncio.Future[Mapping[str, Any]]] = {}
         self._workers: dict[int, RemoteWorker] = {}
-        self._channels: set[asyncio.Task[None]] = set()
+        self._tasks: set[asyncio.Task[None]] = set()  # channels, stops over links
 
     async def start(self) -> None:
         """Start the driver; RayError (one line) when the cluster cannot hold the workers
@@ -227,17 +283,18 @@ class RayLauncher:
             "worker pid %d placed on Ray node %s (%s), port %s",
             worker.pid, worker.node_id[:12], worker.hostname, worker.address,
         )  # fmt: skip
-        task = asyncio.ensure_future(self._dial_channel(worker))
-        self._channels.add(task)
-        task.add_done_callback(self._channels.discard)
+        self.track(self._dial_channel(worker))
         return worker
+
+    def track(self, coro: Coroutine[Any, Any, None]) -> None:
+        """Run `coro` as a task of the launcher's, cancelled when it closes."""
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def _dial_channel(self, worker: RemoteWorker) -> None:
         try:
-            # The port listens from the start; the worker accepts once its app is built.
-            reader, writer = await dial(
-                worker.host, worker.port, self.key, CHANNEL, STREAM_LIMIT, self.boot_timeout
-            )
+            reader, writer = await self._channel_of(worker)
         except OSError as exc:
             log.error("worker pid %d at %s: its channel: %s", worker.pid, worker.address, exc)
             with contextlib.suppress(ProcessLookupError):
@@ -248,15 +305,35 @@ class RayLauncher:
             await self._accept_channel(reader, writer)
         finally:
             worker.channel = None
-        # Its channel ended. A worker told to stop finishes its requests and exits; one
-        # that ends by itself exits next. One whose node died never says so: its actor
-        # is killed, so that its slot is reaped now, not when Ray notices the node.
-        if worker.returncode is None and not worker.signalled:
+        # Its channel ended. A worker told to stop closes it last, after its app's
+        # shutdown: that is its exit (Ray's report of it can come late on a loaded
+        # machine, and the driver ends its actor). One that ends by itself exits next.
+        # One whose node died never says so: its actor is killed, so that its slot is
+        # reaped now, not when Ray notices the node.
+        if worker.terminated:
+            worker.exited(0, "")
+        elif worker.returncode is None and not worker.signalled:
             try:
                 await asyncio.wait_for(worker.wait(), LOST_EXIT_WAIT)
             except TimeoutError:
                 with contextlib.suppress(ProcessLookupError):
                     worker.kill()
+
+    async def _channel_of(self, worker: RemoteWorker) -> tuple[StreamReader, StreamWriter]:
+        """The worker's channel, dialed (again while it does not prove itself) until its
+        boot timeout: its port listens from the start, the worker accepts once its app
+        is built."""
+        give_up = time.monotonic() + self.boot_timeout
+        pause = DIAL_AGAIN_FIRST
+        while True:
+            left = give_up - time.monotonic()
+            try:
+                return await dial(worker.host, worker.port, self.key, CHANNEL, STREAM_LIMIT, left)
+            except LinkUnproven:
+                if time.monotonic() + pause >= give_up:
+                    raise
+            await asyncio.sleep(pause)
+            pause = min(2 * pause, DIAL_AGAIN_MAX)
 
     def send(self, **request: Any) -> None:
         driver = self._driver
@@ -310,9 +387,9 @@ class RayLauncher:
             await driver.wait()
         if self._reader is not None:
             await asyncio.gather(self._reader, return_exceptions=True)
-        for task in list(self._channels):
+        for task in list(self._tasks):
             task.cancel()
-        await asyncio.gather(*self._channels, return_exceptions=True)
+        await asyncio.gather(*self._tasks, return_exceptions=True)
 
 
 def _reply(line: bytes) -> dict[str, Any]:

@@ -10,8 +10,9 @@ log). The proxy process never imports Ray; this process is the owner of every wo
 actor, so they end with it.
 
 - At start it checks that the cluster's nodes have room for the workers asked (SPEC:
-  `{"workers", "cpus", "resources", "strategy", "instance"}`, by each node's total, as Ray
-  schedules them), and says `{"ready": {...}}`, or `{"error": "<one line>"}` and exits 1.
+  `{"workers", "cpus", "resources", "strategy", "instance", "runtime_dir"}`, by each
+  node's total, as Ray schedules them), and says `{"ready": {...}}`, or
+  `{"error": "<one line>"}` and exits 1.
 - `{"op": "spawn", "id", "argv", "env", "cwd"}`: a `RayWorkerHost` actor with the
   resources asked and the strategy (SPREAD unless the config says DEFAULT), which starts
   the worker on its node; answers `{"id", "started": {pid, host, port, node_id, hostname}}`
@@ -20,8 +21,14 @@ actor, so they end with it.
   gone: `why` says so, CODE is EXIT_UNKNOWN).
 - `{"op": "signal", "id", "signal"}` signals the worker; `{"op": "kill", "id"}` kills its
   actor (and so the worker, which loses its channel) and reports it exited.
-- stdin's end, SIGTERM or SIGINT: every actor is killed and seen dead, and the driver
-  ends (its job with it).
+- stdin's end or SIGTERM: every actor is killed and seen dead, and the driver ends (its
+  job with it). SIGINT is ignored: Ctrl-C in a terminal reaches the whole process group,
+  and gym-proxy decides (it stops the workers, which finish their requests, then closes
+  stdin), as its local workers leave it to decide.
+- A gym-proxy killed with -9 (NeMo Gym's launcher does so to a server that is not gone
+  one second after its SIGINT) cannot remove its runtime directory: this process, which
+  outlives it, does once its actors are killed, if the directory's lock says its
+  gym-proxy is dead (`proxy.runtime_dir.remove_abandoned`).
 """
 
 from __future__ import annotations
@@ -35,6 +42,8 @@ import sys
 import threading
 import time
 from typing import Any
+
+from gym_proxy.proxy.runtime_dir import remove_abandoned
 
 __all__ = ["main", "EXIT_UNKNOWN", "room_for"]
 
@@ -69,7 +78,7 @@ def room_for(nodes: list[dict[str, Any]], need: dict[str, float]) -> int:
 
 
 class _Stop(Exception):
-    """SIGTERM or SIGINT: stop as at stdin's end."""
+    """SIGTERM: stop as at stdin's end."""
 
 
 def _stop(*_: object) -> None:
@@ -198,8 +207,8 @@ def _serve(out: _Out, address: str, spec: dict[str, Any]) -> int:
         )
         return 1
     out.say(ready={"nodes": len(nodes), "room": room})
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, _stop)
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # again: whatever Ray set at its init
     try:
         for line in sys.stdin:
             request = json.loads(line)
@@ -213,6 +222,12 @@ def _serve(out: _Out, address: str, spec: dict[str, Any]) -> int:
     except (_Stop, ValueError, OSError):
         pass  # a signal, or a line that is not JSON: stop as at the end
     placement.stop()
+    runtime_dir = spec.get("runtime_dir")
+    if runtime_dir and remove_abandoned(runtime_dir):
+        print(
+            f"gym-proxy placement: its gym-proxy died; removed its runtime directory {runtime_dir}",
+            file=sys.stderr,
+        )
     return 0
 
 
@@ -223,6 +238,7 @@ def main(argv: list[str] | None = None) -> int:
             "usage: python -m gym_proxy.proxy.ray_cluster.placement ADDRESS SPEC", file=sys.stderr
         )
         return 2
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # gym-proxy decides (module docstring)
     out = _Out(os.dup(1))
     os.dup2(2, 1)  # Ray's lines and the nodes' forwarded logs: the proxy's log
     code = _serve(out, args[0], json.loads(args[1]))
