@@ -237,7 +237,13 @@ class Walk:
         count = self.rng.randrange(100)
         if self.model.phase != "idle":
             # A resources server never refuses a seed: it waits at the door until resume.
-            seed = asyncio.ensure_future(self.post("/seed_session", json={"initial_count": count}))
+            seed = asyncio.ensure_future(
+                self.post(
+                    "/seed_session",
+                    json={"initial_count": count},
+                    timeout=aiohttp.ClientTimeout(total=None),  # as long as the door is shut
+                )
+            )
             self.model.tasks.append(seed)
             self.model.door_seeds.append((seed, count))
             return
@@ -334,7 +340,14 @@ class Walk:
         before = await self._runs_seen(owner)
         body = self._run_body(episode)
         task = asyncio.ensure_future(
-            self.http.post(f"{self.proxy.url}/run", headers={OWNER: owner}, json=body)
+            self.http.post(
+                f"{self.proxy.url}/run",
+                headers={OWNER: owner},
+                json=body,
+                # It runs until the walk lets go: the client's 30 s would end it (a slow
+                # walk's episode cancelled under the model, which still counts it).
+                timeout=aiohttp.ClientTimeout(total=None),
+            )
         )
         self.model.tasks.append(task)
 
