@@ -23,8 +23,14 @@ class SkewedCounter(StatefulCounterResourcesServer):
         app.post("/block")(self.block)
         return app
 
-    async def block(self, seconds: float = 0.1) -> dict[str, float]:
-        time.sleep(seconds)  # noqa: ASYNC251 -- blocking the loop is what it is for
+    async def block(self, seconds: float = 0.1, cpu: int = 0) -> dict[str, float]:
+        # As bench/skewed_app.py's: asleep, or computing for that much CPU time.
+        if not cpu:
+            time.sleep(seconds)  # noqa: ASYNC251 -- blocking the loop is what it is for
+            return {"blocked": seconds}
+        until = time.thread_time() + seconds
+        while time.thread_time() < until:
+            pass
         return {"blocked": seconds}
 
 

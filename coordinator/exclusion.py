@@ -11,10 +11,16 @@ is the one state kept here. What waits for the exclusion to be free (a queued si
 operation) is woken as it becomes free, by `freed()`: the end of an operation here, a
 checkpoint back to idle in the phase machine (`PhaseMachine.on_idle`).
 
-A rebalance (`proxy.fleet.balancer`) holds the exclusion too, but it is gym-proxy's own
-choice, not a controller's: it *gives way*. A checkpoint, a restore or an operator's
-operation that finds one running waits for it (`give_way`; its moves are bounded by
-`GIVE_WAY` seconds) instead of being refused.
+gym-proxy's own choices hold the exclusion too, but no controller asked for them: a
+rebalance (`proxy.fleet.balancer`) and an autoscale resize (`proxy.fleet.autoscale`)
+*give way*. A checkpoint, a restore, an operator's operation or a take-over that finds
+one running asks it to (`give_way`) and waits for it to end, GIVE_WAY seconds at most,
+instead of being refused: the one that yields sees `asked` resolved (its waits end on
+it) and `giving_way` true, stops at its next step, and leaves everything as consistent
+as before it began (what it moved stays moved, what it had not yet stays; a resize
+that gave way keeps the worker count it had), saying that it gave way; gym-proxy tries
+again later. What an operator asked for (an operation, or a recycle its
+`--max-requests`/`--max-worker-memory` call for) still refuses a checkpoint.
 """
 
 from __future__ import annotations
@@ -29,15 +35,29 @@ from gym_proxy.coordinator.contract.errors import GymError
 
 __all__ = ["Exclusion", "GIVE_WAY"]
 
-GIVE_WAY = 10.0  # seconds at most a checkpoint or an operation waits for a rebalance
+# Seconds at most a checkpoint or an operation waits for one that gives way to end (it
+# stops at its next step once asked: a move's batch, a worker's last sweep, a stop).
+GIVE_WAY = 10.0
 
 
 @dataclass(eq=False)
 class Exclusion:
     open_checkpoint: Callable[[], str | None]  # the checkpoint open now, if one is
     operation: str | None = None  # the move or live operation running, if one is
-    yields: bool = False  # the one running gives way (a rebalance)
+    yields: bool = False  # the one running gives way (a rebalance, an autoscale resize)
     _waiting: list[asyncio.Future[None]] = field(default_factory=list)
+    _asked: asyncio.Future[None] | None = None  # while one that yields runs
+
+    @property
+    def asked(self) -> asyncio.Future[None] | None:
+        """While an operation that yields runs: resolved when it is asked to give way
+        (its waits end on it: `proxy.fleet.session_watch`); None while none runs."""
+        return self._asked
+
+    @property
+    def giving_way(self) -> bool:
+        """The running operation yields and was asked to: it stops at its next step."""
+        return self._asked is not None and self._asked.done()
 
     def is_free(self) -> bool:
         """No checkpoint open and no move or operation running."""
@@ -70,23 +90,31 @@ class Exclusion:
     @contextlib.contextmanager
     def hold(self, kind: str, yields: bool = False) -> Iterator[None]:
         """Run an operation of `kind`, refused (above) unless everything is free;
-        `yields`: others wait for it to end rather than being refused (`give_way`)."""
+        `yields`: gym-proxy's own, it gives way to others rather than refuse them
+        (`give_way`)."""
         self.refuse_operation(kind)
         self.operation, self.yields = kind, yields
+        if yields:
+            self._asked = asyncio.get_running_loop().create_future()
         try:
             yield
         finally:
+            asked, self._asked = self._asked, None
+            if asked is not None and not asked.done():
+                asked.cancel()
             self.operation, self.yields = None, False
             self.freed()
 
     async def give_way(self) -> None:
-        """Wait (GIVE_WAY seconds at most) while an operation that gives way runs, so
-        that the caller's refusal check sees it ended."""
-        if self.operation is not None and self.yields:
-            deadline = time.monotonic() + GIVE_WAY
-            while self.operation is not None and self.yields:
-                if not await self.until_free(deadline - time.monotonic()):
-                    return
+        """Ask an operation that yields to give way, and wait until it ended (GIVE_WAY
+        seconds at most), so that the caller's refusal check sees it gone. One that
+        yields and begins meanwhile is asked in turn."""
+        deadline = time.monotonic() + GIVE_WAY
+        while self.operation is not None and self.yields:
+            if self._asked is not None and not self._asked.done():
+                self._asked.set_result(None)
+            if not await self._freed_within(deadline - time.monotonic()):
+                return
 
     def freed(self) -> None:
         """What held the exclusion ended: wake whatever waits for it (`until_free`)."""
@@ -100,16 +128,22 @@ class Exclusion:
         (Free now need not mean free when the caller acts: it takes it with `hold`.)"""
         deadline = time.monotonic() + within
         while not self.is_free():
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
+            if not await self._freed_within(deadline - time.monotonic()):
                 return False
-            waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-            self._waiting.append(waiter)
-            try:
-                await asyncio.wait_for(waiter, remaining)
-            except TimeoutError:
-                pass
-            finally:
-                if waiter in self._waiting:
-                    self._waiting.remove(waiter)
+        return True
+
+    async def _freed_within(self, within: float) -> bool:
+        """Until what holds the exclusion lets go of it (`freed`), or `within` seconds;
+        True when it did (something else may hold it again by now)."""
+        if within <= 0:
+            return False
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiting.append(waiter)
+        try:
+            await asyncio.wait_for(waiter, within)
+        except TimeoutError:
+            return False
+        finally:
+            if waiter in self._waiting:
+                self._waiting.remove(waiter)
         return True

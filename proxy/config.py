@@ -377,13 +377,15 @@ class Config:
     )
     rebalance_ratio: float = option(
         2.0,
-        "with --rebalance: a worker is hot when it runs this many times the others' average "
-        "requests (and at least 2) for 3 s; 0: only a stalled worker sheds",
+        "with --rebalance: a worker is hot when it runs this many times the requests the "
+        "others typically run (and at least 2), or its loop is as many times later, for 3 s; "
+        "0: only a stalled worker sheds",
         type=float,
         metavar="X",
         doc="with `--rebalance`: a worker is hot when its average requests in flight reach "
-        "this many times the other workers' average (and at least 2), for 3 s; 0 turns "
-        "the hot rule off (only a stalled worker sheds)",
+        "this many times what the other workers typically run (their median, and at least "
+        "2), or its event loop's delay this many times theirs (and at least 50 ms), for 3 s; "
+        "0 turns the hot rule off (only a stalled worker sheds)",
     )
     stall_threshold: float = option(
         1.0,
@@ -396,11 +398,12 @@ class Config:
     )
     rebalance_cooldown: float = option(
         10.0,
-        "with --rebalance: seconds a worker that shed or took sessions is left alone",
+        "with --rebalance: seconds a worker that took sessions is left alone (a moved "
+        "session stays 3 times as long)",
         type=float,
         metavar="S",
-        doc="with `--rebalance`: seconds a worker that shed or took sessions is left alone "
-        "(so nothing flaps)",
+        doc="with `--rebalance`: seconds a worker that took sessions is left alone, and "
+        "three times that a moved session stays where it went (so nothing flaps)",
     )
     rebalance_max_moves: float = option(
         10.0,

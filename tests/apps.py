@@ -237,6 +237,19 @@ def hold_while_file() -> None:
             time.sleep(0.05)
 
 
+# In process only (`tests/in_process.py`): while a test sets it, a worker that starts
+# waits for it to be set before it builds its app (`create_app_once_let_in`).
+boot_gate: asyncio.Event | None = None
+
+
+async def create_app_once_let_in() -> web.Application:
+    """`create_app`, once `boot_gate` lets the worker in: it awaits, so the proxy and the
+    other workers, in the same loop, run on meanwhile."""
+    if boot_gate is not None:
+        await boot_gate.wait()
+    return create_app()
+
+
 def refuse_while_file() -> None:
     """Lets a test make a worker that starts from now on fail to boot: while the file
     named by GYM_TEST_BROKEN_FILE exists, the app cannot be built."""

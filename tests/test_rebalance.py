@@ -1,8 +1,9 @@
 """`--rebalance` with real workers: a hot worker (in process) and a stalled one (real
 processes: a handler that blocks its event loop) shed their idle sessions to the other
 worker and keep their busy one, every count exact; a stalled worker gets no new
-sessions; an even load moves nothing; a checkpoint waits for no rebalance and none runs
-while it is open."""
+sessions; an even load moves nothing; a session that keeps its worker hot stays there,
+idle between its calls or not, and nothing flaps; a checkpoint waits for no rebalance
+and none runs while it is open."""
 
 from __future__ import annotations
 
@@ -228,3 +229,63 @@ async def test_the_worker_count_follows_demand_within_its_bounds(in_process, htt
     url = metrics_url(proxy)
     assert await metric(http, url, 'gym_proxy_autoscale_total{direction="up"}') == 1
     assert await metric(http, url, 'gym_proxy_autoscale_total{direction="down"}') == 1
+
+
+def session_of(token: str) -> str:
+    """The session a token names (`v2.<instance>.<session>.<owner>.<mac>`)."""
+    return token.split(".")[2]
+
+
+@pytest.mark.parametrize("test_app", [APP], indirect=True)
+async def test_a_session_that_keeps_its_worker_hot_stays_and_nothing_flaps(start_proxy, http):
+    """One client's calls block its worker's loop 0.3 s every 1.2 s: the worker is hot
+    by its delay, and its session is idle at most looks. It carries the loop's delay, so
+    it stays; the idle sessions beside it move, each once, and none comes back once the
+    cool-down and the sustain have passed (before, the culprit went with them, its new
+    worker turned hot, and every session was shed back, again and again)."""
+    proxy = start_proxy(
+        "--rebalance", "--rebalance-cooldown", "1", workers=2, control_token=CONTROL_TOKEN
+    )
+    mine, _ = await sessions_by_slot(http, proxy.url, 5)
+    for i, token in enumerate(mine):
+        await increment(http, proxy.url, token, i)
+    culprit, *idle = mine
+    stop = asyncio.Event()
+    calls = [0]
+
+    async def block_now_and_then() -> None:  # the client's load, not a wait of the test
+        while not stop.is_set():
+            async with http.get(
+                f"{proxy.url}/block?seconds=0.3", headers={TOKEN_HEADER: culprit}
+            ) as response:
+                assert response.status == 200
+            calls[0] += 1
+            await asyncio.sleep(0.9)
+
+    control = Control(http, proxy.url)
+
+    async def moves() -> list[str]:
+        recent = (await control.ok("status"))["rebalance"]["recent"]
+        return [session for event in recent for session in event["moved"]]
+
+    client = asyncio.ensure_future(block_now_and_then())
+    try:
+
+        async def shed() -> bool:  # asked of `status`: a call of theirs would busy them
+            return set(await moves()) >= {session_of(t) for t in idle}
+
+        await wait_until(shed, 20, "the idle sessions to move off the hot worker")
+        # Past the cool-down (1 s) and the sustain (3 s) of the worker that took them.
+        settled = calls[0] + 6
+        await wait_until(lambda: calls[0] >= settled, 20, "six more blocking calls")
+    finally:
+        stop.set()
+        await client
+    moved = await moves()
+    assert session_of(culprit) not in moved, moved
+    assert sorted(moved) == sorted(session_of(t) for t in idle), moved  # each once
+    status = await control.ok("status")
+    assert {e["slot"] for e in status["rebalance"]["recent"]} == {0}
+    assert (await whoami(http, proxy.url, culprit))["slot"] == 0
+    assert [(await whoami(http, proxy.url, t))["slot"] for t in idle] == [1] * len(idle)
+    assert [await count(http, proxy.url, t) for t in mine] == list(range(len(mine)))

@@ -1,7 +1,9 @@
-"""The load a rebalance judges (`proxy.fleet.load`), its policy (`proxy.fleet.rebalance`)
-and the autoscaler's (`proxy.fleet.autoscale`), pure: who is hot, who is stalled, who
-sheds to whom, when the count grows or shrinks, and that nothing flaps (a sustained
-streak, a cool-down, a bucket of moves, the bounds)."""
+"""The load a rebalance judges (`proxy.fleet.load`, and what each session costs its
+worker: `worker.session_load`), its policy (`proxy.fleet.rebalance`) and the
+autoscaler's (`proxy.fleet.autoscale`), pure: who is hot, who is stalled, who sheds which
+sessions to whom, when the count grows or shrinks, and that nothing flaps (a sustained
+streak, a cool-down, a bucket of moves, the bounds, the sessions that carry the load
+kept, a moved session left to settle and never sent back)."""
 
 from __future__ import annotations
 
@@ -16,7 +18,8 @@ from gym_proxy.proxy.config import ConfigError, config_from_args
 from gym_proxy.proxy.data_path.routing import Router, WorkerRoute
 from gym_proxy.proxy.fleet.autoscale import ScaleBounds, ScalePolicy
 from gym_proxy.proxy.fleet.load import LoadTracker, WorkerLoad
-from gym_proxy.proxy.fleet.rebalance import RebalancePolicy, Thresholds
+from gym_proxy.proxy.fleet.rebalance import Cost, RebalancePolicy, Shed, Thresholds, carriers
+from gym_proxy.worker.session_load import SessionLoad
 
 pytestmark = pytest.mark.fast
 
@@ -77,7 +80,7 @@ def test_a_worker_hot_for_the_sustain_sheds_to_the_least_busy():
     (shed,) = policy.judge(now, 3.0)
     assert shed.source == "w0" and shed.reason == "hot"
     assert shed.targets == ("w2", "w1")  # least busy first
-    assert shed.share == pytest.approx((8 - 0.75) / 8)
+    assert shed.share == pytest.approx((8 - 0.5) / 8)  # its excess over the others' median
 
 
 def test_a_break_in_the_streak_starts_it_again():
@@ -269,3 +272,86 @@ async def test_each_reader_of_a_loop_lag_sees_every_stall():
     assert lag.take_worst("scrape") >= 0.5  # not taken by the other reader
     lag.last = 0.0
     assert lag.take_worst("ping") == 0.0  # taken: none since
+
+
+def test_a_shed_never_goes_to_a_worker_hot_by_the_other_measure():
+    """Two hot workers (NeMo Gym#3039's heavy calls on two of four): w1 is hot by its
+    requests, w0 blocks its loop 70 ms at a time; w0 takes none of w1's sessions, where
+    they would wait behind its blocks, and the others' median, not their mean, tells w0
+    is hot (the mean of the others counts w1's delay)."""
+    policy = RebalancePolicy(Thresholds(sustain=0.0))
+    now = loads(0.5, 3, 0.2, 0.2, lag={0: 0.07, 1: 0.09, 2: 0.02, 3: 0.02})
+    sheds = {s.source: s for s in policy.judge(now, 0.0)}
+    assert set(sheds) == {"w0", "w1"}
+    assert all(set(s.targets) == {"w2", "w3"} for s in sheds.values()), sheds
+
+
+def test_a_stalled_worker_never_sheds_to_a_hot_one():
+    policy = RebalancePolicy(Thresholds(stall=1.0, sustain=10.0))
+    (shed,) = policy.judge(loads(0, 5, 0.2, lag={0: 1.5}), 0.0)
+    assert shed.reason == "stalled" and shed.targets == ("w2",)
+
+
+def shed_of(*targets: str, share: float = 1.0) -> Shed:
+    return Shed("w0", 0, targets, share, "hot", "test")
+
+
+def test_a_session_that_carries_the_load_is_kept_however_idle():
+    """One session blocks the loop a third of the time; the others wait behind it, and
+    were still unread in the socket when the loop was late: it carries the loop's delay,
+    and moved it would take it along. With the load spread evenly none carries it."""
+    costs = {"culprit": Cost(delay=1.2, busy=1.3), "a": Cost(0.0, 0.002), "b": Cost(0.0, 0.003)}
+    assert set(carriers(costs)) == {"culprit"}
+    policy = RebalancePolicy()
+    plan, kept = policy.plan(shed_of("w1", "w2"), ["culprit", "a", "b"], costs, 10, 0.0)
+    assert plan == {"w1": ["a"], "w2": ["b"]} and set(kept) == {"culprit"}
+    assert "carries 100% of the loop's delay" in kept["culprit"]
+    even = {str(i): Cost(0.1, 0.2) for i in range(6)}
+    assert carriers(even) == {}
+    heavy = {"h": Cost(0.0, 3.0), **{str(i): Cost(0.0, 0.1) for i in range(8)}}
+    assert set(carriers(heavy)) == {"h"}  # the requests' time: 3 s against 0.8 s
+
+
+def test_a_moved_session_settles_and_never_goes_back_to_a_worker_that_shed_it():
+    policy = RebalancePolicy(Thresholds(settle=30.0))
+    costs: dict[str, Cost] = {}
+    policy.moved("w0", {"s": "w1"}, 0.0)
+    shed = Shed("w1", 1, ("w0", "w2"), 1.0, "hot", "test")
+    assert policy.plan(shed, ["s"], costs, 10, 29.0)[0] == {}  # settling
+    assert policy.plan(shed, ["s"], costs, 10, 31.0)[0] == {"w2": ["s"]}  # never to w0
+    back = Shed("w1", 1, ("w0",), 1.0, "hot", "test")
+    assert policy.plan(back, ["s"], costs, 10, 31.0)[0] == {}
+
+
+def test_the_least_costly_idle_sessions_go_first_within_the_share_and_the_budget():
+    policy = RebalancePolicy()
+    costs = {"a": Cost(0.0, 0.3), "b": Cost(0.0, 0.1), "c": Cost(0.0, 0.2), "d": Cost()}
+    plan, _ = policy.plan(shed_of("w1", share=0.5), ["a", "b", "c", "d"], costs, 10, 0.0)
+    assert plan == {"w1": ["d", "b"]}
+    plan, _ = policy.plan(shed_of("w1"), ["a", "b", "c", "d"], costs, 3, 0.0)
+    assert plan == {"w1": ["d", "b", "c"]}
+
+
+@dataclass
+class Flight:
+    session_id: str | None
+    admitted_at: float
+    key: str | None = None
+
+
+def test_the_loops_delay_is_charged_to_the_requests_it_held_when_it_was_due():
+    """The sampler due at 10.0 woke at 10.3: the request admitted before (and gone at
+    10.3, in the same loop turn) blocked it; the one admitted at 10.31, read once the
+    loop was free, waited behind it and is charged nothing of the delay."""
+    load = SessionLoad()
+    culprit, victim = Flight("culprit", 9.95), Flight("victim", 10.31)
+    load.ended(culprit, 10.3)
+    load.sampled(10.0, 10.3, [victim])
+    load.ended(victim, 10.312)
+    delay, busy = load.recent(10.312, [])
+    assert delay == {"culprit": pytest.approx(0.3, abs=1e-3)}
+    assert busy == {"culprit": pytest.approx(0.35, abs=1e-3), "victim": pytest.approx(0.002)}
+    running = Flight("long", 10.0)  # counted up to now while it runs
+    assert load.recent(11.0, [running])[1]["long"] == pytest.approx(1.0)
+    later = load.recent(10.312 + 3.0, [])[0]  # halved over the half-life
+    assert later["culprit"] == pytest.approx(0.15, abs=1e-3)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from gym_proxy.coordinator.contract import failpoints, records, telemetry
@@ -164,11 +165,14 @@ async def _handle(runtime: ParticipantRuntime, message: Message) -> Message:
             lag = runtime.loop_lag.take_worst()
             return WorkerStats(len(runtime.store), len(runtime.flights), lag)
         case ListHeld():
+            delay, busy = runtime.load.recent(time.monotonic(), runtime.flights)
             return HeldSessions(
                 runtime.store.session_ids(),
                 not runtime.participation.restart_only,
                 len(runtime.flights),
                 handovers.running_episodes(runtime),
+                delay,
+                busy,
             )
     raise GymError("invalid_request", f"{message.TYPE} is not a message for a worker")
 

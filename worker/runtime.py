@@ -60,6 +60,7 @@ from gym_proxy.worker.episodes import Episode
 from gym_proxy.worker.handovers import EpisodeHandover
 from gym_proxy.worker.identity import WorkerInfo
 from gym_proxy.worker.moved_away import MovedAway
+from gym_proxy.worker.session_load import SessionLoad
 from gym_proxy.worker.sessions import SessionEntry, SessionStore, session_record
 
 __all__ = [
@@ -130,6 +131,7 @@ class InFlight:
     handover: EpisodeHandover | None = None  # its episode is being handed over (worker.handovers)
     responding: bool = False  # its answer has begun (a hand-over can no longer replay it)
     replayable: bool = True  # False: its body cannot be handed back as it came
+    admitted_at: float = 0.0  # time.monotonic() at admission (worker.session_load)
 
     def blocker(self) -> str:
         if self.identity is not None:
@@ -171,6 +173,8 @@ class ParticipantRuntime:
     opened: asyncio.Event = field(default_factory=asyncio.Event)
     # sampled once serving (process); read by the Stats of a scrape and by the pings
     loop_lag: LoopLag = field(default_factory=lambda: LoopLag(("scrape", "ping")))
+    # What each session costs the worker lately, for the proxy's rebalance (`held`).
+    load: SessionLoad = field(default_factory=SessionLoad)
     seq: int = 0
     _report_due: bool = False
 
@@ -183,6 +187,7 @@ class ParticipantRuntime:
         self.opened.set()
         self.store.on_end = self._sessions_ended
         self.store.on_change = self._store_changed
+        self.loop_lag.on_sample = lambda due, now: self.load.sampled(due, now, self.flights)
 
     @property
     def kind(self) -> str:
@@ -214,6 +219,7 @@ class ParticipantRuntime:
             facts.new_session,
             facts.app_token,
             key=self._key(facts),
+            admitted_at=time.monotonic(),
         )
         self.flights.add(flight)
         self.changed()  # in flight from now on (a model's other routes run while closed)
@@ -326,7 +332,9 @@ class ParticipantRuntime:
         return path in (_RESOURCES_CLOSE_PATHS if self.kind == "resources" else _CLOSE_PATHS)
 
     def leave(self, flight: InFlight) -> None:
-        self.flights.discard(flight)
+        if flight in self.flights:
+            self.flights.discard(flight)
+            self.load.ended(flight, time.monotonic())
         self.changed()
 
     async def park(self, flight: InFlight, position: Position) -> float:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 
 __all__ = ["LoopLag"]
 
@@ -27,6 +28,9 @@ class LoopLag:
         self.last = 0.0
         self._worst = dict.fromkeys(readers, 0.0)
         self._task: asyncio.Task[None] | None = None
+        # Told (when the sample was due, when it was taken) at every sample: a worker
+        # charges the lateness to the requests it held then (`worker.session_load`).
+        self.on_sample: Callable[[float, float], None] | None = None
 
     def start(self) -> None:
         self._task = asyncio.ensure_future(self._sample())
@@ -45,6 +49,9 @@ class LoopLag:
         while True:
             due = time.monotonic() + INTERVAL
             await asyncio.sleep(INTERVAL)
-            self.last = lag = max(0.0, time.monotonic() - due)
+            now = time.monotonic()
+            self.last = lag = max(0.0, now - due)
             for reader, worst in self._worst.items():
                 self._worst[reader] = max(worst, lag)
+            if self.on_sample is not None:
+                self.on_sample(due, now)

@@ -549,6 +549,10 @@ class HeldSessions(Message):
     movable: bool  # False: restart-only, its sessions end where they are
     requests: int  # requests the worker is running now
     episodes: list[RunningEpisode] = dataclasses.field(default_factory=list)
+    # What each session cost the worker lately (worker.session_load), seconds decayed
+    # over about 3 s: the loop's delay charged to it, and its requests' running time.
+    loop_delay: dict[str, float] = dataclasses.field(default_factory=dict)
+    request_seconds: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 @message("held")

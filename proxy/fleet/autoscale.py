@@ -15,7 +15,10 @@ The policy (`ScalePolicy`, pure) judges the loads of `proxy.fleet.load`:
 last slot, its sessions moved, its episodes handed over, as an operator's resize does. It
 never acts while a checkpoint is open, an operation runs or a take-over hands the
 workers on (the round is skipped and said, as a rebalance's), and never outside the
-bounds.
+bounds. Its resize is gym-proxy's own choice, so it gives way (`coordinator.exclusion`):
+a checkpoint, an operator's operation or a take-over that comes while it runs asks it to,
+and it stops with the worker count it had; the streak that called for it goes on, and
+the same resize is made again once the way is free.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ __all__ = ["ScaleBounds", "ScalePolicy", "Autoscaler"]
 log = logging.getLogger("gym_proxy.autoscale")
 
 RESIZE_WITHIN = 30.0  # seconds a shrink's drain may take
+GAVE_WAY = "it gave way to a checkpoint or an operator's operation"
 
 
 @dataclass(frozen=True)
@@ -93,7 +97,8 @@ def _streak(since: float | None, now: float, holds: bool) -> float | None:
 @dataclass(eq=False)
 class Autoscaler:
     policy: ScalePolicy
-    resize: Callable[[int, float, str], Awaitable[dict[str, Any]]]
+    # (count, within, reason, yields): `Operations.resize`
+    resize: Callable[[int, float, str, bool], Awaitable[dict[str, Any]]]
     count: Callable[[], int]
     grown: int = 0  # /metrics: resizes it made, each way
     shrunk: int = 0
@@ -108,23 +113,35 @@ class Autoscaler:
         if not step:
             return
         if in_the_way:
-            self.skipped[in_the_way] = self.skipped.get(in_the_way, 0) + 1
-            if self._skipping != in_the_way:
-                self._skipping = in_the_way
-                log.info("autoscale to %d workers skipped: %s", count + step, in_the_way)
+            self._skip(in_the_way, count + step)
             return
         self._skipping = ""
         log.info("autoscale: %d -> %d workers: %s", count, count + step, why)
         try:
-            reply = await self.resize(count + step, RESIZE_WITHIN, "autoscale")
+            reply = await self.resize(count + step, RESIZE_WITHIN, "autoscale", True)
         except GymError as exc:  # something began meanwhile: the next round sees it
             log.info("autoscale to %d workers not done: %s", count + step, exc.detail)
-            return
-        finally:
             self.policy.scaled(time.monotonic())
-        if step > 0:
-            self.grown += 1
-        else:
-            self.shrunk += 1
+            return
+        if reply.get("gave_way"):
+            # Not `scaled`: its streak goes on, so the same resize is made again once
+            # nothing is in the way (unless the load changed meanwhile).
+            self._skip(GAVE_WAY, count + step)
+            return
+        self.policy.scaled(time.monotonic())
+        # Counted when made: a boot can fail, a worker be left unemptied (said below).
+        if reply.get("workers") == count + step:
+            if step > 0:
+                self.grown += 1
+            else:
+                self.shrunk += 1
         if not reply.get("complete", True):
             log.warning("autoscale to %d workers: %s", count + step, "; ".join(reply["errors"]))
+
+    def _skip(self, why: str, to: int) -> None:
+        """A resize to `to` workers not made (or not finished) for `why`: counted, and
+        said once a streak."""
+        self.skipped[why] = self.skipped.get(why, 0) + 1
+        if self._skipping != why:
+            self._skipping = why
+            log.info("autoscale to %d workers skipped: %s", to, why)

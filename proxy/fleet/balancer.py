@@ -5,14 +5,19 @@ with the mover, as a drain moves them. With `--max-workers` it hands the same lo
 the autoscaler (`proxy.fleet.autoscale`) each round too.
 
 What it never does:
-- move a session with a request running: only sessions idle at two looks `SAMPLE`
-  apart are picked (one only between two of its requests is not idle), and the mover's
-  own wait, bounded by `MOVE_WITHIN`, leaves any that became busy where they are;
+- move a session with a request running: only sessions with none running when it looks
+  are picked, and the mover's own wait, bounded by `MOVE_WITHIN`, leaves any that became
+  busy where they are;
+- move a session that carries the worker's load, however idle between its calls: the
+  worker says what each of its sessions cost it lately (`held`: `worker.session_load`),
+  and the policy keeps those (`proxy.fleet.rebalance.carriers`); nor one it moved less
+  than `settle` ago, nor one back to a worker that shed it;
 - act while a checkpoint is open, a take-over runs, or an operator's move or operation
   runs: it skips that round and says so (one log line per streak, and
   `gym_proxy_rebalance_skipped_total{why}`);
 - keep a checkpoint or an operation waiting long: it holds the exclusion as one that gives
-  way (`coordinator.exclusion.Exclusion.give_way`), and its moves end within `MOVE_WITHIN`.
+  way (`coordinator.exclusion.Exclusion.give_way`): asked to, its move stops waiting for
+  the sessions not at their boundary yet (they stay), and the round ends there.
 
 Each rebalance is one log line (who, why with the figures, how many moved to whom) and
 counted in `gym_proxy_rebalances_total{reason}` and
@@ -24,7 +29,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
 from collections import deque
 from collections.abc import Callable
@@ -38,7 +42,7 @@ from gym_proxy.proxy.fleet.autoscale import Autoscaler, ScaleBounds
 from gym_proxy.proxy.fleet.liveness import PING_INTERVAL
 from gym_proxy.proxy.fleet.load import SAMPLE, LoadTracker, WorkerLoad
 from gym_proxy.proxy.fleet.mover import Mover
-from gym_proxy.proxy.fleet.rebalance import RebalancePolicy, Shed, Thresholds
+from gym_proxy.proxy.fleet.rebalance import Cost, RebalancePolicy, Shed, Thresholds
 from gym_proxy.proxy.fleet.slots import Slots
 from gym_proxy.proxy.fleet.worker_records import WorkerProcess
 
@@ -50,6 +54,9 @@ JUDGE_EVERY = 1.0  # seconds between the policy's judgements
 LIST_WITHIN = 2.0  # seconds a worker has to list its sessions (a stalled one may not)
 MOVE_WITHIN = 5.0  # seconds a rebalance's moves may take (a stalled source is slow)
 RECENT = 32  # rebalances `status` lists, latest last
+# A moved session stays this many cool-downs where it went: past the rest of the worker
+# that took it, so that what it carried there shows before it may move on.
+SETTLE_COOLDOWNS = 3.0
 
 
 def thresholds_of(config: Config) -> Thresholds:
@@ -59,6 +66,7 @@ def thresholds_of(config: Config) -> Thresholds:
         stall=config.stall_threshold,
         cooldown=config.rebalance_cooldown,
         max_moves=config.rebalance_max_moves,
+        settle=SETTLE_COOLDOWNS * config.rebalance_cooldown,
     )
 
 
@@ -144,14 +152,15 @@ class Balancer:
             self.tracker.sample((self._look(w, now) for w in workers), now)
             if now - judged >= JUDGE_EVERY:
                 judged = now
-                if self.acting:
-                    await self.judge(workers, now)
+                if self.acting and not await self.judge(workers, now):
+                    continue  # it gave way: what asked is not yet where it will be seen
                 if self.autoscaler is not None:
                     stalled, in_the_way = self.policy.stalled, self._in_the_way()
                     await self.autoscaler.judge(self.loads, stalled, in_the_way, now)
 
-    async def judge(self, workers: list[WorkerProcess], now: float) -> None:
-        """One round: who sheds, then each shed carried out (or skipped, said why)."""
+    async def judge(self, workers: list[WorkerProcess], now: float) -> bool:
+        """One round: who sheds, then each shed carried out (or skipped, said why);
+        False when a shed gave way."""
         loads = self.tracker.loads
         sheds = self.policy.judge(loads, now)
         self.policy.forget(set(loads))
@@ -163,11 +172,12 @@ class Balancer:
             why_not = self._in_the_way()
             if why_not:
                 self._skip(why_not, shed)
-                return
+                return True
             source = by_owner.get(shed.source)
-            if source is not None:
-                await self._carry_out(shed, source, now)
+            if source is not None and not await self._carry_out(shed, source):
+                return False  # what asked for the exclusion comes first
         self._skipping = ""
+        return True
 
     def _workers(self) -> list[WorkerProcess]:
         return [
@@ -208,13 +218,14 @@ class Balancer:
             self._skipping = why
             log.info("rebalance of worker %d (%s) skipped: %s", shed.slot, shed.reason, why)
 
-    async def _carry_out(self, shed: Shed, source: WorkerProcess, now: float) -> None:
-        budget = self.policy.budget(now)
+    async def _carry_out(self, shed: Shed, source: WorkerProcess) -> bool:
+        """Move what `shed` calls for; False when it gave way."""
+        budget = self.policy.budget(time.monotonic())  # what the sheds before it left
         if budget < 1:
-            return
+            return True
         held = await self._listing(source)
         if held is None or not held.movable:
-            return
+            return True
         busy = {s for e in held.episodes for s in ([e.session_id] if e.session_id else [])}
         busy.update(s for e in held.episodes for s in e.sessions)
         listed = [s for s in held.session_ids if s not in busy]
@@ -227,28 +238,32 @@ class Balancer:
             ids = (session_id, *links.get(session_id, ()))
             return any(table.running_requests(x) for x in ids)
 
+        # One look: a session only between two of its calls is idle too, unless it
+        # carries the load (the policy's). Those that wait behind a hot worker's load run
+        # most of the time, and a second look would leave most of them there.
         idle = [s for s in listed if not running(s)]
-        # Idle at two looks SAMPLE apart: a session that is only between two of its
-        # requests (the one that keeps a loop blocked, say) is not taken for idle.
-        await asyncio.sleep(SAMPLE)
-        idle = [s for s in idle if not running(s)]
-        count = min(budget, math.ceil(shed.share * len(idle)))
-        if count < 1:
-            return
-        chosen = idle[:count]
-        plan: dict[str, list[str]] = {}
-        for i, session_id in enumerate(chosen):
-            plan.setdefault(shed.targets[i % len(shed.targets)], []).append(session_id)
+
+        def cost(session_id: str) -> Cost:
+            ids = (session_id, *links.get(session_id, ()))
+            delay = sum(held.loop_delay.get(x, 0.0) for x in ids)
+            return Cost(delay, sum(held.request_seconds.get(x, 0.0) for x in ids))
+
+        costs = {s: cost(s) for s in held.session_ids}
+        plan, kept = self.policy.plan(shed, idle, costs, budget, time.monotonic())
+        if not plan:
+            return True
         try:
             with self.exclusion.hold("rebalance", yields=True):
                 result = await self.mover.move_sessions(
                     plan, [source], time.monotonic() + MOVE_WITHIN
                 )
+                gave_way = self.exclusion.giving_way
         except Exception as exc:  # a refusal (something began meanwhile), a lost channel
             log.warning("rebalance of worker %d (%s) not done: %s", shed.slot, shed.reason, exc)
-            return
+            return True
         self.policy.spend(len(result.moved))
         self.policy.shed(shed, list(plan), time.monotonic())
+        self.policy.moved(shed.source, result.moved, time.monotonic())
         self.rebalances[shed.reason] += 1
         self.moved[shed.reason] += len(result.moved)
         to = sorted({slot for slot in self._slots_of(set(result.moved.values()))})
@@ -261,14 +276,15 @@ class Balancer:
                 "why": shed.why,
                 "moved": dict(result.moved),
                 "not_moved": dict(result.failed),
+                "kept": kept,
             }
         )
         log.info(
-            "rebalance: worker %d (%s: %s) shed %d of its %d idle sessions to workers %s%s",
+            "rebalance: worker %d (%s: %s) shed %d of its %d idle sessions to workers %s%s%s",
             shed.slot, shed.reason, shed.why, len(result.moved), len(idle),
-            ", ".join(map(str, to)) or "-",
-            _not_moved(result.failed),
+            ", ".join(map(str, to)) or "-", _kept(kept), _not_moved(result.failed),
         )  # fmt: skip
+        return not gave_way
 
     async def _listing(self, worker: WorkerProcess) -> HeldSessions | None:
         try:
@@ -285,3 +301,9 @@ def _not_moved(failed: dict[str, str]) -> str:
     if not failed:
         return ""
     return f"; {len(failed)} not moved ({'; '.join(sorted(set(failed.values())))})"
+
+
+def _kept(kept: dict[str, str]) -> str:
+    if not kept:
+        return ""
+    return f"; kept {len(kept)} that carry its load ({'; '.join(sorted(set(kept.values())))})"

@@ -7,6 +7,10 @@ and a recycle share, and the emptying a drain does (`proxy.fleet.operations`).
 - **take out**: hold every request still routed to it at the proxy, wait for its running
   requests (handing over the episodes among them), move what they left, and send
   whatever still names its owner to an heir (`Router.inherit_owner`);
+- **take out or keep** (gym-proxy's own shrink, which gives way: `coordinator.exclusion`):
+  empty it and take it out while it still has its slot; when that cannot be done in
+  time, or it is asked to give way, it takes sessions again as before (what moved stays
+  moved) and keeps its slot;
 - **decommission later**: a worker that could not be emptied keeps serving what it holds and
   is decommissioned in the background. Each attempt takes the checkpoint exclusion only when it
   can succeed: none of its requests running but episodes that parked (outside the
@@ -34,7 +38,7 @@ from gym_proxy.coordinator.contract.messages import (
     ResumeEpisodes,
     RunningEpisode,
 )
-from gym_proxy.coordinator.exclusion import Exclusion
+from gym_proxy.coordinator.exclusion import GIVE_WAY, Exclusion
 from gym_proxy.proxy.config import Config
 from gym_proxy.proxy.fleet.handovers import hand_over
 from gym_proxy.proxy.fleet.intent import KeptIntent
@@ -54,6 +58,9 @@ LOOK_AGAIN = 0.2
 FINAL_SWEEP = 5.0  # seconds the last step of a decommission gets even past the timeout
 RETRY_DECOMMISSION = 1.0  # seconds between background attempts at a worker left serving
 PARK_AHEAD = 30.0  # seconds a left-serving worker's episodes get to reach a boundary
+# Seconds an operation that gives way lets episodes take to park, each try: a park is
+# the worker's wait, which no ask to give way ends, so it stays within GIVE_WAY.
+PARK_WHILE_YIELDING = GIVE_WAY / 2
 
 
 class WorkerPool(Protocol):
@@ -168,6 +175,25 @@ class Decommissioner:
             progress.errors.append(f"{what} {len(running)} running episodes ({'; '.join(reasons)})")
         self.in_background(self._decommission_later(worker, heirs))
 
+    async def take_out_or_keep(
+        self,
+        worker: WorkerProcess,
+        heirs: Callable[[], list[WorkerProcess]],
+        deadline: float,
+        progress: Progress,
+    ) -> bool:
+        """gym-proxy's own shrink: empty `worker` into `heirs` and take it out while it
+        keeps its slot, True once done (the caller removes the slot and stops it); else,
+        by `deadline` or once asked to give way, it takes new sessions again (unless an
+        operator drained it) and False."""
+        left = await self.empty(worker, heirs, deadline, progress)
+        if left == [] and not self.exclusion.giving_way:
+            if await self._take_out(worker, heirs, deadline, progress):
+                return True
+        if worker.state == "live":
+            worker.live_route.draining = worker.owner in self.pool.intent.drained
+        return False
+
     async def empty(
         self,
         worker: WorkerProcess,
@@ -192,6 +218,8 @@ class Decommissioner:
             alone = [s for s in todo if s not in riding]
             if not todo and not episodes or time.monotonic() >= deadline:
                 return todo
+            if self.exclusion.giving_way:
+                return todo or None  # not empty as far as anyone knows
             targets = [h for h in heirs() if h is not worker]
             if not listing.movable or not targets:
                 # Restart-only: its sessions end where they are, by their requests.
@@ -225,6 +253,8 @@ class Decommissioner:
         """Hand `worker`'s running episodes over to `targets`; answer how many went."""
         if not episodes or not targets:
             return 0
+        if self.exclusion.yields:
+            deadline = min(deadline, time.monotonic() + PARK_WHILE_YIELDING)
         result = Moved()
         was = (progress.step, progress.step_slot, progress.detail)
         detail = f"slot {worker.slot}: handing over {len(episodes)} running episodes"
@@ -261,7 +291,7 @@ class Decommissioner:
                         return False
                     if not listing.requests:  # a request its client left may still run
                         break
-                if time.monotonic() >= final or worker.state != "live":
+                if time.monotonic() >= final or worker.state != "live" or self.exclusion.giving_way:
                     return False
                 if not await self._hand_over_running(worker, heirs, final, progress):
                     await self._until_a_request_ends(worker, final, LOOK_AGAIN)
@@ -354,7 +384,8 @@ class Decommissioner:
     ) -> None:
         """Until a request of `worker` ends, `deadline` or `at_most` seconds from now."""
         until = min(deadline, time.monotonic() + at_most)
-        await self.mover.table.until_a_request_ends([worker_watch(worker.owner)], until)
+        keys = [worker_watch(worker.owner)]
+        await self.mover.table.until_a_request_ends(keys, until, self.exclusion.asked)
 
     async def listing(self, worker: WorkerProcess) -> HeldSessions | None:
         try:

@@ -137,10 +137,10 @@ async def _busy_riders(mover: Mover, movable: list[RunningEpisode], deadline: fl
 
     while True:
         still = busy()
-        if not still or time.monotonic() >= deadline:
+        if not still or time.monotonic() >= deadline or mover.exclusion.giving_way:
             return list(still)
         riders = [s for waiting in still.values() for s in waiting]
-        await mover.table.until_a_request_ends(riders, deadline)
+        await mover.table.until_a_request_ends(riders, deadline, mover.exclusion.asked)
 
 
 async def _park(

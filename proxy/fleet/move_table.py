@@ -50,10 +50,12 @@ class MoveTable:
     def running_requests(self, session_id: str) -> int:
         return self.router.active.get(session_id, 0)
 
-    async def until_a_request_ends(self, keys: Iterable[str], deadline: float) -> None:
+    async def until_a_request_ends(
+        self, keys: Iterable[str], deadline: float, asked: asyncio.Future[None] | None = None
+    ) -> None:
         """Until a request of one of `keys` (sessions, or a worker's `worker_watch` key)
-        ends, or `deadline` (time.monotonic())."""
-        await until_a_request_ends(self.router, keys, deadline)
+        ends, `deadline` (time.monotonic()), or `asked` is done (the waiter gives way)."""
+        await until_a_request_ends(self.router, keys, deadline, asked)
 
     def place_session(self, session_id: str, owner: str, kept: bool) -> None:
         """The session table sends `session_id` to `owner`: a session ID as the workers

@@ -57,6 +57,10 @@ __all__ = ["Mover", "LiveWorkers", "Moved", "failures"]
 log = logging.getLogger("gym_proxy.moves")
 
 DROP_WAIT = 30.0  # seconds a worker gets to drop sessions it no longer serves
+RUNNING_AT_TIMEOUT = "a request of the session was still running at the timeout"
+# A move of gym-proxy's own (a rebalance, an autoscale resize) asked to give way
+# (`coordinator.exclusion`) leaves the sessions still waiting for their boundary.
+GAVE_WAY = "its move gave way to a checkpoint or an operator's operation"
 
 
 class _Worker(SlotOwner, HasChannel, Protocol):
@@ -151,14 +155,12 @@ class Mover:
                     pending = [s for s in pending if s not in moved_now]
                 if not pending:
                     break
-                if time.monotonic() >= deadline:
-                    for session_id in pending:
-                        result.failed[session_id] = (
-                            "a request of the session was still running at the timeout"
-                        )
+                if time.monotonic() >= deadline or self.exclusion.giving_way:
+                    why = GAVE_WAY if self.exclusion.giving_way else RUNNING_AT_TIMEOUT
+                    result.failed.update(dict.fromkeys(pending, why))
                     break
                 busy = [x for s in pending for x in groups[s] if running(x)]
-                await self.table.until_a_request_ends(busy, deadline)
+                await self.table.until_a_request_ends(busy, deadline, self.exclusion.asked)
         finally:
             self.table.release_sessions(list(held))
             self.holding -= len(held)

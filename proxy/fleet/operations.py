@@ -27,7 +27,12 @@ every other operation (409 `operation_conflict`, both ways), reports its progres
   worker serves its first requests cold, so back to back on a loaded machine the
   boots take a slice of the serving; apart, they take a thinner one for longer.
 - **resize** to M: grow starts workers in new slots at the end, one by one; shrink
-  removes the last slots and decommissions their workers into the rest.
+  removes the last slots and decommissions their workers into the rest. The
+  autoscaler's resize gives way (`coordinator.exclusion`): asked to, a grow stops the
+  worker that boots and removes its slot again, and a shrink, which empties and takes out
+  the last slot's worker before it removes the slot, lets that worker take new sessions
+  again (`Decommissioner.take_out_or_keep`); either keeps the worker count it had, and
+  answers `gave_way`.
 - **recycle**: its policy (`proxy.fleet.recycling`) asks for one when a worker passes
   `--max-requests` (plus its jitter) or `--max-worker-memory`; it is a rolling restart
   of that slot, deferred while a checkpoint or another operation runs.
@@ -47,12 +52,12 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from gym_proxy.coordinator.contract.errors import GymError
 from gym_proxy.coordinator.exclusion import Exclusion
 from gym_proxy.proxy.fleet.decommission import Decommissioner, Progress, WorkerPool
-from gym_proxy.proxy.fleet.mover import Mover
+from gym_proxy.proxy.fleet.mover import GAVE_WAY, Mover
 from gym_proxy.proxy.fleet.recycling import RecyclePolicy
 from gym_proxy.proxy.fleet.worker_records import WorkerProcess
 
@@ -65,6 +70,8 @@ log = logging.getLogger("gym_proxy.operations")
 SIGNAL_WAIT = 60.0
 RECYCLE_BACKOFF = 60.0  # seconds before a failed recycle of a slot is tried again
 RESTART_PAUSE = 1.0  # seconds between the slots of a rolling restart (module docstring)
+
+T = TypeVar("T")
 
 
 @dataclass(eq=False)
@@ -145,39 +152,88 @@ class Operations:
                     break
             return self._answer(progress)
 
-    async def resize(self, workers: int, within: float, reason: str = "operator") -> dict[str, Any]:
-        """Grow or shrink to `workers` slots while serving."""
+    async def resize(
+        self, workers: int, within: float, reason: str = "operator", yields: bool = False
+    ) -> dict[str, Any]:
+        """Grow or shrink to `workers` slots while serving; `yields`: gym-proxy's own
+        (the autoscaler's), it gives way (module docstring)."""
         if workers < 1:
             raise GymError("invalid_request", "workers must be at least 1")
-        async with self._exclusive("resize", reason) as progress:
+        async with self._exclusive("resize", reason, yields) as progress:
             boot = float(self.pool.config.boot_timeout or within)
-            while len(self.pool.slots) < workers:
+            while len(self.pool.slots) < workers and not self.exclusion.giving_way:
                 progress.at(
                     "starting_worker",
                     len(self.pool.slots),
                     f"starting worker {len(self.pool.slots)}",
                 )
                 try:
-                    worker = await self.pool.add_slot(boot)
+                    worker = await self._unless_asked(self.pool.add_slot(boot))
                 except Exception as exc:  # WorkerBootError: the server keeps its size
                     progress.errors.append(f"grow stopped at {len(self.pool.slots)} workers: {exc}")
                     break
-                progress.slots.append({"slot": worker.slot, "owner": worker.owner, "added": True})
+                if worker is not None:
+                    added = {"slot": worker.slot, "owner": worker.owner, "added": True}
+                    progress.slots.append(added)
             if workers < len(self.pool.slots):
                 self._check_shrink(workers)
-            while len(self.pool.slots) > workers:
+            while len(self.pool.slots) > workers and not self.exclusion.giving_way:
                 slot = len(self.pool.slots) - 1
                 progress.at("removing_slot", slot, f"removing slot {slot}")
                 old = self.pool.slots.current(slot)
-                self.pool.remove_last_slot()
                 entry: dict[str, Any] = {"slot": slot, "removed": True}
                 progress.slots.append(entry)
+                if old is not None and yields:
+                    entry["owner"] = old.owner
+                    if not await self._take_out_or_keep(old, within, progress, entry):
+                        break
+                    continue
+                self.pool.remove_last_slot()
                 if old is not None:
                     entry["owner"] = old.owner
                     await self.decommissioner.decommission(
                         old, self._heirs, within, progress, entry
                     )
-            return self._answer(progress, workers=len(self.pool.slots))
+            gave_way = self.exclusion.giving_way
+            if gave_way:
+                progress.errors.append(f"{GAVE_WAY}: {_workers(len(self.pool.slots))} kept")
+            return self._answer(progress, workers=len(self.pool.slots), gave_way=gave_way)
+
+    async def _take_out_or_keep(
+        self, old: WorkerProcess, within: float, progress: Progress, entry: dict[str, Any]
+    ) -> bool:
+        """A shrink that gives way: `old` leaves its slot only once taken out; else it
+        keeps it (`Decommissioner.take_out_or_keep`). True when its slot was removed."""
+        deadline = time.monotonic() + within
+        if not await self.decommissioner.take_out_or_keep(old, self._heirs, deadline, progress):
+            alive = old.state == "live"  # one that died is replaced in its slot, as any
+            outcome = "kept: it serves on in its slot" if alive else "died while it was emptied"
+            entry.update(removed=False, outcome=outcome)
+            if not self.exclusion.giving_way:
+                reasons = "; ".join(sorted(set(progress.failed.values()))) or "a request ran on"
+                progress.errors.append(
+                    f"slot {old.slot} kept: its worker could not be emptied in {within:g} s "
+                    f"({reasons})"
+                )
+            return False
+        self.pool.remove_last_slot()
+        entry["outcome"] = "stopped"
+        await self.pool.stop_worker(old, float(self.pool.config.graceful_timeout))
+        return True
+
+    async def _unless_asked(self, step: Awaitable[T]) -> T | None:
+        """`step`, or None when the operation (one that gives way) is asked to give way
+        first: `step` is cancelled then (what finished before the cancel is kept)."""
+        asked = self.exclusion.asked
+        if asked is None:
+            return await step
+        task = asyncio.ensure_future(step)
+        either: set[asyncio.Future[Any]] = {task, asked}
+        await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
+        if not task.done():
+            task.cancel()
+            await asyncio.wait({task})
+        return None if task.cancelled() else task.result()
 
     def recycle(self, slot: int, reason: str) -> None:
         """The recycle policy's ask: a rolling restart of one slot, when the server is
@@ -292,9 +348,11 @@ class Operations:
 
     # ---- exclusion, progress, background ------------------------------------------
     @contextlib.asynccontextmanager
-    async def _exclusive(self, kind: str, reason: str) -> AsyncIterator[Progress]:
+    async def _exclusive(
+        self, kind: str, reason: str, yields: bool = False
+    ) -> AsyncIterator[Progress]:
         await self.exclusion.give_way()
-        with self.exclusion.hold(kind):
+        with self.exclusion.hold(kind, yields):
             async with self._progress(kind, reason) as progress:
                 yield progress
 

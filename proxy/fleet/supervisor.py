@@ -318,18 +318,22 @@ class Supervisor:
         self.slots.grow_to(slot_index + 1)
         self.resized()
         self.slots.trial += 1
+        worker: WorkerProcess | None = None
         try:
-            worker = await self._spawn(slot_index)
-        finally:
-            self.slots.trial -= 1
-        try:
+            try:
+                worker = await self._spawn(slot_index)
+            finally:
+                self.slots.trial -= 1
             if worker is None:
                 raise WorkerBootError(f"slot {slot_index}: the worker did not start")
             worker = await self._registered_within(worker, within)
-        except BaseException:
+        except BaseException as exc:
             if slot_index == len(self.slots) - 1:
                 self.slots.remove_last()
                 self.resized()
+            if isinstance(exc, asyncio.CancelledError) and worker is not None:
+                # Cancelled as it booted (an autoscale grow that gave way): it never serves.
+                await self.stop_worker(worker, 0.0)
             raise
         worker.on_trial = False
         return worker
