@@ -14,15 +14,26 @@ import asyncio
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Protocol, TypeVar
 
-from gym_proxy.coordinator.contract.channel import Channel
+from gym_proxy.coordinator.contract.channel import (
+    Channel,
+    ChannelClosed,
+    ChannelTimeout,
+    RemoteError,
+)
+from gym_proxy.coordinator.contract.errors import GymError
 from gym_proxy.coordinator.contract.messages import Message, Request
 
-__all__ = ["HasChannel", "broadcast", "channel_of"]
+__all__ = ["HasChannel", "broadcast", "channel_of", "all_answer"]
 
 
 class HasChannel(Protocol):
     @property
     def channel(self) -> Channel | None: ...
+
+
+class InSlot(HasChannel, Protocol):
+    @property
+    def slot(self) -> int: ...
 
 
 def channel_of(worker: HasChannel) -> Channel:
@@ -50,3 +61,38 @@ async def broadcast(
         requests.append(channel_of(worker).request(request, within))
     results = await asyncio.gather(*requests, return_exceptions=True)
     return list(zip(workers, results, strict=True))
+
+
+S = TypeVar("S", bound=InSlot)
+
+
+async def all_answer(
+    workers: Sequence[S],
+    message: Request[R] | Callable[[S], Request[R]],
+    within: float,
+) -> list[R]:
+    """`broadcast`, where any failure refuses the whole call (a checkpoint's steps): the
+    replies in the workers' order, or GymError naming the first worker that failed. A
+    `message(worker)` is made once per worker (an Install carries megabytes)."""
+    if not workers:
+        return []
+    if callable(message):
+        made = {id(worker): message(worker) for worker in workers}
+        what = made[id(workers[0])].TYPE
+        message = lambda worker: made[id(worker)]  # noqa: E731
+    else:
+        what = message.TYPE
+    replies = []
+    for worker, result in await broadcast(workers, message, within):
+        if isinstance(result, ChannelTimeout):
+            raise GymError(
+                "deadline_exceeded", f"worker {worker.slot} did not answer {what} by deadline_ts"
+            )
+        if isinstance(result, ChannelClosed):
+            raise GymError("invalid_phase", f"worker {worker.slot} was lost during {what}")
+        if isinstance(result, RemoteError):
+            raise GymError(result.code, f"{what} on worker {worker.slot}: {result.detail}")
+        if isinstance(result, BaseException):
+            raise result
+        replies.append(result)
+    return replies

@@ -6,10 +6,15 @@ checkpoint must see every session where it is, and an operation must not move wh
 checkpoint is exporting. Whichever comes second is refused 409 `operation_conflict`,
 naming what is in the way; nothing waits, so a controller decides when to retry.
 
-The open checkpoint is the phase machine's (asked, never copied); the running operation
-is the one state kept here. What waits for the exclusion to be free (a queued signal's
-operation) is woken as it becomes free, by `freed()`: the end of an operation here, a
-checkpoint back to idle in the phase machine (`PhaseMachine.on_idle`).
+Its two states are the open checkpoint, which the phase machine reports as it opens and
+goes back to idle (`checkpoint_opened`, `checkpoint_closed`), and the operation running.
+The proxy's assembly makes the one exclusion and hands it to the checkpointer, the
+mover, the live operations, the balancer and the take-over. What waits for the exclusion
+to be free (a queued signal's operation) is woken as it becomes free, by `freed()`.
+
+Each user takes it in one call that cannot be half done: an operation with `acquire`
+(give way, refuse, hold), a prepare or a restore with `admit_checkpoint` (give way,
+refuse), a take-over with `blocking_take_over` (give way, then what still holds it).
 
 gym-proxy's own choices hold the exclusion too, but no controller asked for them: a
 rebalance (`proxy.fleet.balancer`) and an autoscale resize (`proxy.fleet.autoscale`)
@@ -28,7 +33,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 
 from gym_proxy.coordinator.contract.errors import GymError
@@ -42,7 +47,7 @@ GIVE_WAY = 10.0
 
 @dataclass(eq=False)
 class Exclusion:
-    open_checkpoint: Callable[[], str | None]  # the checkpoint open now, if one is
+    checkpoint: str | None = None  # the checkpoint open now, if one is
     operation: str | None = None  # the move or live operation running, if one is
     yields: bool = False  # the one running gives way (a rebalance, an autoscale resize)
     _waiting: list[asyncio.Future[None]] = field(default_factory=list)
@@ -58,6 +63,41 @@ class Exclusion:
     def giving_way(self) -> bool:
         """The running operation yields and was asked to: it stops at its next step."""
         return self._asked is not None and self._asked.done()
+
+    def open_checkpoint(self) -> str | None:
+        """The ID of the checkpoint open now, if one is."""
+        return self.checkpoint
+
+    def checkpoint_opened(self, checkpoint_id: str) -> None:
+        """The phase machine left idle for `checkpoint_id`."""
+        self.checkpoint = checkpoint_id
+
+    def checkpoint_closed(self) -> None:
+        """The phase machine is back to idle: whatever waited for it may go."""
+        self.checkpoint = None
+        self.freed()
+
+    @contextlib.asynccontextmanager
+    async def acquire(self, kind: str, yields: bool = False) -> AsyncIterator[None]:
+        """Run an operation of `kind` while holding the exclusion: one that gives way is
+        asked to first (unless this one `yields` too: gym-proxy's own never pushes
+        another aside), then anything still in the way refuses it 409."""
+        if not yields:
+            await self.give_way()
+        with self.hold(kind, yields):
+            yield
+
+    async def admit_checkpoint(self) -> None:
+        """A prepare or a restore may begin: one that gives way is asked to first, then
+        an operation still running refuses it 409."""
+        await self.give_way()
+        self.refuse_checkpoint()
+
+    async def blocking_take_over(self) -> str | None:
+        """What keeps a take-over from happening once whatever gives way has (None when
+        nothing does), in the words of its refusal."""
+        await self.give_way()
+        return self.in_the_way()
 
     def is_free(self) -> bool:
         """No checkpoint open and no move or operation running."""

@@ -66,6 +66,7 @@ class PhaseMachine:
     lease_expires_at: float | None = None
     replies: dict[str, tuple[Any, dict[str, Any]]] = field(default_factory=dict)
     resumed: OrderedDict[str, None] = field(default_factory=OrderedDict)
+    on_open: Callable[[str], None] | None = None  # called as a checkpoint opens
     on_idle: Callable[[], None] | None = None  # called as it goes back to idle
 
     @property
@@ -118,6 +119,8 @@ class PhaseMachine:
         self.replies = {}
         self.lease_expires_at = None
         self.extend(deadline_ts)
+        if self.on_open is not None:
+            self.on_open(checkpoint_id)
 
     def extend(self, deadline_ts: float) -> None:
         """Move the lease to `deadline_ts` + grace (never backwards)."""

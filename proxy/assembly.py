@@ -21,6 +21,7 @@ from gym_proxy.coordinator.claims_recovery import RESTORED_NAME
 from gym_proxy.coordinator.contract import telemetry
 from gym_proxy.coordinator.contract.channel import Channel
 from gym_proxy.coordinator.contract.messages import Message, Register, RegisterReply, SessionsEnded
+from gym_proxy.coordinator.exclusion import Exclusion
 from gym_proxy.coordinator.worker_channels import WorkerChannels
 from gym_proxy.proxy.config import Config
 from gym_proxy.proxy.control.app import create_control_app
@@ -66,6 +67,7 @@ class Assembly:
     metrics: Metrics
     control_runner: web.AppRunner
     balancer: Balancer  # measures load always; moves sessions with --rebalance
+    exclusion: Exclusion  # checkpoints, moves, operations and the take-over: one at a time
     channels: WorkerChannels = field(init=False)
 
     def __post_init__(self) -> None:
@@ -88,19 +90,22 @@ class Assembly:
         state = _proxy_state(config, router, secret, runtime.join(CONTROL_SOCKET))
         coordinator_socket = runtime.join(COORDINATOR_SOCKET)
         supervisor = Supervisor(config, runtime.path, coordinator_socket, router, launcher=launcher)
-        checkpointer = Checkpointer(supervisor, router, config.instance, config.lease_grace)
+        exclusion = Exclusion()
+        checkpointer = Checkpointer(
+            supervisor, router, config.instance, config.lease_grace, exclusion=exclusion
+        )
         if config.orphan_grace:  # a successor may have to continue what a restore left
             checkpointer.restored_note = runtime.join(RESTORED_NAME)
         table = MoveTable(router)
-        mover = Mover(supervisor, table, checkpointer.exclusion)
-        operations = Operations(supervisor, mover, checkpointer.exclusion)
+        mover = Mover(supervisor, table, exclusion)
+        operations = Operations(supervisor, mover, exclusion)
         bounds = bounds_of(config)
         autoscaler = None
         if bounds is not None:
             count = lambda: len(supervisor.slots)  # noqa: E731
             autoscaler = Autoscaler(ScalePolicy(bounds), operations.resize, count)
         balancer = Balancer(
-            lambda: supervisor.slots, mover, checkpointer.exclusion, thresholds_of(config),
+            lambda: supervisor.slots, mover, exclusion, thresholds_of(config),
             acting=config.rebalance, autoscaler=autoscaler,
             taking_over=lambda: supervisor.passing_on,
         )  # fmt: skip
@@ -114,7 +119,7 @@ class Assembly:
         control_runner = web.AppRunner(control_app, access_log=None, handle_signals=False)
         return cls(
             runtime, router, state, supervisor, checkpointer, table, mover, operations, metrics,
-            control_runner, balancer,
+            control_runner, balancer, exclusion,
         )  # fmt: skip
 
     async def open_control_site(self) -> None:

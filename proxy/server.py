@@ -29,7 +29,7 @@ from typing import Any
 
 from gym_proxy.coordinator.contract import telemetry
 from gym_proxy.coordinator.contract.channel import ChannelClosed
-from gym_proxy.coordinator.contract.exit_codes import BOOT_ERROR, USAGE_ERROR
+from gym_proxy.coordinator.contract.exit_codes import BOOT_ERROR, RAY_ERROR, USAGE_ERROR
 from gym_proxy.coordinator.contract.messages import ProxyStopping
 from gym_proxy.coordinator.contract.worker_link import link_key
 from gym_proxy.proxy import data_path
@@ -43,7 +43,7 @@ from gym_proxy.proxy.fleet.supervisor import Supervisor, WorkerBootError
 from gym_proxy.proxy.fleet.worker_records import WorkerLauncher
 from gym_proxy.proxy.metrics import listener as metrics_listener
 from gym_proxy.proxy.ray_cluster.cluster import HEAD_SOCKET, RayCluster, RayPlan
-from gym_proxy.proxy.ray_cluster.errors import RAY_ERROR, RayError
+from gym_proxy.proxy.ray_cluster.errors import RayError
 from gym_proxy.proxy.runtime_dir import (
     RuntimeDir,
     RuntimeDirBusy,
@@ -314,11 +314,9 @@ class Server:
         if not self.config.orphan_grace:
             return
         assert self.parts is not None and self.runtime is not None
-        exclusion = self.parts.checkpointer.exclusion
         self.takeover = TakeOverListener(
-            self.fingerprint, self.listen_sock, self._taken, exclusion.in_the_way,
-            exclusion.give_way,
-        )  # fmt: skip
+            self.fingerprint, self.listen_sock, self._taken, self.parts.exclusion.blocking_take_over
+        )
         await self.takeover.start(self.runtime.join(TAKEOVER_NAME))
         self.resources.push_async_callback(self.takeover.close)
 
@@ -342,7 +340,7 @@ class Server:
         """Taken over: from now on a checkpoint or an operation here is refused (409
         naming the take-over), so none starts that the successor would not know."""
         assert self.parts is not None
-        self.parts.checkpointer.exclusion.operation = "take-over"
+        self.parts.exclusion.operation = "take-over"
         if not self.taken.done():
             self.taken.set_result(pid)
 

@@ -24,7 +24,7 @@ from typing import Any, NoReturn
 import uvloop
 
 from gym_proxy.coordinator.contract.collector import freeze_startup_heap
-from gym_proxy.coordinator.contract.exit_codes import USAGE_ERROR, exit_process
+from gym_proxy.coordinator.contract.exit_codes import RAY_ERROR, USAGE_ERROR, exit_process
 from gym_proxy.proxy.config import (
     SECRET_ENV,
     Config,
@@ -34,7 +34,6 @@ from gym_proxy.proxy.config import (
 )
 from gym_proxy.proxy.config_block import apply_block
 from gym_proxy.proxy.ray_cluster.cluster import RayPlan
-from gym_proxy.proxy.ray_cluster.errors import RAY_ERROR
 from gym_proxy.proxy.runtime_dir import ensure_parent, secret_fingerprint
 from gym_proxy.proxy.server import run
 from gym_proxy.proxy.takeover import TakeOverError, take_over_listener

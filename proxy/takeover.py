@@ -6,15 +6,20 @@ command plus `--take-over` finds that directory (the one whose identity file nam
 instance), asks for the listening socket with its secret's fingerprint, and receives the
 socket's descriptor over the Unix socket (SCM_RIGHTS: how HAProxy's `-x` and Envoy's hot
 restart pass listeners). The port never closes: the old instance stops accepting once
-the new one says it has the socket (`{"took": true}`; a new instance that goes away
+the new one says it has the socket (`PortTaken`; a new instance that goes away
 before that leaves the old one serving, ready for the next), and connections that come
 before the new one serves wait in the socket's backlog. The old instance then passes
 its workers on (they rejoin the new one as after a crash, see
 `worker.process`), releases its runtime directory and says so on the same connection
-(`{"released": true}`), which the new instance waits for before it takes the directory
+(`DirectoryReleased`), which the new instance waits for before it takes the directory
 (`until_released`: an event, not a poll of the directory's lock; the connection's end
 does as well, should the old instance die first). Then the old one finishes its open
 connections' requests (`proxy.server`).
+
+Every line is a declared message (`TAKE_OVER`, over `coordinator.contract.lines`),
+and the request names the protocol's version (TAKE_OVER_VERSION): a running instance
+refuses a successor of another version in one line, and a successor refuses an answer
+it cannot read, since an upgrade is what crosses this line.
 
 Both ends believe only their own user: the new instance looks only into runtime
 directories this uid owns and no one else may write, and sends nothing derived from the
@@ -34,13 +39,20 @@ import tempfile
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-import orjson
-
+from gym_proxy.coordinator.contract.lines import LineError, encode_line, expect
+from gym_proxy.coordinator.contract.messages import Message, message
 from gym_proxy.coordinator.contract.trust import SOCKET, Untrusted, check_owned, own_peer, peer_of
 from gym_proxy.proxy.runtime_dir import PREFIX, read_identity, trusted_directory
 
 __all__ = [
+    "TAKE_OVER",
+    "TAKE_OVER_VERSION",
     "TAKEOVER_NAME",
+    "TakeOverAsk",
+    "PortPassed",
+    "TakeOverRefused",
+    "PortTaken",
+    "DirectoryReleased",
     "TakeOver",
     "TakeOverError",
     "TakeOverListener",
@@ -54,6 +66,43 @@ TAKEOVER_NAME = "takeover.sock"
 REQUEST_WAIT = 5.0  # seconds a connection gets to send its request
 TOOK_WAIT = 10.0  # seconds the new instance gets to say it has the socket
 RELEASE_WAIT = 30.0  # seconds the new instance waits for the old one's directory
+
+
+TAKE_OVER_VERSION = 1  # of the messages below; another is refused by either end
+TAKE_OVER: dict[str, type[Message]] = {}  # the take-over's messages, by wire type
+
+
+@message("take_over", TAKE_OVER)
+class TakeOverAsk(Message):
+    """New -> running: the listening socket, please (the secret's fingerprint proves
+    the same secret)."""
+
+    version: int
+    secret: str
+
+
+@message("port", TAKE_OVER)
+class PortPassed(Message):
+    """Running -> new: the listening socket goes with this message (SCM_RIGHTS)."""
+
+    version: int
+
+
+@message("refused", TAKE_OVER)
+class TakeOverRefused(Message):
+    """Running -> new: no take-over, and why."""
+
+    error: str
+
+
+@message("took", TAKE_OVER)
+class PortTaken(Message):
+    """New -> running: it has the socket; the running instance stops accepting."""
+
+
+@message("released", TAKE_OVER)
+class DirectoryReleased(Message):
+    """Running -> new: the runtime directory is free for the new instance to take."""
 
 
 class TakeOverError(Exception):
@@ -78,32 +127,29 @@ def take_over_listener(parent: str | None, instance: str, fingerprint: str) -> T
     try:
         conn.connect(path)
         own_peer(conn, path)  # before anything derived from the secret goes out
-        conn.sendall(orjson.dumps({"secret": fingerprint}) + b"\n")
-        message, fds, _, _ = socket.recv_fds(conn, 4096, 1)
-        if fds:
-            conn.sendall(orjson.dumps({"took": True}) + b"\n")
-    except (OSError, Untrusted) as exc:
+        conn.sendall(encode_line(TakeOverAsk(TAKE_OVER_VERSION, fingerprint)))
+        line, fds, _, _ = socket.recv_fds(conn, 4096, 1)
+        try:
+            answer = expect(line, TAKE_OVER, "the running gym-proxy", PortPassed, TakeOverRefused)
+            if isinstance(answer, TakeOverRefused):
+                raise TakeOverError(
+                    f"the running gym-proxy of instance {instance} refused: {answer.error}"
+                )
+            if not (isinstance(answer, PortPassed) and answer.version == TAKE_OVER_VERSION and fds):
+                raise LineError(f"the running gym-proxy sent no socket: {line[:60]!r}")
+        except (LineError, TakeOverError):
+            for fd in fds:  # the running one keeps serving: it heard no `took`
+                os.close(fd)
+            raise
+        conn.sendall(encode_line(PortTaken()))
+    except (OSError, Untrusted, LineError) as exc:
         conn.close()
         raise TakeOverError(f"cannot take over the gym-proxy at {path}: {exc}") from None
-    if not fds:
+    except TakeOverError:
         conn.close()
-        raise TakeOverError(
-            f"the running gym-proxy of instance {instance} refused: {_reason(message)}"
-        )
+        raise
     conn.setblocking(False)
     return TakeOver(socket.socket(fileno=fds[0]), conn)
-
-
-def _reason(message: bytes) -> str:
-    """Why the running instance refused, from its answer (which may be anything)."""
-    if not message:
-        return "it closed the connection"
-    try:
-        answer = orjson.loads(message)
-    except orjson.JSONDecodeError:
-        return "its answer is not JSON"
-    reason = answer.get("error") if isinstance(answer, dict) else None
-    return reason if isinstance(reason, str) else "no reason given"
 
 
 async def until_released(conversation: socket.socket, within: float = RELEASE_WAIT) -> bool:
@@ -114,7 +160,7 @@ async def until_released(conversation: socket.socket, within: float = RELEASE_WA
     try:
         async with asyncio.timeout(within):
             while await loop.sock_recv(conversation, 4096):
-                pass  # `{"released": true}`, then the end; the end is what counts
+                pass  # DirectoryReleased, then the end; the end is what counts
     except TimeoutError:
         return False
     except OSError:
@@ -159,24 +205,22 @@ def _own_socket(path: str) -> bool:
 
 class TakeOverListener:
     """The running instance's end: hands `listen_sock` to the first new instance that
-    proves the same secret, then calls `on_taken` (once). While `busy` names something
+    proves the same secret, then calls `on_taken` (once). While `blocker` names something
     the new instance could not carry on (an open checkpoint, a running move or live
-    operation: their state is this process's), the take-over is refused with that; what
-    only gives way (a rebalance) is waited for first (`give_way`)."""
+    operation: their state is this process's), the take-over is refused with that (what
+    only gives way, a rebalance, has been asked to first: `Exclusion.blocking_take_over`)."""
 
     def __init__(
         self,
         fingerprint: str,
         listen_sock: socket.socket,
         on_taken: Callable[[int], None],
-        busy: Callable[[], str | None] = lambda: None,
-        give_way: Callable[[], Awaitable[None]] | None = None,
+        blocker: Callable[[], Awaitable[str | None]] | None = None,
     ) -> None:
         self._fingerprint = fingerprint
         self._listen_sock = listen_sock
         self._on_taken = on_taken
-        self._busy = busy
-        self._give_way = give_way
+        self._blocker = blocker
         self._server: asyncio.AbstractServer | None = None
         self._successor: asyncio.StreamWriter | None = None  # told when the directory is free
         self.taken = False
@@ -188,23 +232,28 @@ class TakeOverListener:
         try:
             own_peer(writer.get_extra_info("socket"), TAKEOVER_NAME)
             line = await asyncio.wait_for(reader.readline(), REQUEST_WAIT)
-            request = orjson.loads(line)
-            if not isinstance(request, dict):
-                raise ValueError("not a JSON object")
-        except (TimeoutError, ValueError, orjson.JSONDecodeError, ConnectionError, Untrusted):
+        except (TimeoutError, ValueError, ConnectionError, Untrusted):
             writer.close()
             return
-        if self._give_way is not None:
-            await self._give_way()
         why = None
-        if self.taken:
-            why = "it is being taken over already"
-        elif request.get("secret") != self._fingerprint:
-            why = "another secret"
+        try:
+            request = expect(line, TAKE_OVER, "the new gym-proxy", TakeOverAsk)
+        except LineError as exc:
+            why = f"{exc} (a gym-proxy of another version?)"
         else:
-            why = self._busy()
+            if request.version != TAKE_OVER_VERSION:
+                why = (
+                    f"the new gym-proxy speaks take-over protocol {request.version}, this one "
+                    f"{TAKE_OVER_VERSION}: stop this one and start the new one instead"
+                )
+            elif self.taken:
+                why = "it is being taken over already"
+            elif request.secret != self._fingerprint:
+                why = "another secret"
+            elif self._blocker is not None:
+                why = await self._blocker()
         if why is not None:
-            writer.write(orjson.dumps({"error": why}))
+            writer.write(encode_line(TakeOverRefused(why)))
             writer.close()
             return
         self.taken = True  # refuses a second one while this one is answered
@@ -228,17 +277,14 @@ class TakeOverListener:
         here: this instance still serves)."""
         transport_socket = writer.get_extra_info("socket")
         peer = socket.socket(fileno=os.dup(transport_socket.fileno()))
+        passed = encode_line(PortPassed(TAKE_OVER_VERSION))
         try:  # one small message on a new connection: it fits the socket's buffer
-            socket.send_fds(peer, [orjson.dumps({"ok": True})], [self._listen_sock.fileno()])
+            socket.send_fds(peer, [passed], [self._listen_sock.fileno()])
             pid = peer_of(peer).pid
         finally:
             peer.close()
         line = await asyncio.wait_for(reader.readline(), TOOK_WAIT)
-        if not line:
-            raise ConnectionError("it closed the connection")
-        answer = orjson.loads(line)
-        if not isinstance(answer, dict) or answer.get("took") is not True:
-            raise ValueError(f"it answered {line[:80]!r}")
+        expect(line, TAKE_OVER, "the new gym-proxy", PortTaken)  # LineError: a ValueError
         return pid
 
     def released(self) -> None:
@@ -246,7 +292,7 @@ class TakeOverListener:
         successor, self._successor = self._successor, None
         if successor is not None:
             with contextlib.suppress(ConnectionError, RuntimeError):
-                successor.write(orjson.dumps({"released": True}) + b"\n")
+                successor.write(encode_line(DirectoryReleased()))
             successor.close()
 
     async def close(self) -> None:

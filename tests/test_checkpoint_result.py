@@ -17,13 +17,9 @@ from gym_proxy.coordinator.clients.controller import (
     Participant,
     PrepareResult,
 )
-from gym_proxy.coordinator.clients.controller_cli import (
-    EXIT_PARTIAL,
-    _parser,
-    _server,
-    exit_status,
-)
+from gym_proxy.coordinator.clients.controller_cli import _parser, _server, exit_status
 from gym_proxy.coordinator.contract.episodes import EpisodeId
+from gym_proxy.coordinator.contract.exit_codes import CHECKPOINT_PARTIAL
 
 pytestmark = pytest.mark.fast
 
@@ -60,7 +56,7 @@ def test_restarts_are_named_by_participant_rollout_and_attempt():
     assert "partial: 2 rollout(s) in flight are not in it" in document["summary"]
     assert "http://env (2), http://agent (1)" not in document["summary"]  # sorted by URL
     assert "http://agent (1), http://env (2)" in document["summary"]
-    assert exit_status(outcome, allow_restarts=False) == EXIT_PARTIAL
+    assert exit_status(outcome, allow_restarts=False) == CHECKPOINT_PARTIAL
     assert exit_status(outcome, allow_restarts=True) == 0
 
 

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.fast
 
 
 async def test_a_waiter_is_woken_as_the_operation_ends():
-    exclusion = Exclusion(lambda: None)
+    exclusion = Exclusion()
     with exclusion.hold("drain"):
         waiting = asyncio.ensure_future(exclusion.until_free(60))
         await asyncio.sleep(0)
@@ -33,10 +33,12 @@ async def test_a_waiter_is_woken_as_the_operation_ends():
 
 
 async def test_a_waiter_is_woken_as_the_checkpoint_goes_back_to_idle():
-    machine = PhaseMachine(lease_grace=5.0)
-    exclusion = Exclusion(lambda: machine.checkpoint_id if machine.is_open else None)
-    machine.on_idle = exclusion.freed
+    exclusion = Exclusion()
+    machine = PhaseMachine(
+        lease_grace=5.0, on_open=exclusion.checkpoint_opened, on_idle=exclusion.checkpoint_closed
+    )
     machine.open("ck", "preparing", time.time() + 60)
+    assert exclusion.open_checkpoint() == "ck"
     waiting = asyncio.ensure_future(exclusion.until_free(60))
     await asyncio.sleep(0)
     assert not waiting.done()
@@ -45,17 +47,17 @@ async def test_a_waiter_is_woken_as_the_checkpoint_goes_back_to_idle():
 
 
 async def test_a_wait_that_is_not_freed_in_time_says_so():
-    exclusion = Exclusion(lambda: "ck")
+    exclusion = Exclusion(checkpoint="ck")
     assert await exclusion.until_free(0.01) is False
     assert exclusion._waiting == []
-    assert await Exclusion(lambda: None).until_free(0) is True
+    assert await Exclusion().until_free(0) is True
 
 
 async def test_one_that_yields_is_asked_to_give_way_and_waited_for():
     """A checkpoint's prepare (`give_way`, then its refusal check) finds a rebalance or an
     autoscale resize running: the one that yields is asked, its wait for a session's
     boundary ends at once, and the prepare goes on when it let go; never refused."""
-    exclusion = Exclusion(lambda: None)
+    exclusion = Exclusion()
     router = Router()
     stopped: list[float] = []
 
@@ -77,7 +79,7 @@ async def test_one_that_yields_is_asked_to_give_way_and_waited_for():
 
 
 async def test_one_that_yields_and_begins_while_the_asker_waits_is_asked_in_turn():
-    exclusion = Exclusion(lambda: None)
+    exclusion = Exclusion()
     asked: list[str] = []
 
     async def own(kind: str, then: str | None) -> None:
@@ -97,9 +99,39 @@ async def test_one_that_yields_and_begins_while_the_asker_waits_is_asked_in_turn
 
 
 async def test_an_operators_operation_is_not_asked_and_refuses():
-    exclusion = Exclusion(lambda: None)
+    exclusion = Exclusion()
     with exclusion.hold("resize"):
         assert exclusion.asked is None
         await asyncio.wait_for(exclusion.give_way(), 1)  # returns at once
         with pytest.raises(GymError, match="a resize is running"):
             exclusion.refuse_checkpoint()
+
+
+async def test_acquire_asks_what_yields_then_holds_and_refuses_what_does_not():
+    """One call gives way, refuses and holds (`acquire`): an operator's drain asks a
+    running rebalance to give way and then holds the exclusion; a second operator's
+    operation is refused while it does; gym-proxy's own never pushes another aside."""
+    exclusion = Exclusion()
+    rebalancing = asyncio.Event()
+
+    async def rebalance() -> None:
+        async with exclusion.acquire("rebalance", yields=True):
+            rebalancing.set()
+            asked = exclusion.asked
+            assert asked is not None
+            await asked  # its waits end on it
+
+    running = asyncio.ensure_future(rebalance())
+    await rebalancing.wait()
+    async with exclusion.acquire("drain"):
+        assert running.done() and exclusion.operation == "drain"
+        with pytest.raises(GymError, match="a drain is running"):
+            async with exclusion.acquire("resize"):
+                pass
+        with pytest.raises(GymError, match="a drain is running"):
+            async with exclusion.acquire("rebalance", yields=True):
+                pass
+        with pytest.raises(GymError, match="a drain is running"):
+            await exclusion.admit_checkpoint()
+        assert await exclusion.blocking_take_over() == "a drain is running; take over after it"
+    assert exclusion.operation is None and await exclusion.blocking_take_over() is None

@@ -69,7 +69,7 @@ def operations(workers: int, draining: tuple[int, ...] = ()) -> tuple[Operations
     pool = Pool(workers)
     for slot in draining:
         pool.slots[slot].route.draining = True
-    exclusion = Exclusion(lambda: None)  # no checkpoint open
+    exclusion = Exclusion()  # no checkpoint open
     # Stand-ins that fail any use: a rule refuses before it touches the pool or the mover.
     return Operations(pool, Mover(None, None, exclusion), exclusion), pool  # type: ignore[arg-type]
 

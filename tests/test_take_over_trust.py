@@ -22,10 +22,17 @@ import orjson
 import pytest
 
 from gym_proxy.coordinator.contract.framing import encode_frame, read_frame
+from gym_proxy.coordinator.contract.lines import decode_line, encode_line
 from gym_proxy.coordinator.contract.messages import Register
 from gym_proxy.proxy.fleet.intent import INTENT_NAME
 from gym_proxy.proxy.runtime_dir import IDENTITY_NAME, secret_fingerprint
-from gym_proxy.proxy.takeover import TAKEOVER_NAME
+from gym_proxy.proxy.takeover import (
+    TAKE_OVER,
+    TAKE_OVER_VERSION,
+    TAKEOVER_NAME,
+    TakeOverAsk,
+    TakeOverRefused,
+)
 from tests.support import TEST_SECRET, pid_alive, wait_until, wait_until_sync
 from tests.test_proxy_adoption import GRACE, counts_and_pids, crash, seed
 
@@ -178,21 +185,30 @@ def take_over_socket(proxy) -> str:
     return str(proxy.runtime_dir() / TAKEOVER_NAME)
 
 
-def ask_for_the_port(proxy) -> socket.socket:
+def ask_for_the_port(proxy, version: int = TAKE_OVER_VERSION) -> socket.socket:
     conn = socket.socket(socket.AF_UNIX)
     conn.connect(take_over_socket(proxy))
     fingerprint = secret_fingerprint(TEST_SECRET.encode(), "apps")
-    conn.sendall(orjson.dumps({"secret": fingerprint}) + b"\n")
+    conn.sendall(encode_line(TakeOverAsk(version, fingerprint)))
     return conn
 
 
-async def test_a_successor_that_goes_away_leaves_the_proxy_serving(start_proxy, http):
+async def test_a_successor_that_goes_away_leaves_the_proxy_serving(start_proxy):
     """A `--take-over` that goes away after its request (Ctrl-C), and one that goes away
     after it received the port but before it said so (an OOM kill): each time the running
     gym-proxy says so in one line and goes on serving, and a real take-over after them
     succeeds."""
     first = start_proxy(*GRACE, workers=1)
-    sessions = await seed(http, first.url, 2)
+    # Every connection closed at once: an idle keep-alive one would keep the old proxy
+    # (which leaves it to its client) until its graceful timeout after the take-over.
+    async with aiohttp.ClientSession() as seeding:
+        sessions = await seed(seeding, first.url, 2)
+    other = ask_for_the_port(first, version=TAKE_OVER_VERSION + 1)  # another version
+    other.settimeout(10)
+    refusal = decode_line(other.recv(4096), TAKE_OVER, "the running gym-proxy")
+    other.close()
+    assert isinstance(refusal, TakeOverRefused), refusal
+    assert f"speaks take-over protocol {TAKE_OVER_VERSION + 1}, this one" in refusal.error
     ask_for_the_port(first).close()  # gone before the answer
     conn = ask_for_the_port(first)  # gone after the answer, before saying it took the port
     conn.settimeout(10)

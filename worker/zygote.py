@@ -8,12 +8,9 @@ module and gym-proxy's worker code once; a worker forked from it starts with bot
 memory (shared copy-on-write) and only builds its app.
 
 It is started by the supervisor (`proxy.fleet.zygote_client`) with one end of a socket
-pair (its descriptor the first argument) and serves it, one JSON object a line:
-
-    proxy -> zygote   {"argv": [...], "env": {...}}        fork a worker
-    zygote -> proxy   {"pid": N}  or  {"error": "..."}     in the order asked
-    zygote -> proxy   {"exit": N, "code": C}               worker N ended (C as asyncio's
-                                                           returncode: -signal if killed)
+pair (its descriptor the first argument) and serves it, one declared message a line
+(`coordinator.contract.zygote_lines`): a `fork` gets `forked` or `refused`, in the order
+asked, and a worker's end is reported `exited`; a line it cannot read is refused.
 
 The zygote runs no event loop and no thread (fork copies only the calling thread), and
 checks it still has one thread after the import: an app module that starts threads at
@@ -26,7 +23,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import json
 import os
 import selectors
 import signal
@@ -34,7 +30,17 @@ import socket
 import sys
 import threading
 import traceback
-from typing import Any, NoReturn
+from typing import NoReturn
+
+from gym_proxy.coordinator.contract.lines import LineError, encode_line, expect
+from gym_proxy.coordinator.contract.messages import Message
+from gym_proxy.coordinator.contract.zygote_lines import (
+    ZYGOTE,
+    ChildExited,
+    Fork,
+    Forked,
+    ForkRefused,
+)
 
 __all__ = ["main"]
 
@@ -99,8 +105,8 @@ def _leave(code: int) -> NoReturn:
     os._exit(code)
 
 
-def _send(conn: socket.socket, message: dict[str, Any]) -> None:
-    conn.sendall(json.dumps(message).encode() + b"\n")
+def _send(conn: socket.socket, message: Message) -> None:
+    conn.sendall(encode_line(message))
 
 
 def _reap(conn: socket.socket) -> None:
@@ -111,7 +117,7 @@ def _reap(conn: socket.socket) -> None:
             return
         if pid == 0:
             return
-        _send(conn, {"exit": pid, "code": os.waitstatus_to_exitcode(status)})
+        _send(conn, ChildExited(pid, os.waitstatus_to_exitcode(status)))
 
 
 def serve(conn: socket.socket, unsafe: str) -> None:
@@ -142,17 +148,21 @@ def serve(conn: socket.socket, unsafe: str) -> None:
             pending += data
             while b"\n" in pending:
                 line, pending = pending.split(b"\n", 1)
-                request = json.loads(line)
+                try:
+                    request = expect(line, ZYGOTE, "gym-proxy", Fork)
+                except LineError as exc:
+                    _send(conn, ForkRefused(str(exc)))
+                    continue
                 if unsafe:
-                    _send(conn, {"error": unsafe})
+                    _send(conn, ForkRefused(unsafe))
                     continue
                 pid = os.fork()
                 if pid == 0:
                     selector.close()
                     wake_r.close()
                     wake_w.close()
-                    _child(request["argv"], request["env"], conn)
-                _send(conn, {"pid": pid})
+                    _child(request.argv, request.env, conn)
+                _send(conn, Forked(pid))
 
 
 def main() -> None:

@@ -18,7 +18,7 @@ import asyncio
 import os
 import sys
 from collections.abc import Sequence
-from typing import Any, Final
+from typing import Any
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -27,15 +27,9 @@ import orjson
 from gym_proxy.coordinator.clients.checkpoint_result import CheckpointResult
 from gym_proxy.coordinator.clients.controller import ControlFailed, Controller, Participant
 from gym_proxy.coordinator.contract.episodes import EpisodeId
+from gym_proxy.coordinator.contract.exit_codes import CHECKPOINT_PARTIAL, FAILED, USAGE_ERROR
 
-__all__ = ["EXIT_FAILED", "EXIT_PARTIAL", "EXIT_USAGE", "main"]
-
-EXIT_FAILED: Final = 1  # a participant refused a call, was unreachable, or not ready in time
-EXIT_USAGE: Final = 2  # argparse's own status for bad usage
-# The checkpoint was committed, but it does not hold every rollout in flight: some must be
-# started over (see coordinator.clients.checkpoint_result). Not 1: it is not a failure to
-# retry, and a script must not take it for a complete checkpoint either.
-EXIT_PARTIAL: Final = 3
+__all__ = ["main"]
 
 DESCRIPTION = """\
 Drive the checkpoint control plane (NeMo Gym's Gen-2, /ng-control/v1/checkpoint) of one or
@@ -207,7 +201,7 @@ def _checkpoint_commands(commands: argparse._SubParsersAction[argparse.ArgumentP
     checkpoint.add_argument(
         "--allow-restarts",
         action="store_true",
-        help=f"exit 0, not {EXIT_PARTIAL}, when the checkpoint is partial (restarts or "
+        help=f"exit 0, not {CHECKPOINT_PARTIAL}, when the checkpoint is partial (restarts or "
         "retired stragglers); they are printed either way",
     )
     commands.choices["restore"].add_argument(
@@ -277,9 +271,9 @@ def _operation_body(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def exit_status(result: object, allow_restarts: bool) -> int:
-    """0, or EXIT_PARTIAL for a partial checkpoint unless restarts are allowed."""
+    """0, or CHECKPOINT_PARTIAL for a partial checkpoint unless restarts are allowed."""
     partial = isinstance(result, CheckpointResult) and not result.complete
-    return EXIT_PARTIAL if partial and not allow_restarts else 0
+    return CHECKPOINT_PARTIAL if partial and not allow_restarts else 0
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -289,12 +283,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(
             "gym-proxy-ctl: error: --token or GYM_PROXY_CONTROL_TOKEN is required", file=sys.stderr
         )
-        sys.exit(EXIT_USAGE)
+        sys.exit(USAGE_ERROR)
     try:
         result = asyncio.run(_run(args))
     except ControlFailed as exc:
         print(f"gym-proxy-ctl: {exc}", file=sys.stderr)
-        sys.exit(EXIT_FAILED)
+        sys.exit(FAILED)
     document = result.as_json() if isinstance(result, CheckpointResult) else result
     sys.stdout.write(orjson.dumps(document, option=orjson.OPT_INDENT_2).decode() + "\n")
     status = exit_status(result, getattr(args, "allow_restarts", False))

@@ -8,8 +8,16 @@ coordinator's own modules) or does anything on import:
 - `headers`: the header names and the `/ng-rollout/` prefix proxy and workers speak;
 - `episodes`: episode identity, and NeMo Gym's rollout IDs in request bodies;
 - `app_sessions`: the session an app's own cookie or MCP token names;
-- `exit_codes`, `keepalive`: what a worker process and the proxy agree on;
+- `exit_codes`, `keepalive`: every process's exit statuses, and the keep-alive rule
+  proxy and workers agree on;
 - `framing`, `channel`, `messages`: the coordinator channel, its frames and its messages;
+- `lines`, `zygote_lines`: the JSON-lines protocols between the other processes, and the
+  zygote's messages;
+- `worker_link`: the authenticated link to a worker on another node;
 - `records`: the checkpoint record format (NeMo Gym's);
-- `marks`: retire marks and restored claims.
+- `marks`: retire marks and restored claims;
+- `state_files`, `trust`: the runtime directory's state files, and what is believed of a
+  path or a peer;
+- `collector`, `loop_lag`, `telemetry`, `failpoints`: the garbage collector held off
+  around a checkpoint, the event loop's lag, OpenTelemetry, crash points for tests.
 """

@@ -253,7 +253,7 @@ class Balancer:
         if not plan:
             return True
         try:
-            with self.exclusion.hold("rebalance", yields=True):
+            async with self.exclusion.acquire("rebalance", yields=True):
                 result = await self.mover.move_sessions(
                     plan, [source], time.monotonic() + MOVE_WITHIN
                 )

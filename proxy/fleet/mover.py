@@ -97,14 +97,12 @@ class Mover:
     async def move(self, session_ids: list[str], to_slot: int, within: float) -> dict[str, Any]:
         """Move `session_ids` to the worker in `to_slot`; answer what moved and what did
         not, and why (module docstring)."""
-        await self.exclusion.give_way()
-        self.exclusion.refuse_operation("move")
-        target = next((w for w in self.workers.live() if w.slot == to_slot), None)
-        if target is None:
-            raise GymError("invalid_request", f"no live worker in slot {to_slot}")
-        wanted = list(dict.fromkeys(session_ids))
-        started = time.monotonic()
-        with self.exclusion.hold("move"):
+        async with self.exclusion.acquire("move"):
+            target = next((w for w in self.workers.live() if w.slot == to_slot), None)
+            if target is None:
+                raise GymError("invalid_request", f"no live worker in slot {to_slot}")
+            wanted = list(dict.fromkeys(session_ids))
+            started = time.monotonic()
             sources = [w for w in self.workers.live() if w.owner != target.owner]
             result = await self.move_sessions({target.owner: wanted}, sources, started + within)
         seconds = round(time.monotonic() - started, 6)

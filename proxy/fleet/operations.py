@@ -351,10 +351,8 @@ class Operations:
     async def _exclusive(
         self, kind: str, reason: str, yields: bool = False
     ) -> AsyncIterator[Progress]:
-        await self.exclusion.give_way()
-        with self.exclusion.hold(kind, yields):
-            async with self._progress(kind, reason) as progress:
-                yield progress
+        async with self.exclusion.acquire(kind, yields), self._progress(kind, reason) as progress:
+            yield progress
 
     @contextlib.asynccontextmanager
     async def _progress(self, kind: str, reason: str) -> AsyncIterator[Progress]:

@@ -45,6 +45,7 @@ from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from typing import TYPE_CHECKING, Any
 
 from gym_proxy.coordinator.contract.errors import WorkerGone
+from gym_proxy.coordinator.contract.exit_codes import EXIT_UNKNOWN
 from gym_proxy.coordinator.contract.framing import STREAM_LIMIT
 from gym_proxy.coordinator.contract.worker_link import (
     CHANNEL,
@@ -61,11 +62,10 @@ from gym_proxy.proxy.ray_cluster.errors import RayError
 if TYPE_CHECKING:
     from gym_proxy.proxy.data_path.upstream import UpstreamConnection
 
-__all__ = ["RayLauncher", "RemoteWorker", "remote_environment", "EXIT_UNKNOWN"]
+__all__ = ["RayLauncher", "RemoteWorker", "remote_environment"]
 
 log = logging.getLogger("gym_proxy.supervisor")
 
-EXIT_UNKNOWN = -1  # as `proxy.ray_cluster.placement` says it
 START_WAIT = 120.0  # seconds for the driver to join the cluster and check its room
 STOP_WAIT = 15.0  # seconds for the driver to kill the actors and leave
 LOST_EXIT_WAIT = 2.0  # seconds a worker whose channel ended unasked has to exit

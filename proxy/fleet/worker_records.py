@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
 from gym_proxy.coordinator.contract.channel import Channel
+from gym_proxy.coordinator.contract.exit_codes import EXIT_UNKNOWN
 from gym_proxy.proxy.data_path.routing import WorkerRoute
 from gym_proxy.proxy.data_path.upstream import UpstreamPool
 from gym_proxy.proxy.fleet.remote_workers import RemoteWorker
@@ -237,8 +238,6 @@ class AdoptedProcess:
     names the process itself, never a later one that reuses its pid. Its exit status
     belongs to its parent: `wait` gives EXIT_UNKNOWN."""
 
-    EXIT_UNKNOWN = -1
-
     def __init__(self, pid: int) -> None:
         self.pid = pid
         self._fd = os.pidfd_open(pid)
@@ -250,9 +249,9 @@ class AdoptedProcess:
         asyncio.get_running_loop().remove_reader(self._fd)
         os.close(self._fd)
         self._fd = -1
-        self.returncode = self.EXIT_UNKNOWN
+        self.returncode = EXIT_UNKNOWN
         if not self._exited.done():
-            self._exited.set_result(self.EXIT_UNKNOWN)
+            self._exited.set_result(EXIT_UNKNOWN)
 
     async def wait(self) -> int:
         return await asyncio.shield(self._exited)

@@ -13,13 +13,20 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import json
 import logging
 import os
 import signal
 import socket
 import sys
 
+from gym_proxy.coordinator.contract.lines import LineError, decode_line, encode_line
+from gym_proxy.coordinator.contract.zygote_lines import (
+    ZYGOTE,
+    ChildExited,
+    Fork,
+    Forked,
+    ForkRefused,
+)
 from gym_proxy.proxy.config import Config
 
 __all__ = ["Zygote", "ForkedProcess", "ZygoteError"]
@@ -81,8 +88,7 @@ class Zygote:
             assert self.writer is not None
             reply: asyncio.Future[ForkedProcess | str] = asyncio.get_running_loop().create_future()
             self.replies.append(reply)
-            line = json.dumps({"argv": argv, "env": dict(os.environ)}).encode() + b"\n"
-            self.writer.write(line)
+            self.writer.write(encode_line(Fork(argv, dict(os.environ))))
             await self.writer.drain()
             answer = await reply
         if isinstance(answer, str):
@@ -107,19 +113,23 @@ class Zygote:
     async def _read(self, reader: asyncio.StreamReader) -> None:
         try:
             while line := await reader.readline():
-                message = json.loads(line)
-                if "exit" in message:
-                    child = self.children.pop(int(message["exit"]), None)
+                message = decode_line(line, ZYGOTE, "the zygote")
+                if isinstance(message, ChildExited):
+                    child = self.children.pop(message.pid, None)
                     if child is not None:
-                        child.exited(int(message["code"]))
+                        child.exited(message.code)
                     continue
                 reply = self.replies.popleft()
-                if "pid" in message:
+                if isinstance(message, Forked):
                     # Known before the next line is read: its exit may be that line.
-                    child = self.children[message["pid"]] = ForkedProcess(int(message["pid"]))
+                    child = self.children[message.pid] = ForkedProcess(message.pid)
                     reply.set_result(child)
+                elif isinstance(message, ForkRefused):
+                    reply.set_result(message.error)
                 else:
-                    reply.set_result(str(message["error"]))
+                    raise LineError(f"the zygote sent {message.TYPE!r}, which it never sends")
+        except LineError as exc:
+            log.error("--preload: %s; it is taken as gone", exc)
         finally:
             self._lost()
 

@@ -1,11 +1,9 @@
-"""What goes wrong with the server's Ray cluster, as the user hears it: one line, and the
-exit status gym-proxy stops with."""
+"""What goes wrong with the server's Ray cluster, as the user hears it: one line (gym-proxy
+stops with exit status `coordinator.contract.exit_codes.RAY_ERROR`)."""
 
 from __future__ import annotations
 
-__all__ = ["RAY_ERROR", "RayError"]
-
-RAY_ERROR = 5  # gym-proxy's exit status: the Ray cluster could not be started, joined or used
+__all__ = ["RayError"]
 
 
 class RayError(RuntimeError):

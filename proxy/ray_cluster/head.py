@@ -39,6 +39,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from gym_proxy.coordinator.contract.exit_codes import FAILED, USAGE_ERROR
+
 __all__ = ["main"]
 
 AUTH_MODE = "RAY_AUTH_MODE"
@@ -203,7 +205,7 @@ def _check(address: str) -> int:
     why = _probe(address)
     if why is not None:
         _say(error=why)
-        return 1
+        return FAILED
     # Ray retries a GCS that does not answer for about 20 s; something listens there, so
     # a few seconds tell (an authentication refusal is answered at once, and retried).
     os.environ.setdefault("RAY_gcs_server_port_wait_time_s", str(GCS_WAIT))
@@ -214,7 +216,7 @@ def _check(address: str) -> int:
         ray.init(address=address, log_to_driver=False)
     except Exception as exc:  # Ray raises ConnectionError, RuntimeError, ValueError, ...
         _say(error=f"cannot join the Ray cluster at {address}: {_why(exc)}")
-        return 1
+        return FAILED
     _say(address=ray.get_runtime_context().gcs_address, auth_mode=os.environ.get(AUTH_MODE))
     ray.shutdown()
     return 0
@@ -233,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
         "start [KEEP_FOR SOCKET] | check HOST:PORT",
         file=sys.stderr,
     )
-    return 2
+    return USAGE_ERROR
 
 
 if __name__ == "__main__":

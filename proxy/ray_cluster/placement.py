@@ -43,11 +43,11 @@ import threading
 import time
 from typing import Any
 
+from gym_proxy.coordinator.contract.exit_codes import EXIT_UNKNOWN, FAILED, USAGE_ERROR
 from gym_proxy.proxy.runtime_dir import remove_abandoned
 
-__all__ = ["main", "EXIT_UNKNOWN", "room_for"]
+__all__ = ["main", "room_for"]
 
-EXIT_UNKNOWN = -1  # a worker whose actor died with it: no exit status came back
 NAMESPACE = "gym-proxy"
 STOP_WAIT = 10.0  # seconds the actors get to be dead at the end
 
@@ -195,7 +195,7 @@ def _serve(out: _Out, address: str, spec: dict[str, Any]) -> int:
         ray.init(address=address, namespace=NAMESPACE, logging_level=logging.WARNING)
     except Exception as exc:
         out.say(error=f"cannot join the Ray cluster at {address}: {_first_line(exc)}")
-        return 1
+        return FAILED
     placement = _Placement(out, spec)
     nodes = [n for n in ray.nodes() if n.get("Alive")]
     room = room_for(nodes, placement.need)
@@ -205,7 +205,7 @@ def _serve(out: _Out, address: str, spec: dict[str, Any]) -> int:
             error=f"the Ray cluster at {address} has room for {room} workers of {{{asked}}} "
             f"on its {len(nodes)} nodes; {spec['workers']} were asked"
         )
-        return 1
+        return FAILED
     out.say(ready={"nodes": len(nodes), "room": room})
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # again: whatever Ray set at its init
@@ -237,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
         print(
             "usage: python -m gym_proxy.proxy.ray_cluster.placement ADDRESS SPEC", file=sys.stderr
         )
-        return 2
+        return USAGE_ERROR
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # gym-proxy decides (module docstring)
     out = _Out(os.dup(1))
     os.dup2(2, 1)  # Ray's lines and the nodes' forwarded logs: the proxy's log
