@@ -5,6 +5,7 @@ the commit that renames is the one that fails."""
 
 from __future__ import annotations
 
+import ast
 import textwrap
 
 import pytest
@@ -35,6 +36,17 @@ def test_the_scan_finds_the_names_the_docs_give(resolver):
     assert any(n.split(".")[0] in resolver.classes for n in names)  # Class.attr
     assert any(n.startswith("gym_proxy.") for n in names)
     assert any(n.startswith(("proxy.", "worker.", "coordinator.")) for n in names)
+
+
+def test_the_worker_package_names_every_module_of_it():
+    """worker/__init__.py's docstring is the map of the package: a new module goes on it
+    (and every name on it resolves, as everywhere)."""
+    folder = REPO / "worker"
+    docstring = ast.get_docstring(ast.parse((folder / "__init__.py").read_text())) or ""
+    modules = [p.stem for p in folder.glob("*.py") if p.stem != "__init__"]
+    packages = [p.name for p in folder.iterdir() if (p / "__init__.py").is_file()]
+    missing = [m for m in sorted(modules + packages) if f"`worker.{m}`" not in docstring]
+    assert len(modules) > 20 and not missing, missing
 
 
 def _made_stale(name: str) -> str:

@@ -1,5 +1,7 @@
-"""In-process tests of the participant runtime (`worker.runtime`) and of the worker's
-handling of coordinator messages (`worker.channel_requests`).
+"""In-process tests of the participant runtime (`worker.runtime` and its parts: the
+readiness reports, `worker.readiness`; the sessions' ends, `worker.session_ends`; the
+state's records, `worker.state_records`; retired attempts, `worker.attempts`) and of the
+worker's handling of coordinator messages (`worker.channel_requests`).
 
 A rig drives the real `ParticipantRuntime` as the front doors do (`admit`, the app,
 `answered`, `hold_answer`, `leave`), one asyncio task per request, and, where the runtime
@@ -22,12 +24,13 @@ from gym_proxy.coordinator.contract import messages as msg
 from gym_proxy.coordinator.contract.channel import Channel, RemoteError
 from gym_proxy.coordinator.contract.episodes import EpisodeId, task_digest
 from gym_proxy.coordinator.contract.errors import GymError
-from gym_proxy.worker import runtime as runtime_module
+from gym_proxy.worker import attempts, session_ends, state_records
 from gym_proxy.worker.channel_requests import handle_coordinator_message
 from gym_proxy.worker.declaration import ParticipantHooks, Participation
+from gym_proxy.worker.flights import InFlight, RequestFacts, own_cancellation
 from gym_proxy.worker.identity import WorkerInfo
 from gym_proxy.worker.request_context import RequestContext
-from gym_proxy.worker.runtime import InFlight, ParticipantRuntime, RequestFacts, own_cancellation
+from gym_proxy.worker.runtime import ParticipantRuntime
 from gym_proxy.worker.sessions import session_record
 
 pytestmark = pytest.mark.fast
@@ -158,13 +161,14 @@ class Rig:
         self.channels: list[Channel] = []  # the worker's end, the coordinator's
         self.tasks: list[asyncio.Task[None]] = []
         self._changed = asyncio.Event()
-        notify = runtime.changed
+        notify = runtime.readiness.changed
 
         def changed() -> None:  # the runtime's own "readiness changed", observed
             notify()
             self._changed.set()
 
-        runtime.changed = changed  # type: ignore[method-assign]  # observed, as it is called
+        # A method replaced on purpose: each call is observed, as it is called.
+        runtime.readiness.changed = changed  # type: ignore[method-assign]
 
     async def connect(self) -> None:
         async def serve(message: msg.Message) -> msg.Message:
@@ -247,7 +251,7 @@ async def test_a_closed_gate_holds_every_request_at_the_door(rig_of):
     ]
     await rig.until(lambda: rig.at("door", *calls))
     assert not any(c.entered.is_set() for c in calls)
-    report = runtime.report()
+    report = runtime.readiness.report()
     assert (report.ready, report.blockers, report.checkpoint_id) == (True, [], "ck")
     assert report.counts["door"] == report.counts["in_flight"] == 3
     assert calls[1].flight.identity == EpisodeId("3-1", 0)
@@ -272,7 +276,7 @@ async def test_a_model_serves_other_routes_and_parks_generation_while_closed(rig
     held.finish.set()
     await rig.until(lambda: rig.at("door", door) and rig.at("parked", held))
     assert not held.task.done() and not door.entered.is_set()
-    assert runtime.report().ready
+    assert runtime.readiness.report().ready
     runtime.open_gate()
     assert await held.result() == 200
     await door.admitted()
@@ -291,14 +295,14 @@ async def test_running_requests_block_until_parked(rig_of):
     for call in (episode, session, bare):
         await call.admitted()
     runtime.close_gate("ck")
-    report = runtime.report()
+    report = runtime.readiness.report()
     assert not report.ready
     assert report.blockers == ["r7-a2", "request:/health", "session:s1"]
     episode.finish.set()
     await rig.until(lambda: rig.at("parked", episode))
-    assert runtime.report().blockers == ["request:/health", "session:s1"]
+    assert runtime.readiness.report().blockers == ["request:/health", "session:s1"]
     assert [await session.answer(), await bare.answer()] == [200, 200]
-    assert runtime.report().ready and runtime.report().counts["parked"] == 1
+    assert runtime.readiness.report().ready and runtime.readiness.report().counts["parked"] == 1
     runtime.open_gate()
     assert await episode.result() == 200
 
@@ -314,7 +318,7 @@ async def test_restart_only_never_blocks_and_lists_its_restarts(rig_of):
     await running.admitted()
     await other.admitted()
     rig.runtime.close_gate("ck")
-    report = rig.runtime.report()
+    report = rig.runtime.readiness.report()
     assert (report.ready, report.blockers, report.restarts) == (True, [], ["rA-a1", "rB"])
     assert report.counts["unbound_sessions"] == 1
 
@@ -325,11 +329,11 @@ async def test_restart_only_resources_blocks_on_unbound_sessions(rig_of):
     rig = await rig_of(Participation(restart_only=True))
     assert await rig.done("/step", "s1") == 200
     rig.runtime.close_gate("ck")
-    assert rig.runtime.report().blockers == ["resources-unbound-sessions:1"]
+    assert rig.runtime.readiness.report().blockers == ["resources-unbound-sessions:1"]
     rig.runtime.open_gate()
     assert await rig.done("/close_session", "s1") == 200
     rig.runtime.close_gate("ck")
-    assert rig.runtime.report().ready
+    assert rig.runtime.readiness.report().ready
 
 
 async def test_ready_notices_follow_changes_with_increasing_seq(rig_of):
@@ -386,13 +390,13 @@ async def reported(rig: Rig, what: str, shows: Callable[[msg.Report], bool]) -> 
         return (
             bool(readies)
             and shows(readies[-1])
-            and (without_seq(readies[-1]) == without_seq(rig.runtime.report()))
+            and (without_seq(readies[-1]) == without_seq(rig.runtime.readiness.report()))
         )
 
     try:
         await coordinator.until(arrived)
     except TimeoutError:
-        pytest.fail(f"no report followed: {what} (now {rig.runtime.report()})")
+        pytest.fail(f"no report followed: {what} (now {rig.runtime.readiness.report()})")
 
 
 async def test_every_change_a_report_shows_is_reported(rig_of):
@@ -454,7 +458,7 @@ async def test_every_change_a_report_shows_is_reported(rig_of):
     await handle_coordinator_message(runtime, msg.Retire([msg.EpisodeRef("r2", 0)]))
     await reported(rig, "a retired session", lambda r: r.counts["sessions"] == 1)
     restored = session_record("back", "r3-a1", {"n": 2}, INFO.owner)
-    assert await runtime.install([restored]) == 1
+    assert await state_records.install(runtime, [restored]) == 1
     await reported(rig, "a session installed", lambda r: r.counts["sessions"] == 2)
     await handle_coordinator_message(runtime, msg.Release(keep=[]))
     await reported(rig, "a restored session released", lambda r: r.counts["sessions"] == 1)
@@ -487,9 +491,9 @@ async def test_a_checkpoint_closes_or_names_an_open_tunnel(rig_of, policy, close
     assert not closed.is_set()
     rig.runtime.close_gate("ck")
     assert closed.is_set() is closes
-    assert rig.runtime.report().blockers == ["tunnel:s1"]
+    assert rig.runtime.readiness.report().blockers == ["tunnel:s1"]
     assert await tunnel.answer() == 200
-    assert rig.runtime.report().ready
+    assert rig.runtime.readiness.report().ready
 
 
 # ---- retire and forget ----------------------------------------------------------------
@@ -535,12 +539,12 @@ async def test_a_request_cancelled_at_the_door_leaves(rig_of, how):
     call = rig.play("/run", body=run_body("r1"))
     await rig.until(lambda: rig.at("door", call))
     if how == "retire":
-        await asyncio.wait_for(rig.runtime.retire([EpisodeId("r1", 0)]), WAIT)
+        await asyncio.wait_for(attempts.retire(rig.runtime, [EpisodeId("r1", 0)]), WAIT)
     else:
         call.task.cancel()
     await asyncio.wait_for(asyncio.wait([call.task]), WAIT)
     assert not rig.runtime.flights
-    assert rig.runtime.report().ready
+    assert rig.runtime.readiness.report().ready
     if how == "retire":  # refused as a retired attempt, not dropped unanswered
         assert call.task.result() == "stale_attempt"
     else:
@@ -603,7 +607,7 @@ async def test_a_claim_on_a_closed_channel_is_unavailable(rig_of):
 async def test_closed_sessions_are_released_at_once_and_announced_in_one_batch(rig_of, monkeypatch):
     """A 2xx /close_session ends a tracked session: the app's release hook hears at
     once, and the coordinator gets one SessionsEnded for what ended meanwhile."""
-    monkeypatch.setattr(runtime_module, "ENDED_FLUSH", 0.02)
+    monkeypatch.setattr(session_ends, "ENDED_FLUSH", 0.02)
     released: list[list[str]] = []
     rig = await rig_of(Participation(hooks=ParticipantHooks(release=released.append)), True)
     store = rig.runtime.store
@@ -636,7 +640,7 @@ async def test_the_session_store_exports_sessions_and_parked_episodes(rig_of):
     runtime.close_gate("ck")
     parked.finish.set()
     await rig.until(lambda: rig.at("parked", parked))
-    records = await runtime.export(None)
+    records = await state_records.export(runtime, None)
     assert records[-1] == {
         "episode_id": {"rollout_id": "r5", "attempt": 0},
         "task_digest": task_digest({"task": "t"}),
@@ -645,9 +649,9 @@ async def test_the_session_store_exports_sessions_and_parked_episodes(rig_of):
     sessions = {r["session_id"]: r for r in records[:-1]}
     assert sessions["s1"]["episode_id"] == {"rollout_id": "r1", "attempt": 0}
     assert {r["owner"] for r in sessions.values()} == {INFO.owner}
-    assert [r["session_id"] for r in await runtime.export({"zz"})] == ["s2"]
+    assert [r["session_id"] for r in await state_records.export(runtime, {"zz"})] == ["s2"]
     other = await rig_of()
-    assert await other.runtime.install(list(sessions.values())) == 2
+    assert await state_records.install(other.runtime, list(sessions.values())) == 2
     assert other.runtime.store.get("s1") == {"n": 1}
 
 
@@ -668,12 +672,12 @@ async def test_hooks_export_and_restore_the_apps_own_state(rig_of):
     rig = await rig_of(Participation(hooks=hooks))
     assert await rig.done("/seed_session", "s1", body=run_body("r1")) == 200
     assert await rig.done("/step", "s0") == 200
-    records = await rig.runtime.export({"r1"})
+    records = await state_records.export(rig.runtime, {"r1"})
     assert asked == [["s0", "s1"]]
     assert {r["session_id"]: r["state"] for r in records} == {"s0": "state-s0", "s1": "state-s1"}
-    assert [r["session_id"] for r in await rig.runtime.export({"zz"})] == ["s0"]
+    assert [r["session_id"] for r in await state_records.export(rig.runtime, {"zz"})] == ["s0"]
     other = await rig_of(Participation(hooks=hooks))
-    assert await other.runtime.install(records) == 2
+    assert await state_records.install(other.runtime, records) == 2
     assert restored == [{"s0": "state-s0", "s1": "state-s1"}]
     assert "s1" in other.runtime.store and other.runtime.store.get("s1") is None
 
@@ -690,11 +694,11 @@ async def test_a_declared_session_dict_is_exported_installed_and_released(rig_of
 
     rig = await rig_of(Participation(session_state=states))
     assert await rig.done("/step", "s1", app=count) == 200
-    records = await rig.runtime.export(None)
+    records = await state_records.export(rig.runtime, None)
     assert [(r["session_id"], r["state"]) for r in records] == [("s1", 7)]
     restored: dict[str, Any] = {}
     other = await rig_of(Participation(session_state=restored))
-    assert await other.runtime.install(records) == 1
+    assert await state_records.install(other.runtime, records) == 1
     assert restored == {"s1": 7} and "s1" in other.runtime.store
     assert await other.done("/close_session", "s1") == 200
     assert restored == {}
@@ -731,5 +735,5 @@ async def test_restart_only_exports_nothing(rig_of):
     running = rig.play("/run", body=run_body("r1"))
     await running.admitted()
     rig.runtime.close_gate("ck")
-    assert rig.runtime.report().restarts == ["r1"]
-    assert await rig.runtime.export(None) == []
+    assert rig.runtime.readiness.report().restarts == ["r1"]
+    assert await state_records.export(rig.runtime, None) == []

@@ -15,7 +15,8 @@ from aiohttp import hdrs, web
 from gym_proxy.coordinator.contract import headers as names
 from gym_proxy.coordinator.contract.errors import RETRY_AFTER, GymError
 from gym_proxy.worker.declaration import PARTICIPATION, Kind, Participation
-from gym_proxy.worker.runtime import ParticipantRuntime, RequestFacts, own_cancellation
+from gym_proxy.worker.flights import RequestFacts, own_cancellation
+from gym_proxy.worker.runtime import ParticipantRuntime
 
 if TYPE_CHECKING:
     from aiohttp.typedefs import Handler

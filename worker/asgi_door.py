@@ -37,18 +37,15 @@ from gym_proxy.coordinator.contract.headers import (
     split_rollout_path,
 )
 from gym_proxy.worker.app_sessions import app_session_cookie, starlette_app
+from gym_proxy.worker.flights import InFlight, RequestFacts, own_cancellation
 from gym_proxy.worker.handovers import hands_over
 from gym_proxy.worker.request_context import RequestContext
-from gym_proxy.worker.runtime import (
-    RUN_BODY_LIMIT,
-    InFlight,
-    ParticipantRuntime,
-    RequestFacts,
-    own_cancellation,
-)
+from gym_proxy.worker.runtime import RUN_BODY_LIMIT, ParticipantRuntime
 
 __all__ = [
     "AsgiDoor",
+    "RequestCycle",
+    "TunnelCycle",
     "SCOPE_KEY",
     "answer_runtime_errors",
 ]
@@ -64,7 +61,8 @@ SCOPE_KEY = (
 
 
 class AsgiDoor:
-    """Wraps an ASGI app with admission and in-flight tracking."""
+    """Wraps an ASGI app with admission and in-flight tracking: each HTTP request goes
+    through it as a `RequestCycle`, each WebSocket as a `TunnelCycle`."""
 
     def __init__(self, app: Any, runtime: ParticipantRuntime) -> None:
         self.app = app
@@ -74,155 +72,208 @@ class AsgiDoor:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
-        if kind == "websocket":
-            await self._tunnel(scope, receive, send)
-            return
-        if kind != "http":
+        if kind == "http":
+            await RequestCycle(self, scope, receive, send).run()
+        elif kind == "websocket":
+            await TunnelCycle(self, scope, receive, send).run()
+        else:
             await self.app(scope, receive, send)  # lifespan (and anything else) passes
-            return
-        runtime = self.runtime
-        session_id = new_session = app_token = claim = None
-        for name, value in scope["headers"]:
-            if name == SESSION_ID:
-                session_id = value.decode("latin-1")
-            elif name == SESSION_NEW:
-                new_session = value == b"1"
-            elif name == APP_SESSION_CLAIM:
-                claim = value.decode("latin-1")
-            elif name == APP_TOKEN:  # only an app's own gets this far
-                app_token = True
-        buffered: list[bytes] = []
 
-        async def read_body() -> bytes:
-            size = 0
-            while True:
-                message = await receive()
-                if message["type"] != "http.request":
-                    break
-                buffered.append(message.get("body", b""))
-                size += len(buffered[-1])
-                if size > RUN_BODY_LIMIT:
-                    raise GymError("request_too_large", "a /run or /seed_session body over 64 MiB")
-                if not message.get("more_body"):
-                    break
-            return b"".join(buffered)
 
-        async def replay() -> Message:
-            if buffered:
-                body = b"".join(buffered)
-                buffered.clear()
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()
+class RequestCycle:
+    """One HTTP request through the door, as uvicorn's `RequestResponseCycle` is one
+    through its protocol: admitted (a `/run` or `/seed_session` body read ahead for its
+    rollout identity, `read_body`, and handed to the app again, `replay`), the app run,
+    and its answer watched on the way out (`send`)."""
 
+    __slots__ = (
+        "door",
+        "runtime",
+        "scope",
+        "_receive",
+        "_send",
+        "flight",
+        "buffered",
+        "kept",
+        "status",
+        "app_session",
+        "told",
+        "head",
+    )
+    flight: InFlight
+
+    def __init__(self, door: AsgiDoor, scope: Scope, receive: Receive, send: Send) -> None:
+        self.door = door
+        self.runtime = door.runtime
+        self.scope = scope
+        self._receive = receive  # the server's
+        self._send = send
+        self.buffered: list[bytes] = []  # the body read ahead, until the app reads it
+        self.kept: _KeptBody | None = None  # the body as the app read it, for a hand-over
+        self.status = 0  # the answer's, once it starts
+        self.app_session: str | None = None  # the app's session its answer's cookie names
+        self.told = False  # the runtime was told the answer (at its last byte)
+        self.head: Message | None = None  # a sized answer's start, sent with its first body
+
+    async def run(self) -> None:
+        runtime, scope = self.runtime, self.scope
         try:
-            key, path = split_rollout_path(scope["path"])
-            facts = RequestFacts(
-                scope["method"], path, session_id, bool(new_session), key, bool(app_token), claim
-            )
-            flight = await runtime.admit(facts, read_body)
+            flight = self.flight = await runtime.admit(_facts(scope), self.read_body)
         except GymError as exc:
-            await send_error(send, exc)
+            await send_error(self._send, exc)
             return
         scope[SCOPE_KEY] = RequestContext(runtime, flight)
-        status = 0
-        app_session: str | None = None
-        app_receive = replay if buffered else receive
-        body: _KeptBody | None = None
+        receive = self.replay if self.buffered else self._receive
         if flight.episode is not None and flight.episode.exported and hands_over(runtime):
             # A /run may be handed over to another worker with its body (worker.handovers).
-            body = _KeptBody(app_receive)
-            app_receive = body.receive
-        answered: list[bool] = []  # the runtime was told the answer (at its last byte)
-        head: list[Message] = []  # a sized answer's start, sent with its first body
-
-        async def watch(message: Message) -> None:
-            nonlocal status, app_session
-            if message["type"] == "http.response.start":
-                flight.responding = True
-                await runtime.hold_answer(flight)
-                status = message["status"]
-                if runtime.app_keyed:
-                    app_session = session_in_headers(
-                        message.get("headers", ()), True, self.app_cookie
-                    )
-                announce = _announcement(runtime, flight, app_session, status)
-                if announce is not None:
-                    message["headers"] = [*message.get("headers", ()), announce]
-                if _sized(message):
-                    # uvicorn writes the head as it gets it, and a FastAPI app's body comes
-                    # loop turns later (NeMo Gym's: 1-6 ms), so the proxy woke and read twice
-                    # a call; sent with the body, both leave in one turn and arrive as one.
-                    head.append(message)
-                    return
-            elif message["type"] == "http.response.body":
-                if head:
-                    await send(head.pop())
-                if not message.get("more_body"):
-                    # Before the last byte leaves, as the aiohttp door does: a client that
-                    # has the whole answer may send its next call (a prepare) at once.
-                    answered.append(True)
-                    runtime.answered(flight, status, app_session)
-            await send(message)
-
+            self.kept = _KeptBody(receive)
+            receive = self.kept.receive
         try:
-            await self.app(scope, app_receive, watch)
+            await self.door.app(scope, receive, self.send)
         except asyncio.CancelledError:
             if not own_cancellation(flight):
                 raise
-            handover = flight.handover
-            if handover is not None and handover.id is not None and body is not None:
-                await _send_handover_marker(send, handover, await body.whole())
-            elif not status:
-                await send_error(send, GymError("stale_attempt", "this attempt was retired"))
+            await self._stopped()
         except GymError as exc:
-            if status:
+            if self.status:
                 raise
-            await send_error(send, exc)
+            await send_error(self._send, exc)
         else:
-            if not answered:
-                runtime.answered(flight, status, app_session)
+            if not self.told:
+                runtime.answered(flight, self.status, self.app_session)
         finally:
             runtime.leave(flight)
 
-    async def _tunnel(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """A WebSocket: admitted like a request, a tunnel once the app accepts it."""
-        runtime = self.runtime
-        session_id = claim = None
-        for name, value in scope["headers"]:
-            if name == SESSION_ID:
-                session_id = value.decode("latin-1")
-            elif name == APP_SESSION_CLAIM:
-                claim = value.decode("latin-1")
+    async def read_body(self) -> bytes:
+        """The whole body, for admission to read the rollout identity in it."""
+        buffered, size = self.buffered, 0
+        while True:
+            message = await self._receive()
+            if message["type"] != "http.request":
+                break
+            buffered.append(message.get("body", b""))
+            size += len(buffered[-1])
+            if size > RUN_BODY_LIMIT:
+                raise GymError("request_too_large", "a /run or /seed_session body over 64 MiB")
+            if not message.get("more_body"):
+                break
+        return b"".join(buffered)
+
+    async def replay(self) -> Message:
+        """The app's `receive` after a body was read ahead: that body, then the server's."""
+        if self.buffered:
+            body = b"".join(self.buffered)
+            self.buffered.clear()
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await self._receive()
+
+    async def send(self, message: Message) -> None:
+        """The app's `send`: its answer on the way out."""
+        kind = message["type"]
+        if kind == "http.response.start":
+            await self._starts(message)
+            if _sized(message):
+                # uvicorn writes the head as it gets it, and a FastAPI app's body comes
+                # loop turns later (NeMo Gym's: 1-6 ms), so the proxy woke and read twice
+                # a call; sent with the body, both leave in one turn and arrive as one.
+                self.head = message
+                return
+        elif kind == "http.response.body":
+            head, self.head = self.head, None
+            if head is not None:
+                await self._send(head)
+            if not message.get("more_body"):
+                # Before the last byte leaves, as the aiohttp door does: a client that
+                # has the whole answer may send its next call (a prepare) at once.
+                self.told = True
+                self.runtime.answered(self.flight, self.status, self.app_session)
+        await self._send(message)
+
+    async def _starts(self, start: Message) -> None:
+        """The answer starts: held while a model's checkpoint is open, its status and
+        app session noted, and an app session's start or end announced to the proxy."""
+        runtime, flight = self.runtime, self.flight
+        flight.responding = True
+        await runtime.hold_answer(flight)
+        self.status = start["status"]
+        if runtime.app_keyed:
+            headers = start.get("headers", ())
+            self.app_session = session_in_headers(headers, True, self.door.app_cookie)
+        announce = _announcement(runtime, flight, self.app_session, self.status)
+        if announce is not None:
+            start["headers"] = [*start.get("headers", ()), announce]
+
+    async def _stopped(self) -> None:
+        """The runtime cancelled the request: a hand-over gives it back to the proxy with
+        its body (the marker); a retired one is refused, unless its answer began."""
+        handover = self.flight.handover
+        if handover is not None and handover.id is not None and self.kept is not None:
+            await _send_handover_marker(self._send, handover, await self.kept.whole())
+        elif not self.status:
+            await send_error(self._send, GymError("stale_attempt", "this attempt was retired"))
+
+
+class TunnelCycle:
+    """One WebSocket through the door: admitted like a request, a tunnel once the app
+    accepts it, which a checkpoint may close (`close`)."""
+
+    __slots__ = ("door", "runtime", "scope", "_receive", "_send", "flight")
+    flight: InFlight
+
+    def __init__(self, door: AsgiDoor, scope: Scope, receive: Receive, send: Send) -> None:
+        self.door = door
+        self.runtime = door.runtime
+        self.scope = scope
+        self._receive = receive
+        self._send = send
+
+    async def run(self) -> None:
+        runtime, scope = self.runtime, self.scope
         try:
-            key, path = split_rollout_path(scope["path"])
-            facts = RequestFacts("GET", path, session_id, False, key, app_session=claim)
-            flight = await runtime.admit(facts, _no_body)
+            flight = self.flight = await runtime.admit(_facts(scope, websocket=True), _no_body)
         except GymError as exc:
-            await _refuse_websocket(scope, send, exc)
+            await _refuse_websocket(scope, self._send, exc)
             return
         scope[SCOPE_KEY] = RequestContext(runtime, flight)
-
-        async def watch(message: Message) -> None:
-            if message["type"] == "websocket.accept":
-                await send(message)
-
-                def close() -> None:
-                    # 1012 "service restart": the client reconnects and waits at the door;
-                    # the app's next receive() sees the disconnect.
-                    message = {"type": "websocket.close", "code": 1012, "reason": "checkpoint"}
-                    asyncio.ensure_future(send(message))
-
-                runtime.tunnel_opened(flight, close)
-                return
-            await send(message)
-
         try:
-            await self.app(scope, receive, watch)
+            await self.door.app(scope, self._receive, self.send)
         except asyncio.CancelledError:
             if not own_cancellation(flight):
                 raise
         finally:
             runtime.leave(flight)
+
+    async def send(self, message: Message) -> None:
+        """The app's `send`: an accepted WebSocket is a tunnel from then on."""
+        await self._send(message)
+        if message["type"] == "websocket.accept":
+            self.runtime.tunnel_opened(self.flight, self.close)
+
+    def close(self) -> None:
+        # 1012 "service restart": the client reconnects and waits at the door; the app's
+        # next receive() sees the disconnect.
+        message = {"type": "websocket.close", "code": 1012, "reason": "checkpoint"}
+        asyncio.ensure_future(self._send(message))
+
+
+def _facts(scope: Scope, websocket: bool = False) -> RequestFacts:
+    """What admission needs to know from the request's head (a WebSocket's: its path,
+    session and app session claim)."""
+    session_id = claim = None
+    new_session = app_token = False
+    for name, value in scope["headers"]:
+        if name == SESSION_ID:
+            session_id = value.decode("latin-1")
+        elif name == SESSION_NEW:
+            new_session = value == b"1"
+        elif name == APP_SESSION_CLAIM:
+            claim = value.decode("latin-1")
+        elif name == APP_TOKEN:  # only an app's own gets this far
+            app_token = True
+    key, path = split_rollout_path(scope["path"])
+    if websocket:
+        return RequestFacts("GET", path, session_id, False, key, app_session=claim)
+    return RequestFacts(scope["method"], path, session_id, new_session, key, app_token, claim)
 
 
 async def _no_body() -> bytes:

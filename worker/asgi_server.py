@@ -21,9 +21,6 @@ from gym_proxy.worker.identity import WORKER_BACKLOG
 
 __all__ = ["AsgiWorkerServer", "AppStartupFailed"]
 
-# Longer than the proxy's pool idle time, so the worker never closes a pooled connection
-# the proxy is about to reuse.
-
 
 class AppStartupFailed(Exception):
     """The app's lifespan startup failed."""
@@ -52,6 +49,7 @@ class AsgiWorkerServer:
         )
         self.server = uvicorn.Server(self.config)
         self._main: asyncio.Task[None] | None = None
+        self._stopped = False
 
     async def start(self) -> None:
         """Run the lifespan startup and listen; AppStartupFailed if the startup failed."""
@@ -71,7 +69,11 @@ class AsgiWorkerServer:
         )
 
     async def stop(self) -> None:
-        """Stop accepting, let requests finish (graceful timeout), run lifespan shutdown."""
+        """Stop accepting, let requests finish (graceful timeout), run lifespan shutdown;
+        once (stopped, it has nothing left to do)."""
+        if self._stopped:
+            return
+        self._stopped = True
         self.server.should_exit = True
         if self._main is not None:
             await self._main

@@ -46,7 +46,7 @@ from gym_proxy.coordinator.contract.messages import (
     WorkerStats,
 )
 from gym_proxy.coordinator.contract.telemetry import ATTRIBUTE
-from gym_proxy.worker import handovers
+from gym_proxy.worker import attempts, handovers, state_records
 from gym_proxy.worker.runtime import ParticipantRuntime
 
 __all__ = ["handle_coordinator_message", "apply_tables"]
@@ -101,7 +101,7 @@ async def _handle(runtime: ParticipantRuntime, message: Message) -> Message:
     match message:
         case Close():
             runtime.close_gate(message.checkpoint_id)
-            return CloseReply(runtime.report())
+            return CloseReply(runtime.readiness.report())
         case Reopen():
             runtime.open_gate()
             return Done()
@@ -112,43 +112,43 @@ async def _handle(runtime: ParticipantRuntime, message: Message) -> Message:
             return ExportReply(encoded.data, encoded.count, sorted(encoded.keys))
         case Release():
             dropped = runtime.store.release(set(message.keep))
-            return Released(await runtime.forget_sessions(dropped))
+            return Released(await state_records.forget_sessions(runtime, dropped))
         case Install():
             with collector_paused():
                 sessions = records.restored_sessions(
                     bytes(message.blob), message.identities, message.numbers, message.source
                 )
-                return Installed(await runtime.install(sessions))
+                return Installed(await state_records.install(runtime, sessions))
         case Uninstall():
             runtime.claims.clear()
-            return Released(await runtime.forget_sessions(runtime.store.uninstall()))
+            return Released(await state_records.forget_sessions(runtime, runtime.store.uninstall()))
         case TablesUpdate():  # a restore, or its rollback
             apply_tables(runtime, message)
             return Done()
         case Retire():
             episodes = [EpisodeId(e.rollout_id, e.attempt) for e in message.episode_ids]
-            return Retired(await runtime.retire(episodes))
+            return Retired(await attempts.retire(runtime, episodes))
         case Forget():
-            return Forgotten(runtime.forget(message.rollout_ids))
+            return Forgotten(attempts.forget(runtime, message.rollout_ids))
         case Stop():
-            await runtime.stop()
+            await state_records.stop(runtime)
             return Done()
         case LinkedSessions():
             links = runtime.links
             return Links({s: sorted(links[s]) for s in message.session_ids if s in links})
         case MoveOut():
-            moving = await runtime.export_sessions(message.session_ids)
+            moving = await state_records.export_sessions(runtime, message.session_ids)
             failpoints.hit("worker-move-out")  # the source dies before it answers
             return SessionRecords(moving)
         case MoveIn():
-            installed = await runtime.install(message.sessions, restored=False)
+            installed = await state_records.install(runtime, message.sessions, restored=False)
             handovers.receive_episodes(runtime, message.episodes)
             failpoints.hit("worker-installed")  # the target dies after installing
             return Installed(installed)
         case Drop():
             for key in message.episode_keys:
                 runtime.arrivals.pop(key, None)
-            return Released(await runtime.drop_sessions(message.session_ids))
+            return Released(await state_records.drop_sessions(runtime, message.session_ids))
         case ParkEpisodes():
             return await handovers.park_episodes(runtime, message.keys, message.within)
         case GiveUp():
@@ -191,8 +191,8 @@ async def _export(runtime: ParticipantRuntime, message: Export) -> list[dict[str
             "stale_checkpoint",
             f"export for {message.checkpoint_id}, open is {runtime.checkpoint_id}",
         )
-    report = runtime.report()
+    report = runtime.readiness.report()
     if not report.ready:
         raise GymError("invalid_phase", f"not ready: {', '.join(report.blockers[:5])}")
     scope = set(message.scope) if message.scope is not None else None
-    return await runtime.export(scope)
+    return await state_records.export(runtime, scope)

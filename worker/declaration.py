@@ -120,12 +120,17 @@ class Participation:
         if self.restart_only and self.hooks is not None:
             raise ValueError("a restart-only participant has no hooks")
 
-    def with_kind(self, kind: Kind | None) -> Participation:
+    def with_kind(self, kind: str | None) -> Participation:
+        """As `kind` (gym-proxy's `--kind`), or as declared (None); ValueError for a kind
+        not in KINDS."""
         if kind is None:
             return self
+        chosen = next((k for k in KINDS if k == kind), None)
+        if chosen is None:
+            raise ValueError(f"kind must be one of {', '.join(KINDS)}, not {kind!r}")
         if self.session_state is not None:  # its hooks are derived again
-            return replace(self, kind=kind, hooks=None)
-        return replace(self, kind=kind)
+            return replace(self, kind=chosen, hooks=None)
+        return replace(self, kind=chosen)
 
 
 PARTICIPATION = web.AppKey("gym_proxy_participation", Participation)

@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from gym_proxy.coordinator.contract.episodes import EpisodeId, episode_key, parse_episode_key
 
 if TYPE_CHECKING:
-    from gym_proxy.worker.runtime import InFlight, ParticipantRuntime
+    from gym_proxy.worker.flights import InFlight
+    from gym_proxy.worker.runtime import ParticipantRuntime
 
 __all__ = ["EpisodeId", "Episode", "episode_key", "parse_episode_key"]
 

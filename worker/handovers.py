@@ -40,9 +40,11 @@ from gym_proxy.coordinator.contract.messages import (
     ParkedEpisodes,
     RunningEpisode,
 )
+from gym_proxy.worker import state_records
 
 if TYPE_CHECKING:
-    from gym_proxy.worker.runtime import InFlight, ParticipantRuntime
+    from gym_proxy.worker.flights import InFlight
+    from gym_proxy.worker.runtime import ParticipantRuntime
 
 __all__ = [
     "EpisodeHandover",
@@ -154,7 +156,8 @@ async def park_episodes(
     for flight in parking.values():
         riders |= _riders(runtime, flight)
     try:
-        sessions = await runtime.session_records(runtime.store.entries(sorted(riders)))
+        held = runtime.store.entries(sorted(riders))
+        sessions = await state_records.session_records(runtime, held)
     except BaseException:
         for flight in parking.values():
             _go_on(flight)
@@ -202,7 +205,7 @@ async def give_up(runtime: ParticipantRuntime, handovers: dict[str, str]) -> Gav
             kept[key] = "it did not stop within its give-up wait"
         else:
             kept[key] = EPISODE_ENDED  # the app answered its request itself
-    await runtime.drop_sessions(sorted(riders))
+    await state_records.drop_sessions(runtime, sorted(riders))
     return GaveUp(sorted(handed), kept)
 
 

@@ -31,6 +31,7 @@ from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
+from gym_proxy.coordinator.contract.nemo_gym_env import CONFIG_DICT_ENV, CONFIG_PATH_ENV
 from gym_proxy.worker.declaration import Kind, Participation
 
 __all__ = [
@@ -48,9 +49,7 @@ __all__ = [
     "with_ray_address",
 ]
 
-CONFIG_DICT_ENV = "NEMO_GYM_CONFIG_DICT"
 RAY_ADDRESS_KEY = "ray_head_node_address"  # NeMo Gym's RAY_HEAD_NODE_ADDRESS_KEY_NAME
-CONFIG_PATH_ENV = "NEMO_GYM_CONFIG_PATH"
 # gym-proxy's own settings in a server's block (proxy/config_block.py).
 OPTIONS_KEY = "gym_proxy"
 WORKER_ENV = "IS_NEMO_GYM_FASTAPI_WORKER"

@@ -1,19 +1,27 @@
-"""Entry point of a worker process (`python -m gym_proxy.worker ...`), started by the supervisor.
+"""A worker process (`python -m gym_proxy.worker ...`), started by the supervisor, and its
+life cycle, as the proxy's `Server` has it (`proxy.server`): `WorkerServer.startup`,
+`WorkerServer.serve`, then `WorkerServer.shutdown`; `WorkerServer.run` does all of it.
 
-Order: build the app, start it on the private Unix socket (an ASGI app's lifespan
-startup runs first), then register with the coordinator, so the proxy never routes to a
-worker that is not yet accepting. A worker on another node (`--socket=fd:N`, a TCP
-socket its host bound) serves through its gate (`worker.link_gate`) instead, its
-coordinator channel is one the proxy dials there (`--coordinator=accept`), and a stop
-the proxy asks over that link is its SIGTERM (with no Ray call on the way). The worker
-stops by itself when the coordinator connection ends (no orphans) and drains gracefully
-on SIGTERM (an ASGI app's lifespan shutdown runs last). Failing to build or start the
-app exits with BOOT_ERROR, which tells the supervisor not to respawn it.
+Start order: build the app, start it on the private Unix socket (an ASGI app's lifespan
+startup runs first), or, on another node (`--socket=fd:N`, a TCP socket its host bound),
+behind its gate (`worker.link_gate`); then register with the coordinator (placed, over
+a channel the proxy dials in through the gate, `--coordinator=accept`), so the proxy
+never routes to a worker that is not yet accepting; then the loop-lag sampler,
+telemetry and the session expiry. Each resource registers its own close as it opens
+(an `AsyncExitStack`), so the teardown is the start read backwards.
+
+Stop: on SIGTERM (placed, also a stop the proxy asks over the link, with no Ray call on
+the way), or when the proxy says it stops for good, the worker stops accepting and drains
+gracefully (an ASGI app's lifespan shutdown runs last) while its channel is still up;
+then the resources close. A worker whose coordinator channel ends stops by itself (no
+orphans), unless, with `--orphan-grace`, a gym-proxy started again adopts it in time (a
+placed worker is nobody's to adopt: docs/ray.md). Failing to build or start the app
+exits with BOOT_ERROR, which tells the supervisor not to respawn it; failing to register,
+with LOST_COORDINATOR.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import logging
@@ -23,7 +31,7 @@ import socket
 import sys
 import time
 import traceback
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, NoReturn, Protocol
 
 import uvloop
@@ -39,29 +47,24 @@ from gym_proxy.coordinator.contract.channel import (
 from gym_proxy.coordinator.contract.collector import freeze_startup_heap
 from gym_proxy.coordinator.contract.exit_codes import BOOT_ERROR, LOST_COORDINATOR, exit_process
 from gym_proxy.coordinator.contract.framing import STREAM_LIMIT
-from gym_proxy.coordinator.contract.keepalive import WORKER_KEEPALIVE
-from gym_proxy.coordinator.contract.messages import (
-    Done,
-    Message,
-    ProxyStopping,
-    Register,
-)
+from gym_proxy.coordinator.contract.messages import Done, Message, ProxyStopping, Register
 from gym_proxy.coordinator.contract.worker_link import LINK_KEY_ENV
 from gym_proxy.worker.aiohttp_door import RUNTIME, install_door, participation_of
+from gym_proxy.worker.aiohttp_server import AiohttpWorkerServer
 from gym_proxy.worker.app_loading import build_app
 from gym_proxy.worker.app_sessions import app_session_cookie
 from gym_proxy.worker.asgi_door import AsgiDoor, answer_runtime_errors
 from gym_proxy.worker.asgi_server import AsgiWorkerServer
 from gym_proxy.worker.channel_requests import apply_tables, handle_coordinator_message
 from gym_proxy.worker.declaration import Participation, declared
-from gym_proxy.worker.head_limits import HeadLimits, head_limits
-from gym_proxy.worker.identity import WORKER_BACKLOG, WORKER_INFO, WorkerInfo
+from gym_proxy.worker.head_limits import head_limits
+from gym_proxy.worker.identity import WORKER_INFO, WorkerInfo
 from gym_proxy.worker.link_gate import LinkGate
 from gym_proxy.worker.nemo_gym_server import NemoGymConfigError
-from gym_proxy.worker.options import parse_worker_args
+from gym_proxy.worker.options import WorkerArgs, parse_worker_args
 from gym_proxy.worker.runtime import ParticipantRuntime
 
-__all__ = ["main", "INHERITED", "ACCEPT"]
+__all__ = ["WorkerServer", "serve", "main", "INHERITED", "ACCEPT"]
 
 INHERITED = "fd:"  # --socket=fd:N: listen on this inherited TCP socket, through a gate
 ACCEPT = "accept"  # --coordinator=accept: the proxy dials the channel in through the gate
@@ -72,7 +75,9 @@ REJOIN_EVERY = 0.1  # seconds between a lost worker's looks for a new gym-proxy
 log = logging.getLogger("gym_proxy.worker")
 
 
-class WorkerServer(Protocol):
+class AppServer(Protocol):
+    """What serves the app: `AiohttpWorkerServer` or `AsgiWorkerServer` (`stop` once)."""
+
     async def start(self) -> None: ...
 
     async def stop(self) -> None: ...
@@ -80,45 +85,252 @@ class WorkerServer(Protocol):
     def http_protocol(self) -> asyncio.Protocol: ...
 
 
-class AiohttpWorkerServer:
-    """An aiohttp app on the worker socket (runner + Unix site); with no socket, on the
-    connections a gate hands on (`http_protocol`)."""
+class _StartupFailed(Exception):
+    """The worker cannot start; `code` is the process's exit status (said already)."""
 
-    def __init__(
-        self,
-        app: web.Application,
-        socket_path: str | None,
-        graceful_timeout: float,
-        limits: HeadLimits,
-    ):
-        self.runner = web.AppRunner(
-            app,
-            handle_signals=False,
-            access_log=None,
-            handler_cancellation=True,  # a client that goes away cancels its handler
-            keepalive_timeout=WORKER_KEEPALIVE,
-            shutdown_timeout=graceful_timeout,
-            **limits.aiohttp(),
+    def __init__(self, code: int) -> None:
+        super().__init__(code)
+        self.code = code
+
+
+class WorkerServer:
+    """One worker incarnation. `stop`: set to stop it; without one, SIGTERM does (the
+    process is this worker's). Tests run workers as tasks with their own `stop`
+    (`tests/in_process.py`): one process, one SIGTERM, many workers."""
+
+    # Opened by startup, in this order (each close registered on `resources`).
+    app: Any
+    runtime: ParticipantRuntime
+    server: AppServer
+    channel: Channel  # to the coordinator: another one after a rejoin
+    channel_task: asyncio.Task[None]
+
+    def __init__(self, args: WorkerArgs, stop: asyncio.Event | None = None) -> None:
+        self.args = args
+        self.own_process = stop is None
+        self.stop = asyncio.Event() if stop is None else stop
+        self.proxy_stopping = asyncio.Event()  # it stops for good: leave no worker waiting
+        self.resources = contextlib.AsyncExitStack()
+        self.gate_socket = _inherited_socket(args.socket)
+        address = args.socket if self.gate_socket is None else _tcp_address(self.gate_socket)
+        self.info = WorkerInfo(args.slot, args.owner, os.getpid(), address)
+        self.gate: LinkGate | None = None  # placed on another node: its port
+
+    async def run(self) -> int:
+        """Start, serve until stopped or the coordinator is lost for good, then drain;
+        answers the process's exit status."""
+        try:
+            await self.startup()
+        except _StartupFailed as exc:
+            code = exc.code
+        else:
+            try:
+                code = await self.serve()
+            except asyncio.CancelledError:
+                # A worker run as a task, killed: its channel goes first, as a killed
+                # process's would, so the proxy stops routing to it at once.
+                self._close_channel()
+                raise
+            await self.shutdown()
+        finally:
+            await self.resources.aclose()
+        return code
+
+    # ---- startup ------------------------------------------------------------------
+    async def startup(self) -> None:
+        """Open everything in order, each close registered as it opens; return once
+        registered. _StartupFailed (with the exit status) when it cannot."""
+        await self._start_app()
+        if self.own_process:
+            freeze_startup_heap()
+            loop = asyncio.get_running_loop()
+            # The process's own, for as long as it runs: a second SIGTERM changes nothing.
+            loop.add_signal_handler(signal.SIGTERM, self.stop.set)
+            # Ctrl-C reaches the whole process group; the proxy decides and sends SIGTERM.
+            loop.add_signal_handler(signal.SIGINT, lambda: None)
+        try:
+            await self._register(rejoining=False)
+        except (OSError, TimeoutError, ChannelClosed, ChannelTimeout, RemoteError) as exc:
+            why = str(exc) or "the proxy did not dial in"
+            log.error("worker %d could not register with the coordinator: %s", self.args.slot, why)
+            raise _StartupFailed(LOST_COORDINATOR) from None
+        self.resources.callback(self._close_channel)
+        log.debug("worker %d registered as %s", self.info.slot, self.info.owner)
+        self._start_timers()
+
+    async def _start_app(self) -> None:
+        """Build the app and serve it, on its socket or behind the gate; BOOT_ERROR when
+        it cannot."""
+        args, resources = self.args, self.resources
+        try:
+            self.app = await build_app(args.app, args.app_dir, args.workers, args.session_state)
+            socket_path = None if self.gate_socket is not None else args.socket
+            self.runtime, self.server = _host(self.app, self.info, args, socket_path)
+            await self.server.start()
+            resources.push_async_callback(self.server.stop)
+            if self.gate_socket is not None:
+                http = self.server.http_protocol
+                self.gate = LinkGate(self.gate_socket, _link_key(), http, self.stop.set)
+                await self.gate.start()
+                resources.callback(self.gate.close)
+        except NemoGymConfigError as exc:  # a mistake in the flags or config: no traceback
+            why = f"cannot start app {args.app}: {exc}"
+            print(f"gym-proxy worker {args.slot}: {why}", file=sys.stderr)
+            raise _StartupFailed(BOOT_ERROR) from None
+        except Exception:
+            traceback.print_exc()
+            print(f"gym-proxy worker {args.slot}: cannot start app {args.app}", file=sys.stderr)
+            raise _StartupFailed(BOOT_ERROR) from None
+
+    def _start_timers(self) -> None:
+        """The loop-lag sampler, telemetry and the idle sessions' expiry, once serving."""
+        args, info, runtime, resources = self.args, self.info, self.runtime, self.resources
+        runtime.loop_lag.start()
+        resources.callback(runtime.loop_lag.stop)
+        name = f"{args.instance}-w{info.slot}-{info.owner}"
+        telemetry.start(args.instance, name, **{"gym_proxy.slot": str(info.slot)})
+        resources.callback(telemetry.shutdown)
+        runtime.moved_away.idle_ttl = args.session_idle_ttl
+        if args.session_idle_ttl > 0:
+            expiry = asyncio.create_task(runtime.ends.expire(args.session_idle_ttl))
+            resources.callback(expiry.cancel)
+
+    # ---- the coordinator ----------------------------------------------------------
+    async def _register(self, rejoining: bool) -> None:
+        """Connect to the coordinator (placed: take the channel the proxy dials in through
+        the gate), register, and take the reply's tables; raises OSError, TimeoutError,
+        ChannelClosed, ChannelTimeout or RemoteError (refused)."""
+        runtime = self.runtime
+        if self.gate is not None:
+            reader, writer = await self.gate.next_channel(REGISTER_WAIT)
+        else:
+            path = self.args.coordinator
+            reader, writer = await asyncio.open_unix_connection(path, limit=STREAM_LIMIT)
+        channel = Channel(reader, writer, self._handle)
+        channel.pong_lag = lambda: runtime.loop_lag.take_worst("ping")
+        channel_task = asyncio.create_task(channel.serve())
+        try:
+            reply = await channel.request(self._registration(rejoining), within=REGISTER_WAIT)
+        except BaseException:
+            channel.close()
+            channel_task.cancel()
+            raise
+        self.channel, self.channel_task = channel, channel_task
+        runtime.channel = channel
+        if rejoining:
+            # The claims this worker still lists stay: the new coordinator reads their records
+            # again from the checkpoint (coordinator/claims_recovery.py), or refuses the
+            # replacement (409 stale_attempt), never running it from its start in silence.
+            runtime.marks.merge(reply.tables.marks)
+        else:
+            apply_tables(runtime, reply.tables)
+        if reply.checkpoint_id is not None:
+            runtime.close_gate(reply.checkpoint_id)
+        elif rejoining and not runtime.is_open:
+            # The checkpoint that closed the gate died with the old proxy: the new one
+            # reports itself idle, and a controller that goes on is refused and starts again.
+            runtime.open_gate()
+
+    def _registration(self, rejoining: bool) -> Register:
+        info, runtime = self.info, self.runtime
+        return Register(
+            slot=info.slot,
+            owner=info.owner,
+            pid=info.pid,
+            socket=info.socket_path,
+            kind=runtime.kind,
+            framework="aiohttp" if isinstance(self.app, web.Application) else "asgi",
+            app_cookie=app_session_cookie(self.app),
+            restart_only=runtime.participation.restart_only,
+            rejoining=rejoining,
+            held=runtime.store.last_used() if rejoining else {},
+            marks=runtime.marks.as_dict() if rejoining else {},
+            expected=runtime.claims.attempts() if rejoining else {},
         )
-        self.socket_path = socket_path
 
-    async def start(self) -> None:
-        await self.runner.setup()
-        if self.socket_path is not None:
-            await web.UnixSite(self.runner, self.socket_path, backlog=WORKER_BACKLOG).start()
+    async def _handle(self, message: Message) -> Message:
+        if isinstance(message, ProxyStopping):
+            self.proxy_stopping.set()
+            return Done()
+        return await handle_coordinator_message(self.runtime, message)
 
-    def http_protocol(self) -> asyncio.Protocol:
-        server = self.runner.server
-        assert server is not None  # set up by start()
-        return server()
+    def _close_channel(self) -> None:
+        self.channel.close()
+        self.channel_task.cancel()
 
-    async def stop(self) -> None:
-        await self.runner.cleanup()
+    # ---- serve --------------------------------------------------------------------
+    async def serve(self) -> int:
+        """Serve until stopped or the proxy stops for good (0), or the coordinator is
+        lost and no gym-proxy adopts the worker (LOST_COORDINATOR, 0 if stopped
+        meanwhile)."""
+        stopped = asyncio.ensure_future(self.stop.wait())
+        try:
+            while True:
+                await asyncio.wait(
+                    {self.channel_task, stopped}, return_when=asyncio.FIRST_COMPLETED
+                )
+                if self.stop.is_set() or self.proxy_stopping.is_set():
+                    return 0  # a gym-proxy that stops for good leaves no worker waiting for it
+                self._close_channel()
+                if not await self._rejoin():
+                    return 0 if self.stop.is_set() else LOST_COORDINATOR
+        finally:
+            stopped.cancel()
+
+    async def _rejoin(self) -> bool:
+        """The coordinator is gone. With `--orphan-grace`, keep the sessions and the
+        requests running, and register with a gym-proxy started again on the same
+        coordinator socket within the grace; False when none did (or it refused, or a
+        stop came), and at once for a placed worker (nobody's to adopt: docs/ray.md)."""
+        slot, grace = self.info.slot, self.args.orphan_grace or 0.0
+        if self.gate is not None or grace <= 0:
+            log.warning("worker %d lost the coordinator; stopping", slot)
+            return False
+        log.warning(
+            "worker %d lost the coordinator; keeping its %d sessions up to %g s for a "
+            "gym-proxy started again with the same --runtime-dir to adopt it",
+            slot,
+            len(self.runtime.store),
+            grace,
+        )
+        deadline = time.monotonic() + grace
+        while not self.stop.is_set() and time.monotonic() < deadline:
+            try:
+                await self._register(rejoining=True)
+            except RemoteError as exc:
+                log.error("worker %d: the new gym-proxy refused to adopt it: %s", slot, exc)
+                return False
+            except (OSError, ChannelClosed, ChannelTimeout):
+                # Nobody listens yet (or the socket is the dead proxy's): look again shortly.
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.stop.wait(), REJOIN_EVERY)
+                continue
+            log.warning("worker %d adopted by the new gym-proxy", slot)
+            return True
+        if not self.stop.is_set():
+            log.warning("worker %d: no gym-proxy adopted it within %g s; stopping", slot, grace)
+        return False
+
+    # ---- shut down ----------------------------------------------------------------
+    async def shutdown(self) -> None:
+        """Stop accepting (the gate) and drain the app within the graceful timeout while
+        the channel is still up (a request finishing may still claim, report or end a
+        session); the resources then close, the gate and the app server with nothing
+        left to do."""
+        if self.gate is not None:
+            self.gate.close()
+        await self.server.stop()
+
+
+async def serve(args: WorkerArgs, stop: asyncio.Event | None = None) -> int:
+    """Run the worker until `stop` is set (without one, until SIGTERM) or the
+    coordinator goes away; return the exit code (`WorkerServer`)."""
+    return await WorkerServer(args, stop).run()
 
 
 def _host(
-    app: Any, info: WorkerInfo, args: argparse.Namespace, socket_path: str | None
-) -> tuple[ParticipantRuntime, WorkerServer]:
+    app: Any, info: WorkerInfo, args: WorkerArgs, socket_path: str | None
+) -> tuple[ParticipantRuntime, AppServer]:
     """The runtime and the server for `app`, aiohttp or ASGI, on `socket_path` (None:
     on a gate's connections)."""
     if isinstance(app, web.Application):
@@ -141,203 +353,6 @@ def _host(
         AsgiDoor(app, runtime), socket_path, args.graceful_timeout, args.log_level
     )
     return runtime, server
-
-
-async def serve(args: argparse.Namespace, stop: asyncio.Event | None = None) -> int:
-    """Run the app until `stop` is set (without one, until SIGTERM) or the coordinator
-    goes away; return the exit code. Tests run workers as tasks with their own `stop`
-    (`tests/in_process.py`): one process, one SIGTERM, many workers."""
-    gate_socket = _inherited_socket(args.socket)
-    address = args.socket if gate_socket is None else _tcp_address(gate_socket)
-    info = WorkerInfo(args.slot, args.owner, os.getpid(), address)
-    own_process = stop is None  # the process is this worker's: SIGTERM stops it
-    if stop is None:
-        stop = asyncio.Event()
-    gate: LinkGate | None = None
-    try:
-        app = await build_app(args.app, args.app_dir, args.workers, args.session_state)
-        runtime, server = _host(app, info, args, None if gate_socket else args.socket)
-        await server.start()
-        if gate_socket is not None:
-            gate = LinkGate(gate_socket, _link_key(), server.http_protocol, stop.set)
-            await gate.start()
-    except NemoGymConfigError as exc:  # a mistake in the flags or config: no traceback
-        print(f"gym-proxy worker {args.slot}: cannot start app {args.app}: {exc}", file=sys.stderr)
-        return BOOT_ERROR
-    except Exception:
-        traceback.print_exc()
-        print(f"gym-proxy worker {args.slot}: cannot start app {args.app}", file=sys.stderr)
-        return BOOT_ERROR
-
-    if own_process:
-        freeze_startup_heap()
-        loop = asyncio.get_running_loop()
-        loop.add_signal_handler(signal.SIGTERM, stop.set)
-        # Ctrl-C reaches the whole process group; the proxy decides and sends SIGTERM.
-        loop.add_signal_handler(signal.SIGINT, lambda: None)
-
-    proxy_stopping = asyncio.Event()
-
-    async def handle(message: Message) -> Message:
-        if isinstance(message, ProxyStopping):
-            proxy_stopping.set()
-            return Done()
-        return await handle_coordinator_message(runtime, message)
-
-    def registration(rejoining: bool) -> Register:
-        return Register(
-            slot=info.slot,
-            owner=info.owner,
-            pid=info.pid,
-            socket=info.socket_path,
-            kind=runtime.kind,
-            framework="aiohttp" if isinstance(app, web.Application) else "asgi",
-            app_cookie=app_session_cookie(app),
-            restart_only=runtime.participation.restart_only,
-            rejoining=rejoining,
-            held=runtime.store.last_used() if rejoining else {},
-            marks=runtime.marks.as_dict() if rejoining else {},
-            expected=runtime.claims.attempts() if rejoining else {},
-        )
-
-    try:
-        channel, channel_task = await _register(
-            args.coordinator, handle, runtime, registration(False), gate
-        )
-    except (OSError, TimeoutError, ChannelClosed, ChannelTimeout, RemoteError) as exc:
-        why = exc or "the proxy did not dial in"
-        log.error("worker %d could not register with the coordinator: %s", info.slot, why)
-        if gate is not None:
-            gate.close()
-        await server.stop()
-        return LOST_COORDINATOR
-    log.debug("worker %d registered as %s", info.slot, info.owner)
-
-    runtime.loop_lag.start()
-    telemetry.start(
-        args.instance,
-        f"{args.instance}-w{info.slot}-{info.owner}",
-        **{"gym_proxy.slot": str(info.slot)},
-    )
-    expiry = None
-    runtime.moved_away.idle_ttl = args.session_idle_ttl
-    if args.session_idle_ttl > 0:
-        expiry = asyncio.create_task(runtime.expire_sessions(args.session_idle_ttl))
-    stop_task = asyncio.create_task(stop.wait())
-    code = 0
-    try:
-        while True:
-            await asyncio.wait({channel_task, stop_task}, return_when=asyncio.FIRST_COMPLETED)
-            if stop.is_set() or proxy_stopping.is_set():
-                break  # a gym-proxy that stops for good leaves no worker waiting for it
-            channel.close()
-            if gate is not None:  # on another node: it is nobody's to adopt (docs/ray.md)
-                log.warning("worker %d lost the coordinator; stopping", info.slot)
-                code = 0 if stop.is_set() else LOST_COORDINATOR
-                break
-            joined = await _rejoin(args, info.slot, stop, handle, runtime, registration)
-            if joined is None:
-                code = 0 if stop.is_set() else LOST_COORDINATOR
-                break
-            channel, channel_task = joined
-    except asyncio.CancelledError:
-        # A worker run as a task, killed: its channel goes first, as a killed process's
-        # would, so the proxy stops routing to it at once.
-        channel.close()
-        raise
-    finally:
-        stop_task.cancel()
-        runtime.loop_lag.stop()
-        if expiry is not None:
-            expiry.cancel()
-        if gate is not None:
-            gate.close()
-        await server.stop()
-        channel.close()
-        channel_task.cancel()
-        telemetry.shutdown()
-    return code
-
-
-async def _register(
-    path: str,
-    handle: Callable[[Message], Awaitable[Message]],
-    runtime: ParticipantRuntime,
-    registration: Register,
-    gate: LinkGate | None = None,
-) -> tuple[Channel, asyncio.Task[None]]:
-    """Connect to the coordinator at `path` (with a gate: take the channel the proxy
-    dials in), register, and take the reply's tables; raises OSError, TimeoutError,
-    ChannelClosed, ChannelTimeout or RemoteError (refused)."""
-    if gate is not None:
-        reader, writer = await gate.next_channel(REGISTER_WAIT)
-    else:
-        reader, writer = await asyncio.open_unix_connection(path, limit=STREAM_LIMIT)
-    channel = Channel(reader, writer, handle)
-    channel.pong_lag = lambda: runtime.loop_lag.take_worst("ping")
-    channel_task = asyncio.create_task(channel.serve())
-    try:
-        reply = await channel.request(registration, within=REGISTER_WAIT)
-    except BaseException:
-        channel.close()
-        channel_task.cancel()
-        raise
-    runtime.channel = channel
-    if registration.rejoining:
-        # The claims this worker still lists stay: the new coordinator reads their records
-        # again from the checkpoint (coordinator/claims_recovery.py), or refuses the
-        # replacement (409 stale_attempt), never running it from its start in silence.
-        runtime.marks.merge(reply.tables.marks)
-    else:
-        apply_tables(runtime, reply.tables)
-    if reply.checkpoint_id is not None:
-        runtime.close_gate(reply.checkpoint_id)
-    elif registration.rejoining and not runtime.is_open:
-        # The checkpoint that closed the gate died with the old proxy: the new one
-        # reports itself idle, and a controller that goes on is refused and starts again.
-        runtime.open_gate()
-    return channel, channel_task
-
-
-async def _rejoin(
-    args: argparse.Namespace,
-    slot: int,
-    stop: asyncio.Event,
-    handle: Callable[[Message], Awaitable[Message]],
-    runtime: ParticipantRuntime,
-    registration: Callable[[bool], Register],
-) -> tuple[Channel, asyncio.Task[None]] | None:
-    """The coordinator is gone. With `--orphan-grace`, keep the sessions and the requests
-    running, and register with a gym-proxy started again on the same coordinator socket
-    within the grace; None when none did (or it refused, or SIGTERM came): stop."""
-    grace = args.orphan_grace
-    if grace <= 0:
-        log.warning("worker %d lost the coordinator; stopping", slot)
-        return None
-    log.warning(
-        "worker %d lost the coordinator; keeping its %d sessions up to %g s for a gym-proxy "
-        "started again with the same --runtime-dir to adopt it",
-        slot,
-        len(runtime.store),
-        grace,
-    )
-    deadline = time.monotonic() + grace
-    while not stop.is_set() and time.monotonic() < deadline:
-        try:
-            joined = await _register(args.coordinator, handle, runtime, registration(True))
-        except RemoteError as exc:
-            log.error("worker %d: the new gym-proxy refused to adopt it: %s", slot, exc)
-            return None
-        except (OSError, ChannelClosed, ChannelTimeout):
-            # Nobody listens yet (or the socket is the dead proxy's): look again shortly.
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), REJOIN_EVERY)
-            continue
-        log.warning("worker %d adopted by the new gym-proxy", slot)
-        return joined
-    if not stop.is_set():
-        log.warning("worker %d: no gym-proxy adopted it within %g s; stopping", slot, grace)
-    return None
 
 
 def _inherited_socket(option: str) -> socket.socket | None:

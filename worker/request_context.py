@@ -7,8 +7,9 @@ from typing import Any
 
 from gym_proxy.coordinator.contract.errors import GymError
 from gym_proxy.worker.episodes import Episode
+from gym_proxy.worker.flights import InFlight
 from gym_proxy.worker.identity import WorkerInfo
-from gym_proxy.worker.runtime import InFlight, ParticipantRuntime
+from gym_proxy.worker.runtime import ParticipantRuntime
 from gym_proxy.worker.sessions import SessionStore
 
 __all__ = ["RequestContext", "RequestSession"]

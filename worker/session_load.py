@@ -39,7 +39,7 @@ GONE_AT_MOST = 4096
 
 
 class Flight(Protocol):
-    """A request in the worker (`worker.runtime.InFlight`)."""
+    """A request in the worker (`worker.flights.InFlight`)."""
 
     admitted_at: float
     session_id: str | None

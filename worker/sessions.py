@@ -5,7 +5,7 @@ idle longer than a TTL are found at the front and expired without a scan. Whatev
 sessions (a closer, the TTL, a retire, a release after commit) tells `on_end`, so the
 proxy can drop them from its routing table. Every change of which sessions are live or
 what they are bound to (begun, bound, installed, ended; not a value, not a use) tells
-`on_change`: a readiness report counts them (`worker.runtime`).
+`on_change`: a readiness report counts them (`worker.readiness`).
 """
 
 from __future__ import annotations

@@ -1,0 +1,120 @@
+"""A worker placed on another node (`--socket=fd:N`, `--coordinator=accept`), run in
+process: the real `worker.process.WorkerServer` behind its gate on a loopback TCP socket,
+its channel and its data connections dialed as the proxy dials them
+(`coordinator.contract.worker_link`), the test playing the coordinator. What the workers
+on a Ray cluster's nodes do with it end to end runs in
+tests/test_nemo_gym_ray_placement.py."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import orjson
+import pytest
+
+from gym_proxy.coordinator.contract import messages as msg
+from gym_proxy.coordinator.contract.channel import Channel
+from gym_proxy.coordinator.contract.exit_codes import LOST_COORDINATOR
+from gym_proxy.coordinator.contract.worker_link import (
+    CHANNEL,
+    DATA,
+    LINK_KEY_ENV,
+    dial,
+    link_key,
+    stop_worker,
+)
+from gym_proxy.proxy.config import Config
+from gym_proxy.worker.options import parse_worker_args, worker_argv
+from gym_proxy.worker.process import ACCEPT, INHERITED, WorkerServer
+from tests.support import wait_until
+
+KEY = link_key(b"secret", "apps")
+WAIT = 10.0
+
+
+class _Coordinator:
+    """The coordinator's end of a placed worker's channel: takes its registration."""
+
+    def __init__(self) -> None:
+        self.registered: asyncio.Future[msg.Register] = asyncio.Future()
+
+    async def handle(self, message: msg.Message) -> msg.Message | None:
+        if isinstance(message, msg.Register):
+            self.registered.set_result(message)
+            return msg.RegisterReply(msg.Tables({}, {}))
+        return None
+
+
+@dataclass
+class Placed:
+    worker: WorkerServer
+    task: asyncio.Task[int]
+    port: int
+    channel: Channel
+    registered: msg.Register
+
+    async def exit_code(self) -> int:
+        return await asyncio.wait_for(self.task, WAIT)
+
+
+@pytest.fixture
+async def placed(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Placed]:
+    """A placed worker with a secret's orphan grace, registered over its gate."""
+    sock = socket.create_server(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    monkeypatch.setenv(LINK_KEY_ENV, KEY.hex())
+    config = Config(app="tests.apps:create_app", orphan_grace=30.0)
+    incarnation = {"slot": 0, "owner": "placed", "instance": "apps"}
+    socket_option = f"{INHERITED}{sock.detach()}"
+    argv = worker_argv(config, socket=socket_option, coordinator=ACCEPT, **incarnation)
+    worker = WorkerServer(parse_worker_args(argv), asyncio.Event())
+    task = asyncio.ensure_future(worker.run())
+    coordinator = _Coordinator()
+    reader, writer = await dial("127.0.0.1", port, KEY, CHANNEL, greet_within=WAIT)
+    channel = Channel(reader, writer, coordinator.handle)
+    serving = asyncio.ensure_future(channel.serve())
+    try:
+        registered = await asyncio.wait_for(coordinator.registered, WAIT)
+        yield Placed(worker, task, port, channel, registered)
+    finally:
+        worker.stop.set()
+        channel.close()
+        await asyncio.gather(task, serving, return_exceptions=True)
+
+
+async def _get(port: int, path: str) -> bytes:
+    """One request on a data connection through the gate; the whole answer."""
+    reader, writer = await dial("127.0.0.1", port, KEY, DATA)
+    writer.write(f"GET {path} HTTP/1.1\r\nHost: w\r\nConnection: close\r\n\r\n".encode())
+    try:
+        return await asyncio.wait_for(reader.read(), WAIT)
+    finally:
+        writer.close()
+
+
+async def test_a_placed_worker_registers_through_its_gate_and_serves_its_app(placed):
+    assert placed.registered.socket == f"tcp://127.0.0.1:{placed.port}"
+    assert (placed.registered.owner, placed.registered.rejoining) == ("placed", False)
+    head, _, body = (await _get(placed.port, "/whoami")).partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200") and orjson.loads(body)["owner"] == "placed"
+
+
+async def test_a_stop_over_the_link_drains_and_exits_cleanly(placed):
+    await stop_worker("127.0.0.1", placed.port, KEY)
+    assert await placed.exit_code() == 0
+    await wait_until(lambda: placed.channel.closed, WAIT, "the worker's channel to end")
+
+
+async def test_a_placed_worker_that_loses_its_coordinator_stops_at_once(placed):
+    """Nobody's to adopt, whatever its orphan grace: it stops, LOST_COORDINATOR."""
+    placed.channel.close()
+    assert await placed.exit_code() == LOST_COORDINATOR
+
+
+async def test_a_proxy_that_stops_for_good_leaves_its_worker_stopping_cleanly(placed):
+    await placed.channel.request(msg.ProxyStopping(), within=WAIT)
+    placed.channel.close()
+    assert await placed.exit_code() == 0
