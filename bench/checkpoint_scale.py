@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from gym_proxy.coordinator.clients.controller import Controller, Participant  # noqa: E402
 from gym_proxy.coordinator.clients.rollouts import Rollout, RolloutDriver, exported_rollouts  # noqa: E402
 from gym_proxy.coordinator.clients.rollouts_cli import CITIES, weather_rollouts  # noqa: E402
+from gym_proxy.coordinator.contract.answers import RestoreAnswer
 from gym_proxy.coordinator.contract.episodes import EpisodeId  # noqa: E402
 from gym_proxy.worker.apps.stack import Stack  # noqa: E402
 
@@ -69,8 +70,8 @@ async def _held(http: aiohttp.ClientSession, stack: Stack, controller: Controlle
     model = stack.urls["model"]
     status = next(p for p in controller.participants if p.url == model)
     total = 0
-    for worker in (await status.call("status"))["workers"]:
-        async with http.get(f"{model}/held", headers={"x-ng-session-owner": worker["owner"]}) as r:
+    for worker in (await status.status()).workers:
+        async with http.get(f"{model}/held", headers={"x-ng-session-owner": worker.owner}) as r:
             total += (await r.json())["held"]
     return total
 
@@ -112,7 +113,7 @@ async def _restore_one_at_a_time(
     ids = [e.as_json() for e in episodes]
     for participant in controller.participants:
         started = time.perf_counter()
-        await participant.call("restore", time.time() + 600, episode_ids=ids, **body)
+        await participant.call("restore", RestoreAnswer, time.time() + 600, episode_ids=ids, **body)
         alone[names[participant.url]] = round(time.perf_counter() - started, 3)
     return alone
 

@@ -29,6 +29,20 @@ from typing import Any, Protocol, TypeVar
 from gym_proxy.coordinator import checkpoint_files as files
 from gym_proxy.coordinator.broadcast import all_answer, broadcast
 from gym_proxy.coordinator.commit_write import CheckpointIO, CommitWrite, exported, extras
+from gym_proxy.coordinator.contract.answers import (
+    NOT_OPEN,
+    CommitAnswer,
+    ForgetAnswer,
+    Manifest,
+    PrepareAnswer,
+    ReadinessReport,
+    RenewAnswer,
+    RestoreAnswer,
+    ResumeAnswer,
+    RetireAnswer,
+    ServerStatus,
+    WorkerStatus,
+)
 from gym_proxy.coordinator.contract.channel import Channel
 from gym_proxy.coordinator.contract.episodes import EpisodeId
 from gym_proxy.coordinator.contract.errors import GymError
@@ -61,6 +75,7 @@ __all__ = ["LiveWorker", "Workers", "SessionTables", "Checkpointer", "Checkpoint
 
 log = logging.getLogger("gym_proxy.coordinator")
 R = TypeVar("R", bound=Message)
+A = TypeVar("A", bound=Message)
 
 CLOSE_WAIT = 2.0
 LEASE_CHECK = 1.0  # seconds between looks at the lease (its grace is minutes)
@@ -125,7 +140,7 @@ class Checkpointer:
     exclusion: Exclusion = field(default_factory=Exclusion)
     restorer: Restore = field(init=False)
     _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    _op: tuple[str, asyncio.Task[dict[str, Any]]] | None = None
+    _op: tuple[str, asyncio.Task[Any]] | None = None
     _write: CommitWrite | None = None
     _sends: set[asyncio.Future[CloseReply]] = field(default_factory=set)
     io: CheckpointIO = field(default_factory=CheckpointIO)
@@ -192,42 +207,31 @@ class Checkpointer:
         return ClaimReply(record.get("boundary"))
 
     # ---- control operations -------------------------------------------------------
-    def status(self) -> dict[str, Any]:
+    def status(self) -> ServerStatus:
+        """The participant's status (the proxy adds the fleet's: `proxy.control`)."""
         live = self.workers.live()
-        return {
-            "kind": self.kind,
-            "instance": self.instance,
-            "phase": self.machine.phase,
-            "checkpoint_id": self.machine.checkpoint_id,
-            "lease_expires_at": self.machine.lease_expires_at,
-            "report": self._report(live),
-            "workers": [
-                {
-                    "slot": w.slot,
-                    "owner": w.owner,
-                    "pid": w.pid,
-                    "in_flight": w.in_flight,
-                    "ready": self.readiness.worker_ready(w.owner),
-                }
-                for w in live
+        ready = self.readiness.worker_ready
+        return ServerStatus(
+            kind=self.kind,
+            instance=self.instance,
+            phase=self.machine.phase,
+            checkpoint_id=self.machine.checkpoint_id,
+            lease_expires_at=self.machine.lease_expires_at,
+            report=self._report(live),
+            retired_rollouts=len(self.marks),
+            restored_pending=self.claims.keys(),
+            workers=[
+                WorkerStatus(w.slot, w.owner, w.pid, w.in_flight, ready(w.owner)) for w in live
             ],
-            "expected_workers": self.workers.expected,
-            "session_aliases": dict(self.tables.aliases),
-            "routed_sessions": len(self.tables.sessions) + len(self.tables.app_sessions),
-            "restored_pending": self.claims.keys(),
-            "retired_rollouts": len(self.marks),
-            "operation": self.exclusion.operation,
-        }
+            expected_workers=self.workers.expected,
+            session_aliases=dict(self.tables.aliases),
+            routed_sessions=len(self.tables.sessions) + len(self.tables.app_sessions),
+            operation=self.exclusion.operation,
+        )
 
-    def _report(self, live: list[LiveWorker] | None = None) -> dict[str, Any]:
+    def _report(self, live: list[LiveWorker] | None = None) -> ReadinessReport:
         if not self.machine.is_open:
-            return {
-                "ready": False,
-                "blockers": [],
-                "blocker_count": 0,
-                "counts": {},
-                "restarts": [],
-            }
+            return NOT_OPEN
         return self.readiness.report(
             live or self.workers.live(), self.workers.expected, self.kind or "resources"
         )
@@ -237,11 +241,11 @@ class Checkpointer:
         """The ID of the checkpoint that is open, if one is."""
         return self.machine.checkpoint_id if self.machine.is_open else None
 
-    async def prepare(self, checkpoint_id: str, deadline_ts: float) -> dict[str, Any]:
+    async def prepare(self, checkpoint_id: str, deadline_ts: float) -> PrepareAnswer:
         async with self._lock:
             cached = self.machine.check("prepare", checkpoint_id, deadline_ts, self.clock())
             if cached is not None:
-                return cached
+                return _as(PrepareAnswer, cached)
             await self.exclusion.admit_checkpoint()
             if not self.machine.is_open:
                 self.machine.open(checkpoint_id, "preparing", deadline_ts)
@@ -250,20 +254,18 @@ class Checkpointer:
             else:
                 self.machine.extend(deadline_ts)
         await self.readiness.wait_ready(
-            lambda: self._report()["ready"] or self.machine.checkpoint_id != checkpoint_id,
+            lambda: self._report().ready or self.machine.checkpoint_id != checkpoint_id,
             deadline_ts - self.clock(),
         )
         async with self._lock:
             if self.machine.checkpoint_id != checkpoint_id:
                 raise GymError("stale_checkpoint", "the checkpoint was resumed")
             if "prepare" in self.machine.replies:
-                return self.machine.replies["prepare"][1]
+                return _as(PrepareAnswer, self.machine.replies["prepare"][1])
             report = self._report()
-            if not report["ready"]:
-                return {"phase": "preparing", "report": report}
-            return self.machine.succeed(
-                "prepare", "prepared", {"phase": "prepared", "report": report}
-            )
+            if not report.ready:
+                return PrepareAnswer("preparing", report)
+            return self.machine.succeed("prepare", "prepared", PrepareAnswer("prepared", report))
 
     def _send_close(self, checkpoint_id: str, deadline_ts: float) -> None:
         """Close every live worker; each reply lands in readiness when it comes (a worker
@@ -295,7 +297,7 @@ class Checkpointer:
         checkpoint_dir: str,
         episode_ids: list[EpisodeId] | None,
         stop: bool = False,
-    ) -> dict[str, Any]:
+    ) -> CommitAnswer:
         return await self._exclusive(
             checkpoint_id,
             lambda: self._commit(checkpoint_id, deadline_ts, checkpoint_dir, episode_ids, stop),
@@ -308,12 +310,12 @@ class Checkpointer:
         checkpoint_dir: str,
         episode_ids: list[EpisodeId] | None,
         stop: bool,
-    ) -> dict[str, Any]:
+    ) -> CommitAnswer:
         scope = None if episode_ids is None else tuple(sorted({e.key for e in episode_ids}))
         arguments = (checkpoint_dir, scope)
         cached = self.machine.check("commit", checkpoint_id, deadline_ts, self.clock(), arguments)
         if cached is not None:
-            return cached
+            return _as(CommitAnswer, cached)
         self.machine.extend(deadline_ts)  # the lease covers the call's own deadline
         live = self.workers.live()
         write = self._write
@@ -321,10 +323,10 @@ class Checkpointer:
             write = self._write = None  # this retry exports again
         if write is None:
             report = self._report(live)
-            if not report["ready"]:
-                blockers = ", ".join(report["blockers"][:5])
+            if not report.ready:
+                blockers = ", ".join(report.blockers[:5])
                 raise GymError("invalid_phase", f"participant is no longer ready: {blockers}")
-            restarted = sorted(set(report["restarts"]) & set(scope or ()))
+            restarted = sorted(set(report.restarts) & set(scope or ()))
             if restarted:
                 # This participant holds none of a restart's state: continuing it would
                 # resume a rollout whose other parts start over.
@@ -342,14 +344,9 @@ class Checkpointer:
             self.claims.keep_only(keep)
         if stop:
             await self._stop_workers(live, deadline_ts)
-        exported = sorted(write.keys)
+        answer = CommitAnswer("committed", Manifest.decode(manifest), sorted(write.keys))
         write.answered = True
-        return self.machine.succeed(
-            "commit",
-            "committed",
-            {"phase": "committed", "manifest": manifest, "episode_ids": exported},
-            arguments,
-        )
+        return self.machine.succeed("commit", "committed", answer, arguments)
 
     async def _stop_workers(self, live: list[LiveWorker], deadline_ts: float) -> None:
         """After a commit with `stop: true`: each app frees what it can, best effort."""
@@ -383,7 +380,7 @@ class Checkpointer:
         deadline_ts: float,
         checkpoint_dir: str,
         episode_ids: list[EpisodeId],
-    ) -> dict[str, Any]:
+    ) -> RestoreAnswer:
         return await self._exclusive(
             checkpoint_id,
             lambda: self.restorer.run(checkpoint_id, deadline_ts, checkpoint_dir, episode_ids),
@@ -395,15 +392,15 @@ class Checkpointer:
         expected, self._expected_by_adopted = self._expected_by_adopted, []
         await self.restorer.recover_claims(expected)
 
-    async def renew(self, checkpoint_id: str, deadline_ts: float) -> dict[str, Any]:
+    async def renew(self, checkpoint_id: str, deadline_ts: float) -> RenewAnswer:
         # Never behind the lock: only the lease moves.
         self.machine.check("renew", checkpoint_id, deadline_ts, self.clock())
         self.machine.extend(deadline_ts)
-        return {"phase": self.machine.phase, "lease_expires_at": self.machine.lease_expires_at}
+        return RenewAnswer(self.machine.lease_expires_at, self.machine.phase)
 
-    async def resume(self, checkpoint_id: str, deadline_ts: float) -> dict[str, Any]:
+    async def resume(self, checkpoint_id: str, deadline_ts: float) -> ResumeAnswer:
         if checkpoint_id in self.machine.resumed:  # never behind another call
-            return {"phase": "idle", "idempotent": True}
+            return ResumeAnswer("idle", True)
         stopped = False
         if self.machine.checkpoint_id == checkpoint_id:
             stopped = await self._stop_work(checkpoint_id)
@@ -412,12 +409,12 @@ class Checkpointer:
                 # It stopped a restore, whose rollback left the participant idle: this
                 # resume did something, and its ID is fenced like any resumed one.
                 self.machine.remember(checkpoint_id)
-                return {"phase": "idle", "idempotent": False}
+                return ResumeAnswer("idle", False)
             cached = self.machine.check("resume", checkpoint_id, deadline_ts, self.clock())
             if cached is not None:
-                return cached
+                return _as(ResumeAnswer, cached)
             await self._reopen()
-            return {"phase": "idle", "idempotent": False}
+            return ResumeAnswer("idle", False)
 
     async def _stop_work(self, checkpoint_id: str) -> bool:
         """Stop a commit or restore of `checkpoint_id` that is running (resume wins);
@@ -445,7 +442,7 @@ class Checkpointer:
 
     async def retire(
         self, checkpoint_id: str, deadline_ts: float, episode_ids: list[EpisodeId]
-    ) -> dict[str, Any]:
+    ) -> RetireAnswer:
         """Mark the attempts (and earlier ones) retired on every worker, stop their work and
         free their state, live or restored; in `idle` or `restored`. The marks stay until
         `forget`, whether or not this finishes."""
@@ -457,11 +454,11 @@ class Checkpointer:
             self.claims.drop_retired(self.marks)  # those rollouts start over as later attempts
             retire = Retire([EpisodeRef(e.rollout_id, e.attempt) for e in episode_ids])
             await self.gather(self.workers.live(), retire, deadline_ts)
-            return {"retired": [e.key for e in episode_ids]}
+            return RetireAnswer([e.key for e in episode_ids])
 
     async def forget(
         self, checkpoint_id: str, deadline_ts: float, rollout_ids: list[str]
-    ) -> dict[str, Any]:
+    ) -> ForgetAnswer:
         """Stop refusing these rollouts' retired attempts, on every worker."""
         async with self._lock:
             self.machine.check("forget", checkpoint_id, deadline_ts, self.clock())
@@ -469,7 +466,7 @@ class Checkpointer:
                 self.machine.extend(deadline_ts)
             await self.gather(self.workers.live(), Forget(sorted(set(rollout_ids))), deadline_ts)
             self.marks.forget(rollout_ids)
-            return {"forgotten": sorted(set(rollout_ids))}
+            return ForgetAnswer(sorted(set(rollout_ids)))
 
     async def watch_lease(self) -> None:
         """Resume a checkpoint whose lease ran out, looked at every LEASE_CHECK seconds
@@ -493,9 +490,7 @@ class Checkpointer:
             return True
 
     # ---- helpers ------------------------------------------------------------------
-    async def _exclusive(
-        self, checkpoint_id: str, operation: Callable[[], Awaitable[dict[str, Any]]]
-    ) -> dict[str, Any]:
+    async def _exclusive(self, checkpoint_id: str, operation: Callable[[], Awaitable[A]]) -> A:
         """Run one operation under the lock, as a task a resume of its checkpoint cancels."""
         async with self._lock:
             task = asyncio.ensure_future(operation())
@@ -539,3 +534,10 @@ class Checkpointer:
         naming the first that did not (`broadcast.all_answer`)."""
         what = "the install" if callable(message) else message.TYPE
         return await all_answer(live, message, self.remaining(deadline_ts, what))
+
+
+def _as(answer: type[A], cached: Message) -> A:
+    """A cached answer, as the call it was cached for answers it."""
+    if not isinstance(cached, answer):
+        raise TypeError(f"a cached {type(cached).__name__} where {answer.__name__} is due")
+    return cached

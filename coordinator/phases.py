@@ -26,12 +26,16 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
+from gym_proxy.coordinator.contract.answers import ResumeAnswer
 from gym_proxy.coordinator.contract.errors import GymError
 from gym_proxy.coordinator.contract.ids import is_checkpoint_id
+from gym_proxy.coordinator.contract.messages import Message
 
 __all__ = ["PhaseMachine", "Phase", "OPEN_PHASES"]
+
+A = TypeVar("A", bound=Message)
 
 Phase = Literal["idle", "preparing", "prepared", "committed", "restored"]
 OPEN_PHASES: frozenset[Phase] = frozenset({"preparing", "prepared", "committed", "restored"})
@@ -64,7 +68,7 @@ class PhaseMachine:
     phase: Phase = "idle"
     checkpoint_id: str | None = None
     lease_expires_at: float | None = None
-    replies: dict[str, tuple[Any, dict[str, Any]]] = field(default_factory=dict)
+    replies: dict[str, tuple[Any, Message]] = field(default_factory=dict)
     resumed: OrderedDict[str, None] = field(default_factory=OrderedDict)
     on_open: Callable[[str], None] | None = None  # called as a checkpoint opens
     on_idle: Callable[[], None] | None = None  # called as it goes back to idle
@@ -75,7 +79,7 @@ class PhaseMachine:
 
     def check(
         self, op: str, checkpoint_id: str, deadline_ts: float, now: float, arguments: Any = None
-    ) -> dict[str, Any] | None:
+    ) -> Message | None:
         """Validate `op`; return a reply to send again (retry), None to go on, or raise."""
         if not is_checkpoint_id(checkpoint_id):
             raise GymError("invalid_request", "checkpoint_id is malformed")
@@ -90,11 +94,11 @@ class PhaseMachine:
             return reply
         if op == "resume":
             if checkpoint_id in self.resumed:
-                return {"phase": "idle", "idempotent": True}
+                return ResumeAnswer("idle", True)
             if not self.is_open:
                 # A prepare that never reached this participant: fence its ID anyway.
                 self.remember(checkpoint_id)
-                return {"phase": "idle", "idempotent": True}
+                return ResumeAnswer("idle", True)
         outside = op in _OUTSIDE_CHECKPOINTS
         if outside and self.phase not in _ALLOWED[op]:
             detail = f"{op} is not valid in phase {self.phase}; resume first"
@@ -128,9 +132,7 @@ class PhaseMachine:
         if self.lease_expires_at is None or expires > self.lease_expires_at:
             self.lease_expires_at = expires
 
-    def succeed(
-        self, op: str, phase: Phase, reply: dict[str, Any], arguments: Any = None
-    ) -> dict[str, Any]:
+    def succeed(self, op: str, phase: Phase, reply: A, arguments: Any = None) -> A:
         """`op` succeeded: enter `phase` and remember `reply` (and its arguments) for retries."""
         self.phase = phase
         self.replies[op] = (arguments, reply)

@@ -5,8 +5,9 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
+from gym_proxy.coordinator.contract.answers import ReadinessReport
 from gym_proxy.coordinator.contract.messages import Report
 
 __all__ = ["Readiness", "MAX_BLOCKERS"]
@@ -58,8 +59,8 @@ class Readiness:
 
     def report(
         self, live: Sequence[SlotOwner], expected: int, kind: str = "resources"
-    ) -> dict[str, Any]:
-        """`{ready, blockers[<=100], blocker_count, counts, restarts}` across every worker;
+    ) -> ReadinessReport:
+        """The report across every worker: at most MAX_BLOCKERS blockers, all counted;
         `restarts` (episodes a restart-only app cannot continue) is never capped."""
         blockers: list[str] = []
         restarts: set[str] = set()
@@ -83,13 +84,9 @@ class Readiness:
         if self.lost:
             head.append(f"{kind}-worker-lost")
         blockers = head + blockers
-        return {
-            "ready": not blockers,
-            "blockers": blockers[:MAX_BLOCKERS],
-            "blocker_count": len(blockers),
-            "counts": counts,
-            "restarts": sorted(restarts),
-        }
+        return ReadinessReport(
+            not blockers, blockers[:MAX_BLOCKERS], len(blockers), counts, sorted(restarts)
+        )
 
     async def wait_ready(self, done: Callable[[], bool], within: float) -> None:
         """Wait until `done()` holds, re-checking on every change, at most `within` s."""

@@ -21,6 +21,7 @@ from gym_proxy.coordinator import claims_recovery
 from gym_proxy.coordinator.broadcast import broadcast
 from gym_proxy.coordinator.commit_write import records_size
 from gym_proxy.coordinator.contract import telemetry
+from gym_proxy.coordinator.contract.answers import RestoreAnswer
 from gym_proxy.coordinator.contract.collector import collector_paused
 from gym_proxy.coordinator.contract.episodes import EpisodeId, episode_key
 from gym_proxy.coordinator.contract.errors import GymError
@@ -124,7 +125,7 @@ class Restore:
         deadline_ts: float,
         checkpoint_dir: str,
         episode_ids: list[EpisodeId],
-    ) -> dict[str, Any]:
+    ) -> RestoreAnswer:
         """Restore `checkpoint_dir` onto the live workers, `episode_ids` continued."""
         # The parsed records are freed by reference counting or kept as claims: a
         # collector pass over them would only stall the phase (collector.py).
@@ -137,12 +138,14 @@ class Restore:
         deadline_ts: float,
         checkpoint_dir: str,
         episode_ids: list[EpisodeId],
-    ) -> dict[str, Any]:
+    ) -> RestoreAnswer:
         cp = self.cp
         scope = {e.key for e in episode_ids}
         arguments = (checkpoint_dir, tuple(sorted(scope)))
         cached = cp.machine.check("restore", checkpoint_id, deadline_ts, cp.clock(), arguments)
         if cached is not None:
+            if not isinstance(cached, RestoreAnswer):
+                raise TypeError(f"a cached {type(cached).__name__} for a restore")
             return cached
         if cp.restored_once:
             raise GymError("invalid_phase", "restore needs freshly started workers")
@@ -190,12 +193,8 @@ class Restore:
         cp.restored_once = True
         self._note(checkpoint_dir, scope)
         continued = set(claims.keys()) | selection.continued
-        restored = {
-            "phase": "restored",
-            "source_checkpoint_id": manifest["checkpoint_id"],
-            "restored": sorted(continued),
-        }
-        return cp.machine.succeed("restore", "restored", restored, arguments)
+        answer = RestoreAnswer("restored", manifest["checkpoint_id"], sorted(continued))
+        return cp.machine.succeed("restore", "restored", answer, arguments)
 
     async def _read(
         self, base: Path, scope: set[str], deadline_ts: float

@@ -82,7 +82,7 @@ class WorkerChannels:
 
     async def accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """Serve one worker connection until it ends: one from the socket, or one the
-        proxy dialed to a worker on another node (`proxy.fleet.remote_workers`)."""
+        proxy dialed to a worker on another node (`proxy.ray_cluster.remote_workers`)."""
         if self._limit is not None and len(self._connections) >= self._limit():
             if not self._unregistered:
                 self._drop(writer, "over the cap, and every connection registered")

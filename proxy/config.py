@@ -12,7 +12,7 @@ from dataclasses import MISSING, dataclass, field, fields, replace
 from typing import Any, NoReturn
 
 from gym_proxy.coordinator.contract.ids import is_checkpoint_id
-from gym_proxy.worker.nemo_gym_server import CONFIG_PATH_ENV
+from gym_proxy.coordinator.contract.nemo_gym_env import CONFIG_PATH_ENV
 
 __all__ = [
     "Config",
@@ -41,6 +41,26 @@ PLACEMENTS = ("local", "ray")
 # descriptors, and a count past this is a typo, not a plan.
 MAX_WORKERS = 256
 COOKIE_NAME = re.compile(r"[A-Za-z0-9!#$%&'*+.^_`|~-]{1,128}\Z")  # an RFC 6265 token
+# The options that take a number of a kind (`Config.validate`).
+_NON_NEGATIVE = (
+    "graceful_timeout",
+    "upstream_timeout",
+    "keepalive_timeout",
+    "header_timeout",
+    "boot_timeout",
+    "lease_grace",
+    "session_idle_ttl",
+    "max_requests",
+    "max_requests_jitter",
+    "max_worker_memory",
+    "rebalance_cooldown",
+    "scale_up_busy",
+    "scale_down_busy",
+    "scale_up_after",
+    "scale_down_after",
+)
+_POSITIVE = ("worker_timeout", "tunnel_idle_timeout", "stall_threshold", "rebalance_max_moves")
+_AT_LEAST = (("limit_request_line", 64), ("limit_request_headers", 256), ("max_connections", 1))
 
 
 class ConfigError(ValueError):
@@ -601,6 +621,15 @@ class Config:
                 "--take-over needs --orphan-grace above 0: the workers change proxies"
             )
         self._validate_placement()
+        self._validate_numbers()
+        if self.metrics is not None:
+            metrics_address(self.metrics, self.host)  # raises ConfigError when malformed
+        if ":" not in self.app:
+            raise ConfigError(f"APP must look like module:attr, got {self.app!r}")
+        self._validate_names()
+
+    def _validate_numbers(self) -> None:
+        """Counts, ports, times and ratios within their bounds."""
         for name in ("workers", "min_workers", "max_workers"):
             value, least = getattr(self, name), 0 if name == "max_workers" else 1
             if not least <= value <= MAX_WORKERS:
@@ -608,25 +637,8 @@ class Config:
                 raise ConfigError(f"--{flag} must be {least}-{MAX_WORKERS}, got {value}")
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"--port must be between 0 and 65535, got {self.port}")
-        for name in (
-            "graceful_timeout",
-            "upstream_timeout",
-            "keepalive_timeout",
-            "header_timeout",
-            "boot_timeout",
-            "lease_grace",
-            "session_idle_ttl",
-            "max_requests",
-            "max_requests_jitter",
-            "max_worker_memory",
-            "rebalance_cooldown",
-            "scale_up_busy",
-            "scale_down_busy",
-            "scale_up_after",
-            "scale_down_after",
-        ):
-            value = getattr(self, name)
-            if not 0 <= value < float("inf"):
+        for name in _NON_NEGATIVE:
+            if not 0 <= getattr(self, name) < float("inf"):
                 raise ConfigError(f"--{name.replace('_', '-')} must be a non-negative number")
         if self.orphan_grace is not None and not 0 <= self.orphan_grace < float("inf"):
             raise ConfigError("--orphan-grace must be a non-negative number")
@@ -641,26 +653,16 @@ class Config:
             raise ConfigError(
                 "--rebalance-ratio must be over 1 (a worker hot against itself), or 0 (off)"
             )
-        for name in (
-            "worker_timeout",
-            "tunnel_idle_timeout",
-            "stall_threshold",
-            "rebalance_max_moves",
-        ):
+        for name in _POSITIVE:
             if not 0 < getattr(self, name) < float("inf"):
                 raise ConfigError(f"--{name.replace('_', '-')} must be a positive number")
-        for name, least in (
-            ("limit_request_line", 64),
-            ("limit_request_headers", 256),
-            ("max_connections", 1),
-        ):
+        for name, least in _AT_LEAST:
             value = getattr(self, name)
             if value is not None and value < least:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least {least}")
-        if self.metrics is not None:
-            metrics_address(self.metrics, self.host)  # raises ConfigError when malformed
-        if ":" not in self.app:
-            raise ConfigError(f"APP must look like module:attr, got {self.app!r}")
+
+    def _validate_names(self) -> None:
+        """Secrets, the instance name and the cookie name."""
         if self.secret is not None and not self.secret:
             raise ConfigError("--secret must not be empty")
         if self.control_token is not None and not self.control_token:

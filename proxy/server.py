@@ -31,6 +31,7 @@ from gym_proxy.coordinator.contract import telemetry
 from gym_proxy.coordinator.contract.channel import ChannelClosed
 from gym_proxy.coordinator.contract.exit_codes import BOOT_ERROR, RAY_ERROR, USAGE_ERROR
 from gym_proxy.coordinator.contract.messages import ProxyStopping
+from gym_proxy.coordinator.contract.nemo_gym_env import CONFIG_DICT_ENV
 from gym_proxy.coordinator.contract.worker_link import link_key
 from gym_proxy.proxy import data_path
 from gym_proxy.proxy.assembly import Assembly
@@ -38,12 +39,13 @@ from gym_proxy.proxy.config import Config, metrics_address
 from gym_proxy.proxy.connection_sweep import sweep_connections
 from gym_proxy.proxy.data_path.client_connection import ClientFactory
 from gym_proxy.proxy.fleet.liveness import watch_liveness
-from gym_proxy.proxy.fleet.remote_workers import START_WAIT, RayLauncher
 from gym_proxy.proxy.fleet.supervisor import Supervisor, WorkerBootError
 from gym_proxy.proxy.fleet.worker_records import WorkerLauncher
 from gym_proxy.proxy.metrics import listener as metrics_listener
 from gym_proxy.proxy.ray_cluster.cluster import HEAD_SOCKET, RayCluster, RayPlan
 from gym_proxy.proxy.ray_cluster.errors import RayError
+from gym_proxy.proxy.ray_cluster.lines import PlacementSpec
+from gym_proxy.proxy.ray_cluster.remote_workers import START_WAIT, RayLauncher
 from gym_proxy.proxy.runtime_dir import (
     RuntimeDir,
     RuntimeDirBusy,
@@ -53,7 +55,7 @@ from gym_proxy.proxy.runtime_dir import (
 )
 from gym_proxy.proxy.signals import Signals
 from gym_proxy.proxy.takeover import TAKEOVER_NAME, TakeOver, TakeOverListener, until_released
-from gym_proxy.worker.nemo_gym_server import CONFIG_DICT_ENV, with_ray_address
+from gym_proxy.worker.nemo_gym_server import with_ray_address
 
 __all__ = ["Server", "StartupFailed", "run"]
 
@@ -270,14 +272,14 @@ class Server:
         hold them); closed by the supervisor, after its workers."""
         assert self.parts is not None
         config = self.config
-        spec = {
-            "workers": config.workers,
-            "cpus": config.worker_cpus,
-            "resources": config.ray_resources(),
-            "strategy": config.worker_strategy.upper(),
-            "instance": config.instance,
-            "runtime_dir": self.parts.runtime.path,  # the driver's to remove if this dies
-        }
+        spec = PlacementSpec(
+            workers=config.workers,
+            cpus=config.worker_cpus,
+            resources=config.ray_resources(),
+            strategy=config.worker_strategy.upper(),
+            instance=config.instance,
+            runtime_dir=self.parts.runtime.path,  # the driver's to remove if this dies
+        )
         key = link_key(self.secret, config.instance)
         launcher = RayLauncher(
             cluster.address,

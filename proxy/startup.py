@@ -133,50 +133,14 @@ def start(argv: Sequence[str] | None = None) -> None:
     # reading this process's environment later.
     for name in SECRET_ENV:
         os.environ.pop(name, None)
-    try:
-        if "app" not in config.given:
-            launched = launcher_app()  # started by NeMo Gym's launcher in a server's place
-            if launched is not None:
-                config = replace(config, app=launched[0], app_dir=launched[1])
-        target = import_app_target(config.app, config.app_dir)
-        ray_plan = None
-        if is_server_class(target):
-            config, ray_plan = _from_nemo_gym_config(config, target)
-            if config.session_state is not None:
-                check_session_state(target, config.session_state)
-        elif config.session_state is not None:
-            raise ConfigError("--session-state names an attribute of a NeMo Gym server class")
-        if config.worker_placement == "ray" and ray_plan is None:
-            ray_plan = cluster_plan()
-        if ray_plan is not None and importlib.util.find_spec("ray") is None:
-            what = "--worker-placement ray" if config.worker_placement == "ray" else "the app"
-            print(
-                f"gym-proxy: error: {what} needs Ray, which this Python does not have "
-                "(pip install 'ray[default]')",
-                file=sys.stderr,
-            )
-            sys.exit(RAY_ERROR)
-    except (AppLoadError, ConfigError, NemoGymConfigError) as exc:
-        _fail(str(exc))
+    config, ray_plan = _the_app(config)
     try:
         ensure_parent(config.runtime_dir or tempfile.gettempdir())
     except ValueError as exc:
         _fail(f"--runtime-dir {config.runtime_dir or tempfile.gettempdir()} {exc}")
     except OSError as exc:
         _fail(f"--runtime-dir {config.runtime_dir}: {exc.strerror or exc}")
-    if config.secret is None and (config.orphan_grace or config.take_over):
-        _fail(
-            f"{'--take-over' if config.take_over else '--orphan-grace'} needs --secret or "
-            "--secret-file: the workers' sessions outlive gym-proxy only for one that "
-            "verifies their tokens, which a random secret cannot"
-        )
-    if config.take_over and not config.orphan_grace:
-        _fail("--take-over needs --orphan-grace above 0: the workers change proxies")
-    if config.secret is None:
-        log.warning("no --secret: using a random one, so session cookies do not survive a restart")
-        secret = secrets.token_bytes(32)
-    else:
-        secret = config.secret.encode()
+    secret = _secret(config, log)
     take_over = None
     if config.take_over:
         try:
@@ -196,3 +160,52 @@ def start(argv: Sequence[str] | None = None) -> None:
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         code = runner.run(run(config, sock, secret, ray_plan, take_over=take_over))
     exit_process(code)
+
+
+def _the_app(config: Config) -> tuple[Config, RayPlan | None]:
+    """`APP` imported (or the server NeMo Gym's launcher started in its place), with a
+    NeMo Gym class's config settled and the Ray cluster it or the placement needs;
+    exits with one line when it cannot be."""
+    try:
+        if "app" not in config.given:
+            launched = launcher_app()  # started by NeMo Gym's launcher in a server's place
+            if launched is not None:
+                config = replace(config, app=launched[0], app_dir=launched[1])
+        target = import_app_target(config.app, config.app_dir)
+        ray_plan = None
+        if is_server_class(target):
+            config, ray_plan = _from_nemo_gym_config(config, target)
+            if config.session_state is not None:
+                check_session_state(target, config.session_state)
+        elif config.session_state is not None:
+            raise ConfigError("--session-state names an attribute of a NeMo Gym server class")
+        if config.worker_placement == "ray" and ray_plan is None:
+            ray_plan = cluster_plan()
+    except (AppLoadError, ConfigError, NemoGymConfigError) as exc:
+        _fail(str(exc))
+    if ray_plan is not None and importlib.util.find_spec("ray") is None:
+        what = "--worker-placement ray" if config.worker_placement == "ray" else "the app"
+        print(
+            f"gym-proxy: error: {what} needs Ray, which this Python does not have "
+            "(pip install 'ray[default]')",
+            file=sys.stderr,
+        )
+        sys.exit(RAY_ERROR)
+    return config, ray_plan
+
+
+def _secret(config: Config, log: logging.Logger) -> bytes:
+    """The secret sessions are signed with (a random one, said, without --secret); exits
+    when what needs a secret has none."""
+    if config.secret is None and (config.orphan_grace or config.take_over):
+        _fail(
+            f"{'--take-over' if config.take_over else '--orphan-grace'} needs --secret or "
+            "--secret-file: the workers' sessions outlive gym-proxy only for one that "
+            "verifies their tokens, which a random secret cannot"
+        )
+    if config.take_over and not config.orphan_grace:
+        _fail("--take-over needs --orphan-grace above 0: the workers change proxies")
+    if config.secret is None:
+        log.warning("no --secret: using a random one, so session cookies do not survive a restart")
+        return secrets.token_bytes(32)
+    return config.secret.encode()

@@ -36,6 +36,8 @@ import aiohttp
 import nemo_gym  # the tier's virtualenv has it (tests/nemo_gym/install.sh)
 import orjson
 
+from gym_proxy.coordinator.contract.lines import expect
+from gym_proxy.proxy.ray_cluster.lines import HEAD, RAY_HEAD, ClusterAddress
 from tests.ports import free_port
 from tests.support import CONTROL_TOKEN, REPO, TEST_SECRET, wait_until
 
@@ -147,11 +149,11 @@ class SharedRay:
     first use and stopped when the test process exits."""
 
     head: subprocess.Popen[bytes] | None = None
-    reply: dict[str, str] = {}
+    reply: ClusterAddress | None = None
 
     @classmethod
-    def get(cls) -> dict[str, str]:
-        """{"address", "auth_mode"} of the cluster, started now if it is not yet."""
+    def get(cls) -> ClusterAddress:
+        """The cluster's address and authentication mode, started now if it is not yet."""
         if cls.head is None or cls.head.poll() is not None:
             cls.stop()  # a head that died: its pipes closed before its successor starts
             cls.head = subprocess.Popen(
@@ -160,9 +162,11 @@ class SharedRay:
                 stderr=subprocess.DEVNULL, env={**os.environ, "PYTHONPATH": str(REPO)},
             )  # fmt: skip
             assert cls.head.stdout is not None
-            cls.reply = json.loads(cls.head.stdout.readline() or b"{}")
-            assert "address" in cls.reply, "the shared Ray cluster did not start"
+            line = cls.head.stdout.readline()
+            assert line, "the shared Ray cluster did not start"
+            cls.reply = expect(line, RAY_HEAD, HEAD, ClusterAddress)
             atexit.register(cls.stop)
+        assert cls.reply is not None
         return cls.reply
 
     @classmethod
@@ -265,7 +269,7 @@ class NemoStack:
             "policy_base_url": f"{self.url('backend')}/v1",
             "policy_api_key": "unused",
             "policy_model_name": "scripted-policy",
-            "ray_head_node_address": SharedRay.get()["address"],
+            "ray_head_node_address": SharedRay.get().address,
         }
         for spec in self.specs:
             block = {"entrypoint": "app.py", "host": "127.0.0.1", "port": self.ports[spec.role]}
@@ -282,7 +286,7 @@ class NemoStack:
             "NEMO_GYM_CONFIG_DICT": self.config_path.read_text(),
             "NEMO_GYM_CONFIG_PATH": spec.instance,
             # What the launcher's children inherit from its own ray.init().
-            "RAY_AUTH_MODE": SharedRay.get()["auth_mode"] or "disabled",
+            "RAY_AUTH_MODE": SharedRay.get().auth_mode or "disabled",
             "BENCH_NEMO_GYM_APP": spec.app,  # for bench/nemo_gym_uvicorn.py
         }
 

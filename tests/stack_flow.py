@@ -131,7 +131,7 @@ class StackRun:
         try:
             assert prepared.prepared, prepared.blockers()
             for url, reply in prepared.replies.items():
-                counts = reply["report"]["counts"]
+                counts = reply.report.counts
                 assert counts.get("sessions", 0) == 0, (url, counts)
                 assert counts.get("in_flight", 0) == 0, (url, counts)
         finally:

@@ -11,6 +11,14 @@ import pytest
 
 from gym_proxy.coordinator import checkpoint_files as records
 from gym_proxy.coordinator.contract import records as record_format
+from gym_proxy.coordinator.contract.answers import (
+    NOT_OPEN,
+    CommitAnswer,
+    Manifest,
+    PrepareAnswer,
+    ReadinessReport,
+    ResumeAnswer,
+)
 from gym_proxy.coordinator.contract.episodes import EpisodeId, parse_episode_key
 from gym_proxy.coordinator.contract.errors import GymError
 from gym_proxy.coordinator.contract.messages import Report
@@ -22,6 +30,8 @@ from gym_proxy.worker.sessions import SessionStore
 pytestmark = pytest.mark.fast
 
 NOW = 1000.0
+PREPARED = PrepareAnswer("prepared", NOT_OPEN)
+COMMITTED = CommitAnswer("committed", Manifest(1, "resources", "i", "c1", "r.jsonl", "0", 0), [])
 
 
 def code_of(machine, op, cid, deadline=NOW + 10, arguments=None):
@@ -38,18 +48,18 @@ def test_phase_machine_walk():
     assert code_of(m, "prepare", "c2") == "checkpoint_conflict"
     assert code_of(m, "restore", "c1") == "invalid_phase"
     assert code_of(m, "commit", "c1") == "invalid_phase"  # commit only once prepared
-    m.succeed("prepare", "prepared", {"phase": "prepared"})
-    assert m.check("prepare", "c1", NOW + 10, NOW) == {"phase": "prepared"}
+    m.succeed("prepare", "prepared", PREPARED)
+    assert m.check("prepare", "c1", NOW + 10, NOW) is PREPARED
     assert m.check("commit", "c1", NOW + 10, NOW, ("/d", None)) is None
-    m.succeed("commit", "committed", {"phase": "committed"}, ("/d", None))
+    m.succeed("commit", "committed", COMMITTED, ("/d", None))
     # a cached reply comes back before the deadline is looked at ...
-    assert m.check("commit", "c1", NOW - 5, NOW, ("/d", None)) == {"phase": "committed"}
+    assert m.check("commit", "c1", NOW - 5, NOW, ("/d", None)) is COMMITTED
     # ... unless the retry names another directory or scope
     assert code_of(m, "commit", "c1", arguments=("/e", None)) == "checkpoint_conflict"
     assert code_of(m, "retire", "c1") == "invalid_phase"  # resume first
     assert m.check("resume", "c1", NOW + 10, NOW) is None
     assert m.close() == "c1"
-    assert m.check("resume", "c1", NOW, NOW) == {"phase": "idle", "idempotent": True}
+    assert m.check("resume", "c1", NOW, NOW) == ResumeAnswer("idle", True)
     assert code_of(m, "prepare", "c1") == "stale_checkpoint"
     assert m.check("retire", "c1", NOW + 10, NOW) is None  # a straggler policy may
     assert code_of(m, "commit", "c9") == "invalid_phase"
@@ -64,11 +74,11 @@ def test_phase_machine_walk():
 def test_resume_fencing():
     m = PhaseMachine(lease_grace=5)
     # a resume of an ID never seen, while idle: remembered, so a delayed prepare is refused
-    assert m.check("resume", "late", NOW, NOW) == {"phase": "idle", "idempotent": True}
+    assert m.check("resume", "late", NOW, NOW) == ResumeAnswer("idle", True)
     assert code_of(m, "prepare", "late") == "stale_checkpoint"
     m.open("c2", "preparing", NOW + 10)
     # a resume of an ID already resumed answers idempotently while another is open
-    assert m.check("resume", "late", NOW, NOW) == {"phase": "idle", "idempotent": True}
+    assert m.check("resume", "late", NOW, NOW) == ResumeAnswer("idle", True)
     assert code_of(m, "resume", "c3") == "checkpoint_conflict"
     m.close()
     m.open("r", "restored", NOW + 10)
@@ -84,7 +94,7 @@ def test_lease_extends_and_expires():
     assert m.lease_expires_at == NOW + 6
     assert not m.lease_expired(NOW + 6)
     assert m.lease_expired(NOW + 6.1)
-    m.succeed("prepare", "prepared", {"phase": "prepared"})
+    m.succeed("prepare", "prepared", PREPARED)
     m.unprepare()
     assert m.phase == "preparing" and "prepare" not in m.replies
     m.abandon()
@@ -136,29 +146,23 @@ def test_readiness_fail_closed_and_sequencing():
 
     r = Readiness()
     live = [W(0, "a"), W(1, "b")]
-    assert r.report(live, 3, "agent")["blockers"] == ["agent-workers-unreported:3"]
+    assert r.report(live, 3, "agent").blockers == ["agent-workers-unreported:3"]
     r.update("a", rep(2, True, [], {"door": 1}))
     r.update("b", rep(1, False, ["x"], restarts=["r"]))
     report = r.report(live, 2)
-    assert report == {
-        "ready": False,
-        "blockers": ["x"],
-        "blocker_count": 1,
-        "counts": {"door": 1},
-        "restarts": ["r"],
-    }
+    assert report == ReadinessReport(False, ["x"], 1, {"door": 1}, ["r"])
     r.update("b", rep(3, True, []))
     r.update("b", rep(2, False, ["late"]))  # stale
-    assert r.report(live, 2)["ready"] is True
+    assert r.report(live, 2).ready is True
     r.forget("b", lost_while_open=True)
-    assert r.report([W(0, "a")], 2)["blockers"] == [
+    assert r.report([W(0, "a")], 2).blockers == [
         "resources-workers-unreported:1",
         "resources-worker-lost",
     ]
     r.reset()
     r.update("a", rep(1, False, [f"s{i}" for i in range(150)]))
     report = r.report([W(0, "a")], 1)
-    assert len(report["blockers"]) == 100 and report["blocker_count"] == 150
+    assert len(report.blockers) == 100 and report.blocker_count == 150
 
 
 def test_session_store_scope_release_and_retire():

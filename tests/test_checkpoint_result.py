@@ -18,6 +18,12 @@ from gym_proxy.coordinator.clients.controller import (
     PrepareResult,
 )
 from gym_proxy.coordinator.clients.controller_cli import _parser, _server, exit_status
+from gym_proxy.coordinator.contract.answers import (
+    CommitAnswer,
+    Manifest,
+    PrepareAnswer,
+    ReadinessReport,
+)
 from gym_proxy.coordinator.contract.episodes import EpisodeId
 from gym_proxy.coordinator.contract.exit_codes import CHECKPOINT_PARTIAL
 
@@ -28,10 +34,15 @@ def prepared(restarts: dict[str, list[str]]) -> PrepareResult:
     return PrepareResult(
         True,
         {
-            url: {"phase": "prepared", "report": {"blockers": [], "restarts": keys}}
+            url: PrepareAnswer("prepared", ReadinessReport(True, [], 0, {}, keys))
             for url, keys in restarts.items()
         },
     )
+
+
+def commit_answer(checkpoint_id: str = "ck3") -> CommitAnswer:
+    manifest = Manifest(1, "resources", "i", checkpoint_id, "records-0.jsonl", "0", 0)
+    return CommitAnswer("committed", manifest, [])
 
 
 def test_restarts_are_named_by_participant_rollout_and_attempt():
@@ -41,7 +52,7 @@ def test_restarts_are_named_by_participant_rollout_and_attempt():
         "http://agent": {EpisodeId("3-0", 0)},
         "http://m": set(),
     }
-    committed = {url: {"phase": "committed", "episode_ids": []} for url in result.replies}
+    committed = {url: commit_answer() for url in result.replies}
     outcome = CheckpointResult.of("ck3", committed, result.restarts_by_participant())
     assert not outcome.complete
     assert outcome.restart_episodes() == (EpisodeId("3-0", 0), EpisodeId("r9", 1))  # once each
@@ -52,7 +63,8 @@ def test_restarts_are_named_by_participant_rollout_and_attempt():
         "http://env": [{"rollout_id": "3-0", "attempt": 0}, {"rollout_id": "r9", "attempt": 1}],
         "http://m": [],
     }
-    assert document["committed"] == committed and document["retired"] == []
+    assert document["committed"] == {url: a.as_json() for url, a in committed.items()}
+    assert document["retired"] == []
     assert "partial: 2 rollout(s) in flight are not in it" in document["summary"]
     assert "http://env (2), http://agent (1)" not in document["summary"]  # sorted by URL
     assert "http://agent (1), http://env (2)" in document["summary"]
@@ -61,7 +73,7 @@ def test_restarts_are_named_by_participant_rollout_and_attempt():
 
 
 def test_a_checkpoint_without_restarts_is_complete():
-    outcome = CheckpointResult.of("ck", {"http://a": {}}, {"http://a": set()})
+    outcome = CheckpointResult.of("ck", {"http://a": commit_answer("ck")}, {"http://a": set()})
     assert outcome.complete and outcome.as_json()["summary"].endswith("; complete")
     assert exit_status(outcome, allow_restarts=False) == 0
     assert exit_status({"resumed": "ck"}, allow_restarts=False) == 0  # other commands
@@ -124,21 +136,32 @@ class FakeParticipant:
         return app
 
     async def handle(self, request: web.Request) -> web.Response:
+        """Each call answered in NeMo Gym's Gen-2 shape (and one key of its own more,
+        which a controller leaves out)."""
         op = request.match_info["op"]
         body = await request.json() if request.method == "POST" else {}
         self.calls.append((op, body))
+        answer: Any = {"phase": "idle", "idempotent": False}
         if op == "status":
-            return web.json_response({"kind": "agent"})
+            closed = report("idle", [], [])["report"]
+            answer = {"kind": "agent", "instance": "a", "phase": "idle", "checkpoint_id": None}
+            answer |= {"lease_expires_at": None, "retired_rollouts": 0, "report": closed}
         if op == "prepare":
-            return web.json_response(self.prepare[body["checkpoint_id"]])
+            answer = self.prepare[body["checkpoint_id"]]
         if op == "commit":
-            return web.json_response({"phase": "committed", "episode_ids": []})
-        return web.json_response({"phase": "idle"})
+            manifest = commit_answer(body["checkpoint_id"]).manifest.as_json()
+            answer = {"phase": "committed", "manifest": manifest, "episode_ids": []}
+        if op == "retire":
+            answer = {
+                "retired": [f"{e['rollout_id']}-a{e['attempt']}" for e in body["episode_ids"]]
+            }
+        return web.json_response({**answer, "staging_keys": []})
 
 
 def report(phase: str, blockers: list[str], restarts: list[str]) -> dict[str, Any]:
-    ready = phase == "prepared"
-    return {"phase": phase, "report": {"ready": ready, "blockers": blockers, "restarts": restarts}}
+    counts = {"in_flight": len(blockers)}
+    ready = {"ready": phase == "prepared", "blockers": blockers, "blocker_count": len(blockers)}
+    return {"phase": phase, "report": {**ready, "counts": counts, "restarts": restarts}}
 
 
 async def test_checkpoint_result_carries_the_restarts_and_the_retired(aiohttp_server):

@@ -22,7 +22,7 @@ import pytest
 
 from gym_proxy.coordinator import checkpoint_files as files
 from gym_proxy.coordinator.checkpointer import Checkpointer, LiveWorker
-from gym_proxy.coordinator.contract import failpoints
+from gym_proxy.coordinator.contract import answers, failpoints
 from gym_proxy.coordinator.contract import messages as msg
 from gym_proxy.coordinator.contract.channel import Channel
 from gym_proxy.coordinator.contract.episodes import EpisodeId
@@ -161,9 +161,34 @@ class WatchedReadiness(Readiness):
         self.changed.set()
 
 
+class JsonAnswers:
+    """The checkpointer with each answer as the control plane renders it (`as_json`):
+    these tests read answers as a controller does. Everything else is the checkpointer's."""
+
+    def __init__(self, checkpointer: Checkpointer) -> None:
+        self.checkpointer = checkpointer
+
+    def __getattr__(self, name: str):
+        found = getattr(self.checkpointer, name)
+        if not callable(found):
+            return found
+
+        def answered(result):
+            is_answer = type(result).__module__ == answers.__name__
+            return result.as_json() if is_answer else result
+
+        if asyncio.iscoroutinefunction(found):
+
+            async def call(*args, **kwargs):
+                return answered(await found(*args, **kwargs))
+
+            return call
+        return lambda *args, **kwargs: answered(found(*args, **kwargs))
+
+
 @dataclass
 class Rig:
-    cp: Checkpointer
+    cp: JsonAnswers
     view: FakeView
     workers: list
     clock: Clock
@@ -202,7 +227,7 @@ async def make_rig():
             w.channel = Channel(w_reader, w_writer, w.handle)
             opened.append((w, [asyncio.ensure_future(c.serve()) for c in (w.link, w.channel)]))
             cp.register_reply(joining(w.owner))
-        return Rig(cp, view, workers, clock, changed)
+        return Rig(JsonAnswers(cp), view, workers, clock, changed)
 
     yield make
     for w, tasks in opened:
@@ -279,7 +304,9 @@ async def test_prepare_closes_every_worker_and_caches_prepared(make_rig):
     assert [w.received(msg.Close) for w in rig.workers] == [[msg.Close("c1")]] * 2
     assert reply["report"]["ready"] and rig.cp.status()["phase"] == "prepared"
     assert [w["ready"] for w in rig.cp.status()["workers"]] == [True, True]
-    assert await rig.cp.prepare("c1", NOW - 1) is reply
+    assert await rig.cp.prepare("c1", NOW - 1) == reply
+    cached = await rig.cp.checkpointer.prepare("c1", NOW - 1)  # the very answer, again
+    assert cached is await rig.cp.checkpointer.prepare("c1", NOW - 1)
     assert [len(w.received(msg.Close)) for w in rig.workers] == [1, 1]
 
 
@@ -336,7 +363,9 @@ async def test_commit_writes_every_workers_records(make_rig, tmp_path):
     assert manifest["session_owners"] == {"w0": "w0", "w1": "w1"}
     assert manifest["placed_sessions"] == {"p1": "w1"}
     assert records == rig.workers[0].records + rig.workers[1].records
-    assert await rig.cp.commit("c1", NOW - 1, str(tmp_path), None) is reply
+    assert await rig.cp.commit("c1", NOW - 1, str(tmp_path), None) == reply
+    cached = await rig.cp.checkpointer.commit("c1", NOW - 1, str(tmp_path), None)
+    assert cached is await rig.cp.checkpointer.commit("c1", NOW - 1, str(tmp_path), None)
     err = await refusal(rig.cp.commit("c1", NOW + 5, str(tmp_path / "other"), None))
     assert err.code == "checkpoint_conflict"
     assert [len(w.received(msg.Export)) for w in rig.workers] == [1, 1]

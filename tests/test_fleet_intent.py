@@ -8,10 +8,10 @@ import logging
 
 import pytest
 
+from gym_proxy.coordinator.contract.nemo_gym_env import CONFIG_PATH_ENV
 from gym_proxy.proxy.config import DEFAULT_ORPHAN_GRACE, ConfigError, config_from_args
 from gym_proxy.proxy.config_block import apply_block
 from gym_proxy.proxy.fleet.intent import INTENT_NAME, FleetIntent, load_intent, save_intent
-from gym_proxy.worker.nemo_gym_server import CONFIG_PATH_ENV
 
 pytestmark = pytest.mark.fast
 

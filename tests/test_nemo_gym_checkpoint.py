@@ -95,14 +95,14 @@ async def test_rollouts_in_flight_across_a_crash_onto_other_worker_counts(http, 
         restarts = prepared.restarts()
         assert len(restarts) == 16, restarts  # every rollout in flight, named
         by_role = {spec.role: prepared.replies[stack.url(spec.role)] for spec in SPECS}
-        assert len(by_role["env"]["report"]["restarts"]) == 16
-        assert len(by_role["agent"]["report"]["restarts"]) == 16
-        resources = by_role["resources"]["report"]
-        assert resources["counts"]["sessions"] == 16 and resources["restarts"] == []
+        assert len(by_role["env"].report.restarts) == 16
+        assert len(by_role["agent"].report.restarts) == 16
+        resources = by_role["resources"].report
+        assert resources.counts["sessions"] == 16 and resources.restarts == []
         scope = prepared.continued([parse_episode_key(key) for key in sorted(restarts)])
         assert scope == []  # nothing of them continues: the agent cannot capture its part
         committed = await ctl.commit("in-flight", str(tmp_path / "ck"), scope)
-        assert all(reply["episode_ids"] == [] for reply in committed.values())
+        assert all(reply.episode_ids == [] for reply in committed.values())
 
         stack.kill()  # every server process, gym-proxies and workers: kill -9
         async with http.post(f"{stack.url('backend')}/control/release") as resp:

@@ -157,7 +157,7 @@ async def test_code_gen_on_three_workers_has_one_cluster_through_crash_restart_a
     proxy = start(config, "--access-log", "--preload")
     proxy.wait_ready(180)
     address = cluster_address(proxy.log())
-    assert address != SharedRay.get()["address"]  # a cluster on the host is not attached to
+    assert address != SharedRay.get().address  # a cluster on the host is not attached to
     cluster = one_cluster(proxy)
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as http:
         await verify_on_every_worker(http, proxy, 6)
@@ -208,7 +208,7 @@ def test_nothing_answering_at_the_named_address_is_one_line_within_seconds(
 
 def test_an_authentication_that_does_not_fit_is_one_line_within_seconds(start, tmp_path):
     """The shared cluster has token authentication; a user who turned it off is told."""
-    config = write_config(tmp_path, ray_head_node_address=SharedRay.get()["address"])
+    config = write_config(tmp_path, ray_head_node_address=SharedRay.get().address)
     proxy = start(config, env={"RAY_AUTH_MODE": "disabled"})
     line = failed_fast(proxy, 30)
     assert "refused this process's authentication (RAY_AUTH_MODE disabled" in line
@@ -220,7 +220,7 @@ def test_a_named_token_cluster_is_joined_with_the_token_at_hand(start, tmp_path)
     gym-proxy joins the named token cluster with the token at hand, and so do its
     workers, which Ray alone would not let in."""
     assert "RAY_AUTH_MODE" not in os.environ
-    config = write_config(tmp_path, ray_head_node_address=SharedRay.get()["address"])
+    config = write_config(tmp_path, ray_head_node_address=SharedRay.get().address)
     proxy = start(config, workers=2)
     proxy.wait_ready(180)
     assert ray_processes(proxy.pid)["gcs_server"] == set()  # it started none

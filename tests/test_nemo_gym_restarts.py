@@ -51,7 +51,7 @@ async def test_the_rollouts_a_restart_only_counter_cannot_save_are_named(start_p
         in_flight = sorted(f"{task}-0" for task in range(4, 16))
         assert outcome.restarts == {proxy.url: tuple(EpisodeId(r, 0) for r in in_flight)}
         assert not outcome.complete and "partial: 12 rollout(s)" in outcome.summary()
-        assert outcome.committed[proxy.url]["manifest"]["record_count"] == 0
+        assert outcome.committed[proxy.url].manifest.record_count == 0
 
         result = await asyncio.to_thread(
             ctl, "--server", proxy.url, "checkpoint", "ck4", str(tmp_path / "ck4")

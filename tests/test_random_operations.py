@@ -93,6 +93,9 @@ NOT_FOUND = "not found on a source worker ("
 HELD_TIMEOUT = 1.0  # an operation's timeout when a held request will outlive it
 TIMEOUT = 20.0  # otherwise (it ends as soon as the sessions moved)
 REBALANCING = 5  # one seed in this many runs with --rebalance
+# A session a rebalance moved stays where it went this long (3 cool-downs of 10 s), and
+# never goes back to a worker that shed it (proxy/fleet/rebalance.py).
+SETTLE = 30.0
 # A stalling request blocks its worker's loop BLOCK seconds; the ping sees a lag of at
 # least BLOCK less its interval (1 s) and the wait before the handler runs, and the policy
 # judges once a second, while the lag's peak decays (half-life 3 s): 3 s is over
@@ -124,6 +127,9 @@ class Model:
     held_back: int = 0  # killed workers whose replacement is not allowed to register
     committed: list[tuple[Path, dict[str, tuple[str, int]], set[str]]] = field(default_factory=list)
     serial: int = 0
+    # sid -> (when a rebalance of this gym-proxy last moved it, Unix time; the workers that
+    # shed it): where its next rebalance may send it, and when
+    rebalanced: dict[str, tuple[float, set[str]]] = field(default_factory=dict)
 
     def blockers(self, expected: int, live: int) -> list[str]:
         head = [f"resources-workers-unreported:{expected - live}"] if live < expected else []
@@ -195,6 +201,7 @@ class Walk:
         self.expected = workers if same_as is None else self.expected
         self.workers_arg = workers
         self.rebalances_seen = 0  # a new gym-proxy's list starts empty
+        self.model.rebalanced.clear()  # ... and so is its policy's memory
         self._proxy = self.command(same_as, take_over)
         if same_as is not None:
             self.proxy.seen_pids |= same_as.seen_pids  # adopted: a failed walk stops them
@@ -924,7 +931,9 @@ class Walk:
         """A request blocks a worker's loop past the stall threshold: once it is no longer
         stalled, every session it held that was idle has moved to another worker taking
         sessions (the blocking one may have, once idle), no held one; nothing moved when
-        no other worker took sessions."""
+        no other worker took sessions. Not one a rebalance moved less than SETTLE seconds
+        ago, nor one whose only takers shed it before, nor one its worker kept (it
+        carries the load) or could not move (each named in the rebalance)."""
         if not self.rebalancing or self.model.phase != "idle" or self.model.held_back:
             return
         while len(self.model.sessions) < 3:  # something to shed
@@ -938,6 +947,7 @@ class Walk:
         idle = set(self.model.on(owner)) - set(self.model.held) - {sid}
         takers = [o for o in live if o != owner and o not in self.model.draining]
         token = self.model.sessions[sid][0]
+        began = time.time()  # the shed is planned between this and the calm
         status, _, body = await self.post(f"/block?seconds={BLOCK}", headers={TOKEN: token})
         assert status == 200, body
 
@@ -953,29 +963,48 @@ class Walk:
             return seen and not stalled
 
         await wait_until(calm, 30, "the worker to be stalled, then to calm down")
-        moved = await self.rebalanced()
-        if not takers:
-            assert moved == {}, (moved, live)
-        else:
-            assert set(moved) - {sid} == idle, (moved, idle, sid)
-            assert set(moved.values()) <= set(takers), (moved, takers)
+        ended = time.time()
+        before = dict(self.model.rebalanced)
+        moved, excused = await self.rebalanced(owner)
+
+        # A worker with two requests held runs at the hot floor: it may not take them.
+        busy = Counter(self.model.where[s] for s in self.model.held)
+        calm_takers = [t for t in takers if busy[t] < 2]
+
+        def allowed(s: str, among: list[str] = takers) -> list[str]:
+            return [t for t in among if t not in before.get(s, (0.0, set()))[1]]
+
+        def settled(s: str, at: float) -> bool:
+            return s not in before or at - before[s][0] >= SETTLE
+
+        must = {s for s in idle - excused if settled(s, began) and allowed(s, calm_takers)}
+        may = {s for s in idle if settled(s, ended) and allowed(s)}
+        assert must <= set(moved) - {sid} <= may, (moved, must, may, sid, before)
+        for s, target in moved.items():
+            assert s == sid or target in allowed(s), (s, target, takers, before.get(s))
         self.trail[-1] += f"({len(moved)} moved)"
         await self.verify_sessions()
 
-    async def rebalanced(self) -> dict[str, str]:
+    async def rebalanced(self, source: str | None = None) -> tuple[dict[str, str], set[str]]:
         """The sessions moved by rebalances listed since the last look (to their new
-        owner), checked: only known idle sessions, for a stall (the hot rule is off)."""
+        owner), checked: only known idle sessions, for a stall (the hot rule is off); and
+        those `source`'s rebalances named as kept or not moved."""
         recent = (await self.status())["rebalance"]["recent"]
         assert len(recent) < 32, "the list keeps the latest 32: the walk lost count"
         moved: dict[str, str] = {}
+        excused: set[str] = set()
         for event in recent[self.rebalances_seen :]:
             assert event["reason"] == "stalled", event
             for sid, owner in event["moved"].items():
                 assert sid in self.model.sessions and sid not in self.model.held, (sid, event)
                 moved[sid] = owner
+                origins = self.model.rebalanced.get(sid, (0.0, set()))[1]
+                self.model.rebalanced[sid] = (event["at"], origins | {event["owner"]})
+            if event["owner"] == source:
+                excused |= set(event["kept"]) | set(event["not_moved"])
         self.rebalances_seen = len(recent)
         self.model.where.update(moved)
-        return moved
+        return moved, excused
 
     # ---- invariants -------------------------------------------------------------
     async def check(self) -> None:

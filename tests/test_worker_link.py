@@ -33,8 +33,9 @@ from gym_proxy.coordinator.contract.worker_link import (
     proof,
     stop_worker,
 )
-from gym_proxy.proxy.fleet import remote_workers
-from gym_proxy.proxy.fleet.remote_workers import RayLauncher, RemoteWorker
+from gym_proxy.proxy.ray_cluster import remote_workers
+from gym_proxy.proxy.ray_cluster.lines import PlacementSpec, WorkerStarted
+from gym_proxy.proxy.ray_cluster.remote_workers import RayLauncher, RemoteWorker
 from gym_proxy.worker import link_gate
 from gym_proxy.worker.link_gate import LinkGate
 from tests.support import wait_until
@@ -42,6 +43,12 @@ from tests.support import wait_until
 pytestmark = pytest.mark.fast
 
 KEY = link_key(b"secret", "apps")
+SPEC = PlacementSpec(1, 1.0, {}, "SPREAD", "apps", "")
+
+
+def placed(port: int) -> WorkerStarted:
+    """What the placement driver says of a worker started at `port` on this machine."""
+    return WorkerStarted(1, 1, "127.0.0.1", port, "", "")
 
 
 def test_the_key_is_the_instances_and_never_the_secret():
@@ -269,11 +276,11 @@ async def test_a_placed_worker_whose_port_refuses_is_taken_as_gone():
     listens from start to end): its channel is cut, which takes it out of the routes as
     any lost channel does, instead of waiting for Ray to report its actor dead; the
     request that found it is told its worker is gone (`WorkerGone`: a 410, not a 502)."""
-    launcher = RayLauncher("", {}, KEY, accept_channel=_never_called, environment={})
+    launcher = RayLauncher("", SPEC, KEY, accept_channel=_never_called, environment={})
     closed = socket.create_server(("127.0.0.1", 0))
     port = closed.getsockname()[1]
     closed.close()
-    worker = RemoteWorker(launcher, 1, {"pid": 1, "host": "127.0.0.1", "port": port})
+    worker = RemoteWorker(launcher, placed(port))
     proxy_end, worker_end = socket.socketpair()
     _, worker.channel = await asyncio.open_connection(sock=proxy_end)
     reader, writer = await asyncio.open_connection(sock=worker_end)
@@ -300,11 +307,11 @@ async def test_a_placed_worker_that_does_not_greet_in_time_is_dialed_again_not_c
         return await worker_link.connect(*args, **kwargs)
 
     monkeypatch.setattr(remote_workers, "connect", counted)
-    launcher = RayLauncher("", {}, KEY, accept_channel=_never_called, environment={})
+    launcher = RayLauncher("", SPEC, KEY, accept_channel=_never_called, environment={})
     sock = socket.create_server(("127.0.0.1", 0))  # listening; nothing accepts yet
     port = sock.getsockname()[1]
     gate = LinkGate(sock, KEY, _Echo, lambda: None)
-    worker = RemoteWorker(launcher, 1, {"pid": 1, "host": "127.0.0.1", "port": port})
+    worker = RemoteWorker(launcher, placed(port))
     proxy_end, worker_end = socket.socketpair()
     _, worker.channel = await asyncio.open_connection(sock=proxy_end)
     reader, writer = await asyncio.open_connection(sock=worker_end)

@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from gym_proxy.coordinator.contract.answers import CommitAnswer
 from gym_proxy.coordinator.contract.episodes import EpisodeId
 
 __all__ = ["CheckpointResult", "episode_label"]
@@ -44,7 +45,7 @@ class CheckpointResult:
     """
 
     checkpoint_id: str
-    committed: dict[str, dict[str, Any]]
+    committed: dict[str, CommitAnswer]
     restarts: dict[str, tuple[EpisodeId, ...]]
     retired: tuple[EpisodeId, ...] = ()
 
@@ -52,7 +53,7 @@ class CheckpointResult:
     def of(
         cls,
         checkpoint_id: str,
-        committed: dict[str, dict[str, Any]],
+        committed: dict[str, CommitAnswer],
         restarts: dict[str, set[EpisodeId]],
         retired: list[EpisodeId] | None = None,
     ) -> CheckpointResult:
@@ -105,5 +106,5 @@ class CheckpointResult:
                 url: [e.as_json() for e in episodes] for url, episodes in self.restarts.items()
             },
             "retired": [e.as_json() for e in self.retired],
-            "committed": self.committed,
+            "committed": {url: answer.as_json() for url, answer in self.committed.items()},
         }

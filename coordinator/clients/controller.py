@@ -22,14 +22,29 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import aiohttp
 import orjson
 
 from gym_proxy.coordinator.clients.checkpoint_result import CheckpointResult
+from gym_proxy.coordinator.contract.answers import (
+    AnswerError,
+    CommitAnswer,
+    ForgetAnswer,
+    MoveAnswer,
+    OperationReport,
+    PrepareAnswer,
+    RenewAnswer,
+    RestoreAnswer,
+    ResumeAnswer,
+    RetireAnswer,
+    ServerStatus,
+    read_answer,
+)
 from gym_proxy.coordinator.contract.episodes import EpisodeId, parse_episode_key
 from gym_proxy.coordinator.contract.headers import CHECKPOINT_PATH, MOVE_PATH, WORKERS_PATH
+from gym_proxy.coordinator.contract.messages import Message
 
 __all__ = [
     "CheckpointResult",
@@ -42,6 +57,18 @@ __all__ = [
     "in_call_order",
 ]
 
+A = TypeVar("A", bound=Message)
+# What each checkpoint call answers (`coordinator.contract.answers`).
+ANSWERS: dict[str, type[Message]] = {
+    "prepare": PrepareAnswer,
+    "commit": CommitAnswer,
+    "restore": RestoreAnswer,
+    "resume": ResumeAnswer,
+    "renew": RenewAnswer,
+    "retire": RetireAnswer,
+    "forget": ForgetAnswer,
+    "status": ServerStatus,
+}
 KIND_ORDER = ("environment", "model", "agent", "resources")
 RETIRE_ORDER = (("environment",), ("agent",), ("model", "resources"))
 RESTORE_CLEANUP_SECONDS = 30.0
@@ -74,32 +101,51 @@ class Participant:
     http: aiohttp.ClientSession
     kind: str = "resources"
 
-    async def call(self, op: str, deadline_ts: float | None = None, **body: Any) -> dict[str, Any]:
-        """One checkpoint control call; ControlFailed on anything but 200."""
+    async def call(
+        self, op: str, answer: type[A], deadline_ts: float | None = None, **body: Any
+    ) -> A:
+        """One checkpoint control call, answered as `answer` (`ANSWERS[op]`); ControlFailed
+        on anything but 200 and an answer of that shape."""
         within = None if deadline_ts is None else max(0.0, deadline_ts - time.time()) + REPLY_SLACK
         if op == "status":
-            return await self._request(op, "GET", f"{CHECKPOINT_PATH}/status", None, within)
-        payload = {"deadline_ts": deadline_ts, **body}
-        return await self._request(op, "POST", f"{CHECKPOINT_PATH}/{op}", payload, within)
+            path, method, payload = f"{CHECKPOINT_PATH}/status", "GET", None
+        else:
+            path, method = f"{CHECKPOINT_PATH}/{op}", "POST"
+            payload = {"deadline_ts": deadline_ts, **body}
+        return self._answer(op, answer, await self._request(op, method, path, payload, within))
+
+    async def status(self) -> ServerStatus:
+        return await self.call("status", ServerStatus)
 
     async def move_sessions(
         self, session_ids: list[str], to_slot: int, timeout_s: float = 30.0
-    ) -> dict[str, Any]:
-        """Move live sessions of a gym-proxy to the worker in `to_slot` (its reply:
+    ) -> MoveAnswer:
+        """Move live sessions of a gym-proxy to the worker in `to_slot` (its answer:
         `moved`, `failed` with reasons); ControlFailed on anything but 200."""
         body = {"session_ids": session_ids, "to_slot": to_slot, "timeout_s": timeout_s}
-        return await self._request("move", "POST", MOVE_PATH, body, timeout_s + REPLY_SLACK)
+        reply = await self._request("move", "POST", MOVE_PATH, body, timeout_s + REPLY_SLACK)
+        return self._answer("move", MoveAnswer, reply)
 
-    async def operate(self, operation: str, body: dict[str, Any]) -> dict[str, Any]:
+    async def operate(self, operation: str, body: dict[str, Any]) -> OperationReport:
         """Run a live operation of a gym-proxy (`drain`, `undrain`, `restart`, `resize`)
         and answer its report; ControlFailed on anything but 200. Not bounded here: the
         server bounds every step (`timeout_s` per worker emptied, its boot timeout per
         worker started), and a restart of many slots takes as many steps."""
-        return await self._request(operation, "POST", f"{WORKERS_PATH}/{operation}", body, None)
+        path = f"{WORKERS_PATH}/{operation}"
+        reply = await self._request(operation, "POST", path, body, None)
+        return self._answer(operation, OperationReport, reply)
+
+    def _answer(self, op: str, answer: type[A], reply: dict[str, object]) -> A:
+        """The reply read as `answer` (what another participant adds is left out); a reply
+        of another shape is this participant's failure like any other."""
+        try:
+            return read_answer(answer, reply, op)
+        except AnswerError as exc:
+            raise ControlFailed(op, {self.url: (200, "invalid_reply", str(exc))}) from None
 
     async def _request(
         self, op: str, method: str, path: str, body: dict[str, Any] | None, within: float | None
-    ) -> dict[str, Any]:
+    ) -> dict[str, object]:
         headers = {"Authorization": f"Bearer {self.token}"}
         url = f"{self.url.rstrip('/')}{path}"
         # orjson, not aiohttp's json=: a restore names every episode in flight to each
@@ -130,7 +176,7 @@ class Participant:
         return reply
 
     async def learn_kind(self) -> str:
-        self.kind = (await self.call("status"))["kind"] or "resources"
+        self.kind = (await self.status()).kind or "resources"
         return self.kind
 
 
@@ -145,13 +191,13 @@ class PrepareResult:
     """Whether every participant is prepared; if not, what the unprepared ones wait for."""
 
     prepared: bool
-    replies: dict[str, dict[str, Any]]
+    replies: dict[str, PrepareAnswer]
 
     def blockers(self) -> dict[str, list[str]]:
         return {
-            url: reply["report"]["blockers"]
+            url: reply.report.blockers
             for url, reply in self.replies.items()
-            if reply.get("phase") != "prepared"
+            if reply.phase != "prepared"
         }
 
     def blocking_episodes(self) -> list[EpisodeId]:
@@ -167,12 +213,12 @@ class PrepareResult:
 
     def restarts(self) -> set[str]:
         """Episodes some participant cannot capture: a rollout restarts if any part does."""
-        return {key for r in self.replies.values() for key in r["report"].get("restarts", [])}
+        return {key for r in self.replies.values() for key in r.report.restarts}
 
     def restarts_by_participant(self) -> dict[str, set[EpisodeId]]:
         """By participant URL (every one that replied), the episodes it named as restarts."""
         return {
-            url: {parse_episode_key(key) for key in reply["report"].get("restarts", [])}
+            url: {parse_episode_key(key) for key in reply.report.restarts}
             for url, reply in self.replies.items()
         }
 
@@ -206,14 +252,15 @@ class Controller:
         return [stage for stage in stages if stage]
 
     async def _fan_out(
-        self, members: list[Participant], op: str, deadline_ts: float, **body: Any
-    ) -> dict[str, dict[str, Any]]:
+        self, members: list[Participant], op: str, answer: type[A], deadline_ts: float, **body: Any
+    ) -> dict[str, A]:
         """The same call to every member at once; ControlFailed names every failure."""
         results = await asyncio.gather(
-            *(self._timed(m, op, deadline_ts, body) for m in members), return_exceptions=True
+            *(self._timed(m, op, answer, deadline_ts, body) for m in members),
+            return_exceptions=True,
         )
         failures: dict[str, tuple[int, str, str]] = {}
-        replies = {}
+        replies: dict[str, A] = {}
         for member, result in zip(members, results, strict=True):
             if isinstance(result, ControlFailed):
                 failures.update(result.failures)
@@ -226,22 +273,29 @@ class Controller:
         return replies
 
     async def _timed(
-        self, member: Participant, op: str, deadline_ts: float, body: dict[str, Any]
-    ) -> dict[str, Any]:
+        self,
+        member: Participant,
+        op: str,
+        answer: type[A],
+        deadline_ts: float,
+        body: dict[str, Any],
+    ) -> A:
         started = time.perf_counter()
         try:
-            return await member.call(op, deadline_ts, **body)
+            return await member.call(op, answer, deadline_ts, **body)
         finally:
             self.timings.setdefault(op, {})[member.url] = time.perf_counter() - started
 
     async def prepare(self, checkpoint_id: str, deadline_ts: float | None = None) -> PrepareResult:
         """Prepare stage by stage; stop at the first stage that is not prepared."""
         deadline_ts = deadline_ts or self._deadline()
-        replies: dict[str, dict[str, Any]] = {}
+        replies: dict[str, PrepareAnswer] = {}
         for stage in self._stages():
-            got = await self._fan_out(stage, "prepare", deadline_ts, checkpoint_id=checkpoint_id)
+            got = await self._fan_out(
+                stage, "prepare", PrepareAnswer, deadline_ts, checkpoint_id=checkpoint_id
+            )
             replies.update(got)
-            if any(reply["phase"] != "prepared" for reply in got.values()):
+            if any(reply.phase != "prepared" for reply in got.values()):
                 return PrepareResult(False, replies)
         return PrepareResult(True, replies)
 
@@ -251,14 +305,16 @@ class Controller:
         checkpoint_dir: str,
         episode_ids: list[EpisodeId] | None = None,
         stop: bool = False,
-    ) -> dict[str, dict[str, Any]]:
+    ) -> dict[str, CommitAnswer]:
         """Commit every participant at once into one checkpoint directory."""
         body: dict[str, Any] = {"checkpoint_id": checkpoint_id, "checkpoint_dir": checkpoint_dir}
         if episode_ids is not None:
             body["episode_ids"] = [e.as_json() for e in episode_ids]
         if stop:
             body["stop"] = True
-        return await self._fan_out(self.participants, "commit", self._deadline(), **body)
+        return await self._fan_out(
+            self.participants, "commit", CommitAnswer, self._deadline(), **body
+        )
 
     async def checkpoint(
         self,
@@ -302,7 +358,7 @@ class Controller:
 
     async def restore(
         self, checkpoint_id: str, checkpoint_dir: str, episode_ids: list[EpisodeId]
-    ) -> dict[str, dict[str, Any]]:
+    ) -> dict[str, RestoreAnswer]:
         """Restore every participant at once, or none: on any failure the attempts it would
         continue are retired everywhere, everything is resumed, and the error raised."""
         body = {
@@ -311,7 +367,9 @@ class Controller:
             "episode_ids": [e.as_json() for e in episode_ids],
         }
         try:
-            return await self._fan_out(self.participants, "restore", self._deadline(), **body)
+            return await self._fan_out(
+                self.participants, "restore", RestoreAnswer, self._deadline(), **body
+            )
         except ControlFailed:
             cleanup = max(self._deadline(), time.time() + RESTORE_CLEANUP_SECONDS)
             try:
@@ -332,7 +390,9 @@ class Controller:
         failures: dict[str, tuple[int, str, str]] = {}
         for stage in reversed(self._stages()):
             try:
-                await self._fan_out(stage, "resume", deadline_ts, checkpoint_id=checkpoint_id)
+                await self._fan_out(
+                    stage, "resume", ResumeAnswer, deadline_ts, checkpoint_id=checkpoint_id
+                )
             except ControlFailed as exc:
                 failures.update(exc.failures)
         if failures and not quiet:
@@ -349,7 +409,11 @@ class Controller:
             return
         ids = [e.as_json() for e in episode_ids]
         await self._in_retire_order(
-            "retire", deadline_ts or self._deadline(), checkpoint_id=checkpoint_id, episode_ids=ids
+            "retire",
+            RetireAnswer,
+            deadline_ts or self._deadline(),
+            checkpoint_id=checkpoint_id,
+            episode_ids=ids,
         )
 
     async def forget(self, checkpoint_id: str, rollout_ids: list[str]) -> None:
@@ -357,18 +421,21 @@ class Controller:
         if rollout_ids:
             await self._in_retire_order(
                 "forget",
+                ForgetAnswer,
                 self._deadline(),
                 checkpoint_id=checkpoint_id,
                 rollout_ids=sorted(set(rollout_ids)),
             )
 
-    async def _in_retire_order(self, op: str, deadline_ts: float, **body: Any) -> None:
+    async def _in_retire_order(
+        self, op: str, answer: type[Message], deadline_ts: float, **body: Any
+    ) -> None:
         ranked = {kind for kinds in RETIRE_ORDER for kind in kinds}
         groups = [self._of_kind(kinds) for kinds in RETIRE_ORDER]
         groups.append([p for p in self.participants if p.kind not in ranked])
         for group in groups:
             if group:
-                await self._fan_out(group, op, deadline_ts, **body)
+                await self._fan_out(group, op, answer, deadline_ts, **body)
 
-    async def status(self) -> list[dict[str, Any]]:
-        return list(await asyncio.gather(*(p.call("status") for p in self.participants)))
+    async def status(self) -> list[ServerStatus]:
+        return list(await asyncio.gather(*(p.status() for p in self.participants)))

@@ -221,16 +221,17 @@ async def _run(args: argparse.Namespace) -> Any:
             [Participant(url, args.token, http) for url in args.server], timeout=args.timeout
         )
         if args.command == "status":
-            return await controller.status()
+            return [status.as_json() for status in await controller.status()]
         if args.command == "resume":
             await controller.resume(args.checkpoint_id)
             return {"resumed": args.checkpoint_id}
         if args.command == "move":
             participant = Participant(_only_one(args), args.token, http)
-            return await participant.move_sessions(args.session, args.to_slot, args.timeout)
+            moved = await participant.move_sessions(args.session, args.to_slot, args.timeout)
+            return moved.as_json()
         if args.command in OPERATIONS:
             participant = Participant(_only_one(args), args.token, http)
-            return await participant.operate(args.command, _operation_body(args))
+            return (await participant.operate(args.command, _operation_body(args))).as_json()
         await controller.learn_kinds()
         if args.command == "checkpoint":
             return await controller.checkpoint(
@@ -247,7 +248,7 @@ async def _run(args: argparse.Namespace) -> Any:
             )
             if args.resume:
                 await controller.resume(args.checkpoint_id)
-            return replies
+            return {url: answer.as_json() for url, answer in replies.items()}
         if args.command == "forget":
             await controller.forget(args.checkpoint_id, args.rollout)
             return {"forgotten": sorted(set(args.rollout))}

@@ -23,6 +23,7 @@ from typing import Any, TextIO
 
 import aiohttp
 
+from gym_proxy.coordinator.contract.answers import CommitAnswer
 from gym_proxy.coordinator.contract.episodes import EpisodeId, parse_episode_key
 
 __all__ = ["Rollout", "RolloutDriver", "Progress", "exported_rollouts"]
@@ -144,11 +145,11 @@ class RolloutDriver:
         return fresh
 
 
-def exported_rollouts(commit_replies: dict[str, dict[str, Any]]) -> dict[str, EpisodeId]:
-    """Rollout ID -> exported attempt, from every participant's commit reply."""
+def exported_rollouts(commit_replies: dict[str, CommitAnswer]) -> dict[str, EpisodeId]:
+    """Rollout ID -> exported attempt, from every participant's commit answer."""
     exported: dict[str, EpisodeId] = {}
     for reply in commit_replies.values():
-        for key in reply.get("episode_ids", []):
+        for key in reply.episode_ids:
             episode = parse_episode_key(key)
             exported[episode.rollout_id] = episode
     return exported

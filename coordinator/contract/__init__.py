@@ -8,11 +8,14 @@ coordinator's own modules) or does anything on import:
 - `headers`: the header names and the `/ng-rollout/` prefix proxy and workers speak;
 - `episodes`: episode identity, and NeMo Gym's rollout IDs in request bodies;
 - `app_sessions`: the session an app's own cookie or MCP token names;
+- `nemo_gym_env`: the environment variables NeMo Gym's launcher hands a server its
+  config in;
 - `exit_codes`, `keepalive`: every process's exit statuses, and the keep-alive rule
   proxy and workers agree on;
 - `framing`, `channel`, `messages`: the coordinator channel, its frames and its messages;
 - `lines`, `zygote_lines`: the JSON-lines protocols between the other processes, and the
-  zygote's messages;
+  zygote's messages (the Ray processes' are `proxy.ray_cluster.lines`: both their ends
+  are the proxy's);
 - `worker_link`: the authenticated link to a worker on another node;
 - `records`: the checkpoint record format (NeMo Gym's);
 - `marks`: retire marks and restored claims;

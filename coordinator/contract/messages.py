@@ -120,9 +120,9 @@ class Message:
         for name in self._checks:
             value = getattr(self, name)
             if isinstance(value, Message):
-                value = value.fields()
+                value = value.as_json()
             elif (type(self), name) in _NESTED_LISTS:
-                value = [item.fields() for item in value]
+                value = [item.as_json() for item in value]
             out[name] = value
         return out
 
@@ -130,14 +130,21 @@ class Message:
         """The whole wire object: `type` and the fields."""
         return {"type": self.TYPE, **self.fields()}
 
+    def as_json(self) -> dict[str, Any]:
+        """The message as a JSON object (an answer of the control plane: `fields`)."""
+        return self.fields()
+
     @classmethod
-    def decode(cls: type[M], payload: Mapping[str, Any]) -> M:
-        """The message in `payload` (envelope keys ignored), or MalformedMessage."""
+    def decode(cls: type[M], payload: Mapping[str, Any], strict: bool = True) -> M:
+        """The message in `payload` (envelope keys ignored), or MalformedMessage. Not
+        `strict`, keys it does not define are left out, here and in what it nests (what
+        another participant's answer may add), the others are checked as ever."""
         name = cls.TYPE or cls.__name__
         keys = set(payload) - _ENVELOPE
         unknown = keys - set(cls._checks)
-        if unknown:
+        if unknown and strict:
             raise MalformedMessage(f"{name}: unknown key(s) {', '.join(sorted(unknown))}")
+        keys -= unknown
         missing = cls._required - keys
         if missing:
             raise MalformedMessage(f"{name}: missing key(s) {', '.join(sorted(missing))}")
@@ -147,11 +154,11 @@ class Message:
             nested = _NESTED.get((cls, key))
             items = _NESTED_LISTS.get((cls, key))
             if nested is not None and isinstance(value, Mapping):
-                value = nested.decode(value)
+                value = nested.decode(value, strict)
             elif items is not None and isinstance(value, list):
                 if not all(isinstance(item, Mapping) for item in value):
                     raise MalformedMessage(f"{name}: {key} is not a list of {items.__name__}")
-                value = [items.decode(item) for item in value]
+                value = [items.decode(item, strict) for item in value]
             elif not cls._checks[key](value):
                 raise MalformedMessage(f"{name}: {key} is not {_DESCRIBED[(cls, key)]}")
             values[key] = value
@@ -189,8 +196,9 @@ def message(
             hint = hints[f.name]
             checks[f.name] = _check(hint)
             _DESCRIBED[(cls, f.name)] = _describe(hint)
-            if isinstance(hint, type) and issubclass(hint, Message):
-                _NESTED[(cls, f.name)] = hint
+            nested = _optional_message(hint)
+            if nested is not None:
+                _NESTED[(cls, f.name)] = nested
             item = get_args(hint)[0] if get_origin(hint) is list else None
             if isinstance(item, type) and issubclass(item, Message):
                 _NESTED_LISTS[(cls, f.name)] = item
@@ -209,6 +217,17 @@ def message(
         return cls
 
     return define
+
+
+def _optional_message(hint: Any) -> type[Message] | None:
+    """The message class a field nests: `M`, or `M | None`."""
+    if isinstance(hint, type) and issubclass(hint, Message):
+        return hint
+    if get_origin(hint) in (types.UnionType, typing.Union):
+        found = [a for a in get_args(hint) if isinstance(a, type) and issubclass(a, Message)]
+        if len(found) == 1 and type(None) in get_args(hint):
+            return found[0]
+    return None
 
 
 def _reply_of(cls: type[Message]) -> type[Message] | None:

@@ -11,6 +11,7 @@ does the work.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hmac
 import logging
 import time
@@ -22,10 +23,12 @@ from aiohttp import web
 
 from gym_proxy.coordinator.checkpointer import Checkpointer
 from gym_proxy.coordinator.contract import telemetry
+from gym_proxy.coordinator.contract.answers import CommitAnswer, PrepareAnswer, ServerStatus
 from gym_proxy.coordinator.contract.episodes import EpisodeId, check_rollout_ids
 from gym_proxy.coordinator.contract.errors import GymError, error_body, status_of
 from gym_proxy.coordinator.contract.headers import CHECKPOINT_PATH, MOVE_PATH, WORKERS_PATH
 from gym_proxy.coordinator.contract.ids import is_valid_id
+from gym_proxy.coordinator.contract.messages import Message
 from gym_proxy.coordinator.contract.telemetry import ATTRIBUTE
 from gym_proxy.proxy.config import MAX_WORKERS
 from gym_proxy.proxy.fleet.balancer import Balancer
@@ -71,8 +74,8 @@ def _error(code: str, detail: str) -> web.Response:
     )
 
 
-def _json(payload: dict[str, Any]) -> web.Response:
-    return web.Response(body=orjson.dumps(payload), content_type="application/json")
+def _json(answer: Message) -> web.Response:
+    return web.Response(body=orjson.dumps(answer.as_json()), content_type="application/json")
 
 
 _EPISODE_FIELDS = {"rollout_id", "attempt"}
@@ -163,7 +166,7 @@ def _operation(op: str) -> Callable[[web.Request], Awaitable[web.Response]]:
             with traced as current:
                 response, reply = await _call(request, current)
                 if current is not None:
-                    current.set_attributes(_reply_attributes(op, reply))
+                    current.set_attributes(_reply_attributes(reply))
                     if op == "restore":
                         records = cp.io.records_read - read_before
                         current.set_attribute(ATTRIBUTE + "records", records)
@@ -176,7 +179,7 @@ def _operation(op: str) -> Callable[[web.Request], Awaitable[web.Response]]:
             if observe is not None:
                 observe(op, outcome, time.monotonic() - started)
 
-    async def _call(request: web.Request, current: Any) -> tuple[web.Response, dict[str, Any]]:
+    async def _call(request: web.Request, current: Any) -> tuple[web.Response, Message]:
         cp = request.app[CHECKPOINTER]
         body = await _body(request, op)
         cid, deadline = body["checkpoint_id"], float(body["deadline_ts"])
@@ -194,7 +197,7 @@ def _operation(op: str) -> Callable[[web.Request], Awaitable[web.Response]]:
 
 async def _run(
     cp: Checkpointer, op: str, cid: str, deadline: float, body: dict[str, Any]
-) -> dict[str, Any]:
+) -> Message:
     """The checkpointer's answer to one control call."""
     if op == "prepare":
         return await cp.prepare(cid, deadline)
@@ -213,16 +216,17 @@ async def _run(
     return await cp.retire(cid, deadline, body["episode_ids"])
 
 
-def _reply_attributes(op: str, reply: dict[str, Any]) -> dict[str, Any]:
+def _reply_attributes(reply: Message) -> dict[str, str | int]:
     """NeMo Gym's attributes that come from the answer: phase, blockers (prepare) and
     records (commit)."""
-    attributes: dict[str, Any] = {}
-    if "phase" in reply:
-        attributes[ATTRIBUTE + "phase"] = reply["phase"]
-    if op == "prepare":
-        attributes[ATTRIBUTE + "blockers"] = reply.get("report", {}).get("blocker_count", 0)
-    if op == "commit":
-        attributes[ATTRIBUTE + "records"] = reply.get("manifest", {}).get("record_count", 0)
+    attributes: dict[str, str | int] = {}
+    phase = getattr(reply, "phase", "")
+    if phase:
+        attributes[ATTRIBUTE + "phase"] = phase
+    if isinstance(reply, PrepareAnswer):
+        attributes[ATTRIBUTE + "blockers"] = reply.report.blocker_count
+    if isinstance(reply, CommitAnswer):
+        attributes[ATTRIBUTE + "records"] = reply.manifest.record_count
     return attributes
 
 
@@ -296,23 +300,28 @@ async def _resize(request: web.Request) -> web.Response:
 
 
 async def _status(request: web.Request) -> web.Response:
-    status = request.app[CHECKPOINTER].status()
-    mover = request.app.get(MOVER)
-    if mover is not None:
-        status["moving_sessions"] = mover.holding
-    operations = request.app.get(OPERATIONS)
-    if operations is not None:
-        status["operations"] = operations.status()
-        # One list of workers: the registered ones, each with its state and count.
-        states = operations.worker_states()
-        for worker in status["workers"]:
-            worker.update(states.get(worker["owner"], {}))
-    balancer = request.app.get(BALANCER)
-    if balancer is not None:
-        status["rebalance"] = balancer.status()
-        for worker in status["workers"]:
-            worker["load"] = balancer.load_of(worker["owner"])
-    return _json(status)
+    return _json(server_status(request.app))
+
+
+def server_status(app: web.Application) -> ServerStatus:
+    """The checkpointer's status with the fleet's: each worker's state, count and load
+    (one list of the registered workers), the moves, the operations and the rebalances."""
+    status = app[CHECKPOINTER].status()
+    mover, operations, balancer = app.get(MOVER), app.get(OPERATIONS), app.get(BALANCER)
+    workers = [
+        dataclasses.replace(
+            operations.describe(worker) if operations is not None else worker,
+            load=balancer.load_of(worker.owner) if balancer is not None else None,
+        )
+        for worker in status.workers
+    ]
+    return dataclasses.replace(
+        status,
+        workers=workers,
+        moving_sessions=mover.holding if mover is not None else 0,
+        operations=operations.status() if operations is not None else None,
+        rebalance=balancer.status() if balancer is not None else None,
+    )
 
 
 _HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}

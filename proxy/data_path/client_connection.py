@@ -56,7 +56,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Final
+from typing import Final, Protocol
 
 import httptools
 
@@ -70,10 +70,8 @@ from gym_proxy.proxy.data_path.session_tokens import TokenCodec
 from gym_proxy.proxy.data_path.spent_parsers import SPENT_REQUEST_PARSER
 from gym_proxy.proxy.state_tables import masks, wrong_transition
 
-if TYPE_CHECKING:
-    from gym_proxy.proxy.metrics.request_spans import RequestSpans
-
 __all__ = [
+    "RequestTracer",
     "ProxyState",
     "ClientConnection",
     "ClientFactory",
@@ -180,6 +178,16 @@ class _Discarded(Exception):
     """Raised from a parser callback: the rest of the input is not to be parsed."""
 
 
+class RequestTracer(Protocol):
+    """What the exchange calls at a request's start and end with `--trace-requests`
+    (`proxy.metrics.request_spans.RequestSpans`): the data path knows its tracer only as
+    this, so that it imports nothing of the metrics, which read the data path."""
+
+    def begin(self, method: bytes, url: bytes, headers: list[tuple[bytes, bytes]]) -> object: ...
+
+    def end(self, span: object, status: int, slot: int) -> None: ...
+
+
 @dataclass(eq=False)
 class ProxyState:
     """What every connection of the data path shares."""
@@ -205,7 +213,7 @@ class ProxyState:
     booting: bool = False
     drained: asyncio.Event | None = None  # set when draining and the last client closed
     access_log: logging.Logger | None = None  # None: no per-request logging at all
-    request_spans: RequestSpans | None = None  # with --trace-requests
+    request_spans: RequestTracer | None = None  # with --trace-requests
     token_prefix: bytes = field(init=False, default=b"")  # how the codec's tokens start
     # Counted for /metrics: the proxy's own answers by error code, and responses cut
     # short after their first byte (a worker that died mid-answer).

@@ -29,11 +29,12 @@ from gym_proxy.coordinator.contract.channel import ChannelClosed, ChannelTimeout
 from gym_proxy.coordinator.contract.messages import Drop, Register
 from gym_proxy.coordinator.contract.trust import SOCKET, Untrusted, check_owned
 from gym_proxy.coordinator.worker_channels import RegistrationRefused
+from gym_proxy.proxy.adopted_process import AdoptedProcess
 from gym_proxy.proxy.config import MAX_WORKERS
 from gym_proxy.proxy.fleet.adopted_copies import AdoptedCopies
 from gym_proxy.proxy.fleet.intent import load_intent
 from gym_proxy.proxy.fleet.mover import DROP_WAIT
-from gym_proxy.proxy.fleet.worker_records import AdoptedProcess, WorkerProcess
+from gym_proxy.proxy.fleet.worker_records import WorkerProcess
 
 if TYPE_CHECKING:
     from gym_proxy.proxy.fleet.supervisor import Supervisor

@@ -27,8 +27,8 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
+from gym_proxy.coordinator.contract.answers import OperationReport
 from gym_proxy.coordinator.contract.errors import GymError
 from gym_proxy.proxy.fleet.load import WorkerLoad
 
@@ -98,7 +98,7 @@ def _streak(since: float | None, now: float, holds: bool) -> float | None:
 class Autoscaler:
     policy: ScalePolicy
     # (count, within, reason, yields): `Operations.resize`
-    resize: Callable[[int, float, str, bool], Awaitable[dict[str, Any]]]
+    resize: Callable[[int, float, str, bool], Awaitable[OperationReport]]
     count: Callable[[], int]
     grown: int = 0  # /metrics: resizes it made, each way
     shrunk: int = 0
@@ -123,20 +123,20 @@ class Autoscaler:
             log.info("autoscale to %d workers not done: %s", count + step, exc.detail)
             self.policy.scaled(time.monotonic())
             return
-        if reply.get("gave_way"):
+        if reply.gave_way:
             # Not `scaled`: its streak goes on, so the same resize is made again once
             # nothing is in the way (unless the load changed meanwhile).
             self._skip(GAVE_WAY, count + step)
             return
         self.policy.scaled(time.monotonic())
         # Counted when made: a boot can fail, a worker be left unemptied (said below).
-        if reply.get("workers") == count + step:
+        if reply.workers == count + step:
             if step > 0:
                 self.grown += 1
             else:
                 self.shrunk += 1
-        if not reply.get("complete", True):
-            log.warning("autoscale to %d workers: %s", count + step, "; ".join(reply["errors"]))
+        if reply.complete is False:
+            log.warning("autoscale to %d workers: %s", count + step, "; ".join(reply.errors))
 
     def _skip(self, why: str, to: int) -> None:
         """A resize to `to` workers not made (or not finished) for `why`: counted, and

@@ -34,6 +34,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from gym_proxy.coordinator.contract.answers import Rebalance, RebalanceStatus, WorkerLoadView
 from gym_proxy.coordinator.contract.channel import ChannelClosed, ChannelTimeout, RemoteError
 from gym_proxy.coordinator.contract.messages import HeldSessions, ListHeld
 from gym_proxy.coordinator.exclusion import Exclusion
@@ -114,7 +115,7 @@ class Balancer:
     moved: dict[str, int] = field(default_factory=lambda: {"hot": 0, "stalled": 0})
     skipped: dict[str, int] = field(default_factory=dict)
     # `status`: the latest rebalances, each with the sessions it moved and where to.
-    recent: deque[dict[str, object]] = field(default_factory=lambda: deque(maxlen=RECENT))
+    recent: deque[Rebalance] = field(default_factory=lambda: deque(maxlen=RECENT))
     _skipping: str = ""
 
     def __post_init__(self) -> None:
@@ -124,23 +125,23 @@ class Balancer:
     def loads(self) -> dict[str, WorkerLoad]:
         return self.tracker.loads
 
-    def status(self) -> dict[str, object]:
+    def status(self) -> RebalanceStatus:
         """For the control call `status`: whether it acts, who is stalled (by slot) and the
         latest rebalances (a controller can tell every move it did not ask for)."""
         stalled = sorted(load.slot for o, load in self.loads.items() if o in self.policy.stalled)
-        return {"acting": self.acting, "stalled_slots": stalled, "recent": list(self.recent)}
+        return RebalanceStatus(self.acting, stalled, list(self.recent))
 
-    def load_of(self, owner: str) -> dict[str, object] | None:
+    def load_of(self, owner: str) -> WorkerLoadView | None:
         """One worker's load as `status` shows it; None before its first sample."""
         load = self.loads.get(owner)
         if load is None:
             return None
-        return {
-            "busy_average": round(load.busy, 3),
-            "answer_s": None if load.answer_seconds is None else round(load.answer_seconds, 4),
-            "loop_delay_s": round(load.lag_peak, 3),
-            "stalled": owner in self.policy.stalled,
-        }
+        return WorkerLoadView(
+            busy_average=round(load.busy, 3),
+            answer_s=None if load.answer_seconds is None else round(load.answer_seconds, 4),
+            loop_delay_s=round(load.lag_peak, 3),
+            stalled=owner in self.policy.stalled,
+        )
 
     async def watch(self) -> None:
         """Sample every SAMPLE seconds, judge every JUDGE_EVERY, while the server serves."""
@@ -268,16 +269,16 @@ class Balancer:
         self.moved[shed.reason] += len(result.moved)
         to = sorted({slot for slot in self._slots_of(set(result.moved.values()))})
         self.recent.append(
-            {
-                "at": time.time(),
-                "slot": shed.slot,
-                "owner": shed.source,
-                "reason": shed.reason,
-                "why": shed.why,
-                "moved": dict(result.moved),
-                "not_moved": dict(result.failed),
-                "kept": kept,
-            }
+            Rebalance(
+                at=time.time(),
+                slot=shed.slot,
+                owner=shed.source,
+                reason=shed.reason,
+                why=shed.why,
+                moved=dict(result.moved),
+                not_moved=dict(result.failed),
+                kept=kept,
+            )
         )
         log.info(
             "rebalance: worker %d (%s: %s) shed %d of its %d idle sessions to workers %s%s%s",

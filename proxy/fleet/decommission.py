@@ -27,9 +27,15 @@ import math
 import time
 from collections.abc import Callable, Coroutine
 from contextlib import AbstractAsyncContextManager
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal, Protocol
 
+from gym_proxy.coordinator.contract.answers import (
+    EpisodeHandedOver,
+    EpisodeNotHandedOver,
+    OperationReport,
+    SlotOutcome,
+)
 from gym_proxy.coordinator.contract.channel import ChannelClosed, ChannelTimeout, RemoteError
 from gym_proxy.coordinator.contract.messages import (
     HeldSessions,
@@ -47,7 +53,7 @@ from gym_proxy.proxy.fleet.session_watch import worker_watch
 from gym_proxy.proxy.fleet.slots import Slots
 from gym_proxy.proxy.fleet.worker_records import WorkerProcess
 
-__all__ = ["Decommissioner", "WorkerPool", "Progress", "Step"]
+__all__ = ["Decommissioner", "WorkerPool", "Progress", "SlotEntry", "Step"]
 
 log = logging.getLogger("gym_proxy.operations")
 
@@ -110,25 +116,54 @@ class Progress:
     episodes_moved: int = 0  # running /run episodes handed over (proxy.fleet.handovers)
     episodes_failed: dict[str, str] = field(default_factory=dict)
     episodes_to: dict[str, str] = field(default_factory=dict)  # episode key -> its owner now
-    slots: list[dict[str, Any]] = field(default_factory=list)
+    slots: list[SlotEntry] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     seconds: float | None = None  # set when it ended
 
     def at(self, step: Step, slot: int | None, detail: str) -> None:
         self.step, self.step_slot, self.detail = step, slot, detail
 
-    def view(self, waiting: int) -> dict[str, Any]:
-        view = asdict(self)
-        view["failed"] = failures(self.failed)
-        view["episodes_failed"] = [
-            {"episode": key, "reason": why} for key, why in sorted(self.episodes_failed.items())
-        ]
-        view["episodes_handed_over"] = [
-            {"episode": key, "owner": owner}
-            for key, owner in sorted(view.pop("episodes_to").items())
-        ]
-        view["waiting"] = waiting
-        return view
+    def slot(self, slot: int, **said: Any) -> SlotEntry:
+        """A slot this operation acts on, with what it says of it so far."""
+        entry = SlotEntry(SlotOutcome(slot, **said))
+        self.slots.append(entry)
+        return entry
+
+    def view(self, waiting: int, **ended: Any) -> OperationReport:
+        """As `status` shows it (`waiting`: sessions whose requests wait at the proxy);
+        `ended`: what its call's answer says once it ended."""
+        said: dict[str, Any] = dict(
+            operation=self.operation,
+            reason=self.reason,
+            started_at=self.started_at,
+            step=self.step,
+            detail=self.detail,
+            step_slot=self.step_slot,
+            moved=self.moved,
+            failed=failures(self.failed),
+            episodes_moved=self.episodes_moved,
+            episodes_failed=[
+                EpisodeNotHandedOver(key, why) for key, why in sorted(self.episodes_failed.items())
+            ],
+            episodes_handed_over=[
+                EpisodeHandedOver(key, owner) for key, owner in sorted(self.episodes_to.items())
+            ],
+            slots=[entry.outcome for entry in self.slots],
+            errors=list(self.errors),
+            seconds=self.seconds,
+            waiting=waiting,
+        )
+        return OperationReport(**(said | ended))
+
+
+@dataclass(eq=False)
+class SlotEntry:
+    """What an operation did to one slot, said as it goes (`status` shows it meanwhile)."""
+
+    outcome: SlotOutcome
+
+    def note(self, **said: Any) -> None:
+        self.outcome = replace(self.outcome, **said)
 
 
 @dataclass(eq=False)
@@ -148,25 +183,27 @@ class Decommissioner:
         heirs: Callable[[], list[WorkerProcess]],
         within: float,
         progress: Progress,
-        entry: dict[str, Any],
+        entry: SlotEntry,
     ) -> None:
         """Empty `worker` into `heirs` and stop it (module docstring); one that cannot be
         emptied in `within` seconds keeps serving and is decommissioned in the background."""
         deadline = time.monotonic() + within
         left = await self.empty(worker, heirs, deadline, progress)
         if left == [] and await self._take_out(worker, heirs, deadline, progress):
-            entry["outcome"] = "stopped"
+            entry.note(outcome="stopped")
             await self.pool.stop_worker(worker, float(self.pool.config.graceful_timeout))
             return
         if worker.state == "dead":
-            entry["outcome"] = "died while it was emptied"
+            entry.note(outcome="died while it was emptied")
             return
         listing = await self.listing(worker)
         kept = [] if listing is None else list(listing.session_ids)
         running = [] if listing is None else [e.key for e in listing.episodes]
-        entry["outcome"] = "left serving what it holds; retired when it can be"
-        entry["sessions_left"] = len(kept)
-        entry["episodes_left"] = len(running)
+        entry.note(
+            outcome="left serving what it holds; retired when it can be",
+            sessions_left=len(kept),
+            episodes_left=len(running),
+        )
         what = f"slot {worker.slot}: the old worker (pid {worker.pid}) keeps"
         if kept or not running:
             progress.errors.append(f"{what} {len(kept)} sessions {self.why_left(kept, progress)}")
@@ -351,13 +388,12 @@ class Decommissioner:
             if not self.exclusion.is_free():
                 continue  # one began while it listed
             async with self.exclusive("decommission", f"worker {worker.slot} left serving") as p:
-                entry: dict[str, Any] = {"slot": worker.slot, "owner": worker.owner}
-                p.slots.append(entry)
+                entry = p.slot(worker.slot, owner=worker.owner)
                 deadline = time.monotonic() + RETRY_DECOMMISSION
                 if await self.empty(worker, heirs, deadline, p) == [] and await self._take_out(
                     worker, heirs, deadline, p
                 ):
-                    entry["outcome"] = "stopped"
+                    entry.note(outcome="stopped")
                     await self.pool.stop_worker(worker, float(self.pool.config.graceful_timeout))
                     return
 

@@ -37,6 +37,7 @@ from typing import Any, Protocol
 
 from gym_proxy.coordinator.broadcast import HasChannel, broadcast, channel_of
 from gym_proxy.coordinator.contract import failpoints
+from gym_proxy.coordinator.contract.answers import MoveAnswer, NotMoved
 from gym_proxy.coordinator.contract.channel import ChannelClosed, ChannelTimeout, RemoteError
 from gym_proxy.coordinator.contract.errors import GymError
 from gym_proxy.coordinator.contract.messages import (
@@ -94,7 +95,7 @@ class Mover:
     episodes_failed_total: int = 0
     _drops: set[asyncio.Future[None]] = field(default_factory=set)
 
-    async def move(self, session_ids: list[str], to_slot: int, within: float) -> dict[str, Any]:
+    async def move(self, session_ids: list[str], to_slot: int, within: float) -> MoveAnswer:
         """Move `session_ids` to the worker in `to_slot`; answer what moved and what did
         not, and why (module docstring)."""
         async with self.exclusion.acquire("move"):
@@ -113,12 +114,7 @@ class Mover:
             seconds,
             len(result.failed),
         )
-        return {
-            "to_slot": to_slot,
-            "moved": sorted(result.moved),
-            "failed": failures(result.failed),
-            "seconds": seconds,
-        }
+        return MoveAnswer(to_slot, sorted(result.moved), failures(result.failed), seconds)
 
     async def move_sessions(
         self, plan: dict[str, list[str]], sources: Sequence[_Worker], deadline: float
@@ -288,6 +284,6 @@ class Mover:
             await asyncio.wait(set(self._drops))
 
 
-def failures(failed: dict[str, str]) -> list[dict[str, str]]:
+def failures(failed: dict[str, str]) -> list[NotMoved]:
     """Sessions not moved, as the control plane answers them."""
-    return [{"session_id": s, "reason": r} for s, r in sorted(failed.items())]
+    return [NotMoved(s, r) for s, r in sorted(failed.items())]

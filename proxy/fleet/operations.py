@@ -51,12 +51,13 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
+from gym_proxy.coordinator.contract.answers import OperationReport, OperationsStatus, WorkerStatus
 from gym_proxy.coordinator.contract.errors import GymError
 from gym_proxy.coordinator.exclusion import Exclusion
-from gym_proxy.proxy.fleet.decommission import Decommissioner, Progress, WorkerPool
+from gym_proxy.proxy.fleet.decommission import Decommissioner, Progress, SlotEntry, WorkerPool
 from gym_proxy.proxy.fleet.mover import GAVE_WAY, Mover
 from gym_proxy.proxy.fleet.recycling import RecyclePolicy
 from gym_proxy.proxy.fleet.worker_records import WorkerProcess
@@ -97,7 +98,7 @@ class Operations:
         self.recycling = RecyclePolicy(self.pool.config, lambda: self.pool.slots, self.recycle)
 
     # ---- the operations -------------------------------------------------------------
-    async def drain(self, slot: int, within: float) -> dict[str, Any]:
+    async def drain(self, slot: int, within: float) -> OperationReport:
         """No new sessions on the slot's worker; move its sessions to the others."""
         async with self._exclusive("drain", "operator") as progress:
             worker = self._live_in(slot)
@@ -113,9 +114,7 @@ class Operations:
             if left is None:
                 left = await self.decommissioner.held_sessions(worker)
                 progress.errors.append(f"slot {slot} did not list its sessions")
-            progress.slots.append(
-                {"slot": slot, "owner": worker.owner, "draining": True, "sessions_left": len(left)}
-            )
+            progress.slot(slot, owner=worker.owner, draining=True, sessions_left=len(left))
             if left:
                 progress.errors.append(
                     f"slot {slot} still holds {len(left)} sessions at the timeout "
@@ -123,12 +122,12 @@ class Operations:
                 )
             return self._answer(progress)
 
-    async def undrain(self, slot: int) -> dict[str, Any]:
+    async def undrain(self, slot: int) -> OperationReport:
         """The slot's worker takes new sessions again."""
         async with self._exclusive("undrain", "operator") as progress:
             worker = self._live_in(slot)
             self._set_drained(worker, False)
-            progress.slots.append({"slot": slot, "owner": worker.owner, "draining": False})
+            progress.slot(slot, owner=worker.owner, draining=False)
             return self._answer(progress)
 
     async def restart(
@@ -137,7 +136,7 @@ class Operations:
         within: float,
         reason: str = "operator",
         pause: float = RESTART_PAUSE,
-    ) -> dict[str, Any]:
+    ) -> OperationReport:
         """Rolling restart of `slots` (None: every slot), one at a time, `pause` seconds
         apart (module docstring)."""
         async with self._exclusive("restart", reason) as progress:
@@ -154,7 +153,7 @@ class Operations:
 
     async def resize(
         self, workers: int, within: float, reason: str = "operator", yields: bool = False
-    ) -> dict[str, Any]:
+    ) -> OperationReport:
         """Grow or shrink to `workers` slots while serving; `yields`: gym-proxy's own
         (the autoscaler's), it gives way (module docstring)."""
         if workers < 1:
@@ -173,24 +172,22 @@ class Operations:
                     progress.errors.append(f"grow stopped at {len(self.pool.slots)} workers: {exc}")
                     break
                 if worker is not None:
-                    added = {"slot": worker.slot, "owner": worker.owner, "added": True}
-                    progress.slots.append(added)
+                    progress.slot(worker.slot, owner=worker.owner, added=True)
             if workers < len(self.pool.slots):
                 self._check_shrink(workers)
             while len(self.pool.slots) > workers and not self.exclusion.giving_way:
                 slot = len(self.pool.slots) - 1
                 progress.at("removing_slot", slot, f"removing slot {slot}")
                 old = self.pool.slots.current(slot)
-                entry: dict[str, Any] = {"slot": slot, "removed": True}
-                progress.slots.append(entry)
+                entry = progress.slot(slot, removed=True)
                 if old is not None and yields:
-                    entry["owner"] = old.owner
+                    entry.note(owner=old.owner)
                     if not await self._take_out_or_keep(old, within, progress, entry):
                         break
                     continue
                 self.pool.remove_last_slot()
                 if old is not None:
-                    entry["owner"] = old.owner
+                    entry.note(owner=old.owner)
                     await self.decommissioner.decommission(
                         old, self._heirs, within, progress, entry
                     )
@@ -200,7 +197,7 @@ class Operations:
             return self._answer(progress, workers=len(self.pool.slots), gave_way=gave_way)
 
     async def _take_out_or_keep(
-        self, old: WorkerProcess, within: float, progress: Progress, entry: dict[str, Any]
+        self, old: WorkerProcess, within: float, progress: Progress, entry: SlotEntry
     ) -> bool:
         """A shrink that gives way: `old` leaves its slot only once taken out; else it
         keeps it (`Decommissioner.take_out_or_keep`). True when its slot was removed."""
@@ -208,7 +205,7 @@ class Operations:
         if not await self.decommissioner.take_out_or_keep(old, self._heirs, deadline, progress):
             alive = old.state == "live"  # one that died is replaced in its slot, as any
             outcome = "kept: it serves on in its slot" if alive else "died while it was emptied"
-            entry.update(removed=False, outcome=outcome)
+            entry.note(removed=False, outcome=outcome)
             if not self.exclusion.giving_way:
                 reasons = "; ".join(sorted(set(progress.failed.values()))) or "a request ran on"
                 progress.errors.append(
@@ -217,7 +214,7 @@ class Operations:
                 )
             return False
         self.pool.remove_last_slot()
-        entry["outcome"] = "stopped"
+        entry.note(outcome="stopped")
         await self.pool.stop_worker(old, float(self.pool.config.graceful_timeout))
         return True
 
@@ -256,7 +253,7 @@ class Operations:
             log.warning("recycle of worker %d not run: %s", slot, exc.detail)
             self._recycle_not_before.pop(slot, None)
             return
-        if answer["complete"]:
+        if answer.complete:
             self._recycle_not_before.pop(slot, None)
 
     def on_signal(self, name: str) -> None:
@@ -273,17 +270,16 @@ class Operations:
 
     async def _restart_slot(self, slot: int, within: float, progress: Progress) -> bool:
         old = self._live_in(slot)
-        entry: dict[str, Any] = {"slot": slot, "old_owner": old.owner, "old_pid": old.pid}
-        progress.slots.append(entry)
+        entry = progress.slot(slot, old_owner=old.owner, old_pid=old.pid)
         progress.at("starting_replacement", slot, f"slot {slot}: starting its replacement")
         boot = float(self.pool.config.boot_timeout or within)
         try:
             new = await self.pool.start_successor(slot, boot)
         except Exception as exc:  # WorkerBootError: the old worker keeps serving
-            entry["outcome"] = "kept: the replacement did not boot"
+            entry.note(outcome="kept: the replacement did not boot")
             progress.errors.append(f"slot {slot}: {exc}; the restart stopped here")
             return False
-        entry.update(new_owner=new.owner, new_pid=new.pid)
+        entry.note(new_owner=new.owner, new_pid=new.pid)
         self.pool.slots.promote(new)
         progress.at("moving_sessions", slot, f"slot {slot}: moving its sessions to the replacement")
         await self.decommissioner.decommission(
@@ -381,34 +377,41 @@ class Operations:
                 "".join(f"; {e}" for e in progress.errors),
             )
 
-    def _answer(self, progress: Progress, **extra: Any) -> dict[str, Any]:
-        view = progress.view(self.mover.holding)
-        view["seconds"] = round(time.time() - progress.started_at, 6)
-        view["complete"] = not progress.errors
-        view.update(extra)
-        return view
+    def _answer(
+        self, progress: Progress, workers: int | None = None, gave_way: bool | None = None
+    ) -> OperationReport:
+        return progress.view(
+            self.mover.holding,
+            seconds=round(time.time() - progress.started_at, 6),
+            complete=not progress.errors,
+            workers=workers,
+            gave_way=gave_way,
+        )
 
-    def status(self) -> dict[str, Any]:
+    def status(self) -> OperationsStatus:
         """The running operation's progress and the last one's outcome (each worker's
-        state is in status' one `workers` list: `worker_states`)."""
+        state is in status' one `workers` list: `describe`)."""
         waiting = self.mover.holding
-        return {
-            "running": None if self.running is None else self.running.view(waiting),
-            "last": None if self.last is None else self.last.view(0),
-        }
+        return OperationsStatus(
+            None if self.running is None else self.running.view(waiting),
+            None if self.last is None else self.last.view(0),
+        )
 
-    def worker_states(self) -> dict[str, dict[str, Any]]:
-        """owner -> {state, requests_served, node, address} (`WorkerProcess.status` says
-        the states; `node` is the Ray node ID, `local` for this machine's process)."""
-        return {
-            w.owner: {
-                "state": w.status,
-                "requests_served": w.live_route.served if w.route else 0,
-                "node": w.node or "local",
-                "address": w.route.address if w.route else w.socket_path,
-            }
-            for w in self.pool.slots.workers()
-        }
+    def describe(self, status: WorkerStatus) -> WorkerStatus:
+        """A registered worker's status with the fleet's view of it: its state
+        (`WorkerProcess.status`), requests served, node (the Ray node ID, `local` for
+        this machine's process) and address."""
+        worker = next((w for w in self.pool.slots.workers() if w.owner == status.owner), None)
+        if worker is None:
+            return status
+        route = worker.route
+        return replace(
+            status,
+            state=worker.status,
+            requests_served=worker.live_route.served if route else 0,
+            node=worker.node or "local",
+            address=route.address if route else worker.socket_path,
+        )
 
     async def _run_signals(self) -> None:
         while self._signals:

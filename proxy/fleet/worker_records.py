@@ -14,14 +14,13 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import Literal, Protocol, runtime_checkable
 
 from gym_proxy.coordinator.contract.channel import Channel
-from gym_proxy.coordinator.contract.exit_codes import EXIT_UNKNOWN
 from gym_proxy.proxy.data_path.routing import WorkerRoute
-from gym_proxy.proxy.data_path.upstream import UpstreamPool
-from gym_proxy.proxy.fleet.remote_workers import RemoteWorker
+from gym_proxy.proxy.data_path.upstream import UpstreamConnection, UpstreamPool
 
 __all__ = [
     "WorkerState",
@@ -29,9 +28,9 @@ __all__ = [
     "WORKER_STATUSES",
     "WorkerProcess",
     "WorkerHandle",
+    "PlacedHandle",
     "WorkerLauncher",
     "SubprocessLauncher",
-    "AdoptedProcess",
     "Slot",
     "resident_bytes",
     "terminate",
@@ -56,8 +55,9 @@ WORKER_STATUSES: tuple[WorkerStatus, ...] = (
 
 
 class WorkerHandle(Protocol):
-    """A started worker, as the supervisor uses it: an asyncio subprocess, or one forked
-    by the zygote (`proxy.fleet.zygote_client.ForkedProcess`)."""
+    """A started worker, as the supervisor uses it: an asyncio subprocess, one forked
+    by the zygote (`proxy.fleet.zygote_client.ForkedProcess`), one adopted
+    (`proxy.adopted_process.AdoptedProcess`), or a `PlacedHandle`."""
 
     @property
     def pid(self) -> int: ...
@@ -72,9 +72,27 @@ class WorkerHandle(Protocol):
     def kill(self) -> None: ...
 
 
+@runtime_checkable
+class PlacedHandle(WorkerHandle, Protocol):
+    """A worker on a node of another machine (`--worker-placement ray`:
+    `proxy.ray_cluster.remote_workers.RemoteWorker`): its pid is not one of this machine's,
+    it listens at `address` (`tcp://host:port`), reached through `connect` (its route's
+    connector), on the Ray node `node_id`. The fleet knows placed workers only as this."""
+
+    node_id: str
+
+    @property
+    def address(self) -> str: ...
+
+    async def connect(
+        self, factory: Callable[[], UpstreamConnection], address: str
+    ) -> UpstreamConnection: ...
+
+
 class WorkerLauncher(Protocol):
     """What starts workers: a subprocess each (`SubprocessLauncher`), the zygote
-    (--preload: `proxy.fleet.zygote_client.Zygote`), or a test's in-process launcher
+    (--preload: `proxy.fleet.zygote_client.Zygote`), the nodes of a Ray cluster
+    (`proxy.ray_cluster.remote_workers.RayLauncher`), or a test's in-process launcher
     (`tests/in_process.py`)."""
 
     async def spawn(self, argv: list[str]) -> WorkerHandle: ...
@@ -133,7 +151,7 @@ class WorkerProcess:
         self.state = "live"
         self.channel = channel
         self.answered_at = time.monotonic()
-        remote = self.process if isinstance(self.process, RemoteWorker) else None
+        remote = self.process if isinstance(self.process, PlacedHandle) else None
         address = self.socket_path if remote is None else remote.address
         self.route = WorkerRoute(
             self.owner, self.slot, address, keeps_rollout_prefix=keeps_rollout_prefix
@@ -143,12 +161,12 @@ class WorkerProcess:
     @property
     def node(self) -> str:
         """The Ray node it runs on; "" for a process of this machine."""
-        return self.process.node_id if isinstance(self.process, RemoteWorker) else ""
+        return self.process.node_id if isinstance(self.process, PlacedHandle) else ""
 
     @property
     def local(self) -> bool:
         """A process of this machine (its pid is one here: /proc, signals)."""
-        return not isinstance(self.process, RemoteWorker)
+        return not isinstance(self.process, PlacedHandle)
 
     @property
     def live_route(self) -> WorkerRoute:
@@ -230,39 +248,6 @@ def resident_bytes(pid: int) -> int:
             return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
         return 0
-
-
-class AdoptedProcess:
-    """A `WorkerHandle` for a worker this process did not start (a dead gym-proxy's,
-    adopted): not its child, so it is watched and signalled through a pidfd, which
-    names the process itself, never a later one that reuses its pid. Its exit status
-    belongs to its parent: `wait` gives EXIT_UNKNOWN."""
-
-    def __init__(self, pid: int) -> None:
-        self.pid = pid
-        self._fd = os.pidfd_open(pid)
-        self.returncode: int | None = None
-        self._exited: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-        asyncio.get_running_loop().add_reader(self._fd, self._on_exit)
-
-    def _on_exit(self) -> None:
-        asyncio.get_running_loop().remove_reader(self._fd)
-        os.close(self._fd)
-        self._fd = -1
-        self.returncode = EXIT_UNKNOWN
-        if not self._exited.done():
-            self._exited.set_result(EXIT_UNKNOWN)
-
-    async def wait(self) -> int:
-        return await asyncio.shield(self._exited)
-
-    def send_signal(self, sig: int, /) -> None:
-        if self._fd < 0:
-            raise ProcessLookupError(self.pid)
-        signal.pidfd_send_signal(self._fd, sig)
-
-    def kill(self) -> None:
-        self.send_signal(signal.SIGKILL)
 
 
 async def terminate(workers: list[WorkerProcess], grace: float) -> None:

@@ -15,7 +15,7 @@ are served on, and its bounds, is proxy.metrics.listener.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -34,7 +34,12 @@ from gym_proxy.proxy.fleet.balancer import Balancer
 from gym_proxy.proxy.fleet.mover import Mover
 from gym_proxy.proxy.fleet.operations import Operations
 from gym_proxy.proxy.fleet.supervisor import Supervisor
-from gym_proxy.proxy.fleet.worker_records import WORKER_STATUSES, WorkerProcess, resident_bytes
+from gym_proxy.proxy.fleet.worker_records import (
+    WORKER_STATUSES,
+    Slot,
+    WorkerProcess,
+    resident_bytes,
+)
 from gym_proxy.proxy.state_tables import WRONG
 
 __all__ = ["Metrics", "STATES", "PHASES"]
@@ -143,106 +148,16 @@ class _Gathered(Collector):
 
     def _workers(self) -> Iterator[Metric]:
         sup, stats = self.m.supervisor, self.m.worker_stats
-        states = self.m.operations.worker_states()
         by_slot: dict[int, list[WorkerProcess]] = {i: [] for i in range(len(sup.slots))}
         for worker in sup.slots.workers():
             if worker.process is not None and worker.state != "dead":
                 by_slot.setdefault(worker.slot, []).append(worker)
-        state_family = GaugeMetricFamily(
-            "gym_proxy_workers",
-            "Worker processes by slot and state (two during a restart of the slot)",
-            labels=["slot", "state"],
-        )
-        families = {
-            name: GaugeMetricFamily(f"gym_proxy_worker_{name}", text, labels=["slot"])
-            for name, text in (
-                ("requests_in_flight", "Requests routed to the slot's workers and not done"),
-                ("sessions", "Live sessions in the slot's workers' stores"),
-                ("requests_running", "Requests the slot's workers say they are running"),
-                ("resident_memory_bytes", "Resident memory of the slot's workers"),
-                ("ping_seconds", "Round trip of the supervisor's last ping"),
-                ("event_loop_lag_seconds", "A worker's worst event-loop lag since the last scrape"),
-                ("start_time_seconds", "When the slot's current worker started (Unix time)"),
-            )
-        }
-        upstream = GaugeMetricFamily(
-            "gym_proxy_upstream_connections",
-            "Connections to the slot's workers: idle in the pool, connecting, or in use",
-            labels=["slot", "state"],
-        )
-        responses = CounterMetricFamily(
-            "gym_proxy_worker_responses",
-            "Answers of the slot's workers by status class (every incarnation of the slot)",
-            labels=["slot", "code_class"],
-        )
-        connect_errors = CounterMetricFamily(
-            "gym_proxy_upstream_connect_errors",
-            "Failed connections to the slot's workers (every incarnation)",
-            labels=["slot"],
-        )
-        restarts = CounterMetricFamily(
-            "gym_proxy_worker_restarts",
-            "Worker restarts: exit (the supervisor restarted a worker that exited or was "
-            "killed) or replaced (a rolling restart or a recycle)",
-            labels=["slot", "reason"],
-        )
-        nodes = GaugeMetricFamily(
-            "gym_proxy_worker_node",
-            "1 for each worker, labelled with the node it runs on (its Ray node ID; `local`: "
-            "this machine's process)",
-            labels=["slot", "owner", "node"],
-        )
+        families = _WorkerFamilies()
         for slot_index, workers in sorted(by_slot.items()):
-            slot = str(slot_index)
-            counts = dict.fromkeys(STATES, 0)
-            for worker in workers:
-                nodes.add_metric([slot, worker.owner, worker.node or "local"], 1)
-                name = states.get(worker.owner, {}).get("state")
-                if name in counts:
-                    counts[name] += 1
-            for name, n in counts.items():
-                state_family.add_metric([slot, name], n)
-            routes = [w.route for w in workers if w.route is not None]
-            families["requests_in_flight"].add_metric([slot], sum(r.in_flight for r in routes))
-            mine = [stats[w.owner] for w in workers if w.owner in stats]
-            if mine:
-                families["sessions"].add_metric([slot], sum(s.sessions for s in mine))
-                families["requests_running"].add_metric([slot], sum(s.requests for s in mine))
-                lag = max(s.loop_lag_seconds for s in mine)
-                families["event_loop_lag_seconds"].add_metric([slot], lag)
-            pids = [w.pid for w in workers if w.local]  # a node's pid is not one here
-            if pids:
-                rss = sum(resident_bytes(pid) for pid in pids)
-                families["resident_memory_bytes"].add_metric([slot], rss)
-            pings = [w.ping_seconds for w in workers if w.ping_seconds is not None]
-            if pings:
-                families["ping_seconds"].add_metric([slot], max(pings))
-            current = sup.slots[slot_index].worker if slot_index < len(sup.slots) else None
-            if current is not None and current.started_unix:
-                families["start_time_seconds"].add_metric([slot], current.started_unix)
-            idle = sum(len(r.pool.idle) for r in routes)
-            connecting = sum(len(r.pool.connecting) for r in routes)
-            busy = sum(r.in_flight for r in routes)
-            upstream.add_metric([slot, "idle"], idle)
-            upstream.add_metric([slot, "connecting"], connecting)
-            upstream.add_metric([slot, "active"], max(0, busy - connecting))
-            gone = sup.slots[slot_index] if slot_index < len(sup.slots) else None
-            for i, name in enumerate(CLASSES, start=1):
-                total = sum(r.responses[i] for r in routes)
-                if gone is not None:
-                    total += gone.responses_gone[i]
-                responses.add_metric([slot, name], total)
-            errors = sum(r.pool.connect_errors for r in routes)
-            connect_errors.add_metric([slot], errors + (gone.connect_errors_gone if gone else 0))
-            restarts.add_metric([slot, "exit"], gone.restarts if gone else 0)
-            restarts.add_metric([slot, "replaced"], gone.replacements if gone else 0)
-        yield state_family
-        yield from families.values()
-        yield upstream
-        yield responses
-        yield connect_errors
-        yield restarts
-        yield nodes
+            slot = sup.slots[slot_index] if slot_index < len(sup.slots) else None
+            families.processes(str(slot_index), workers, slot, stats)
+            families.traffic(str(slot_index), workers, slot)
+        yield from families.all()
 
     def _routing(self) -> Iterator[Metric]:
         router, state = self.m.state.router, self.m.state
@@ -298,7 +213,7 @@ class _Gathered(Collector):
         for name in PHASES:
             phase.add_metric([name], 1 if cp.machine.phase == name else 0)
         yield phase
-        blockers = cp.status()["report"]["blocker_count"] if cp.machine.is_open else 0
+        blockers = cp.status().report.blocker_count if cp.machine.is_open else 0
         yield gauge(
             "gym_proxy_checkpoint_blockers", "What keeps an open checkpoint from ready", blockers
         )
@@ -434,3 +349,116 @@ def gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
 
 def counter(name: str, documentation: str, value: float) -> CounterMetricFamily:
     return CounterMetricFamily(name, documentation, value=value)
+
+
+class _WorkerFamilies:
+    """The families of the worker processes, by slot (`_Gathered._workers`)."""
+
+    def __init__(self) -> None:
+        self.states = GaugeMetricFamily(
+            "gym_proxy_workers",
+            "Worker processes by slot and state (two during a restart of the slot)",
+            labels=["slot", "state"],
+        )
+        self.gauges = {
+            name: GaugeMetricFamily(f"gym_proxy_worker_{name}", text, labels=["slot"])
+            for name, text in (
+                ("requests_in_flight", "Requests routed to the slot's workers and not done"),
+                ("sessions", "Live sessions in the slot's workers' stores"),
+                ("requests_running", "Requests the slot's workers say they are running"),
+                ("resident_memory_bytes", "Resident memory of the slot's workers"),
+                ("ping_seconds", "Round trip of the supervisor's last ping"),
+                ("event_loop_lag_seconds", "A worker's worst event-loop lag since the last scrape"),
+                ("start_time_seconds", "When the slot's current worker started (Unix time)"),
+            )
+        }
+        self.upstream = GaugeMetricFamily(
+            "gym_proxy_upstream_connections",
+            "Connections to the slot's workers: idle in the pool, connecting, or in use",
+            labels=["slot", "state"],
+        )
+        self.responses = CounterMetricFamily(
+            "gym_proxy_worker_responses",
+            "Answers of the slot's workers by status class (every incarnation of the slot)",
+            labels=["slot", "code_class"],
+        )
+        self.connect_errors = CounterMetricFamily(
+            "gym_proxy_upstream_connect_errors",
+            "Failed connections to the slot's workers (every incarnation)",
+            labels=["slot"],
+        )
+        self.restarts = CounterMetricFamily(
+            "gym_proxy_worker_restarts",
+            "Worker restarts: exit (the supervisor restarted a worker that exited or was "
+            "killed) or replaced (a rolling restart or a recycle)",
+            labels=["slot", "reason"],
+        )
+        self.nodes = GaugeMetricFamily(
+            "gym_proxy_worker_node",
+            "1 for each worker, labelled with the node it runs on (its Ray node ID; `local`: "
+            "this machine's process)",
+            labels=["slot", "owner", "node"],
+        )
+
+    def processes(
+        self,
+        slot: str,
+        workers: list[WorkerProcess],
+        current: Slot | None,
+        stats: Mapping[str, WorkerStats],
+    ) -> None:
+        """The slot's processes: their states, nodes, what they report, memory, pings."""
+        counts = dict.fromkeys(STATES, 0)
+        for worker in workers:
+            self.nodes.add_metric([slot, worker.owner, worker.node or "local"], 1)
+            if worker.status in counts:
+                counts[worker.status] += 1
+        for name, n in counts.items():
+            self.states.add_metric([slot, name], n)
+        gauges = self.gauges
+        mine = [stats[w.owner] for w in workers if w.owner in stats]
+        if mine:
+            gauges["sessions"].add_metric([slot], sum(s.sessions for s in mine))
+            gauges["requests_running"].add_metric([slot], sum(s.requests for s in mine))
+            lag = max(s.loop_lag_seconds for s in mine)
+            gauges["event_loop_lag_seconds"].add_metric([slot], lag)
+        pids = [w.pid for w in workers if w.local]  # a node's pid is not one here
+        if pids:
+            rss = sum(resident_bytes(pid) for pid in pids)
+            gauges["resident_memory_bytes"].add_metric([slot], rss)
+        pings = [w.ping_seconds for w in workers if w.ping_seconds is not None]
+        if pings:
+            gauges["ping_seconds"].add_metric([slot], max(pings))
+        newest = current.worker if current is not None else None
+        if newest is not None and newest.started_unix:
+            gauges["start_time_seconds"].add_metric([slot], newest.started_unix)
+
+    def traffic(self, slot: str, workers: list[WorkerProcess], current: Slot | None) -> None:
+        """The slot's requests and connections, its answers, its connect errors and
+        restarts (those of its incarnations gone too)."""
+        routes = [w.route for w in workers if w.route is not None]
+        busy = sum(r.in_flight for r in routes)
+        self.gauges["requests_in_flight"].add_metric([slot], busy)
+        connecting = sum(len(r.pool.connecting) for r in routes)
+        self.upstream.add_metric([slot, "idle"], sum(len(r.pool.idle) for r in routes))
+        self.upstream.add_metric([slot, "connecting"], connecting)
+        self.upstream.add_metric([slot, "active"], max(0, busy - connecting))
+        for i, answer_class in enumerate(CLASSES, start=1):
+            total = sum(r.responses[i] for r in routes)
+            if current is not None:
+                total += current.responses_gone[i]
+            self.responses.add_metric([slot, answer_class], total)
+        errors = sum(r.pool.connect_errors for r in routes)
+        gone = current.connect_errors_gone if current is not None else 0
+        self.connect_errors.add_metric([slot], errors + gone)
+        self.restarts.add_metric([slot, "exit"], current.restarts if current else 0)
+        self.restarts.add_metric([slot, "replaced"], current.replacements if current else 0)
+
+    def all(self) -> Iterator[Metric]:
+        yield self.states
+        yield from self.gauges.values()
+        yield self.upstream
+        yield self.responses
+        yield self.connect_errors
+        yield self.restarts
+        yield self.nodes

@@ -16,7 +16,8 @@ __all__ = ["RequestSpans"]
 
 
 class RequestSpans:
-    """What the exchange calls at a request's start and end (`ProxyState.request_spans`)."""
+    """What the exchange calls at a request's start and end (`ProxyState.request_spans`,
+    a `proxy.data_path.client_connection.RequestTracer`)."""
 
     def __init__(self) -> None:
         from opentelemetry import trace

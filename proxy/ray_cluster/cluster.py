@@ -23,6 +23,9 @@ uses Ray (NeMo Gym's own rule, `_server_uses_ray`): before any worker starts,
   the socket its process listens on in the runtime directory (`HEAD_SOCKET`): the
   adopted workers, already its drivers, and the new ones join the same cluster.
 
+What the two processes say to each other is `proxy.ray_cluster.lines.RAY_HEAD`; a line of
+the Ray process's that this one cannot read is refused in one line naming it.
+
 Every worker, the first ones and every one that starts later (a restart, a rolling
 restart, a resize, a recycle), gets the address in the global config it is given, and
 the authentication mode in its environment. The proxy process is never a Ray driver.
@@ -32,14 +35,22 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import sys
 from dataclasses import dataclass
 
+from gym_proxy.coordinator.contract.lines import LineError, encode_line, expect, greeting
 from gym_proxy.coordinator.contract.trust import peer_of
-from gym_proxy.proxy.fleet.worker_records import AdoptedProcess
+from gym_proxy.proxy.adopted_process import AdoptedProcess
 from gym_proxy.proxy.ray_cluster.errors import RayError
+from gym_proxy.proxy.ray_cluster.lines import (
+    HEAD,
+    RAY_HEAD,
+    ClusterAddress,
+    HeadError,
+    StopCluster,
+    Stopping,
+)
 
 __all__ = ["HEAD_SOCKET", "RayPlan", "RayCluster"]
 
@@ -85,26 +96,26 @@ class RayCluster:
     async def start(self) -> None:
         """Start the local cluster, or check the named one; RayError if neither works."""
         if self.plan.address is None:
-            reply = await self._take_waiting()
-            if reply is not None:
-                self.address, self.auth_mode = reply["address"], reply.get("auth_mode")
+            taken = await self._take_waiting()
+            if taken is not None:
+                self.address, self.auth_mode = taken.address, taken.auth_mode
                 log.info(
                     "Ray: took over the local cluster at %s from the previous gym-proxy",
                     self.address,
                 )
                 return
-            reply = await self._start_head()
-            self.address, self.auth_mode = reply["address"], reply.get("auth_mode")
+            started = await self._start_head()
+            self.address, self.auth_mode = started.address, started.auth_mode
             log.info(
                 "Ray: started a local cluster at %s for the workers (no cluster was named: "
                 "neither ray_head_node_address in the NeMo Gym config nor RAY_ADDRESS)",
                 self.address,
             )
             return
-        reply = await self._check(self.plan.address)
-        if "error" in reply:
-            raise RayError(f"{reply['error']} (named by {self.plan.named_by})")
-        self.address, self.auth_mode = reply["address"], reply.get("auth_mode")
+        checked = await self._check(self.plan.address)
+        if isinstance(checked, HeadError):
+            raise RayError(f"{checked.error} (named by {self.plan.named_by})")
+        self.address, self.auth_mode = checked.address, checked.auth_mode
         log.info(
             "Ray: the workers join the cluster at %s, named by %s%s",
             self.address,
@@ -123,9 +134,9 @@ class RayCluster:
             stdout=asyncio.subprocess.PIPE,
         )
 
-    async def _take_waiting(self) -> dict[str, str] | None:
-        """The address of the cluster a dead instance left waiting in the runtime
-        directory this one adopted; None when there is none to take."""
+    async def _take_waiting(self) -> ClusterAddress | None:
+        """The cluster a dead instance left waiting in the runtime directory this one
+        adopted; None when there is none to take."""
         if not self._socket_path:
             return None
         try:
@@ -136,33 +147,38 @@ class RayCluster:
         except (OSError, TimeoutError) as exc:
             log.warning("Ray: the dead instance's cluster cannot be taken over (%s)", exc)
             return None
-        reply = _reply(line)
-        if "address" not in reply:
+        if not line:  # it closed the connection: it takes no holder any more
+            writer.close()
+            return None
+        try:
+            taken = expect(line, RAY_HEAD, HEAD, ClusterAddress)
+        except LineError as exc:
+            log.warning("Ray: the dead instance's cluster cannot be taken over (%s)", exc)
             writer.close()
             return None
         # Watched through a pidfd (it is not this process's child), named by the kernel.
         self._taken = (writer, AdoptedProcess(peer_of(writer.get_extra_info("socket")).pid))
-        return reply
+        return taken
 
-    async def _start_head(self) -> dict[str, str]:
+    async def _start_head(self) -> ClusterAddress:
         keep = (
             (str(self._keep_for), self._socket_path) if self._keep_for and self._socket_path else ()
         )
         head = self._head = await self._spawn("start", *keep)
         assert head.stdout is not None
         try:
-            line = await asyncio.wait_for(head.stdout.readline(), START_WAIT)
+            said = await greeting(
+                head.stdout, START_WAIT, RAY_HEAD, HEAD, ClusterAddress, HeadError
+            )
         except TimeoutError:
             await self.stop()
             raise RayError(f"Ray did not start a local cluster within {START_WAIT:g} s") from None
-        reply = _reply(line)
-        if "address" not in reply:
+        if not isinstance(said, ClusterAddress):
             await self.stop()
-            why = reply.get("error") or "its process ended (its log is above)"
-            raise RayError(f"Ray could not start a local cluster: {why}")
-        return reply
+            raise RayError(f"Ray could not start a local cluster: {said}")
+        return said
 
-    async def _check(self, address: str) -> dict[str, str]:
+    async def _check(self, address: str) -> ClusterAddress | HeadError:
         check = await self._spawn("check", address)
         try:
             out, _ = await asyncio.wait_for(check.communicate(), CHECK_WAIT)
@@ -170,19 +186,21 @@ class RayCluster:
             with contextlib.suppress(ProcessLookupError):
                 check.kill()
             await check.wait()
-            return {"error": f"joining the Ray cluster at {address} took over {CHECK_WAIT:g} s"}
-        reply = _reply(out.splitlines()[-1] if out.strip() else b"")
-        if "address" not in reply and "error" not in reply:
-            reply["error"] = f"cannot join the Ray cluster at {address} (its log is above)"
-        return reply
+            return HeadError(f"joining the Ray cluster at {address} took over {CHECK_WAIT:g} s")
+        if not out.strip():
+            return HeadError(f"cannot join the Ray cluster at {address} (its log is above)")
+        try:  # its last line: what Ray printed on stdout before it is not ours
+            return expect(out.splitlines()[-1], RAY_HEAD, HEAD, ClusterAddress, HeadError)
+        except LineError as exc:
+            return HeadError(f"cannot join the Ray cluster at {address}: {exc}")
 
     def stopping(self) -> None:
         """gym-proxy stops: should it die before `stop`, the cluster waits for no successor
         (its workers do not either: `ProxyStopping`)."""
         if self._taken is not None:
-            self._taken[0].write(b"stopping\n")
+            self._taken[0].write(encode_line(Stopping()))
         elif self._head is not None and self._head.stdin is not None:
-            self._head.stdin.write(b"stopping\n")
+            self._head.stdin.write(encode_line(Stopping()))
 
     async def stop(self, keep: bool = False) -> None:
         """Stop the cluster gym-proxy started or took (nothing for a named one); `keep`: a
@@ -192,7 +210,7 @@ class RayCluster:
         if taken is not None:
             writer, process = taken
             if not keep:
-                writer.write(b"stop\n")
+                writer.write(encode_line(StopCluster()))
             writer.close()
             if not keep:
                 await _stopped(process)
@@ -201,7 +219,7 @@ class RayCluster:
             return
         assert head.stdin is not None
         if not keep:
-            head.stdin.write(b"stop\n")
+            head.stdin.write(encode_line(StopCluster()))
         head.stdin.close()
         if keep:
             return
@@ -218,11 +236,3 @@ async def _stopped(head: asyncio.subprocess.Process | AdoptedProcess) -> None:
         with contextlib.suppress(ProcessLookupError):
             head.kill()  # Ray's reaper then stops what the cluster left
         await head.wait()
-
-
-def _reply(line: bytes) -> dict[str, str]:
-    try:
-        reply = json.loads(line)
-    except ValueError:
-        return {}
-    return reply if isinstance(reply, dict) else {}

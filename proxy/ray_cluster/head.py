@@ -1,5 +1,6 @@
 """The Ray process of one gym-proxy: it starts the server's one local Ray cluster, or
-checks that a named one can be joined, and says so in one JSON line on stdout.
+checks that a named one can be joined, and says so in one line on stdout (the messages:
+`proxy.ray_cluster.lines.RAY_HEAD`).
 
 Run by `proxy.ray_cluster.cluster` as `python -m gym_proxy.proxy.ray_cluster.head
 start|check [ADDRESS]`: the driver of the cluster is this process, never the proxy (Ray's
@@ -10,18 +11,19 @@ app's doing).
 - `start [KEEP_FOR SOCKET]`: `ray.init(address="local")`, a new cluster whatever the host
   runs (never one found by a session file: gym-proxy attaches to no cluster nobody
   named), with Ray's own defaults as NeMo Gym's `initialize_ray()` has them, token
-  authentication included; prints `{"address", "auth_mode"}`, then holds the cluster for
-  its holder, first the proxy at its stdin, and shuts it down when the holder says
-  `stop` (or said `stopping` earlier and then leaves), or on SIGTERM/SIGINT. A holder
-  that goes without either (gym-proxy died, or
+  authentication included; says `cluster` (its address and authentication mode), then
+  holds the cluster for its holder, first the proxy at its stdin, and shuts it down when
+  the holder says `stop` (or said `stopping` earlier and then leaves), or on
+  SIGTERM/SIGINT. A holder that goes without either (gym-proxy died, or
   handed its workers over) leaves the cluster waiting KEEP_FOR seconds for the next one
   to connect to SOCKET (in the runtime directory, which a successor adopts), which gets
   the same line and holds it from then on; with none, or no SOCKET, it shuts down. Should
-  this process be killed, Ray's own reaper stops the cluster.
+  this process be killed, Ray's own reaper stops the cluster. A line of its holder's it
+  cannot read is refused on stderr, in one line, and changes nothing.
 - `check ADDRESS`: joins the cluster as a driver, with token authentication when a token
-  is at hand and RAY_AUTH_MODE is unset (as `ray start --head` decides it), prints
-  `{"address", "auth_mode"}` and leaves; a cluster that cannot be joined prints
-  `{"error": "<one line>"}` and exits 1, within seconds.
+  is at hand and RAY_AUTH_MODE is unset (as `ray start --head` decides it), says
+  `cluster` and leaves; a cluster that cannot be joined says `error` (one line) and exits
+  1, within seconds.
 
 Ray's own chatter goes to stderr (the proxy's log).
 """
@@ -29,7 +31,6 @@ Ray's own chatter goes to stderr (the proxy's log).
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import socket
@@ -37,9 +38,18 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
 
 from gym_proxy.coordinator.contract.exit_codes import FAILED, USAGE_ERROR
+from gym_proxy.coordinator.contract.lines import LineError, decode_line, encode_line
+from gym_proxy.coordinator.contract.messages import Message
+from gym_proxy.proxy.ray_cluster.lines import (
+    HOLDER,
+    RAY_HEAD,
+    ClusterAddress,
+    HeadError,
+    StopCluster,
+    Stopping,
+)
 
 __all__ = ["main"]
 
@@ -48,8 +58,8 @@ CONNECT_TIMEOUT = 5.0  # seconds for the TCP probe of a named cluster's GCS addr
 GCS_WAIT = 4  # seconds Ray may retry a named cluster's GCS when joining it
 
 
-def _say(**fields: Any) -> None:
-    sys.stdout.write(json.dumps(fields) + "\n")
+def _say(said: Message) -> None:
+    sys.stdout.buffer.write(encode_line(said))
     sys.stdout.flush()
 
 
@@ -57,15 +67,9 @@ def _start(keep_for: float = 0.0, socket_path: str | None = None) -> int:
     import ray
 
     ray.init(address="local", include_dashboard=False, log_to_driver=False)
-    line = (
-        json.dumps(
-            {
-                "address": ray.get_runtime_context().gcs_address,
-                "auth_mode": os.environ.get(AUTH_MODE),
-            }
-        )
-        + "\n"
-    ).encode()
+    line = encode_line(
+        ClusterAddress(ray.get_runtime_context().gcs_address, os.environ.get(AUTH_MODE))
+    )
     sys.stdout.buffer.write(line)
     sys.stdout.flush()
     holder = _Holder()
@@ -110,10 +114,11 @@ class _Holder:
         def read() -> None:
             try:
                 while line := readline():
-                    if line.strip() == b"stop":
+                    said = _read(line)
+                    if isinstance(said, StopCluster):
                         self.stop()
                         return
-                    if line.strip() == b"stopping":  # its end will be a stop: wait for none
+                    if isinstance(said, Stopping):  # its end will be a stop: wait for none
                         self._final = True
             except OSError:
                 pass
@@ -134,6 +139,15 @@ class _Holder:
     @property
     def stopped(self) -> bool:
         return self._stopped
+
+
+def _read(line: bytes) -> Message | None:
+    """The holder's message in `line`; None, said on stderr, for one this cannot read."""
+    try:
+        return decode_line(line, RAY_HEAD, HOLDER)
+    except LineError as exc:
+        print(f"gym-proxy Ray process: {exc}; ignored", file=sys.stderr, flush=True)
+        return None
 
 
 def _listen(path: str) -> socket.socket:
@@ -204,7 +218,7 @@ def _why(exc: BaseException) -> str:
 def _check(address: str) -> int:
     why = _probe(address)
     if why is not None:
-        _say(error=why)
+        _say(HeadError(why))
         return FAILED
     # Ray retries a GCS that does not answer for about 20 s; something listens there, so
     # a few seconds tell (an authentication refusal is answered at once, and retried).
@@ -215,9 +229,9 @@ def _check(address: str) -> int:
     try:
         ray.init(address=address, log_to_driver=False)
     except Exception as exc:  # Ray raises ConnectionError, RuntimeError, ValueError, ...
-        _say(error=f"cannot join the Ray cluster at {address}: {_why(exc)}")
+        _say(HeadError(f"cannot join the Ray cluster at {address}: {_why(exc)}"))
         return FAILED
-    _say(address=ray.get_runtime_context().gcs_address, auth_mode=os.environ.get(AUTH_MODE))
+    _say(ClusterAddress(ray.get_runtime_context().gcs_address, os.environ.get(AUTH_MODE)))
     ray.shutdown()
     return 0
 

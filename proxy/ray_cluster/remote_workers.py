@@ -1,14 +1,18 @@
 """Workers on the nodes of the server's Ray cluster (`--worker-placement ray`), as the
-supervisor sees them: started by a `RayLauncher`, each a `RemoteWorker` handle.
+supervisor sees them: started by a `RayLauncher` (a
+`proxy.fleet.worker_records.WorkerLauncher`), each a `RemoteWorker` handle (a
+`proxy.fleet.worker_records.PlacedHandle`). The fleet knows them only by those two
+protocols of its own; this module is the Ray side of that boundary, beside its driver.
 
 The launcher runs the Ray driver in a process of its own (`proxy.ray_cluster.placement`:
-the proxy never imports Ray) and asks it for one actor per worker. A worker it starts
-listens on a TCP port of its node behind its gate (`worker.link_gate`); the launcher dials
-its coordinator channel in (the proxy opens no port towards the cluster) and hands it to
-the coordinator as if the worker had connected to the local socket, so it registers as
-any worker does. Its data connections are dialed the same way (`RemoteWorker.connect`,
-the route's connector), each proving the link key first
-(`coordinator.contract.worker_link`).
+the proxy never imports Ray) and asks it for one actor per worker, in the driver's lines
+(`proxy.ray_cluster.lines.PLACEMENT`; a line of the driver's it cannot read is refused
+in one log line naming the driver). A worker it starts listens on a TCP port of its node
+behind its gate (`worker.link_gate`); the launcher dials its coordinator channel in (the
+proxy opens no port towards the cluster) and hands it to the coordinator as if the
+worker had connected to the local socket, so it registers as any worker does. Its data
+connections are dialed the same way (`RemoteWorker.connect`, the route's connector),
+each proving the link key first (`coordinator.contract.worker_link`).
 
 A worker's exit comes from the driver: its process's status, or EXIT_UNKNOWN with the
 reason when its actor died (its node gone). A channel that ends without an exit (a node
@@ -34,7 +38,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import os
 import signal
@@ -47,6 +50,8 @@ from typing import TYPE_CHECKING, Any
 from gym_proxy.coordinator.contract.errors import WorkerGone
 from gym_proxy.coordinator.contract.exit_codes import EXIT_UNKNOWN
 from gym_proxy.coordinator.contract.framing import STREAM_LIMIT
+from gym_proxy.coordinator.contract.lines import LineError, encode_line, expect, greeting
+from gym_proxy.coordinator.contract.messages import Message
 from gym_proxy.coordinator.contract.worker_link import (
     CHANNEL,
     DATA,
@@ -58,6 +63,19 @@ from gym_proxy.coordinator.contract.worker_link import (
     stop_worker,
 )
 from gym_proxy.proxy.ray_cluster.errors import RayError
+from gym_proxy.proxy.ray_cluster.lines import (
+    DRIVER,
+    PLACEMENT,
+    DriverFailed,
+    DriverReady,
+    KillWorker,
+    NotStarted,
+    PlacementSpec,
+    SignalWorker,
+    Spawn,
+    WorkerExited,
+    WorkerStarted,
+)
 
 if TYPE_CHECKING:
     from gym_proxy.proxy.data_path.upstream import UpstreamConnection
@@ -69,6 +87,8 @@ log = logging.getLogger("gym_proxy.supervisor")
 START_WAIT = 120.0  # seconds for the driver to join the cluster and check its room
 STOP_WAIT = 15.0  # seconds for the driver to kill the actors and leave
 LOST_EXIT_WAIT = 2.0  # seconds a worker whose channel ended unasked has to exit
+# `-P`: the user's working directory must not shadow the packages the driver imports.
+DRIVER_COMMAND = (sys.executable, "-P", "-m", "gym_proxy.proxy.ray_cluster.placement")
 # A worker's actor lost before it started the worker (its node died before Ray knew) is
 # placed again this long: Ray takes up to ~30 s by default to declare a silent node dead.
 PLACE_AGAIN_FOR = 60.0
@@ -106,18 +126,18 @@ def remote_environment(environ: Mapping[str, str]) -> dict[str, str]:
 
 
 class RemoteWorker:
-    """A `WorkerHandle` for a worker on a node: signalled through the driver (SIGTERM over
+    """A `PlacedHandle` for a worker on a node: signalled through the driver (SIGTERM over
     its link too), its exit reported by the driver (after SIGTERM, its channel's end).
     `address` is its port (`tcp://host:port`), `node_id` its Ray node."""
 
-    def __init__(self, launcher: RayLauncher, key: int, started: Mapping[str, Any]) -> None:
+    def __init__(self, launcher: RayLauncher, started: WorkerStarted) -> None:
         self._launcher = launcher
-        self._key = key
-        self.pid = int(started["pid"])
-        self.host = str(started["host"])
-        self.port = int(started["port"])
-        self.node_id = str(started.get("node_id", ""))
-        self.hostname = str(started.get("hostname", ""))
+        self._key = started.key
+        self.pid = started.pid
+        self.host = started.host
+        self.port = started.port
+        self.node_id = started.node_id
+        self.hostname = started.hostname
         self.returncode: int | None = None
         self.why = ""  # why it exited, when the driver knows more than a status
         self.signalled = False  # signalled by the supervisor: its exit is on its way
@@ -135,7 +155,7 @@ class RemoteWorker:
 
     def send_signal(self, sig: int, /) -> None:
         # Through Ray too: a worker still building its app does not serve its link yet.
-        self._ask(op="signal", id=self._key, signal=int(sig))
+        self._ask(SignalWorker(self._key, int(sig)))
         self.signalled = True
         if sig == signal.SIGTERM:
             self.terminated = True
@@ -143,13 +163,13 @@ class RemoteWorker:
 
     def kill(self) -> None:
         """Kill its actor (and so the worker); the driver reports it exited."""
-        self._ask(op="kill", id=self._key)
+        self._ask(KillWorker(self._key))
 
-    def _ask(self, **request: Any) -> None:
+    def _ask(self, request: Message) -> None:
         if self.returncode is not None:
             raise ProcessLookupError(self.pid)
         try:
-            self._launcher.send(**request)
+            self._launcher.send(request)
         except OSError:  # the driver is gone: so is the worker, reported as it reads its end
             raise ProcessLookupError(self.pid) from None
 
@@ -208,23 +228,26 @@ class RayLauncher:
     def __init__(
         self,
         address: str,
-        spec: Mapping[str, Any],
+        spec: PlacementSpec,
         key: bytes,
         accept_channel: AcceptChannel,
         environment: Mapping[str, str],
         boot_timeout: float = START_WAIT,
+        driver: tuple[str, ...] = DRIVER_COMMAND,
     ) -> None:
-        """`boot_timeout`: how long a worker may take to build its app and open its link."""
+        """`boot_timeout`: how long a worker may take to build its app and open its link;
+        `driver`: the driver's command (tests start a stand-in that speaks its lines)."""
         self.address = address
         self.boot_timeout = boot_timeout
-        self.spec = dict(spec)
+        self.spec = spec
         self.key = key
+        self._driver_command = driver
         self._accept_channel = accept_channel
         self._environment = dict(environment)
         self._driver: asyncio.subprocess.Process | None = None
         self._reader: asyncio.Task[None] | None = None
         self._next_key = 0
-        self._starting: dict[int, asyncio.Future[Mapping[str, Any]]] = {}
+        self._starting: dict[int, asyncio.Future[WorkerStarted]] = {}
         self._workers: dict[int, RemoteWorker] = {}
         self._tasks: set[asyncio.Task[None]] = set()  # channels, stops over links
 
@@ -232,25 +255,24 @@ class RayLauncher:
         """Start the driver; RayError (one line) when the cluster cannot hold the workers
         or cannot be joined."""
         self._driver = await asyncio.create_subprocess_exec(
-            sys.executable, "-P", "-m", "gym_proxy.proxy.ray_cluster.placement",
-            self.address, json.dumps(self.spec),
+            *self._driver_command, self.address, encode_line(self.spec).decode().rstrip("\n"),
             stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, limit=STREAM_LIMIT,
             env={**os.environ, **self._environment},
         )  # fmt: skip
         assert self._driver.stdout is not None
         try:
-            line = await asyncio.wait_for(self._driver.stdout.readline(), START_WAIT)
+            said = await greeting(
+                self._driver.stdout, START_WAIT, PLACEMENT, DRIVER, DriverReady, DriverFailed
+            )
         except TimeoutError:
             await self.close()
             raise RayError(f"the Ray placement driver did not start in {START_WAIT:g} s") from None
-        reply = _reply(line)
-        if "ready" not in reply:
+        if not isinstance(said, DriverReady):
             await self.close()
-            raise RayError(reply.get("error") or "the Ray placement driver exited (see above)")
-        ready = reply["ready"]
+            raise RayError(said)
         log.info(
             "Ray placement: %s workers of %s CPU each on a cluster of %s nodes with room for %s",
-            self.spec["workers"], self.spec["cpus"], ready["nodes"], ready["room"],
+            self.spec.workers, self.spec.cpus, said.nodes, said.room,
         )  # fmt: skip
         self._reader = asyncio.ensure_future(self._read())
 
@@ -266,7 +288,7 @@ class RayLauncher:
         while True:
             key = self._next_key = self._next_key + 1
             starting = self._starting[key] = asyncio.get_running_loop().create_future()
-            self.send(op="spawn", id=key, argv=argv, env=env, cwd=os.getcwd())
+            self.send(Spawn(key, argv, env, os.getcwd()))
             try:
                 started = await starting
                 break
@@ -278,7 +300,7 @@ class RayLauncher:
                 await asyncio.sleep(PLACE_AGAIN_PAUSE)
             finally:
                 self._starting.pop(key, None)
-        worker = self._workers[key] = RemoteWorker(self, key, started)
+        worker = self._workers[key] = RemoteWorker(self, started)
         log.info(
             "worker pid %d placed on Ray node %s (%s), port %s",
             worker.pid, worker.node_id[:12], worker.hostname, worker.address,
@@ -335,34 +357,34 @@ class RayLauncher:
             await asyncio.sleep(pause)
             pause = min(2 * pause, DIAL_AGAIN_MAX)
 
-    def send(self, **request: Any) -> None:
+    def send(self, request: Message) -> None:
         driver = self._driver
         if driver is None or driver.stdin is None or driver.stdin.is_closing():
             raise OSError("the Ray placement driver is not running")
-        driver.stdin.write((json.dumps(request) + "\n").encode())
+        driver.stdin.write(encode_line(request))
 
     async def _read(self) -> None:
         assert self._driver is not None and self._driver.stdout is not None
         while line := await self._driver.stdout.readline():
-            reply = _reply(line)
-            key = reply.get("id")
-            if not isinstance(key, int):
+            try:
+                said = expect(line, PLACEMENT, DRIVER, WorkerStarted, NotStarted, WorkerExited)
+            except LineError as exc:  # refused: no worker's state follows a line unread
+                log.error("%s; ignored", exc)
                 continue
-            if "started" in reply or "error" in reply:
-                starting = self._starting.get(key)
-                if starting is not None and not starting.done():
-                    if "error" in reply:
-                        error = ActorLost if reply.get("lost") else OSError
-                        starting.set_exception(error(str(reply["error"])))
-                    else:
-                        starting.set_result(reply["started"])
-            elif "exited" in reply:
-                worker = self._workers.pop(key, None)
+            if isinstance(said, WorkerExited):
+                worker = self._workers.pop(said.key, None)
                 if worker is not None:
-                    if reply.get("why"):
+                    if said.why:
                         log.warning("worker pid %d on %s: %s", worker.pid, worker.hostname,
-                                    reply["why"])  # fmt: skip
-                    worker.exited(int(reply["exited"]), str(reply.get("why", "")))
+                                    said.why)  # fmt: skip
+                    worker.exited(said.code, said.why)
+                continue
+            starting = self._starting.get(said.key)
+            if starting is not None and not starting.done():
+                if isinstance(said, NotStarted):
+                    starting.set_exception((ActorLost if said.lost else OSError)(said.error))
+                else:
+                    starting.set_result(said)
         why = "the Ray placement driver exited"
         for starting in self._starting.values():
             if not starting.done():
@@ -390,11 +412,3 @@ class RayLauncher:
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-
-
-def _reply(line: bytes) -> dict[str, Any]:
-    try:
-        reply = json.loads(line)
-    except ValueError:
-        return {}
-    return reply if isinstance(reply, dict) else {}

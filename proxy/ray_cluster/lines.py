@@ -1,0 +1,178 @@
+"""The lines of gym-proxy's two Ray processes, each protocol declared once for both of its
+ends and read with `coordinator.contract.lines` (a line a peer cannot read is refused in
+one line naming the peer).
+
+The Ray head holder (`RAY_HEAD`): `proxy.ray_cluster.head`, and its holder,
+`proxy.ray_cluster.cluster.RayCluster`, at the head's stdin, or at the socket of a
+cluster waiting in the runtime directory (`HEAD_SOCKET`) for the gym-proxy that adopts it:
+
+    head -> holder   cluster   the cluster's address and authentication mode (after a
+                               start or a check; again to each holder that takes it over)
+                     error     why a named cluster cannot be joined (check)
+    holder -> head   stopping  its stop has begun: its end is a stop, not a hand-over
+                     stop      shut the cluster down
+
+The placement driver (`PLACEMENT`): `proxy.ray_cluster.placement`, and its client,
+`proxy.ray_cluster.remote_workers.RayLauncher`, at the driver's stdin and the stdout it
+had at start:
+
+    launcher -> driver  spec     the workers asked (its command line's SPEC, one message)
+                        spawn    a worker to start, by the launcher's key for it
+                        signal   a signal for a worker
+                        kill     kill a worker's actor (and so the worker)
+    driver -> launcher  ready    the cluster holds the workers       } one at start
+                        failed   it cannot serve, and why            }
+                        started  a worker runs, and where            } one a spawn
+                        not_started  why not (`lost`: its actor died) }
+                        exited   a started worker's exit, and why (its actor died)
+"""
+
+from __future__ import annotations
+
+from gym_proxy.coordinator.contract.messages import Message, message
+
+__all__ = [
+    "RAY_HEAD",
+    "HEAD",
+    "HOLDER",
+    "ClusterAddress",
+    "HeadError",
+    "StopCluster",
+    "Stopping",
+    "PLACEMENT",
+    "DRIVER",
+    "LAUNCHER",
+    "PlacementSpec",
+    "Spawn",
+    "SignalWorker",
+    "KillWorker",
+    "DriverReady",
+    "DriverFailed",
+    "WorkerStarted",
+    "NotStarted",
+    "WorkerExited",
+]
+
+# ---- the Ray head holder ------------------------------------------------------------------
+RAY_HEAD: dict[str, type[Message]] = {}  # its messages, by wire type
+HEAD = "gym-proxy's Ray process (proxy.ray_cluster.head)"  # the peers, as a refusal names them
+HOLDER = "the Ray cluster's holder (gym-proxy)"
+
+
+@message("cluster", RAY_HEAD)
+class ClusterAddress(Message):
+    """Head -> holder: the cluster to join (`auth_mode`: RAY_AUTH_MODE as it joined)."""
+
+    address: str
+    auth_mode: str | None
+
+
+@message("error", RAY_HEAD)
+class HeadError(Message):
+    """Head -> holder: the named cluster cannot be joined (one line for the user)."""
+
+    error: str
+
+
+@message("stop", RAY_HEAD)
+class StopCluster(Message):
+    """Holder -> head: shut the cluster down."""
+
+
+@message("stopping", RAY_HEAD)
+class Stopping(Message):
+    """Holder -> head: its stop has begun, so should it leave without `stop` (killed
+    meanwhile), the cluster waits for no successor."""
+
+
+# ---- the placement driver ----------------------------------------------------------------
+PLACEMENT: dict[str, type[Message]] = {}  # its messages, by wire type
+DRIVER = "the Ray placement driver"  # the peers, as a refusal names them
+LAUNCHER = "gym-proxy (the Ray launcher)"
+# A worker is the launcher's `key` in every message about it (not `id`: a key the
+# messages' decode leaves out, as the channel's envelope holds its request id there).
+
+
+@message("spec", PLACEMENT)
+class PlacementSpec(Message):
+    """Launcher -> driver, as its command line's SPEC: how many workers, what each needs
+    (`cpus`, `resources` beyond them, GPU among them), Ray's scheduling strategy, and the
+    runtime directory the driver removes should gym-proxy die."""
+
+    workers: int
+    cpus: float
+    resources: dict[str, float]
+    strategy: str  # SPREAD or DEFAULT
+    instance: str
+    runtime_dir: str
+
+
+@message("spawn", PLACEMENT)
+class Spawn(Message):
+    """Launcher -> driver: start a worker (`cwd`: the proxy's, if the node has it)."""
+
+    key: int
+    argv: list[str]
+    env: dict[str, str]
+    cwd: str
+
+
+@message("signal", PLACEMENT)
+class SignalWorker(Message):
+    key: int
+    signal: int
+
+
+@message("kill", PLACEMENT)
+class KillWorker(Message):
+    """Launcher -> driver: kill the worker's actor; the driver reports it exited."""
+
+    key: int
+
+
+@message("ready", PLACEMENT)
+class DriverReady(Message):
+    """Driver -> launcher: it joined the cluster, whose `nodes` have `room` for workers."""
+
+    nodes: int
+    room: int
+
+
+@message("failed", PLACEMENT)
+class DriverFailed(Message):
+    """Driver -> launcher: it cannot place the workers (one line for the user); it exits."""
+
+    error: str
+
+
+@message("started", PLACEMENT)
+class WorkerStarted(Message):
+    """Driver -> launcher: the worker `key` runs as `pid` on Ray node `node_id`
+    (`hostname`), its port at `host`:`port`."""
+
+    key: int
+    pid: int
+    host: str
+    port: int
+    node_id: str
+    hostname: str
+
+
+@message("not_started", PLACEMENT)
+class NotStarted(Message):
+    """Driver -> launcher: the worker `key` did not start (`lost`: its actor died first,
+    its node likely gone, so the launcher places it again)."""
+
+    key: int
+    error: str
+    lost: bool = False
+
+
+@message("exited", PLACEMENT)
+class WorkerExited(Message):
+    """Driver -> launcher: the worker `key` exited with `code` (EXIT_UNKNOWN, and `why`,
+    when its actor died)."""
+
+    key: int
+    code: int
+    why: str = ""
