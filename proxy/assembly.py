@@ -15,6 +15,7 @@ import logging
 from dataclasses import dataclass, field
 
 from aiohttp import web
+from prometheus_client import CollectorRegistry
 
 from gym_proxy.coordinator.checkpointer import Checkpointer
 from gym_proxy.coordinator.claims_recovery import RESTORED_NAME
@@ -37,11 +38,13 @@ from gym_proxy.proxy.descriptor_budget import (
 )
 from gym_proxy.proxy.fleet.autoscale import Autoscaler, ScalePolicy
 from gym_proxy.proxy.fleet.balancer import Balancer, bounds_of, thresholds_of
+from gym_proxy.proxy.fleet.intent import KeptIntent
 from gym_proxy.proxy.fleet.move_table import MoveTable
 from gym_proxy.proxy.fleet.mover import Mover
 from gym_proxy.proxy.fleet.operations import Operations
 from gym_proxy.proxy.fleet.supervisor import Supervisor
 from gym_proxy.proxy.fleet.worker_records import WorkerLauncher
+from gym_proxy.proxy.metrics.durations import Durations
 from gym_proxy.proxy.metrics.registry import Metrics
 from gym_proxy.proxy.metrics.request_spans import RequestSpans
 from gym_proxy.proxy.runtime_dir import RuntimeDir
@@ -86,19 +89,25 @@ class Assembly:
         secret: bytes,
         launcher: WorkerLauncher | None = None,
     ) -> Assembly:
-        router = Router()
+        intent = KeptIntent(runtime.path, config.workers)
+        router = Router(on_aliases=intent.aliases_changed)
         state = _proxy_state(config, router, secret, runtime.join(CONTROL_SOCKET))
         coordinator_socket = runtime.join(COORDINATOR_SOCKET)
-        supervisor = Supervisor(config, runtime.path, coordinator_socket, router, launcher=launcher)
-        exclusion = Exclusion()
-        checkpointer = Checkpointer(
-            supervisor, router, config.instance, config.lease_grace, exclusion=exclusion
+        supervisor = Supervisor(
+            config, runtime.path, coordinator_socket, router, intent, launcher=launcher
         )
-        if config.orphan_grace:  # a successor may have to continue what a restore left
-            checkpointer.restored_note = runtime.join(RESTORED_NAME)
-        table = MoveTable(router)
+        exclusion = Exclusion()
+        # With a successor to come, it may have to continue what a restore left.
+        note = runtime.join(RESTORED_NAME) if config.orphan_grace else None
+        checkpointer = Checkpointer(
+            supervisor, router, config.instance, config.lease_grace, exclusion=exclusion,
+            restored_note=note,
+        )  # fmt: skip
+        registry = CollectorRegistry(auto_describe=True)
+        durations = Durations(registry)
+        table = MoveTable(router, on_held=durations.held)
         mover = Mover(supervisor, table, exclusion)
-        operations = Operations(supervisor, mover, exclusion)
+        operations = Operations(supervisor, mover, exclusion, observe=durations.operation)
         bounds = bounds_of(config)
         autoscaler = None
         if bounds is not None:
@@ -109,11 +118,9 @@ class Assembly:
             acting=config.rebalance, autoscaler=autoscaler,
             taking_over=lambda: supervisor.passing_on,
         )  # fmt: skip
-        metrics = Metrics(state, supervisor, checkpointer, mover, operations, balancer)
-        operations.observe = metrics.observe_operation
-        table.on_held = metrics.observe_held
+        metrics = Metrics(state, supervisor, checkpointer, mover, operations, balancer, registry)
         control_app = create_control_app(
-            checkpointer, config.control_token, mover, operations, metrics.observe_checkpoint,
+            checkpointer, config.control_token, mover, operations, durations.checkpoint,
             balancer,
         )  # fmt: skip
         control_runner = web.AppRunner(control_app, access_log=None, handle_signals=False)

@@ -67,7 +67,7 @@ async def placed(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Placed]:
     port = sock.getsockname()[1]
     monkeypatch.setenv(LINK_KEY_ENV, KEY.hex())
     config = Config(app="tests.apps:create_app", orphan_grace=30.0)
-    incarnation = {"slot": 0, "owner": "placed", "instance": "apps"}
+    incarnation = {"slot": 0, "owner": "placed", "instance": "apps", "workers": 1}
     socket_option = f"{INHERITED}{sock.detach()}"
     argv = worker_argv(config, socket=socket_option, coordinator=ACCEPT, **incarnation)
     worker = WorkerServer(parse_worker_args(argv), asyncio.Event())

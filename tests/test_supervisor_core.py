@@ -24,6 +24,7 @@ from gym_proxy.coordinator.contract.messages import Register, RegisterReply, Tab
 from gym_proxy.coordinator.worker_channels import RegistrationRefused, WorkerChannels
 from gym_proxy.proxy.config import Config
 from gym_proxy.proxy.data_path.routing import Router
+from gym_proxy.proxy.fleet.intent import KeptIntent
 from gym_proxy.proxy.fleet.liveness import watch_liveness
 from gym_proxy.proxy.fleet.supervisor import (
     TEST_OWNERS_ENV,
@@ -114,12 +115,14 @@ class Rig:
         self.marker = tmp_path / "marker"
         cfg = {"workers": 2, "worker_timeout": 1.0, "boot_timeout": 10.0, **cfg}
         self.config = Config(app=APP, **cfg)
-        self.router = Router()
+        intent = KeptIntent(str(tmp_path), self.config.workers)
+        self.router = Router(on_aliases=intent.aliases_changed)
         self.supervisor = Supervisor(
             self.config,
             str(tmp_path),
             str(tmp_path / "coordinator.sock"),
             self.router,
+            intent,
             launcher=SubprocessLauncher(
                 command
                 or (sys.executable, "-c", STANDIN, f"--mode={mode}", f"--marker={self.marker}")

@@ -69,6 +69,7 @@ def test_argv_round_trip_with_values_that_look_like_flags():
         "socket": "/run/w2.sock",
         "coordinator": "/run/c",
         "instance": "--counter",
+        "workers": 7,  # the supervisor's count as the worker starts, not --workers
     }
     argv = worker_argv(config, **incarnation)
     assert all(arg.startswith("--") for arg in argv) and "--access-log" in argv
@@ -83,7 +84,9 @@ def test_argv_round_trip_with_values_that_look_like_flags():
 
 
 def test_unset_options_are_left_out():
-    argv = worker_argv(Config(), slot=0, owner="o", socket="s", coordinator="c", instance="i")
+    argv = worker_argv(
+        Config(), slot=0, owner="o", socket="s", coordinator="c", instance="i", workers=1
+    )
     assert not any(a.startswith(("--kind", "--session-state", "--access-log")) for a in argv)
     args = parse_worker_args(argv)
     assert args.kind is None and args.session_state is None and args.access_log is False
@@ -91,7 +94,9 @@ def test_unset_options_are_left_out():
 
 def test_an_option_the_worker_needs_is_required():
     """A value the worker cannot go without (its type allows no None) must be given."""
-    argv = worker_argv(Config(), slot=0, owner="o", socket="s", coordinator="c", instance="i")
+    argv = worker_argv(
+        Config(), slot=0, owner="o", socket="s", coordinator="c", instance="i", workers=1
+    )
     parse_worker_args(argv)
     for left_out in ("--slot=", "--app-dir=", "--graceful-timeout="):
         with pytest.raises(SystemExit):

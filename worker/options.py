@@ -3,7 +3,8 @@
 The supervisor writes it (`worker_argv`) and the worker reads it (`parse_worker_args`)
 into a frozen `WorkerArgs`, both from the dataclass's fields, so an option cannot be
 added to one and forgotten in the other. Two groups: what one incarnation is (its slot,
-owner ID and sockets, chosen by the supervisor), and the server's own options, which
+owner ID and sockets, and the server's worker count as it starts, chosen by the
+supervisor), and the server's own options, which
 are the fields of gym-proxy's `Config` with the same names and types: their defaults and
 help live there, and the supervisor passes every one of them, so the worker declares no
 default of its own. A field's type is its option's: an `int`, `float` or `str` value,
@@ -47,10 +48,12 @@ class WorkerArgs:
     socket: str = _incarnation()  # a Unix socket's path, or fd:N (worker.process.INHERITED)
     coordinator: str = _incarnation()  # its socket's path, or "accept" (worker.process.ACCEPT)
     instance: str = _incarnation()  # the server's instance name (telemetry names it)
+    # How many workers the server has as this one starts (a NeMo Gym class needs it):
+    # the supervisor's count, which a resize changes.
+    workers: int = _incarnation()
     # The server's options: gym-proxy's Config fields of the same names and types.
     app: str = _from_config()
     app_dir: str = _from_config()
-    workers: int = _from_config()  # how many this server has (a NeMo Gym class needs it)
     session_state: str | None = _from_config()
     kind: str | None = _from_config()
     graceful_timeout: float = _from_config()

@@ -195,9 +195,9 @@ class Router:
     watchers: dict[str, list[asyncio.Future[None]]] = field(default_factory=dict)
     # Hand-over id (the marker a worker answers with) -> the hand-over the mover expects.
     handovers: dict[bytes, ExpectedHandover] = field(default_factory=dict)
-    # Called after the alias table changed (the fleet keeps it for a successor:
+    # Called with the alias table after it changed (the fleet keeps it for a successor:
     # `proxy.fleet.intent.KeptIntent`).
-    on_aliases: Callable[[], None] | None = None
+    on_aliases: Callable[[dict[str, str]], None] | None = None
     # Counted for /metrics: decisions by rule, and foreign tokens passed to the app.
     decisions: dict[str, int] = field(default_factory=lambda: dict.fromkeys(RULES, 0))
     foreign_tokens: int = 0
@@ -264,7 +264,7 @@ class Router:
 
     def _aliases_changed(self) -> None:
         if self.on_aliases is not None:
-            self.on_aliases()
+            self.on_aliases(self.aliases)
 
     def resolve_owner(self, owner: str) -> WorkerRoute | None:
         """The live worker that holds `owner`'s sessions, directly or through an alias."""

@@ -84,6 +84,7 @@ class Adoption:
             supervisor.slots.reset(intent.workers)
             supervisor.resized()
         supervisor.intent.adopt(intent)
+        supervisor.router.aliases = dict(intent.aliases)
 
     async def window(self) -> None:
         """Wait until every worker found listening is back, or ADOPT_WINDOW; then close."""

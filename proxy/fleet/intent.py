@@ -19,7 +19,6 @@ from pathlib import Path
 
 from gym_proxy.coordinator.contract.state_files import load_document, replace_document
 from gym_proxy.proxy.config import MAX_WORKERS
-from gym_proxy.proxy.data_path.routing import Router
 
 __all__ = ["FleetIntent", "KeptIntent", "INTENT_NAME", "load_intent", "save_intent"]
 
@@ -83,21 +82,23 @@ def load_intent(directory: str) -> FleetIntent | None:
 class KeptIntent:
     """This gym-proxy's intent, written to `directory` whenever a part of it changes: the
     slot count (`resized`), the drains (`set_drained`), the router's aliases (the router
-    calls `keep` as its alias table changes)."""
+    is made with `aliases_changed` as its `on_aliases`)."""
 
     directory: str
-    router: Router
     workers: int
     drained: set[str] = field(default_factory=set)  # owners an operator drained
-
-    def __post_init__(self) -> None:
-        self.router.on_aliases = self.keep
+    aliases: dict[str, str] = field(default_factory=dict)  # as the router last said them
 
     def adopt(self, intent: FleetIntent) -> None:
-        """A predecessor's intent (adopting its workers): its drains and aliases hold."""
+        """A predecessor's intent (adopting its workers): its drains and aliases hold
+        (the adoption hands the aliases to the router, which says them back)."""
         self.workers = intent.workers
         self.drained = set(intent.drained)
-        self.router.aliases = dict(intent.aliases)
+        self.aliases = dict(intent.aliases)
+
+    def aliases_changed(self, aliases: dict[str, str]) -> None:
+        self.aliases = dict(aliases)
+        self.keep()
 
     def resized(self, workers: int) -> None:
         self.workers = workers
@@ -115,7 +116,7 @@ class KeptIntent:
 
     def keep(self) -> None:
         try:
-            intent = FleetIntent(self.workers, frozenset(self.drained), self.router.aliases)
+            intent = FleetIntent(self.workers, frozenset(self.drained), self.aliases)
             save_intent(self.directory, intent)
         except OSError as exc:  # the directory went away: the server goes on without it
             log.warning("could not keep the fleet's intent in %s: %s", self.directory, exc)

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import os
 import time
@@ -69,10 +68,12 @@ class Supervisor:
     runtime_dir: str
     coordinator_socket: str
     router: Router
+    # What an operator asked, kept for a successor (the router was made with its
+    # `aliases_changed`).
+    intent: KeptIntent
     slots: Slots = field(init=False)
     stopping: bool = False
     fatal: asyncio.Future[None] = field(init=False)  # set when a worker cannot boot
-    intent: KeptIntent = field(init=False)  # what an operator asked, kept for a successor
     # Set while a predecessor's workers may rejoin (`proxy.fleet.adoption`).
     adoption: Adoption | None = None
     orphans_refused: str | None = None  # why a predecessor's workers are not adopted
@@ -91,7 +92,6 @@ class Supervisor:
     def __post_init__(self) -> None:
         self.slots = Slots(self.config.workers)
         self.fatal = asyncio.get_running_loop().create_future()
-        self.intent = KeptIntent(self.runtime_dir, self.router, len(self.slots))
         if self.launcher is None:
             self.launcher = Zygote.for_config(self.config) if self.config.preload else None
             self.launcher = self.launcher or SubprocessLauncher()
@@ -157,6 +157,7 @@ class Supervisor:
             socket=socket_path,
             coordinator=self.coordinator_socket,
             instance=self.config.instance,
+            workers=len(self.slots),
         )
         assert self.launcher is not None
         try:
@@ -373,9 +374,8 @@ class Supervisor:
         return worker.process.returncode
 
     def resized(self) -> None:
-        """The slot count changed: workers started from now on are told the new count (a
-        NeMo Gym class reads it), and a successor finds it in the intent."""
-        self.config = dataclasses.replace(self.config, workers=len(self.slots))
+        """The slot count changed (workers started from now on are told it, as the slots
+        have it): a successor finds it in the intent."""
         self.intent.resized(len(self.slots))
 
     # ---- stopping -----------------------------------------------------------------

@@ -1,3 +1,4 @@
 """What the proxy tells about itself: the Prometheus registry and what fills it
-(`registry`), the `--metrics` listener that serves it (`listener`), per-request spans
-(`request_spans`) and a Grafana dashboard of the families (`grafana_dashboard.json`)."""
+(`registry`), the histograms of what takes time (`durations`), the `--metrics` listener
+that serves it (`listener`), per-request spans (`request_spans`) and a Grafana dashboard
+of the families (`grafana_dashboard.json`)."""

@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator, Mapping
 
-from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
@@ -50,12 +50,10 @@ STATES = tuple(s for s in WORKER_STATUSES if s != "stopped")  # of running proce
 PHASES: tuple[Phase, ...] = ("idle", "preparing", "prepared", "committed", "restored")
 CLASSES = ("1xx", "2xx", "3xx", "4xx", "5xx")
 STATS_WAIT = 1.0  # seconds a scrape waits for a worker's stats
-_CONTROL_BUCKETS = (0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 900)
-_WAIT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 5, 30)
 
 
 class Metrics:
-    """The registry and what fills it. `observe_*` are called off the data path."""
+    """The registry and what fills it (the durations' histograms: `proxy.metrics.durations`)."""
 
     def __init__(
         self,
@@ -65,46 +63,16 @@ class Metrics:
         mover: Mover,
         operations: Operations,
         balancer: Balancer,
+        registry: CollectorRegistry,
     ) -> None:
         self.balancer = balancer
         self.state, self.supervisor = state, supervisor
         self.checkpointer, self.mover, self.operations = checkpointer, mover, operations
         self.loop_lag = LoopLag()
         self.worker_stats: dict[str, WorkerStats] = {}
-        self.registry = CollectorRegistry(auto_describe=True)
+        self.registry = registry  # the durations' histograms are in it already
         ProcessCollector(namespace="gym_proxy", registry=self.registry)
-        self.checkpoint_seconds = Histogram(
-            "gym_proxy_checkpoint_operation_seconds",
-            "Checkpoint control calls by operation and outcome (ok, or the error code)",
-            ["operation", "outcome"],
-            buckets=_CONTROL_BUCKETS,
-            registry=self.registry,
-        )
-        self.operation_seconds = Histogram(
-            "gym_proxy_live_operation_seconds",
-            "Live operations (drain, restart, resize, ...) by outcome",
-            ["operation", "outcome"],
-            buckets=_CONTROL_BUCKETS,
-            registry=self.registry,
-        )
-        self.move_wait_seconds = Histogram(
-            "gym_proxy_move_wait_seconds",
-            "How long a request of a moving session (or of a worker being decommissioned) waited "
-            "at the proxy",
-            buckets=_WAIT_BUCKETS,
-            registry=self.registry,
-        )
         self.registry.register(_Gathered(self))
-
-    def observe_checkpoint(self, operation: str, outcome: str, seconds: float) -> None:
-        self.checkpoint_seconds.labels(operation, outcome).observe(seconds)
-
-    def observe_operation(self, operation: str, outcome: str, seconds: float) -> None:
-        self.operation_seconds.labels(operation, outcome).observe(seconds)
-
-    def observe_held(self, waits: list[float]) -> None:
-        for wait in waits:
-            self.move_wait_seconds.observe(wait)
 
     async def refresh(self) -> None:
         """Ask every live worker for its stats (a worker that does not answer in time
