@@ -13,6 +13,7 @@ coordinator's own modules) or does anything on import:
 - `exit_codes`, `keepalive`: every process's exit statuses, and the keep-alive rule
   proxy and workers agree on;
 - `framing`, `channel`, `messages`: the coordinator channel, its frames and its messages;
+- `answers`: what the control plane answers, typed, for the server and its clients;
 - `lines`, `zygote_lines`: the JSON-lines protocols between the other processes, and the
   zygote's messages (the Ray processes' are `proxy.ray_cluster.lines`: both their ends
   are the proxy's);
