@@ -54,7 +54,7 @@ from gym_proxy.proxy.runtime_dir import (
     secret_fingerprint,
 )
 from gym_proxy.proxy.signals import Signals
-from gym_proxy.proxy.takeover import TAKEOVER_NAME, TakeOver, TakeOverListener, until_released
+from gym_proxy.proxy.take_over import TAKE_OVER_SOCKET, PassOnListener, TakeOver, until_released
 from gym_proxy.worker.nemo_gym_server import with_ray_address
 
 __all__ = ["Server", "StartupFailed", "run"]
@@ -101,8 +101,8 @@ class Server:
         self.runtime: RuntimeDir | None = None
         self.cluster: RayCluster | None = None
         self.public: asyncio.AbstractServer | None = None
-        self.takeover: TakeOverListener | None = None
-        self.taken: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        self.pass_on_listener: PassOnListener | None = None
+        self.successor: asyncio.Future[int] = asyncio.get_running_loop().create_future()
         self._timers: list[asyncio.Task[None]] = []  # stop before the workers do
 
     async def run(self) -> int:
@@ -119,7 +119,7 @@ class Server:
         else:
             code = await self.serve()
             self.signals.note_stopping()
-            if self.taken.done() and code == 0:
+            if self.successor.done() and code == 0:
                 await self.pass_on()
             else:
                 await self.shutdown()
@@ -170,7 +170,7 @@ class Server:
         self._timer(watch_liveness(parts.supervisor))
         self._timer(parts.operations.recycling.watch())
         self._timer(parts.balancer.watch())
-        await self._open_takeover_listener()
+        await self._open_pass_on_listener()
         self.signals.serving = True
 
     async def _open_runtime_dir(self) -> RuntimeDir:
@@ -310,17 +310,20 @@ class Server:
         )
         self.resources.callback(self._close_public)
 
-    async def _open_takeover_listener(self) -> None:
+    async def _open_pass_on_listener(self) -> None:
         """With --orphan-grace, a successor started with --take-over may ask for the
-        port and the workers (`proxy.takeover`)."""
+        port and the workers (`proxy.take_over`)."""
         if not self.config.orphan_grace:
             return
         assert self.parts is not None and self.runtime is not None
-        self.takeover = TakeOverListener(
-            self.fingerprint, self.listen_sock, self._taken, self.parts.exclusion.blocking_take_over
+        self.pass_on_listener = PassOnListener(
+            self.fingerprint,
+            self.listen_sock,
+            self._on_successor,
+            self.parts.exclusion.blocking_take_over,
         )
-        await self.takeover.start(self.runtime.join(TAKEOVER_NAME))
-        self.resources.push_async_callback(self.takeover.close)
+        await self.pass_on_listener.start(self.runtime.join(TAKE_OVER_SOCKET))
+        self.resources.push_async_callback(self.pass_on_listener.close)
 
     # ---- serve ----------------------------------------------------------------------
     async def serve(self) -> int:
@@ -329,7 +332,7 @@ class Server:
         assert self.parts is not None
         fatal = self.parts.supervisor.fatal
         stopped = asyncio.ensure_future(self.signals.stop.wait())
-        either: set[asyncio.Future[Any]] = {stopped, fatal, self.taken}
+        either: set[asyncio.Future[Any]] = {stopped, fatal, self.successor}
         await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
         stopped.cancel()
         self.signals.serving = False
@@ -338,13 +341,13 @@ class Server:
             return BOOT_ERROR
         return 0
 
-    def _taken(self, pid: int) -> None:
+    def _on_successor(self, pid: int) -> None:
         """Taken over: from now on a checkpoint or an operation here is refused (409
         naming the take-over), so none starts that the successor would not know."""
         assert self.parts is not None
         self.parts.exclusion.operation = "take-over"
-        if not self.taken.done():
-            self.taken.set_result(pid)
+        if not self.successor.done():
+            self.successor.set_result(pid)
 
     def _on_operation_signal(self, name: str) -> None:
         assert self.parts is not None
@@ -357,7 +360,7 @@ class Server:
         (a successor routes everything new)."""
         assert self.parts is not None and self.runtime is not None
         parts = self.parts
-        log.info("taken over by a new gym-proxy (pid %d): it has the port", self.taken.result())
+        log.info("taken over by a new gym-proxy (pid %d): it has the port", self.successor.result())
         self._stop_timers()  # liveness pings must not kill the workers now
         self._stop_accepting()
         parts.supervisor.pass_on()
@@ -365,8 +368,8 @@ class Server:
         if self.cluster is not None:
             await self.cluster.stop(keep=True)  # it waits for the new proxy, as they do
         self.runtime.release()
-        if self.takeover is not None:
-            self.takeover.released()
+        if self.pass_on_listener is not None:
+            self.pass_on_listener.released()
         handed = len(parts.supervisor.slots.workers())
         log.info("%d workers passed on; finishing the open connections", handed)
         await self._drain(close_idle=False)

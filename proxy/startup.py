@@ -36,7 +36,7 @@ from gym_proxy.proxy.config_block import apply_block
 from gym_proxy.proxy.ray_cluster.cluster import RayPlan
 from gym_proxy.proxy.runtime_dir import ensure_parent, secret_fingerprint
 from gym_proxy.proxy.server import run
-from gym_proxy.proxy.takeover import TakeOverError, take_over_listener
+from gym_proxy.proxy.take_over import TakeOverError, take_over_running
 from gym_proxy.worker.app_loading import AppLoadError, import_app_target
 from gym_proxy.worker.nemo_gym_server import (
     NemoGymConfigError,
@@ -145,7 +145,7 @@ def start(argv: Sequence[str] | None = None) -> None:
     if config.take_over:
         try:
             fingerprint = secret_fingerprint(secret, config.instance)
-            take_over = take_over_listener(config.runtime_dir, config.instance, fingerprint)
+            take_over = take_over_running(config.runtime_dir, config.instance, fingerprint)
         except TakeOverError as exc:
             _fail(f"--take-over: {exc}")
         sock = take_over.listen_sock

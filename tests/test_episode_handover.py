@@ -174,7 +174,7 @@ async def test_an_episode_that_reaches_no_boundary_in_time_is_handed_over_later(
         assert failed["episode"] == "ep-slow", failed
         assert "did not reach a boundary in time" in failed["reason"], failed
         (slot,) = reply["slots"]
-        assert slot["outcome"] == "left serving what it holds; retired when it can be", slot
+        assert slot["outcome"] == "left serving what it holds; decommissioned when it can be", slot
         code, answer = await asyncio.wait_for(run, 30)
         assert code == 200 and answer["owner"] == slot["new_owner"], answer
         assert answer["restored"] is True and answer["state"]["log"] == log_of("ep-slow", 1)

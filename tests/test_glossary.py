@@ -38,11 +38,16 @@ RETIRED: tuple[tuple[str, str], ...] = (
     (r"\bworkers? (is |are |was |were |being )?retired\b|\bretiring worker", "decommission"),
     (r"\bTUNNELING\b", "TUNNEL"),
     (r"\bworker[./]participation\b", "worker.declaration"),
+    # The gate is the placed worker's link (`worker.link_gate`); admission is the door.
+    (r"\b(close|open)_gate\b|\b(its|the|worker's) gates? (is |are )?(closed|reopened)", "door"),
+    # The new gym-proxy takes over; the running one passes on.
+    (r"(?-i:\btakeover\b|\bTAKEOVER_|\bself\.taken\b|\b_taken\b)", "take_over / pass_on"),
+    (r"\bretired when it can be\b", "decommissioned when it can be"),
 )
 VERBS = (
     "move", "install", "hand over", "receive", "drain", "decommission", "recycle",
-    "pass on", "adopt", "retire", "release", "drop", "tunnel", "place", "link", "rebalance",
-    "autoscale",
+    "pass on", "take over", "adopt", "retire", "release", "drop", "tunnel", "place", "link",
+    "rebalance", "autoscale",
 )  # fmt: skip
 
 
@@ -92,6 +97,11 @@ def test_the_check_sees_a_retired_word():
         "retires the old worker",
         "TUNNELING",
         'exclusive("worker_retire", ...)',
+        "runtime.close_gate(cid)",
+        "every worker's gate closed",
+        "self.takeover = None",
+        "self._taken = x",
+        "left serving; retired when it can be",
     ]
     for sample in samples:
         assert any(re.search(p, sample, re.I) for p, _ in RETIRED), sample
@@ -99,5 +109,8 @@ def test_the_check_sees_a_retired_word():
         "adopts the workers a dead instance left",
         "retire an attempt",
         "hand over episodes",
+        "behind its gate (worker.link_gate)",
+        "taken over by a new gym-proxy",
+        "take-over.sock",
     ):
         assert not any(re.search(p, kept, re.I) for p, _ in RETIRED), kept

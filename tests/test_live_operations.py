@@ -434,7 +434,7 @@ async def test_a_long_request_leaves_the_old_worker_serving_until_it_ends(in_pro
         status, reply = await operate(http, proxy.url, "restart", timeout_s=0.5)
         assert status == 200 and not reply["complete"], reply
         (slot,) = reply["slots"]
-        assert slot["outcome"] == "left serving what it holds; retired when it can be", slot
+        assert slot["outcome"] == "left serving what it holds; decommissioned when it can be", slot
         assert slot["sessions_left"] == 1 and reply["moved"] == 1, reply
         states = {w["pid"]: w["state"] for w in (await status_of(http, proxy.url))["workers"]}
         assert states[old[0]] == "leaving" and list(states.values()).count("ready") == 1, states

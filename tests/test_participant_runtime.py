@@ -203,7 +203,7 @@ class Rig:
         return all(c.flight is not None and c.flight.position == position for c in calls)
 
     async def close(self) -> None:
-        self.runtime.open_gate()
+        self.runtime.open_door()
         for call in self.calls:
             call.task.cancel()
         await asyncio.gather(*(c.task for c in self.calls), return_exceptions=True)
@@ -228,8 +228,8 @@ async def rig_of():
 
 
 # ---- admission -------------------------------------------------------------------------
-async def test_an_open_gate_admits_at_once(rig_of):
-    """With the gate open a request runs at once and is tracked while it runs."""
+async def test_an_open_door_admits_at_once(rig_of):
+    """With the door open a request runs at once and is tracked while it runs."""
     rig = await rig_of()
     call = rig.play("/step", "s1")
     await call.admitted()
@@ -243,7 +243,7 @@ async def test_a_closed_gate_holds_every_request_at_the_door(rig_of):
     door while closed, are counted there, do not block readiness, and enter at open."""
     rig = await rig_of()
     runtime = rig.runtime
-    runtime.close_gate("ck")
+    runtime.close_door("ck")
     calls = [
         rig.play("/seed_session", "fresh", new=True, body=b"{}"),
         rig.play("/run", body=orjson.dumps({"_ng_task_index": 3, "_ng_rollout_index": 1})),
@@ -255,7 +255,7 @@ async def test_a_closed_gate_holds_every_request_at_the_door(rig_of):
     assert (report.ready, report.blockers, report.checkpoint_id) == (True, [], "ck")
     assert report.counts["door"] == report.counts["in_flight"] == 3
     assert calls[1].flight.identity == EpisodeId("3-1", 0)
-    runtime.open_gate()
+    runtime.open_door()
     for call in calls:
         await call.admitted()
     assert [await c.answer() for c in calls] == [200, 200, 200]
@@ -268,7 +268,7 @@ async def test_a_model_serves_other_routes_and_parks_generation_while_closed(rig
     runtime = rig.runtime
     held = rig.play("/v1/chat/completions")
     await held.admitted()
-    runtime.close_gate("ck")
+    runtime.close_door("ck")
     models = rig.play("/v1/models")
     await models.admitted()
     assert await models.answer() == 200
@@ -277,7 +277,7 @@ async def test_a_model_serves_other_routes_and_parks_generation_while_closed(rig
     await rig.until(lambda: rig.at("door", door) and rig.at("parked", held))
     assert not held.task.done() and not door.entered.is_set()
     assert runtime.readiness.report().ready
-    runtime.open_gate()
+    runtime.open_door()
     assert await held.result() == 200
     await door.admitted()
     assert await door.answer() == 200
@@ -294,7 +294,7 @@ async def test_running_requests_block_until_parked(rig_of):
     bare = rig.play("/health")
     for call in (episode, session, bare):
         await call.admitted()
-    runtime.close_gate("ck")
+    runtime.close_door("ck")
     report = runtime.readiness.report()
     assert not report.ready
     assert report.blockers == ["r7-a2", "request:/health", "session:s1"]
@@ -303,7 +303,7 @@ async def test_running_requests_block_until_parked(rig_of):
     assert runtime.readiness.report().blockers == ["request:/health", "session:s1"]
     assert [await session.answer(), await bare.answer()] == [200, 200]
     assert runtime.readiness.report().ready and runtime.readiness.report().counts["parked"] == 1
-    runtime.open_gate()
+    runtime.open_door()
     assert await episode.result() == 200
 
 
@@ -317,7 +317,7 @@ async def test_restart_only_never_blocks_and_lists_its_restarts(rig_of):
     other = rig.play("/step", "s2")
     await running.admitted()
     await other.admitted()
-    rig.runtime.close_gate("ck")
+    rig.runtime.close_door("ck")
     report = rig.runtime.readiness.report()
     assert (report.ready, report.blockers, report.restarts) == (True, [], ["rA-a1", "rB"])
     assert report.counts["unbound_sessions"] == 1
@@ -328,11 +328,11 @@ async def test_restart_only_resources_blocks_on_unbound_sessions(rig_of):
     lost: it blocks (`resources-unbound-sessions:<n>`) until it ends."""
     rig = await rig_of(Participation(restart_only=True))
     assert await rig.done("/step", "s1") == 200
-    rig.runtime.close_gate("ck")
+    rig.runtime.close_door("ck")
     assert rig.runtime.readiness.report().blockers == ["resources-unbound-sessions:1"]
-    rig.runtime.open_gate()
+    rig.runtime.open_door()
     assert await rig.done("/close_session", "s1") == 200
-    rig.runtime.close_gate("ck")
+    rig.runtime.close_door("ck")
     assert rig.runtime.readiness.report().ready
 
 
@@ -342,7 +342,7 @@ async def test_ready_notices_follow_changes_with_increasing_seq(rig_of):
     coordinator = rig.coordinator
     busy = rig.play("/step", "s9")
     await busy.admitted()
-    rig.runtime.close_gate("ck")
+    rig.runtime.close_door("ck")
     await coordinator.until(lambda: coordinator.of(msg.Ready) != [])
     assert coordinator.of(msg.Ready)[0].blockers == ["session:s9"]
     assert await busy.answer() == 200
@@ -353,7 +353,7 @@ async def test_ready_notices_follow_changes_with_increasing_seq(rig_of):
     seqs = [r.seq for r in readies]
     assert seqs == sorted(set(seqs)) and seqs[0] >= 1
     assert {r.checkpoint_id for r in readies} == {"ck"} and readies[-1].ready
-    rig.runtime.open_gate()
+    rig.runtime.open_door()
     await door.admitted()
 
 
@@ -414,8 +414,8 @@ async def test_every_change_a_report_shows_is_reported(rig_of):
     run = rig.play("/run", body=run_body("r4"))
     for call in (a, t, run):
         await call.admitted()
-    runtime.close_gate("ck")
-    await reported(rig, "the gate closed", lambda r: r.blockers == ["r1", "r4", "session:t"])
+    runtime.close_door("ck")
+    await reported(rig, "the door closed", lambda r: r.blockers == ["r1", "r4", "session:t"])
 
     door = rig.play("/step", "d")
     await reported(rig, "a request at the door", lambda r: r.counts["door"] == 1)
@@ -470,8 +470,8 @@ async def test_a_model_route_admitted_while_closed_is_reported(rig_of):
     """A model's other routes run while closed: one admitted then is in flight at once,
     and the coordinator hears so (it never blocks a model)."""
     rig = await rig_of(Participation(kind="model"), connect=True)
-    rig.runtime.close_gate("ck")
-    await reported(rig, "the gate closed", lambda r: r.ready)
+    rig.runtime.close_door("ck")
+    await reported(rig, "the door closed", lambda r: r.ready)
     models = rig.play("/v1/models")
     await models.admitted()
     await reported(rig, "a route admitted", lambda r: r.counts["running"] == 1 and r.ready)
@@ -482,14 +482,14 @@ async def test_a_model_route_admitted_while_closed_is_reported(rig_of):
 # ---- tunnels ---------------------------------------------------------------------------
 @pytest.mark.parametrize("policy, closes", [("close", True), ("block", False)])
 async def test_a_checkpoint_closes_or_names_an_open_tunnel(rig_of, policy, closes):
-    """Closing the gate closes an open tunnel under `tunnels="close"`, leaves it open
+    """Closing the door closes an open tunnel under `tunnels="close"`, leaves it open
     under "block"; either way it is a `tunnel:` blocker until it is gone."""
     rig = await rig_of(Participation(tunnels=policy))
     closed = asyncio.Event()
     tunnel = rig.play("/ws", "s1", app=tunnel_app(closed))
     await rig.until(lambda: rig.at("tunnel", tunnel))
     assert not closed.is_set()
-    rig.runtime.close_gate("ck")
+    rig.runtime.close_door("ck")
     assert closed.is_set() is closes
     assert rig.runtime.readiness.report().blockers == ["tunnel:s1"]
     assert await tunnel.answer() == 200
@@ -535,7 +535,7 @@ async def test_a_request_cancelled_at_the_door_leaves(rig_of, how):
     """A request cancelled while it waits at the door (a retire, a client that went
     away) is no longer in flight, and does not block readiness."""
     rig = await rig_of()
-    rig.runtime.close_gate("ck")
+    rig.runtime.close_door("ck")
     call = rig.play("/run", body=run_body("r1"))
     await rig.until(lambda: rig.at("door", call))
     if how == "retire":
@@ -637,7 +637,7 @@ async def test_the_session_store_exports_sessions_and_parked_episodes(rig_of):
     assert await rig.done("/step", "s2", app=keep_state) == 200
     parked = rig.play("/run", body=run_body("r5", task="t"), app=park_at_boundary)
     await parked.admitted()
-    runtime.close_gate("ck")
+    runtime.close_door("ck")
     parked.finish.set()
     await rig.until(lambda: rig.at("parked", parked))
     records = await state_records.export(runtime, None)
@@ -734,6 +734,6 @@ async def test_restart_only_exports_nothing(rig_of):
     rig = await rig_of(Participation(kind="agent", restart_only=True))
     running = rig.play("/run", body=run_body("r1"))
     await running.admitted()
-    rig.runtime.close_gate("ck")
+    rig.runtime.close_door("ck")
     assert rig.runtime.readiness.report().restarts == ["r1"]
     assert await state_records.export(rig.runtime, None) == []

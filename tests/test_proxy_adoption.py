@@ -221,9 +221,9 @@ def test_orphan_grace_needs_a_secret():
 
 
 async def test_a_checkpoint_open_at_the_crash_is_refused_after_the_adoption(start_proxy, http):
-    """A checkpoint prepared (every worker's gate closed) when the proxy dies: the new
+    """A checkpoint prepared (every worker's door closed) when the proxy dies: the new
     proxy reports idle, the controller's commit of it is refused (it starts again), and
-    the adopted workers serve again (their gates reopened)."""
+    the adopted workers serve again (their doors reopened)."""
     args = (*GRACE, "--control-token", CONTROL_TOKEN)
     first = start_proxy(*args, workers=2)
     sessions = await seed(http, first.url, 6)

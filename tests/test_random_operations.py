@@ -531,7 +531,7 @@ class Walk:
         await wait_until(lambda: self._live_count(self.expected), 20, "the late join")
         self.model.held_back = 0
         if self.model.phase in ("preparing", "prepared"):
-            # the newcomer closes its gate and reports; until then it is unreported
+            # the newcomer closes its door and reports; until then it is unreported
             await wait_until(self._all_reported, 10, "the late worker's first report")
 
     async def _all_reported(self) -> bool:

@@ -26,10 +26,10 @@ from gym_proxy.coordinator.contract.lines import decode_line, encode_line
 from gym_proxy.coordinator.contract.messages import Register
 from gym_proxy.proxy.fleet.intent import INTENT_NAME
 from gym_proxy.proxy.runtime_dir import IDENTITY_NAME, secret_fingerprint
-from gym_proxy.proxy.takeover import (
+from gym_proxy.proxy.take_over import (
     TAKE_OVER,
+    TAKE_OVER_SOCKET,
     TAKE_OVER_VERSION,
-    TAKEOVER_NAME,
     TakeOverAsk,
     TakeOverRefused,
 )
@@ -67,7 +67,7 @@ def impostor(parent: str, foreign: str) -> tuple[int, int]:
         if foreign == "directory":
             os.chmod(directory / IDENTITY_NAME, 0o644)
         listener = socket.socket(socket.AF_UNIX)
-        listener.bind(str(directory / TAKEOVER_NAME))
+        listener.bind(str(directory / TAKE_OVER_SOCKET))
         if foreign == "listener":
             as_nobody()  # the socket file is root's, its listener another user's
         listener.listen()
@@ -101,7 +101,7 @@ def test_a_take_over_never_tells_another_user_anything(start_proxy, foreign):
         runtime_parent=str(shared), listener=listener, port=listener.getsockname()[1]
     )
     pid, read_end = impostor(str(shared), foreign)
-    wait_until_sync(lambda: any(shared.glob(f"gym-proxy-*/{TAKEOVER_NAME}")), 10, "the impostor")
+    wait_until_sync(lambda: any(shared.glob(f"gym-proxy-*/{TAKE_OVER_SOCKET}")), 10, "the impostor")
     new = start_proxy(*GRACE, "--take-over", workers=1, same_as=place, inherit=False, ready=False)
     try:
         assert new.wait_exit(60) == 2, new.log()
@@ -182,7 +182,7 @@ async def test_a_registration_the_kernel_contradicts_is_not_adopted(start_proxy,
 
 
 def take_over_socket(proxy) -> str:
-    return str(proxy.runtime_dir() / TAKEOVER_NAME)
+    return str(proxy.runtime_dir() / TAKE_OVER_SOCKET)
 
 
 def ask_for_the_port(proxy, version: int = TAKE_OVER_VERSION) -> socket.socket:

@@ -100,10 +100,10 @@ def _step_attributes(
 async def _handle(runtime: ParticipantRuntime, message: Message) -> Message:
     match message:
         case Close():
-            runtime.close_gate(message.checkpoint_id)
+            runtime.close_door(message.checkpoint_id)
             return CloseReply(runtime.readiness.report())
         case Reopen():
-            runtime.open_gate()
+            runtime.open_door()
             return Done()
         case Export():
             # Encoded here, as the records file holds them: the coordinator only joins bytes.

@@ -225,11 +225,11 @@ class WorkerServer:
         else:
             apply_tables(runtime, reply.tables)
         if reply.checkpoint_id is not None:
-            runtime.close_gate(reply.checkpoint_id)
+            runtime.close_door(reply.checkpoint_id)
         elif rejoining and not runtime.is_open:
-            # The checkpoint that closed the gate died with the old proxy: the new one
+            # The checkpoint that closed the door died with the old proxy: the new one
             # reports itself idle, and a controller that goes on is refused and starts again.
-            runtime.open_gate()
+            runtime.open_door()
 
     def _registration(self, rejoining: bool) -> Register:
         info, runtime = self.info, self.runtime

@@ -1,6 +1,6 @@
 """A worker's readiness for the open checkpoint: the report, and its sending.
 
-The worker is ready when its gate is closed and every request in flight is parked at a
+The worker is ready when its door is closed and every request in flight is parked at a
 boundary, inside a replay step, or waiting at the door. A report carries a sequence
 number and the blockers (episode keys, sessions). While a checkpoint is open one is
 sent after every change a report shows (`Readiness.changed`, coalesced to one per loop

@@ -11,7 +11,7 @@ out and in (`worker.state_records`), restored claims and retired attempts
 (`worker.attempts`) and the episode hand-overs (`worker.handovers`); coordinator
 messages are served by `worker.channel_requests`.
 
-- **Admission.** While a checkpoint is open (the gate closed: `close_gate`), every request
+- **Admission.** While a checkpoint is open (the door closed: `close_door`), every request
   waits at the door until resume: calls on existing sessions (a tool call never shows a
   refusal) and new work alike (a new session, a new episode `/run`, a model's generation
   call), because NeMo Gym's clients (0.7.0's rollout collection and agents) do not repeat
@@ -122,12 +122,12 @@ class ParticipantRuntime:
     def kind(self) -> str:
         return self.participation.kind
 
-    # ---- the gate -----------------------------------------------------------------
+    # ---- the door -----------------------------------------------------------------
     @property
     def is_open(self) -> bool:
         return self.opened.is_set()
 
-    def close_gate(self, checkpoint_id: str) -> None:
+    def close_door(self, checkpoint_id: str) -> None:
         self.checkpoint_id = checkpoint_id
         if self.is_open:
             self.opened.clear()
@@ -136,7 +136,7 @@ class ParticipantRuntime:
                     self._close_tunnel(flight)
         self.readiness.changed()  # a worker that joins an open checkpoint reports at once
 
-    def open_gate(self) -> None:
+    def open_door(self) -> None:
         self.checkpoint_id = None
         self.opened.set()
 
@@ -262,7 +262,7 @@ class ParticipantRuntime:
         self.readiness.changed()
 
     async def park(self, flight: InFlight, position: Position) -> float:
-        """Wait while the gate is closed, or while the flight's episode is held for a
+        """Wait while the door is closed, or while the flight's episode is held for a
         hand-over; return the seconds spent parked."""
         if self.is_open and flight.handover is None:
             return 0.0

@@ -1,5 +1,5 @@
 """One JSON object a line: the small protocols between gym-proxy's processes other than
-the worker channel (the take-over's messages: `proxy.takeover.TAKE_OVER`; the zygote's:
+the worker channel (the take-over's messages: `proxy.take_over.TAKE_OVER`; the zygote's:
 `coordinator.contract.zygote_lines`; the Ray head holder's and the placement driver's:
 `proxy.ray_cluster.lines`).
 

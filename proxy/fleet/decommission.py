@@ -200,7 +200,7 @@ class Decommissioner:
         kept = [] if listing is None else list(listing.session_ids)
         running = [] if listing is None else [e.key for e in listing.episodes]
         entry.note(
-            outcome="left serving what it holds; retired when it can be",
+            outcome="left serving what it holds; decommissioned when it can be",
             sessions_left=len(kept),
             episodes_left=len(running),
         )

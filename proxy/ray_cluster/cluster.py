@@ -86,7 +86,7 @@ class RayCluster:
         self._head: asyncio.subprocess.Process | None = None
         self._keep_for = keep_for
         self._socket_path = socket_path
-        self._taken: tuple[asyncio.StreamWriter, AdoptedProcess] | None = None
+        self._head_taken_over: tuple[asyncio.StreamWriter, AdoptedProcess] | None = None
 
     @property
     def environment(self) -> dict[str, str]:
@@ -157,7 +157,10 @@ class RayCluster:
             writer.close()
             return None
         # Watched through a pidfd (it is not this process's child), named by the kernel.
-        self._taken = (writer, AdoptedProcess(peer_of(writer.get_extra_info("socket")).pid))
+        self._head_taken_over = (
+            writer,
+            AdoptedProcess(peer_of(writer.get_extra_info("socket")).pid),
+        )
         return taken
 
     async def _start_head(self) -> ClusterAddress:
@@ -197,8 +200,8 @@ class RayCluster:
     def stopping(self) -> None:
         """gym-proxy stops: should it die before `stop`, the cluster waits for no successor
         (its workers do not either: `ProxyStopping`)."""
-        if self._taken is not None:
-            self._taken[0].write(encode_line(Stopping()))
+        if self._head_taken_over is not None:
+            self._head_taken_over[0].write(encode_line(Stopping()))
         elif self._head is not None and self._head.stdin is not None:
             self._head.stdin.write(encode_line(Stopping()))
 
@@ -206,7 +209,7 @@ class RayCluster:
         """Stop the cluster gym-proxy started or took (nothing for a named one); `keep`: a
         hand-over, the cluster waits for the new gym-proxy."""
         head, self._head = self._head, None
-        taken, self._taken = self._taken, None
+        taken, self._head_taken_over = self._head_taken_over, None
         if taken is not None:
             writer, process = taken
             if not keep:

@@ -1,6 +1,6 @@
 """An upgrade: a new gym-proxy takes over a running one's listening socket and workers.
 
-A running instance with `--orphan-grace` listens on `takeover.sock` in its runtime
+A running instance with `--orphan-grace` listens on `take-over.sock` in its runtime
 directory (0700, so only its user reaches it). A new instance started with the same
 command plus `--take-over` finds that directory (the one whose identity file names its
 instance), asks for the listening socket with its secret's fingerprint, and receives the
@@ -47,7 +47,7 @@ from gym_proxy.proxy.runtime_dir import PREFIX, read_identity, trusted_directory
 __all__ = [
     "TAKE_OVER",
     "TAKE_OVER_VERSION",
-    "TAKEOVER_NAME",
+    "TAKE_OVER_SOCKET",
     "TakeOverAsk",
     "PortPassed",
     "TakeOverRefused",
@@ -55,14 +55,14 @@ __all__ = [
     "DirectoryReleased",
     "TakeOver",
     "TakeOverError",
-    "TakeOverListener",
-    "take_over_listener",
+    "PassOnListener",
+    "take_over_running",
     "until_released",
 ]
 
 log = logging.getLogger("gym_proxy")
 
-TAKEOVER_NAME = "takeover.sock"
+TAKE_OVER_SOCKET = "take-over.sock"
 REQUEST_WAIT = 5.0  # seconds a connection gets to send its request
 TOOK_WAIT = 10.0  # seconds the new instance gets to say it has the socket
 RELEASE_WAIT = 30.0  # seconds the new instance waits for the old one's directory
@@ -118,7 +118,7 @@ class TakeOver:
     conversation: socket.socket
 
 
-def take_over_listener(parent: str | None, instance: str, fingerprint: str) -> TakeOver:
+def take_over_running(parent: str | None, instance: str, fingerprint: str) -> TakeOver:
     """The listening socket of the running instance `instance` under `parent`."""
     parent = parent or tempfile.gettempdir()
     path = _running(parent, instance)
@@ -182,7 +182,7 @@ def _running(parent: str, instance: str) -> str:
                 foreign += 1
                 continue
             identity = read_identity(entry.path)
-            path = os.path.join(entry.path, TAKEOVER_NAME)
+            path = os.path.join(entry.path, TAKE_OVER_SOCKET)
             if identity is not None and identity.get("instance") == instance:
                 if _own_socket(path):
                     return path
@@ -203,10 +203,10 @@ def _own_socket(path: str) -> bool:
     return stat.S_ISSOCK(info.st_mode)
 
 
-class TakeOverListener:
+class PassOnListener:
     """The running instance's end: hands `listen_sock` to the first new instance that
-    proves the same secret, then calls `on_taken` (once). While `blocker` names something
-    the new instance could not carry on (an open checkpoint, a running move or live
+    proves the same secret, then calls `on_passed` with its pid (once). While `blocker`
+    names something the new instance could not carry on (an open checkpoint, a running move or live
     operation: their state is this process's), the take-over is refused with that (what
     only gives way, a rebalance, has been asked to first: `Exclusion.blocking_take_over`)."""
 
@@ -214,23 +214,23 @@ class TakeOverListener:
         self,
         fingerprint: str,
         listen_sock: socket.socket,
-        on_taken: Callable[[int], None],
+        on_passed: Callable[[int], None],
         blocker: Callable[[], Awaitable[str | None]] | None = None,
     ) -> None:
         self._fingerprint = fingerprint
         self._listen_sock = listen_sock
-        self._on_taken = on_taken
+        self._on_passed = on_passed
         self._blocker = blocker
         self._server: asyncio.AbstractServer | None = None
         self._successor: asyncio.StreamWriter | None = None  # told when the directory is free
-        self.taken = False
+        self.passing = False
 
     async def start(self, path: str) -> None:
         self._server = await asyncio.start_unix_server(self._handle, path)
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
-            own_peer(writer.get_extra_info("socket"), TAKEOVER_NAME)
+            own_peer(writer.get_extra_info("socket"), TAKE_OVER_SOCKET)
             line = await asyncio.wait_for(reader.readline(), REQUEST_WAIT)
         except (TimeoutError, ValueError, ConnectionError, Untrusted):
             writer.close()
@@ -246,7 +246,7 @@ class TakeOverListener:
                     f"the new gym-proxy speaks take-over protocol {request.version}, this one "
                     f"{TAKE_OVER_VERSION}: stop this one and start the new one instead"
                 )
-            elif self.taken:
+            elif self.passing:
                 why = "it is being taken over already"
             elif request.secret != self._fingerprint:
                 why = "another secret"
@@ -256,11 +256,11 @@ class TakeOverListener:
             writer.write(encode_line(TakeOverRefused(why)))
             writer.close()
             return
-        self.taken = True  # refuses a second one while this one is answered
+        self.passing = True  # refuses a second one while this one is answered
         try:
             pid = await self._pass_socket(reader, writer)
         except (OSError, TimeoutError, ValueError) as exc:
-            self.taken = False
+            self.passing = False
             writer.close()
             log.warning(
                 "a take-over did not happen: the new gym-proxy went before it had the port "
@@ -269,7 +269,7 @@ class TakeOverListener:
             )
             return
         self._successor = writer
-        self._on_taken(pid)
+        self._on_passed(pid)
 
     async def _pass_socket(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> int:
         """Send the listening socket and wait until the new instance says it has it; its
