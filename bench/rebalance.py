@@ -1,4 +1,4 @@
-"""Placement that follows load: a skewed load, static placement against `--rebalance`.
+"""Sessions that follow load: a skewed load, static placement against `--rebalance`.
 
     .venv/bin/python bench/rebalance.py [--seconds 60] [--workers 4] [--heavy 2]
                                         [--light 32] [--think 0.3] [--block 0.1] [--rounds 2]

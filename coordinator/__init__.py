@@ -4,7 +4,7 @@
   ids, exit codes, the control plane's answers);
 - the coordinator: `checkpointer` (the phase machine it drives, `phases`; readiness
   rolled up, `readiness`), its commit's file write (`commit_write`), its restore
-  (`restore`, placed by `placement`), the checkpoint files (`checkpoint_files`), the
+  (`restore`, each session assigned by `assignment`), the checkpoint files (`checkpoint_files`), the
   restored claims carried across a crash (`claims_recovery`), the worker channels
   (`worker_channels`), the exclusion it shares with the live operations (`exclusion`)
   and the fan-out to every worker (`broadcast`);

@@ -74,7 +74,7 @@ REQUIRED = (
 )
 # What gym-proxy's commits add (the checkpointer writes all three, as maps); a manifest
 # that has none of them, or only NeMo Gym's list of `session_owners`, is NeMo Gym's.
-EXTRAS = ("session_owners", "placed_sessions", "placed_app_sessions")
+EXTRAS = ("session_owners", "assigned_sessions", "assigned_app_sessions")
 _RECORDS_NAME = re.compile(r"records-([0-9a-f]{64})\.jsonl\Z")
 _MANIFEST_LIMIT = 256 * 1024 * 1024
 
@@ -245,14 +245,14 @@ def _read_extras(manifest: dict[str, Any]) -> None:
         if not all(isinstance(o, str) for o in owners):
             raise InvalidCheckpoint("manifest field session_owners lists a non-string")
         manifest["session_owners"] = {owner: owner for owner in owners}
-        manifest["placed_sessions"] = {}
-        manifest["placed_app_sessions"] = {}
+        manifest["assigned_sessions"] = {}
+        manifest["assigned_app_sessions"] = {}
     for field in EXTRAS:
         if field not in manifest:
             raise InvalidCheckpoint(f"manifest has no field {field}")
     _check_id_map(manifest, "session_owners", "owner")
-    _check_id_map(manifest, "placed_sessions", "session")
-    _check_id_map(manifest, "placed_app_sessions", "session")
+    _check_id_map(manifest, "assigned_sessions", "session")
+    _check_id_map(manifest, "assigned_app_sessions", "session")
 
 
 def read(base: Path, *, kind: str, instance: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:

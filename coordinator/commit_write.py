@@ -191,8 +191,8 @@ def extras(tables: SessionTables, live: list[LiveWorker]) -> dict[str, Any]:
     session_owners.update({old: new for old, new in tables.aliases.items() if new in owners})
     return {
         "session_owners": session_owners,
-        "placed_sessions": {s: o for s, o in tables.sessions.items() if o in owners},
-        "placed_app_sessions": {s: o for s, o in tables.app_sessions.items() if o in owners},
+        "assigned_sessions": {s: o for s, o in tables.sessions.items() if o in owners},
+        "assigned_app_sessions": {s: o for s, o in tables.app_sessions.items() if o in owners},
     }
 
 

@@ -1,4 +1,4 @@
-"""A restore: a checkpoint read, its sessions placed and installed on every live worker
+"""A restore: a checkpoint read, its sessions assigned and installed on every live worker
 (all or none), its episodes held until their replacement claims them; and, after an
 adoption, those claims read again from the checkpoint the dead instance restored.
 
@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from gym_proxy.coordinator import checkpoint_files as files
 from gym_proxy.coordinator import claims_recovery
+from gym_proxy.coordinator.assignment import assign
 from gym_proxy.coordinator.broadcast import broadcast
 from gym_proxy.coordinator.commit_write import records_size
 from gym_proxy.coordinator.contract import telemetry
@@ -35,7 +36,6 @@ from gym_proxy.coordinator.contract.messages import (
 )
 from gym_proxy.coordinator.contract.records import identity, record_key
 from gym_proxy.coordinator.contract.telemetry import ATTRIBUTE
-from gym_proxy.coordinator.placement import place
 
 if TYPE_CHECKING:
     from gym_proxy.coordinator.checkpointer import Checkpointer, LiveWorker
@@ -51,7 +51,7 @@ REOPEN_WAIT = 2.0
 
 @dataclass
 class Selection:
-    """What a restore continues: each session record as placement and its worker need it
+    """What a restore continues: each session record as the assignment and its worker need it
     (`owner`, `session_id`, its `line` as the records file holds it, the line's `number`
     and the `identity` the worker checks it against), the episode records in scope, and
     the capture keys the bound sessions continue as."""
@@ -89,7 +89,7 @@ def select(records: list[dict[str, Any]], lines: list[bytes], scope: set[str]) -
 
 
 def _install(sessions: list[dict[str, Any]], source: str) -> Install:
-    """The Install of a worker's placed sessions: their lines, joined, and what the worker
+    """The Install of a worker's assigned sessions: their lines, joined, and what the worker
     checks each against."""
     return Install(
         b"\n".join([*(s["line"] for s in sessions), b""]),  # one copy, each line ended
@@ -156,12 +156,12 @@ class Restore:
             raise GymError("invalid_phase", f"{cp.kind_named()}-workers-unreported:{missing}")
         base = files.checkpoint_path(checkpoint_dir, cp.kind_named(), cp.instance)
         manifest, selection = await self._read(base, scope, deadline_ts)
-        placement = place(
+        assignment = assign(
             selection.sessions,
             manifest["session_owners"],
-            manifest["placed_sessions"],
+            manifest["assigned_sessions"],
             [w.owner for w in live],
-            manifest["placed_app_sessions"],
+            manifest["assigned_app_sessions"],
             cp.tables.keeps_app_sessions,
         )
         claims = RestoredClaims(
@@ -178,7 +178,7 @@ class Restore:
                 cp.readiness.update(worker.owner, reply.report)  # status tells the truth
             source = manifest["records_file"]
             await cp.gather(
-                live, lambda w: _install(placement.records[w.owner], source), deadline_ts
+                live, lambda w: _install(assignment.records[w.owner], source), deadline_ts
             )
             tables = TablesUpdate(claims.attempts(), cp.marks.as_dict())
             await cp.gather(live, tables, deadline_ts)
@@ -188,7 +188,7 @@ class Restore:
         except BaseException:
             await self._roll_back(live)  # cancelled by a resume: undo, then let it go on
             raise
-        cp.tables.set_tables(placement.aliases, placement.sessions, placement.app_sessions)
+        cp.tables.set_tables(assignment.aliases, assignment.sessions, assignment.app_sessions)
         cp.claims = claims
         cp.restored_once = True
         self._note(checkpoint_dir, scope)

@@ -392,8 +392,7 @@ class Config:
         type=bool,
         flag=True,
         doc="move idle sessions off a hot or stalled worker to the least loaded ones, with "
-        "the moves a drain uses ([Placement that follows load](operations.md#placement-"
-        "that-follows-load))",
+        "the moves a drain uses ([Rebalancing](operations.md#rebalancing))",
     )
     rebalance_ratio: float = option(
         2.0,

@@ -10,6 +10,7 @@ import orjson
 import pytest
 
 from gym_proxy.coordinator import checkpoint_files as records
+from gym_proxy.coordinator.assignment import assign
 from gym_proxy.coordinator.contract import records as record_format
 from gym_proxy.coordinator.contract.answers import (
     NOT_OPEN,
@@ -23,7 +24,6 @@ from gym_proxy.coordinator.contract.episodes import EpisodeId, parse_episode_key
 from gym_proxy.coordinator.contract.errors import GymError
 from gym_proxy.coordinator.contract.messages import Report
 from gym_proxy.coordinator.phases import PhaseMachine
-from gym_proxy.coordinator.placement import place
 from gym_proxy.coordinator.readiness import Readiness
 from gym_proxy.worker.sessions import SessionStore
 
@@ -110,7 +110,7 @@ def test_placement_keeps_owners_together_largest_first():
     recs += [session(f"b{i}", "B") for i in range(3)]
     recs += [session(f"c{i}", "C") for i in range(2)]
     owners = {"A": "A", "B": "B", "C": "C", "old": "B", "empty": "E"}
-    result = place(recs, owners, {"p1": "C"}, ["w1", "w2"])
+    result = assign(recs, owners, {"p1": "C"}, ["w1", "w2"])
     assert result.aliases["A"] == "w1" and result.aliases["B"] == "w2"
     assert result.aliases["C"] == "w2"  # 3 < 5 records: the lighter worker
     assert result.aliases["old"] == result.aliases["B"]  # follows its holder
@@ -121,17 +121,17 @@ def test_placement_keeps_owners_together_largest_first():
 
 def test_placement_spreads_ownerless_sessions_evenly():
     recs = [session(f"s{i}", None) for i in range(9)]
-    result = place(recs, {}, {}, ["w1", "w2", "w3"])
+    result = assign(recs, {}, {}, ["w1", "w2", "w3"])
     assert Counter(result.sessions.values()) == {"w1": 3, "w2": 3, "w3": 3}
     assert result.aliases == {}
 
 
 def test_placement_onto_one_worker_and_no_worker():
     recs = [session("a", "A"), session("b", "B")]
-    result = place(recs, {"A": "A", "B": "B"}, {}, ["only"])
+    result = assign(recs, {"A": "A", "B": "B"}, {}, ["only"])
     assert result.aliases == {"A": "only", "B": "only"} and len(result.records["only"]) == 2
     with pytest.raises(ValueError):
-        place(recs, {}, {}, [])
+        assign(recs, {}, {}, [])
 
 
 @dataclass
@@ -209,7 +209,7 @@ def test_records_round_trip_and_exclusive_manifest(tmp_path):
         instance="inst",
         checkpoint_id="c",
         records=recs,
-        extras={"session_owners": {"o": "o"}, "placed_sessions": {}, "placed_app_sessions": {}},
+        extras={"session_owners": {"o": "o"}, "assigned_sessions": {}, "assigned_app_sessions": {}},
     )
     assert manifest["record_count"] == 100
     assert records.read(base, kind="resources", instance="inst") == (manifest, recs)
@@ -221,7 +221,7 @@ def test_records_round_trip_and_exclusive_manifest(tmp_path):
             instance="inst",
             checkpoint_id="d",
             records=recs,
-            extras={"session_owners": {}, "placed_sessions": {}, "placed_app_sessions": {}},
+            extras={"session_owners": {}, "assigned_sessions": {}, "assigned_app_sessions": {}},
         )
     assert records.read(base, kind="resources", instance="inst")[0]["checkpoint_id"] == "c"
     assert not [p for p in base.iterdir() if p.name.startswith(".")]  # no temp files left
@@ -234,7 +234,7 @@ def test_a_manifest_missing_a_field_is_refused_naming_it(tmp_path):
     of session_owners) has all three extras too. NeMo Gym's own manifest has none of
     the extras, or a list of session_owners: each listed owner holds its own sessions."""
     recs = [session("s1", "o")]
-    extras = {"session_owners": {"o": "o"}, "placed_sessions": {}, "placed_app_sessions": {}}
+    extras = {"session_owners": {"o": "o"}, "assigned_sessions": {}, "assigned_app_sessions": {}}
     written = records.write(
         records.checkpoint_path(str(tmp_path / "full"), "resources", "inst"),
         kind="resources",
@@ -254,7 +254,7 @@ def test_a_manifest_missing_a_field_is_refused_naming_it(tmp_path):
         with pytest.raises(records.InvalidCheckpoint) as refused:
             read(without)
         assert str(refused.value) == f"manifest has no field {field}", field
-    for field in ("placed_sessions", "placed_app_sessions"):
+    for field in ("assigned_sessions", "assigned_app_sessions"):
         gym_proxy = {k: v for k, v in written.items() if k != "session_owners"} | {field: {}}
         with pytest.raises(records.InvalidCheckpoint, match="no field session_owners"):
             read(gym_proxy)

@@ -283,7 +283,11 @@ def write_checkpoint(directory, records, session_owners):
         instance=INSTANCE,
         checkpoint_id="c0",
         records=records,
-        extras={"session_owners": session_owners, "placed_sessions": {}, "placed_app_sessions": {}},
+        extras={
+            "session_owners": session_owners,
+            "assigned_sessions": {},
+            "assigned_app_sessions": {},
+        },
     )
 
 
@@ -361,7 +365,7 @@ async def test_commit_writes_every_workers_records(make_rig, tmp_path):
     manifest, records = files.read(base, kind="resources", instance=INSTANCE)
     assert manifest == reply["manifest"] and manifest["checkpoint_id"] == "c1"
     assert manifest["session_owners"] == {"w0": "w0", "w1": "w1"}
-    assert manifest["placed_sessions"] == {"p1": "w1"}
+    assert manifest["assigned_sessions"] == {"p1": "w1"}
     assert records == rig.workers[0].records + rig.workers[1].records
     assert await rig.cp.commit("c1", NOW - 1, str(tmp_path), None) == reply
     cached = await rig.cp.checkpointer.commit("c1", NOW - 1, str(tmp_path), None)

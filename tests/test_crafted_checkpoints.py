@@ -33,8 +33,8 @@ def craft(directory, lines: list[bytes], **manifest_fields) -> None:
         "instance": "apps",
         "checkpoint_id": "crafted",
         "session_owners": {"o1": "o1"},
-        "placed_sessions": {},
-        "placed_app_sessions": {},
+        "assigned_sessions": {},
+        "assigned_app_sessions": {},
         **manifest_fields,
     }
     write_checkpoint(records.checkpoint_path(str(directory), "resources", "apps"), lines, **fields)
@@ -52,14 +52,14 @@ CRAFTED: dict[str, tuple[list[bytes], dict]] = {
     "session_owners-a-list-of-ints": ([record()], {"session_owners": [1]}),
     "session_owners-a-string": ([record()], {"session_owners": "o1"}),
     "session_owners-bad-key": ([record()], {"session_owners": {"a/b": "o1"}}),
-    "placed_sessions-value-int": ([record()], {"placed_sessions": {"s1": 3}}),
+    "assigned_sessions-value-int": ([record()], {"assigned_sessions": {"s1": 3}}),
     "record_count-a-string": ([record()], {"record_count": "1"}),
     "checkpoint_id-missing": ([record()], {"checkpoint_id": "<absent>"}),
     "record_count-missing": ([record()], {"record_count": "<absent>"}),
     # A manifest of gym-proxy's (it has a placed table) holds all three of its extras.
     "session_owners-missing": ([record()], {"session_owners": "<absent>"}),
-    "placed_sessions-missing": ([record()], {"placed_sessions": "<absent>"}),
-    "placed_app_sessions-missing": ([record()], {"placed_app_sessions": "<absent>"}),
+    "assigned_sessions-missing": ([record()], {"assigned_sessions": "<absent>"}),
+    "assigned_app_sessions-missing": ([record()], {"assigned_app_sessions": "<absent>"}),
     "session_id-missing": ([record(session_id="<absent>")], {}),
     "session_id-an-int": ([record(session_id=5)], {}),
     "session_id-with-a-slash": ([record(session_id="../x")], {}),
@@ -287,7 +287,7 @@ def test_disk_full_leaves_no_files_behind(tmp_path, monkeypatch):
             instance="inst",
             checkpoint_id="c",
             records=[GOOD_SESSION],
-            extras={"session_owners": {}, "placed_sessions": {}, "placed_app_sessions": {}},
+            extras={"session_owners": {}, "assigned_sessions": {}, "assigned_app_sessions": {}},
         )
     assert err.value.errno == errno.ENOSPC
     assert list(base.iterdir()) == []

@@ -32,7 +32,7 @@ def write_episode_checkpoint(directory, count):
         instance="apps",
         checkpoint_id="crafted",
         records=episodes,
-        extras={"session_owners": {}, "placed_sessions": {}, "placed_app_sessions": {}},
+        extras={"session_owners": {}, "assigned_sessions": {}, "assigned_app_sessions": {}},
     )
 
 

@@ -43,11 +43,14 @@ RETIRED: tuple[tuple[str, str], ...] = (
     # The new gym-proxy takes over; the running one passes on.
     (r"(?-i:\btakeover\b|\bTAKEOVER_|\bself\.taken\b|\b_taken\b)", "take_over / pass_on"),
     (r"\bretired when it can be\b", "decommissioned when it can be"),
+    # A restore assigns sessions; Ray places workers; a rebalance moves sessions by load.
+    (r"\bplaced_(app_)?sessions\b|\bcoordinator[./]placement\b", "assign (assigned_sessions)"),
+    (r"\bplacement that follows load\b", "rebalance"),
 )
 VERBS = (
     "move", "install", "hand over", "receive", "drain", "decommission", "recycle",
-    "pass on", "take over", "adopt", "retire", "release", "drop", "tunnel", "place", "link",
-    "rebalance", "autoscale",
+    "pass on", "take over", "adopt", "retire", "release", "drop", "tunnel", "place", "assign",
+    "link", "rebalance", "autoscale",
 )  # fmt: skip
 
 
@@ -102,6 +105,8 @@ def test_the_check_sees_a_retired_word():
         "self.takeover = None",
         "self._taken = x",
         "left serving; retired when it can be",
+        'manifest["placed_sessions"]',
+        "Placement that follows load",
     ]
     for sample in samples:
         assert any(re.search(p, sample, re.I) for p, _ in RETIRED), sample

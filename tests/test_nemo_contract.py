@@ -274,7 +274,7 @@ def test_identical_commit_returns_the_existing_manifest(tmp_path):
         "instance": "inst",
         "checkpoint_id": "c",
         "records": [{"episode_id": None, "session_id": "s", "state": 1, "owner": None}],
-        "extras": {"session_owners": {}, "placed_sessions": {}, "placed_app_sessions": {}},
+        "extras": {"session_owners": {}, "assigned_sessions": {}, "assigned_app_sessions": {}},
     }
     first = records.write(base, **args)
     assert records.write(base, **args) == first

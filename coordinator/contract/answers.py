@@ -108,8 +108,8 @@ class Manifest(Message):
     records_sha256: str
     record_count: int
     session_owners: dict[str, str] | list[str] = field(default_factory=dict)
-    placed_sessions: dict[str, str] | None = None
-    placed_app_sessions: dict[str, str] | None = None
+    assigned_sessions: dict[str, str] | None = None
+    assigned_app_sessions: dict[str, str] | None = None
 
 
 @message()

@@ -1,4 +1,4 @@
-"""`--rebalance`: placement that follows load. Samples every worker's load
+"""`--rebalance`: sessions that follow load. Samples every worker's load
 (`proxy.fleet.load`; always, for /metrics), and with `--rebalance` asks the policy who
 sheds (`proxy.fleet.rebalance`) and moves the idle sessions of each worker that sheds
 with the mover, as a drain moves them. With `--max-workers` it hands the same loads to

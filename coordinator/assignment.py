@@ -1,18 +1,18 @@
-"""Where restored sessions go (no I/O).
+"""Which worker each restored session is assigned to (no I/O).
 
 Session records carry the owner whose worker held them at commit (`holder`), or None for
 sessions that never had an owner. `session_owners` maps every owner a live cookie may
-name to its holder. Placement:
+name to its holder. The assignment:
 
 - all records of one holder go to one live worker, largest holders first, each to the
   worker with the fewest records so far;
 - every owner in `session_owners` is aliased to where its holder went, even with no
   records (its cookies still need a worker);
-- ownerless records are placed one by one on the worker with the fewest records, and
+- ownerless records are assigned one by one to the worker with the fewest records, and
   recorded in the session table of the IDs the workers keep (the app's own session table
   when the app keeps its own sessions, else gym-proxy's: `proxy.data_path.routing`, "Identity");
-- `placed_sessions` (gym-proxy sessions the table placed before the commit) and
-  `placed_app_sessions` (the app's own sessions it placed) follow their holder, each back
+- `assigned_sessions` (gym-proxy sessions the table assigned before the commit) and
+  `assigned_app_sessions` (the app's own sessions it assigned) follow their holder, each back
   into its own table: the two never mix.
 """
 
@@ -22,11 +22,11 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Placement", "place"]
+__all__ = ["Assignment", "assign"]
 
 
 @dataclass
-class Placement:
+class Assignment:
     """The outcome: records per worker owner, the alias table and the two session
     tables (gym-proxy's, and the app's own)."""
 
@@ -36,19 +36,19 @@ class Placement:
     app_sessions: dict[str, str] = field(default_factory=dict)
 
 
-def place(
+def assign(
     records: list[dict[str, Any]],
     session_owners: dict[str, str],
-    placed_sessions: dict[str, str],
+    assigned_sessions: dict[str, str],
     workers: list[str],
-    placed_app_sessions: dict[str, str] | None = None,
+    assigned_app_sessions: dict[str, str] | None = None,
     app_keyed: bool = False,
-) -> Placement:
+) -> Assignment:
     """Assign restored session records to `workers` (live owner IDs, in slot order).
     `app_keyed`: the records' session IDs are the app's own (module docstring)."""
     if not workers:
         raise ValueError("no live worker to restore onto")
-    result = Placement(records={w: [] for w in workers})
+    result = Assignment(records={w: [] for w in workers})
     load = dict.fromkeys(workers, 0)
     order = {w: i for i, w in enumerate(workers)}
 
@@ -77,8 +77,8 @@ def place(
             target = where[holder]
         result.records[target].append(record)
     for table, placed in (
-        (result.sessions, placed_sessions),
-        (result.app_sessions, placed_app_sessions or {}),
+        (result.sessions, assigned_sessions),
+        (result.app_sessions, assigned_app_sessions or {}),
     ):
         for session_id, holder in placed.items():
             if holder in where:
