@@ -17,7 +17,7 @@ Each user takes it in one call that cannot be half done: an operation with `acqu
 refuse), a take-over with `blocking_take_over` (give way, then what still holds it).
 
 gym-proxy's own choices hold the exclusion too, but no controller asked for them: a
-rebalance (`proxy.fleet.balancer`) and an autoscale resize (`proxy.fleet.autoscale`)
+rebalance (`proxy.fleet.balance.balancer`) and an autoscale resize (`proxy.fleet.balance.autoscale`)
 *give way*. A checkpoint, a restore, an operator's operation or a take-over that finds
 one running asks it to (`give_way`) and waits for it to end, GIVE_WAY seconds at most,
 instead of being refused: the one that yields sees `asked` resolved (its waits end on
@@ -56,7 +56,7 @@ class Exclusion:
     @property
     def asked(self) -> asyncio.Future[None] | None:
         """While an operation that yields runs: resolved when it is asked to give way
-        (its waits end on it: `proxy.fleet.session_watch`); None while none runs."""
+        (its waits end on it: `proxy.fleet.moves.session_watch`); None while none runs."""
         return self._asked
 
     @property

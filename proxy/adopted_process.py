@@ -1,5 +1,5 @@
 """A process this one watches and signals but did not start: an adopted worker (a dead
-or passed-on gym-proxy's, `proxy.fleet.adoption`), or the Ray process holding a cluster
+or passed-on gym-proxy's, `proxy.fleet.supervision.adoption`), or the Ray process holding a cluster
 a dead gym-proxy left waiting (`proxy.ray_cluster.cluster`).
 
 On its own, below both: the fleet and the Ray cluster each use it, and neither imports
@@ -18,7 +18,7 @@ __all__ = ["AdoptedProcess"]
 
 
 class AdoptedProcess:
-    """A `proxy.fleet.worker_records.WorkerHandle` for a process this one did not start:
+    """A `proxy.fleet.supervision.worker_records.WorkerHandle` for a process this one did not start:
     not its child, so it is watched and signalled through a pidfd, which names the
     process itself, never a later one that reuses its pid. Its exit status belongs to its
     parent: `wait` gives EXIT_UNKNOWN."""

@@ -36,14 +36,14 @@ from gym_proxy.proxy.descriptor_budget import (
     connection_cap,
     reserve,
 )
-from gym_proxy.proxy.fleet.autoscale import Autoscaler, ScalePolicy
-from gym_proxy.proxy.fleet.balancer import Balancer, bounds_of, thresholds_of
-from gym_proxy.proxy.fleet.intent import KeptIntent
-from gym_proxy.proxy.fleet.move_table import MoveTable
-from gym_proxy.proxy.fleet.mover import Mover
-from gym_proxy.proxy.fleet.operations import Operations
-from gym_proxy.proxy.fleet.supervisor import Supervisor
-from gym_proxy.proxy.fleet.worker_records import WorkerLauncher
+from gym_proxy.proxy.fleet.balance.autoscale import Autoscaler, ScalePolicy
+from gym_proxy.proxy.fleet.balance.balancer import Balancer, bounds_of, thresholds_of
+from gym_proxy.proxy.fleet.moves.move_table import MoveTable
+from gym_proxy.proxy.fleet.moves.mover import Mover
+from gym_proxy.proxy.fleet.operations.live import Operations
+from gym_proxy.proxy.fleet.supervision.intent import KeptIntent
+from gym_proxy.proxy.fleet.supervision.supervisor import Supervisor
+from gym_proxy.proxy.fleet.supervision.worker_records import WorkerLauncher
 from gym_proxy.proxy.metrics.durations import Durations
 from gym_proxy.proxy.metrics.registry import Metrics
 from gym_proxy.proxy.metrics.request_spans import RequestSpans

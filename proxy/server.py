@@ -38,9 +38,9 @@ from gym_proxy.proxy.assembly import Assembly
 from gym_proxy.proxy.config import Config, metrics_address
 from gym_proxy.proxy.connection_sweep import sweep_connections
 from gym_proxy.proxy.data_path.client_connection import ClientFactory
-from gym_proxy.proxy.fleet.liveness import watch_liveness
-from gym_proxy.proxy.fleet.supervisor import Supervisor, WorkerBootError
-from gym_proxy.proxy.fleet.worker_records import WorkerLauncher
+from gym_proxy.proxy.fleet.supervision.liveness import watch_liveness
+from gym_proxy.proxy.fleet.supervision.supervisor import Supervisor, WorkerBootError
+from gym_proxy.proxy.fleet.supervision.worker_records import WorkerLauncher
 from gym_proxy.proxy.metrics import listener as metrics_listener
 from gym_proxy.proxy.ray_cluster.cluster import HEAD_SOCKET, RayCluster, RayPlan
 from gym_proxy.proxy.ray_cluster.errors import RayError

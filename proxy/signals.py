@@ -1,6 +1,6 @@
 """The signals gym-proxy answers, as gunicorn and uvicorn do: TERM and INT stop it (a
 second one skips the drain), HUP restarts the workers one by one, TTIN adds one and
-TTOU removes one (`proxy.fleet.operations`).
+TTOU removes one (`proxy.fleet.operations.live`).
 
 HUP, TTIN and TTOU end a process that has no handler for them, and the server installs
 its handlers only once its modules are imported, the flags checked and `APP` imported (a

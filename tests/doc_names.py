@@ -1,7 +1,7 @@
 """The dotted Python names the documentation gives our code, and whether each resolves.
 
-The docs name code in two ways: by path (`proxy/fleet/mover.py`, which tests/test_docs.py
-checks on its own) and by dotted name (`proxy.fleet.mover`, `Router.route_request`,
+The docs name code in two ways: by path (`proxy/fleet/moves/mover.py`, which tests/test_docs.py
+checks on its own) and by dotted name (`proxy.fleet.moves.mover`, `Router.route_request`,
 `gym_proxy.worker.participant.current_session`). A rename leaves the second kind stale
 without a sound, so this module finds every such name, in the Markdown pages and in the
 docstrings and comments of proxy/, worker/ and coordinator/, and resolves it against the
@@ -12,13 +12,14 @@ Which spans count: an inline code span that is a dotted identifier, optionally c
 (`a.b`, `a.b()`, `a.b(x)`), whose first part is one of our package roots (`gym_proxy`,
 `proxy`, `worker`, `coordinator`) or the name of a class our code defines. Anything with a
 space, `=`, `/` or a quote is not a name; a file name (`app.py`) is a path. Both
-`proxy.fleet.mover` and `gym_proxy.proxy.fleet.mover` are the installed package's module.
+`proxy.fleet.moves.mover` and `gym_proxy.proxy.fleet.moves.mover` are the installed
+package's module.
 And what code a reader copies names, in a fenced block too: each name of
 `from gym_proxy.<module> import <names>`, and the module of `-m gym_proxy.<module>`.
 
 How a name resolves, part by part:
 
-- a module is a file of the source tree (`proxy/fleet/mover.py`, or a package's
+- a module is a file of the source tree (`proxy/fleet/moves/mover.py`, or a package's
   `__init__.py`); after a module, a part is a submodule or a name the module binds at top
   level (def, class, assignment, import; inside a top-level `if` or `try` too), and a name
   it imports from our code is followed to where it is defined;
@@ -94,7 +95,7 @@ class ClassInfo:
 
 @dataclass
 class ModuleInfo:
-    name: str  # proxy.fleet.mover
+    name: str  # proxy.fleet.moves.mover
     path: Path
     names: set[str] = field(default_factory=set)
     classes: dict[str, ClassInfo] = field(default_factory=dict)

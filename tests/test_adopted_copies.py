@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gym_proxy.proxy.fleet.adopted_copies import AdoptedCopies
+from gym_proxy.proxy.fleet.supervision.adopted_copies import AdoptedCopies
 
 pytestmark = pytest.mark.fast
 

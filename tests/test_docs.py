@@ -3,7 +3,7 @@ and compared, the mkdocs site builds with `--strict` (no broken link or anchor, 
 left out of the nav), every repository path the docs name exists, the links of the pages
 outside the site (README.md, CONTRIBUTING.md, bench/README.md) resolve, and the README's
 drawing of the processes is the design page's. The dotted names the docs give our code
-(`proxy.fleet.mover`, `Router.route_request`) are resolved in the fast tier:
+(`proxy.fleet.moves.mover`, `Router.route_request`) are resolved in the fast tier:
 tests/test_doc_names.py."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Running `/run` episodes handed over between workers (`proxy.fleet.handovers`,
+"""Running `/run` episodes handed over between workers (`proxy.fleet.moves.handovers`,
 `worker.handovers`), gym-proxy in process (`tests/in_process.py`) except where a process
 dies: a rolling restart, a drain and a shrink move a
 long episode at its boundary; its client's one request is answered by the new worker,

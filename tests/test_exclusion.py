@@ -14,7 +14,7 @@ from gym_proxy.coordinator.contract.errors import GymError
 from gym_proxy.coordinator.exclusion import Exclusion
 from gym_proxy.coordinator.phases import PhaseMachine
 from gym_proxy.proxy.data_path.routing import Router
-from gym_proxy.proxy.fleet.session_watch import until_a_request_ends
+from gym_proxy.proxy.fleet.moves.session_watch import until_a_request_ends
 
 pytestmark = pytest.mark.fast
 

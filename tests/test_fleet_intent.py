@@ -1,4 +1,4 @@
-"""What only the proxy knows, kept for a successor (proxy/fleet/intent.py), and the
+"""What only the proxy knows, kept for a successor (proxy/fleet/supervision/intent.py), and the
 orphan grace's default, settled where the config is built (`Config.settle_orphan_grace`):
 a secret from any source gives 30 s, none gives 0, and NeMo Gym's launcher 0."""
 
@@ -11,7 +11,12 @@ import pytest
 from gym_proxy.coordinator.contract.nemo_gym_env import CONFIG_PATH_ENV
 from gym_proxy.proxy.config import DEFAULT_ORPHAN_GRACE, ConfigError, config_from_args
 from gym_proxy.proxy.config_block import apply_block
-from gym_proxy.proxy.fleet.intent import INTENT_NAME, FleetIntent, load_intent, save_intent
+from gym_proxy.proxy.fleet.supervision.intent import (
+    INTENT_NAME,
+    FleetIntent,
+    load_intent,
+    save_intent,
+)
 
 pytestmark = pytest.mark.fast
 

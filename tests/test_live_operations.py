@@ -1,4 +1,4 @@
-"""Live operations (`proxy.fleet.operations`): rolling restart, resize, drain and recycle
+"""Live operations (`proxy.fleet.operations.live`): rolling restart, resize, drain and recycle
 while a pooled client (any session on any connection) increments counters; every counter
 must come out exact and no request may fail.
 

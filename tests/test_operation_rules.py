@@ -1,6 +1,6 @@
 """The rules of the live operations, in process: a drain or shrink that would leave no
 live worker taking new sessions is refused, whichever operation comes first, before
-anything changes (`proxy.fleet.operations`); an operation's steps and a worker's status
+anything changes (`proxy.fleet.operations.live`); an operation's steps and a worker's status
 are data, and the manual lists them as the code has them."""
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ from gym_proxy.coordinator.contract.errors import GymError
 from gym_proxy.coordinator.exclusion import Exclusion
 from gym_proxy.proxy.config import Config
 from gym_proxy.proxy.data_path.routing import WorkerRoute
-from gym_proxy.proxy.fleet.decommission import Step
-from gym_proxy.proxy.fleet.mover import Mover
-from gym_proxy.proxy.fleet.operations import Operations
-from gym_proxy.proxy.fleet.worker_records import WORKER_STATUSES, WorkerProcess
+from gym_proxy.proxy.fleet.moves.mover import Mover
+from gym_proxy.proxy.fleet.operations.decommission import Step
+from gym_proxy.proxy.fleet.operations.live import Operations
+from gym_proxy.proxy.fleet.supervision.worker_records import WORKER_STATUSES, WorkerProcess
 from tests.support import REPO
 
 pytestmark = pytest.mark.fast
@@ -44,7 +44,7 @@ class Worker:
 
 
 class Slots(list[Worker]):
-    """The slot table as the operations read it (`proxy.fleet.slots.Slots`)."""
+    """The slot table as the operations read it (`proxy.fleet.supervision.slots.Slots`)."""
 
     def current(self, slot_index: int) -> Worker | None:
         return self[slot_index] if 0 <= slot_index < len(self) else None

@@ -1,4 +1,4 @@
-"""`--preload` (worker.zygote, proxy.fleet.zygote_client), with real processes: workers
+"""`--preload` (worker.zygote, proxy.fleet.supervision.zygote_client), with real processes: workers
 are forked from one process that imported the app, are watched and replaced as spawned
 ones are, and a zygote that dies or cannot fork safely is handled and said."""
 

@@ -94,7 +94,7 @@ HELD_TIMEOUT = 1.0  # an operation's timeout when a held request will outlive it
 TIMEOUT = 20.0  # otherwise (it ends as soon as the sessions moved)
 REBALANCING = 5  # one seed in this many runs with --rebalance
 # A session a rebalance moved stays where it went this long (3 cool-downs of 10 s), and
-# never goes back to a worker that shed it (proxy/fleet/rebalance.py).
+# never goes back to a worker that shed it (proxy/fleet/balance/rebalance.py).
 SETTLE = 30.0
 # A stalling request blocks its worker's loop BLOCK seconds; the ping sees a lag of at
 # least BLOCK less its interval (1 s) and the wait before the handler runs, and the policy

@@ -21,7 +21,7 @@ import pytest
 
 from gym_proxy.coordinator.contract.exit_codes import FAILED
 from gym_proxy.coordinator.contract.lines import LineError, encode_line, expect
-from gym_proxy.proxy.fleet.worker_records import PlacedHandle, WorkerProcess
+from gym_proxy.proxy.fleet.supervision.worker_records import PlacedHandle, WorkerProcess
 from gym_proxy.proxy.ray_cluster.cluster import RayCluster, RayPlan
 from gym_proxy.proxy.ray_cluster.errors import RayError
 from gym_proxy.proxy.ray_cluster.lines import (

@@ -1,6 +1,6 @@
-"""The load a rebalance judges (`proxy.fleet.load`, and what each session costs its
-worker: `worker.session_load`), its policy (`proxy.fleet.rebalance`) and the
-autoscaler's (`proxy.fleet.autoscale`), pure: who is hot, who is stalled, who sheds which
+"""The load a rebalance judges (`proxy.fleet.balance.load`, and what each session costs its
+worker: `worker.session_load`), its policy (`proxy.fleet.balance.rebalance`) and the
+autoscaler's (`proxy.fleet.balance.autoscale`), pure: who is hot, who is stalled, who sheds which
 sessions to whom, when the count grows or shrinks, and that nothing flaps (a sustained
 streak, a cool-down, a bucket of moves, the bounds, the sessions that carry the load
 kept, a moved session left to settle and never sent back)."""
@@ -16,9 +16,15 @@ import pytest
 from gym_proxy.coordinator.contract.loop_lag import LoopLag
 from gym_proxy.proxy.config import ConfigError, config_from_args
 from gym_proxy.proxy.data_path.routing import Router, WorkerRoute
-from gym_proxy.proxy.fleet.autoscale import ScaleBounds, ScalePolicy
-from gym_proxy.proxy.fleet.load import LoadTracker, WorkerLoad
-from gym_proxy.proxy.fleet.rebalance import Cost, RebalancePolicy, Shed, Thresholds, carriers
+from gym_proxy.proxy.fleet.balance.autoscale import ScaleBounds, ScalePolicy
+from gym_proxy.proxy.fleet.balance.load import LoadTracker, WorkerLoad
+from gym_proxy.proxy.fleet.balance.rebalance import (
+    Cost,
+    RebalancePolicy,
+    Shed,
+    Thresholds,
+    carriers,
+)
 from gym_proxy.worker.session_load import SessionLoad
 
 pytestmark = pytest.mark.fast

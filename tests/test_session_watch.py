@@ -1,6 +1,6 @@
 """A move's and a hand-over's wait for a session's requests, in process on the data path
 rig: the data path wakes the waiter as a request of a watched session ends, and the
-waiter leaves nothing registered behind (`proxy.fleet.session_watch`)."""
+waiter leaves nothing registered behind (`proxy.fleet.moves.session_watch`)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from gym_proxy.proxy.fleet.session_watch import until_a_request_ends, worker_watch
+from gym_proxy.proxy.fleet.moves.session_watch import until_a_request_ends, worker_watch
 from tests.data_path_rig import Rig, Upstream
 
 pytestmark = pytest.mark.fast

@@ -21,7 +21,12 @@ from gym_proxy.coordinator.contract.state_files import (
     replace_document,
 )
 from gym_proxy.coordinator.contract.trust import Untrusted, own_peer, private_directory
-from gym_proxy.proxy.fleet.intent import INTENT_NAME, FleetIntent, load_intent, save_intent
+from gym_proxy.proxy.fleet.supervision.intent import (
+    INTENT_NAME,
+    FleetIntent,
+    load_intent,
+    save_intent,
+)
 from gym_proxy.proxy.runtime_dir import IDENTITY_NAME, RuntimeDir, RuntimeDirBusy, adoptable_name
 
 pytestmark = [pytest.mark.fast, pytest.mark.timeout(20)]  # a blocking open hangs, not fails

@@ -18,7 +18,7 @@ import pytest
 from gym_proxy.proxy import state_tables
 from gym_proxy.proxy.data_path import client_connection, exchange
 from gym_proxy.proxy.data_path.exchange import DONE, HELD, QUEUED, RESPONDING, STATE_NAMES, Exchange
-from gym_proxy.proxy.fleet.decommission import Step
+from gym_proxy.proxy.fleet.operations.decommission import Step
 from gym_proxy.proxy.metrics.registry import STATES as WORKER_STATES
 from tests.data_path_rig import Rig
 

@@ -24,15 +24,15 @@ from gym_proxy.coordinator.contract.messages import Register, RegisterReply, Tab
 from gym_proxy.coordinator.worker_channels import RegistrationRefused, WorkerChannels
 from gym_proxy.proxy.config import Config
 from gym_proxy.proxy.data_path.routing import Router
-from gym_proxy.proxy.fleet.intent import KeptIntent
-from gym_proxy.proxy.fleet.liveness import watch_liveness
-from gym_proxy.proxy.fleet.supervisor import (
+from gym_proxy.proxy.fleet.supervision.intent import KeptIntent
+from gym_proxy.proxy.fleet.supervision.liveness import watch_liveness
+from gym_proxy.proxy.fleet.supervision.supervisor import (
     TEST_OWNERS_ENV,
     Supervisor,
     WorkerBootError,
     WorkerProcess,
 )
-from gym_proxy.proxy.fleet.worker_records import SubprocessLauncher
+from gym_proxy.proxy.fleet.supervision.worker_records import SubprocessLauncher
 
 OWNERS = ("owner-a", "owner-b", "owner-c", "owner-d", "owner-e", "owner-f")
 APP = "standin.app:create_app"

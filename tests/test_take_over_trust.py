@@ -24,7 +24,7 @@ import pytest
 from gym_proxy.coordinator.contract.framing import encode_frame, read_frame
 from gym_proxy.coordinator.contract.lines import decode_line, encode_line
 from gym_proxy.coordinator.contract.messages import Register
-from gym_proxy.proxy.fleet.intent import INTENT_NAME
+from gym_proxy.proxy.fleet.supervision.intent import INTENT_NAME
 from gym_proxy.proxy.runtime_dir import IDENTITY_NAME, secret_fingerprint
 from gym_proxy.proxy.take_over import (
     TAKE_OVER,

@@ -12,7 +12,7 @@ load would follow them, and make their new worker hot in turn.
 - **busy**: the seconds its requests ran, from admission to their end (those running now
   counted up to now).
 
-Both decay with `HALF_LIFE` (the proxy's load average's, `proxy.fleet.load`), so "lately"
+Both decay with `HALF_LIFE` (the proxy's load average's, `proxy.fleet.balance.load`), so "lately"
 means the same seconds on both sides. Keyed by the session as the store keys it, or the
 gym-proxy session a request came under when it named no other (the proxy adds those of
 an app session's links to it). Nothing here is timed per request but its admission and

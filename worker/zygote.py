@@ -7,7 +7,7 @@ replacement after a crash, each slot of a rolling restart, a resize. Like gunico
 module and gym-proxy's worker code once; a worker forked from it starts with both in
 memory (shared copy-on-write) and only builds its app.
 
-It is started by the supervisor (`proxy.fleet.zygote_client`) with one end of a socket
+It is started by the supervisor (`proxy.fleet.supervision.zygote_client`) with one end of a socket
 pair (its descriptor the first argument) and serves it, one declared message a line
 (`coordinator.contract.zygote_lines`): a `fork` gets `forked` or `refused`, in the order
 asked, and a worker's end is reported `exited`; a line it cannot read is refused.

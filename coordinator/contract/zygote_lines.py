@@ -1,5 +1,5 @@
 """The lines between the supervisor and the zygote (`--preload`: `worker.zygote`, its
-client `proxy.fleet.zygote_client`), over `coordinator.contract.lines`:
+client `proxy.fleet.supervision.zygote_client`), over `coordinator.contract.lines`:
 
     supervisor -> zygote   fork     the worker's argv and environment
     zygote -> supervisor   forked   its pid        } one of them per fork, in the

@@ -31,9 +31,9 @@ from gym_proxy.coordinator.contract.ids import is_valid_id
 from gym_proxy.coordinator.contract.messages import Message
 from gym_proxy.coordinator.contract.telemetry import ATTRIBUTE
 from gym_proxy.proxy.config import MAX_WORKERS
-from gym_proxy.proxy.fleet.balancer import Balancer
-from gym_proxy.proxy.fleet.mover import Mover
-from gym_proxy.proxy.fleet.operations import RESTART_PAUSE, Operations
+from gym_proxy.proxy.fleet.balance.balancer import Balancer
+from gym_proxy.proxy.fleet.moves.mover import Mover
+from gym_proxy.proxy.fleet.operations.live import RESTART_PAUSE, Operations
 
 if TYPE_CHECKING:
     from aiohttp.typedefs import Handler, Middleware
@@ -251,7 +251,7 @@ def _slot(value: Any, name: str) -> int:
 
 
 async def _move(request: web.Request) -> web.Response:
-    """Move live sessions to the worker in one slot (`proxy.fleet.mover`)."""
+    """Move live sessions to the worker in one slot (`proxy.fleet.moves.mover`)."""
     body = await _json_object(request, {"session_ids", "to_slot", "timeout_s"})
     ids = body.get("session_ids")
     if (

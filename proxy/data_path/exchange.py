@@ -751,7 +751,7 @@ class Exchange:
 
 
 def _wake(watchers: dict[str, list[asyncio.Future[None]]], key: str) -> None:
-    """A request of `key` (a session, or a worker: `proxy.fleet.session_watch`) ended."""
+    """A request of `key` (a session, or a worker: `proxy.fleet.moves.session_watch`) ended."""
     for waiter in watchers.pop(key, ()):
         if not waiter.done():
             waiter.set_result(None)

@@ -109,7 +109,7 @@ class WorkerRoute:
     in_flight: int = 0
     pool: Any = None
     responsive: bool = True  # False while the supervisor's pings go unanswered
-    # Its event loop stalls (`proxy.fleet.rebalance`): new sessions go elsewhere while
+    # Its event loop stalls (`proxy.fleet.balance.rebalance`): new sessions go elsewhere while
     # any other worker takes them.
     stalled: bool = False
     keeps_rollout_prefix: bool = False  # ASGI apps see /ng-rollout/<key>/ as sent
@@ -191,12 +191,12 @@ class Router:
     active: dict[str, int] = field(default_factory=dict)
     holding: dict[str, list[Any]] = field(default_factory=dict)
     # Who waits for a request of a session to end (a move, a hand-over: futures the
-    # data path resolves as one ends; `proxy.fleet.session_watch`), by session.
+    # data path resolves as one ends; `proxy.fleet.moves.session_watch`), by session.
     watchers: dict[str, list[asyncio.Future[None]]] = field(default_factory=dict)
     # Hand-over id (the marker a worker answers with) -> the hand-over the mover expects.
     handovers: dict[bytes, ExpectedHandover] = field(default_factory=dict)
     # Called with the alias table after it changed (the fleet keeps it for a successor:
-    # `proxy.fleet.intent.KeptIntent`).
+    # `proxy.fleet.supervision.intent.KeptIntent`).
     on_aliases: Callable[[dict[str, str]], None] | None = None
     # Counted for /metrics: decisions by rule, and foreign tokens passed to the app.
     decisions: dict[str, int] = field(default_factory=lambda: dict.fromkeys(RULES, 0))

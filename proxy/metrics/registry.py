@@ -30,11 +30,11 @@ from gym_proxy.coordinator.contract.messages import Stats, WorkerStats
 from gym_proxy.coordinator.phases import Phase
 from gym_proxy.proxy.data_path.client_connection import ProxyState
 from gym_proxy.proxy.data_path.routing import RULES
-from gym_proxy.proxy.fleet.balancer import Balancer
-from gym_proxy.proxy.fleet.mover import Mover
-from gym_proxy.proxy.fleet.operations import Operations
-from gym_proxy.proxy.fleet.supervisor import Supervisor
-from gym_proxy.proxy.fleet.worker_records import (
+from gym_proxy.proxy.fleet.balance.balancer import Balancer
+from gym_proxy.proxy.fleet.moves.mover import Mover
+from gym_proxy.proxy.fleet.operations.live import Operations
+from gym_proxy.proxy.fleet.supervision.supervisor import Supervisor
+from gym_proxy.proxy.fleet.supervision.worker_records import (
     WORKER_STATUSES,
     Slot,
     WorkerProcess,

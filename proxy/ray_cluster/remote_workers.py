@@ -1,7 +1,7 @@
 """Workers on the nodes of the server's Ray cluster (`--worker-placement ray`), as the
 supervisor sees them: started by a `RayLauncher` (a
-`proxy.fleet.worker_records.WorkerLauncher`), each a `RemoteWorker` handle (a
-`proxy.fleet.worker_records.PlacedHandle`). The fleet knows them only by those two
+`proxy.fleet.supervision.worker_records.WorkerLauncher`), each a `RemoteWorker` handle (a
+`proxy.fleet.supervision.worker_records.PlacedHandle`). The fleet knows them only by those two
 protocols of its own; this module is the Ray side of that boundary, beside its driver.
 
 The launcher runs the Ray driver in a process of its own (`proxy.ray_cluster.placement`:

@@ -51,7 +51,7 @@ from gym_proxy.coordinator.contract.messages import (
 )
 
 if TYPE_CHECKING:
-    from gym_proxy.proxy.fleet.mover import Moved, Mover, _Worker
+    from gym_proxy.proxy.fleet.moves.mover import Moved, Mover, _Worker
 
 __all__ = ["hand_over", "ARRIVAL_WAIT"]
 

@@ -1,7 +1,7 @@
 """When a worker sheds sessions, which ones, and to whom: the policy of `--rebalance`,
 pure.
 
-Two reasons, judged on the loads of `proxy.fleet.load`:
+Two reasons, judged on the loads of `proxy.fleet.balance.load`:
 
 - **stalled**: its event loop's lag peak reached `stall` seconds. It takes no new
   sessions (`WorkerRoute.stalled`) and sheds every idle session it holds, so that the
@@ -42,7 +42,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, NamedTuple
 
-from gym_proxy.proxy.fleet.load import WorkerLoad
+from gym_proxy.proxy.fleet.balance.load import WorkerLoad
 
 __all__ = ["Thresholds", "Shed", "Cost", "RebalancePolicy", "carriers"]
 

@@ -16,7 +16,7 @@
   `lag_peak` keeps the worst of it, decaying with the same half-life, so a loop that
   stalls again and again stays stalled between its stalls.
 
-Sampled every `SAMPLE` seconds by `proxy.fleet.balancer`; pure arithmetic here.
+Sampled every `SAMPLE` seconds by `proxy.fleet.balance.balancer`; pure arithmetic here.
 """
 
 from __future__ import annotations

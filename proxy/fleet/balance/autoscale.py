@@ -1,6 +1,6 @@
 """`--min-workers`/`--max-workers`: the worker count follows demand.
 
-The policy (`ScalePolicy`, pure) judges the loads of `proxy.fleet.load`:
+The policy (`ScalePolicy`, pure) judges the loads of `proxy.fleet.balance.load`:
 
 - **grow** by one when every worker that takes sessions has run at least `up_busy`
   requests on average (`--scale-up-busy`), or is stalled, without a break for `up_after`
@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 from gym_proxy.coordinator.contract.answers import OperationReport
 from gym_proxy.coordinator.contract.errors import GymError
-from gym_proxy.proxy.fleet.load import WorkerLoad
+from gym_proxy.proxy.fleet.balance.load import WorkerLoad
 
 __all__ = ["ScaleBounds", "ScalePolicy", "Autoscaler"]
 

@@ -5,17 +5,18 @@ slots with the records and spawns what is missing (respecting each slot's backof
 called after every event. A worker that exits with BOOT_ERROR cannot build the app, so
 the supervisor stops the whole server instead of respawning it forever.
 
-A worker that stops answering its pings (`proxy.fleet.liveness`) is killed and restarted.
+A worker that stops answering its pings (`proxy.fleet.supervision.liveness`) is killed
+and restarted.
 
-Live operations (`proxy.fleet.operations`) change the workers while they serve: a slot
+Live operations (`proxy.fleet.operations.live`) change the workers while they serve: a slot
 may hold a *successor* beside its worker (a rolling restart starts it, waits until it
 registers, moves the sessions over, then promotes it), slots are added and removed at
 the end (resize), and a worker an operation stops is *leaving*: its exit is expected and
 nothing restarts it. A worker an operation starts is on trial until it registers: if it
 cannot boot, only that operation fails, never the server. What a predecessor's workers
-need when they rejoin is `proxy.fleet.adoption`'s; when this gym-proxy passes its workers
-on to a successor (`--take-over`), `pass_on` stops restarting them and `stop` leaves them
-running.
+need when they rejoin is `proxy.fleet.supervision.adoption`'s; when this gym-proxy passes
+its workers on to a successor (`--take-over`), `pass_on` stops restarting them and `stop`
+leaves them running.
 """
 
 from __future__ import annotations
@@ -37,17 +38,17 @@ from gym_proxy.coordinator.worker_channels import RegistrationRefused
 from gym_proxy.proxy.config import Config
 from gym_proxy.proxy.data_path.routing import Router
 from gym_proxy.proxy.data_path.session_tokens import new_owner_id
-from gym_proxy.proxy.fleet.adoption import Adoption
-from gym_proxy.proxy.fleet.intent import KeptIntent
-from gym_proxy.proxy.fleet.slots import Slots
-from gym_proxy.proxy.fleet.worker_records import (
+from gym_proxy.proxy.fleet.supervision.adoption import Adoption
+from gym_proxy.proxy.fleet.supervision.intent import KeptIntent
+from gym_proxy.proxy.fleet.supervision.slots import Slots
+from gym_proxy.proxy.fleet.supervision.worker_records import (
     Slot,
     SubprocessLauncher,
     WorkerLauncher,
     WorkerProcess,
     terminate,
 )
-from gym_proxy.proxy.fleet.zygote_client import Zygote
+from gym_proxy.proxy.fleet.supervision.zygote_client import Zygote
 from gym_proxy.worker.options import worker_argv
 
 __all__ = ["WorkerProcess", "Supervisor", "WorkerBootError", "Slot"]
@@ -74,7 +75,7 @@ class Supervisor:
     slots: Slots = field(init=False)
     stopping: bool = False
     fatal: asyncio.Future[None] = field(init=False)  # set when a worker cannot boot
-    # Set while a predecessor's workers may rejoin (`proxy.fleet.adoption`).
+    # Set while a predecessor's workers may rejoin (`proxy.fleet.supervision.adoption`).
     adoption: Adoption | None = None
     orphans_refused: str | None = None  # why a predecessor's workers are not adopted
     passing_on: bool = False  # a successor takes the workers (`pass_on`)
@@ -265,7 +266,7 @@ class Supervisor:
                 self._mark_dead(worker)
 
     def kill(self, worker: WorkerProcess) -> None:
-        """SIGKILL a worker that stopped answering (`proxy.fleet.liveness`); it is
+        """SIGKILL a worker that stopped answering (`proxy.fleet.supervision.liveness`); it is
         restarted as any worker that exits."""
         with contextlib.suppress(ProcessLookupError):
             worker.process.kill()
@@ -302,7 +303,7 @@ class Supervisor:
             if w.state == "live" and w.channel is not None and w.route is not None
         ]
 
-    # ---- for the live operations (proxy.fleet.decommission.WorkerPool) -------------
+    # ---- for the live operations (proxy.fleet.operations.decommission.WorkerPool) -------------
     async def start_successor(self, slot_index: int, within: float) -> WorkerProcess:
         """Start a replacement for the slot's worker and wait until it registers (it
         takes new sessions from then on); WorkerBootError, after killing it, when it

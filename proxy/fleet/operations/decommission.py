@@ -1,8 +1,8 @@
 """Decommissioning a worker, emptying it and stopping it: the step that a rolling restart, a shrink
-and a recycle share, and the emptying a drain does (`proxy.fleet.operations`).
+and a recycle share, and the emptying a drain does (`proxy.fleet.operations.live`).
 
 - **empty**: take the worker out of new sessions; move its sessions to its heirs and
-  hand its running `/run` episodes over (`proxy.fleet.handovers`), side by side, until
+  hand its running `/run` episodes over (`proxy.fleet.moves.handovers`), side by side, until
   none is left or the deadline;
 - **take out**: hold every request still routed to it at the proxy, wait for its running
   requests (handing over the episodes among them), move what they left, and send
@@ -46,12 +46,12 @@ from gym_proxy.coordinator.contract.messages import (
 )
 from gym_proxy.coordinator.exclusion import GIVE_WAY, Exclusion
 from gym_proxy.proxy.config import Config
-from gym_proxy.proxy.fleet.handovers import hand_over
-from gym_proxy.proxy.fleet.intent import KeptIntent
-from gym_proxy.proxy.fleet.mover import Moved, Mover, failures
-from gym_proxy.proxy.fleet.session_watch import worker_watch
-from gym_proxy.proxy.fleet.slots import Slots
-from gym_proxy.proxy.fleet.worker_records import WorkerProcess
+from gym_proxy.proxy.fleet.moves.handovers import hand_over
+from gym_proxy.proxy.fleet.moves.mover import Moved, Mover, failures
+from gym_proxy.proxy.fleet.moves.session_watch import worker_watch
+from gym_proxy.proxy.fleet.supervision.intent import KeptIntent
+from gym_proxy.proxy.fleet.supervision.slots import Slots
+from gym_proxy.proxy.fleet.supervision.worker_records import WorkerProcess
 
 __all__ = ["Decommissioner", "WorkerPool", "Progress", "SlotEntry", "Step"]
 
@@ -70,7 +70,8 @@ PARK_WHILE_YIELDING = GIVE_WAY / 2
 
 
 class WorkerPool(Protocol):
-    """What operations need from the supervisor (`proxy.fleet.supervisor.Supervisor`)."""
+    """What operations need from the supervisor
+    (`proxy.fleet.supervision.supervisor.Supervisor`)."""
 
     slots: Slots
     config: Config
@@ -113,7 +114,7 @@ class Progress:
     step_slot: int | None = None  # the slot the step is about, if one
     moved: int = 0
     failed: dict[str, str] = field(default_factory=dict)
-    episodes_moved: int = 0  # running /run episodes handed over (proxy.fleet.handovers)
+    episodes_moved: int = 0  # running /run episodes handed over (proxy.fleet.moves.handovers)
     episodes_failed: dict[str, str] = field(default_factory=dict)
     episodes_to: dict[str, str] = field(default_factory=dict)  # episode key -> its owner now
     slots: list[SlotEntry] = field(default_factory=list)

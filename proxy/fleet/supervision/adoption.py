@@ -7,10 +7,10 @@ starts the slots still empty. Each rejoining worker takes its slot as it was (a 
 past `--workers` too: the predecessor had been resized up), under a pidfd-backed handle
 (`AdoptedProcess`: not this process's child) of the pid the kernel says registered
 (`coordinator.worker_channels`), with its socket in the runtime directory. The
-predecessor's intent (its worker count, drains and aliases: `proxy.fleet.intent`)
+predecessor's intent (its worker count, drains and aliases: `proxy.fleet.supervision.intent`)
 holds, and a rejoining worker's sessions route to it whatever owner their tokens name;
 a session two adopted workers hold (a move cut by the crash) stays with the one that
-used it last (`proxy.fleet.adopted_copies`), the other copy is dropped.
+used it last (`proxy.fleet.supervision.adopted_copies`), the other copy is dropped.
 """
 
 from __future__ import annotations
@@ -31,13 +31,13 @@ from gym_proxy.coordinator.contract.trust import SOCKET, Untrusted, check_owned
 from gym_proxy.coordinator.worker_channels import RegistrationRefused
 from gym_proxy.proxy.adopted_process import AdoptedProcess
 from gym_proxy.proxy.config import MAX_WORKERS
-from gym_proxy.proxy.fleet.adopted_copies import AdoptedCopies
-from gym_proxy.proxy.fleet.intent import load_intent
-from gym_proxy.proxy.fleet.mover import DROP_WAIT
-from gym_proxy.proxy.fleet.worker_records import WorkerProcess
+from gym_proxy.proxy.fleet.moves.mover import DROP_WAIT
+from gym_proxy.proxy.fleet.supervision.adopted_copies import AdoptedCopies
+from gym_proxy.proxy.fleet.supervision.intent import load_intent
+from gym_proxy.proxy.fleet.supervision.worker_records import WorkerProcess
 
 if TYPE_CHECKING:
-    from gym_proxy.proxy.fleet.supervisor import Supervisor
+    from gym_proxy.proxy.fleet.supervision.supervisor import Supervisor
 
 __all__ = ["Adoption", "ADOPT_WINDOW"]
 

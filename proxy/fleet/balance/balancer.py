@@ -1,8 +1,8 @@
 """`--rebalance`: sessions that follow load. Samples every worker's load
-(`proxy.fleet.load`; always, for /metrics), and with `--rebalance` asks the policy who
-sheds (`proxy.fleet.rebalance`) and moves the idle sessions of each worker that sheds
+(`proxy.fleet.balance.load`; always, for /metrics), and with `--rebalance` asks the policy who
+sheds (`proxy.fleet.balance.rebalance`) and moves the idle sessions of each worker that sheds
 with the mover, as a drain moves them. With `--max-workers` it hands the same loads to
-the autoscaler (`proxy.fleet.autoscale`) each round too.
+the autoscaler (`proxy.fleet.balance.autoscale`) each round too.
 
 What it never does:
 - move a session with a request running: only sessions with none running when it looks
@@ -10,7 +10,7 @@ What it never does:
   busy where they are;
 - move a session that carries the worker's load, however idle between its calls: the
   worker says what each of its sessions cost it lately (`held`: `worker.session_load`),
-  and the policy keeps those (`proxy.fleet.rebalance.carriers`); nor one it moved less
+  and the policy keeps those (`proxy.fleet.balance.rebalance.carriers`); nor one it moved less
   than `settle` ago, nor one back to a worker that shed it;
 - act while a checkpoint is open, a take-over runs, or an operator's move or operation
   runs: it skips that round and says so (one log line per streak, and
@@ -39,13 +39,13 @@ from gym_proxy.coordinator.contract.channel import ChannelClosed, ChannelTimeout
 from gym_proxy.coordinator.contract.messages import HeldSessions, ListHeld
 from gym_proxy.coordinator.exclusion import Exclusion
 from gym_proxy.proxy.config import Config
-from gym_proxy.proxy.fleet.autoscale import Autoscaler, ScaleBounds
-from gym_proxy.proxy.fleet.liveness import PING_INTERVAL
-from gym_proxy.proxy.fleet.load import SAMPLE, LoadTracker, WorkerLoad
-from gym_proxy.proxy.fleet.mover import Mover
-from gym_proxy.proxy.fleet.rebalance import Cost, RebalancePolicy, Shed, Thresholds
-from gym_proxy.proxy.fleet.slots import Slots
-from gym_proxy.proxy.fleet.worker_records import WorkerProcess
+from gym_proxy.proxy.fleet.balance.autoscale import Autoscaler, ScaleBounds
+from gym_proxy.proxy.fleet.balance.load import SAMPLE, LoadTracker, WorkerLoad
+from gym_proxy.proxy.fleet.balance.rebalance import Cost, RebalancePolicy, Shed, Thresholds
+from gym_proxy.proxy.fleet.moves.mover import Mover
+from gym_proxy.proxy.fleet.supervision.liveness import PING_INTERVAL
+from gym_proxy.proxy.fleet.supervision.slots import Slots
+from gym_proxy.proxy.fleet.supervision.worker_records import WorkerProcess
 
 __all__ = ["Balancer", "MOVE_WITHIN", "RECENT", "thresholds_of", "bounds_of"]
 
@@ -87,7 +87,7 @@ def bounds_of(config: Config) -> ScaleBounds | None:
 
 @dataclass
 class _Look:
-    """What a load sample reads of one worker (`proxy.fleet.load.Sampled`)."""
+    """What a load sample reads of one worker (`proxy.fleet.balance.load.Sampled`)."""
 
     owner: str
     slot: int

@@ -3,7 +3,7 @@ what an operation changes in it (no I/O).
 
 A slot is a worker's place, 0..N-1; it holds at most one worker and, while a rolling
 restart runs, its successor (`Slot`). A worker an operation stops is *leaving*: out of
-its slot, its exit expected. The supervisor (`proxy.fleet.supervisor`) starts, reaps and
+its slot, its exit expected. The supervisor (`proxy.fleet.supervision.supervisor`) starts, reaps and
 stops the processes; which record sits where is decided here.
 """
 
@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 from gym_proxy.coordinator.contract.messages import Register
 from gym_proxy.coordinator.worker_channels import RegistrationRefused
-from gym_proxy.proxy.fleet.worker_records import Slot, WorkerProcess
+from gym_proxy.proxy.fleet.supervision.worker_records import Slot, WorkerProcess
 
 __all__ = ["Slots"]
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from gym_proxy.proxy.data_path.exchange import start_held, start_held_by_worker
 from gym_proxy.proxy.data_path.routing import ExpectedHandover, Router, WorkerRoute
-from gym_proxy.proxy.fleet.session_watch import until_a_request_ends
+from gym_proxy.proxy.fleet.moves.session_watch import until_a_request_ends
 
 __all__ = ["MoveTable"]
 

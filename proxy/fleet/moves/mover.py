@@ -9,7 +9,7 @@ A move of some sessions to the worker in one slot, in order:
    reported, and serves where it was). A WebSocket tunnel of the session follows the
    app's `tunnels` choice: closed with 1012 first ("close"), or waited for ("block").
    Each session moves as soon as it reaches its boundary, with the others that did
-   (the data path wakes the wait as a request ends: `proxy.fleet.session_watch`, no polling);
+   (the data path wakes the wait as a request ends: `proxy.fleet.moves.session_watch`, no polling);
 3. `move_out` to the source workers (for a move call, every other live worker): the one
    that holds a session answers its record (session store, hooks or a declared session
    dict) and keeps serving it;
@@ -51,7 +51,7 @@ from gym_proxy.coordinator.contract.messages import (
 )
 from gym_proxy.coordinator.exclusion import Exclusion
 from gym_proxy.coordinator.readiness import SlotOwner
-from gym_proxy.proxy.fleet.move_table import MoveTable
+from gym_proxy.proxy.fleet.moves.move_table import MoveTable
 
 __all__ = ["Mover", "LiveWorkers", "Moved", "failures"]
 

@@ -16,10 +16,10 @@ import time
 from typing import TYPE_CHECKING
 
 from gym_proxy.coordinator.contract.messages import Ping
-from gym_proxy.proxy.fleet.worker_records import WorkerProcess
+from gym_proxy.proxy.fleet.supervision.worker_records import WorkerProcess
 
 if TYPE_CHECKING:
-    from gym_proxy.proxy.fleet.supervisor import Supervisor
+    from gym_proxy.proxy.fleet.supervision.supervisor import Supervisor
 
 __all__ = ["watch_liveness", "PING_INTERVAL"]
 

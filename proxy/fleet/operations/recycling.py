@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from gym_proxy.proxy.config import Config
-from gym_proxy.proxy.fleet.worker_records import Slot, resident_bytes
+from gym_proxy.proxy.fleet.supervision.worker_records import Slot, resident_bytes
 
 __all__ = ["RecyclePolicy", "SETTLE"]
 

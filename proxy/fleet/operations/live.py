@@ -7,7 +7,7 @@ every other operation (409 `operation_conflict`, both ways), reports its progres
 - **drain** a slot: its worker takes no new sessions and its sessions move to the other
   workers (a restart-only app's sessions cannot move: they are waited for until they
   end, up to the timeout, then reported); its running `/run` episodes are handed over
-  beside them, each at its next boundary (`proxy.fleet.handovers`). The worker stays
+  beside them, each at its next boundary (`proxy.fleet.moves.handovers`). The worker stays
   up, draining, until `undrain`.
 - **decommission** a worker (the step a restart and a shrink share): drain it into its heirs,
   then hold every request still routed to it at the proxy, wait for its running
@@ -33,7 +33,7 @@ every other operation (409 `operation_conflict`, both ways), reports its progres
   the last slot's worker before it removes the slot, lets that worker take new sessions
   again (`Decommissioner.take_out_or_keep`); either keeps the worker count it had, and
   answers `gave_way`.
-- **recycle**: its policy (`proxy.fleet.recycling`) asks for one when a worker passes
+- **recycle**: its policy (`proxy.fleet.operations.recycling`) asks for one when a worker passes
   `--max-requests` (plus its jitter) or `--max-worker-memory`; it is a rolling restart
   of that slot, deferred while a checkpoint or another operation runs.
 
@@ -57,10 +57,15 @@ from typing import Any, TypeVar
 from gym_proxy.coordinator.contract.answers import OperationReport, OperationsStatus, WorkerStatus
 from gym_proxy.coordinator.contract.errors import GymError
 from gym_proxy.coordinator.exclusion import Exclusion
-from gym_proxy.proxy.fleet.decommission import Decommissioner, Progress, SlotEntry, WorkerPool
-from gym_proxy.proxy.fleet.mover import GAVE_WAY, Mover
-from gym_proxy.proxy.fleet.recycling import RecyclePolicy
-from gym_proxy.proxy.fleet.worker_records import WorkerProcess
+from gym_proxy.proxy.fleet.moves.mover import GAVE_WAY, Mover
+from gym_proxy.proxy.fleet.operations.decommission import (
+    Decommissioner,
+    Progress,
+    SlotEntry,
+    WorkerPool,
+)
+from gym_proxy.proxy.fleet.operations.recycling import RecyclePolicy
+from gym_proxy.proxy.fleet.supervision.worker_records import WorkerProcess
 
 __all__ = ["Operations", "WorkerPool", "Progress", "RESTART_PAUSE"]
 

@@ -56,7 +56,7 @@ WORKER_STATUSES: tuple[WorkerStatus, ...] = (
 
 class WorkerHandle(Protocol):
     """A started worker, as the supervisor uses it: an asyncio subprocess, one forked
-    by the zygote (`proxy.fleet.zygote_client.ForkedProcess`), one adopted
+    by the zygote (`proxy.fleet.supervision.zygote_client.ForkedProcess`), one adopted
     (`proxy.adopted_process.AdoptedProcess`), or a `PlacedHandle`."""
 
     @property
@@ -91,7 +91,7 @@ class PlacedHandle(WorkerHandle, Protocol):
 
 class WorkerLauncher(Protocol):
     """What starts workers: a subprocess each (`SubprocessLauncher`), the zygote
-    (--preload: `proxy.fleet.zygote_client.Zygote`), the nodes of a Ray cluster
+    (--preload: `proxy.fleet.supervision.zygote_client.Zygote`), the nodes of a Ray cluster
     (`proxy.ray_cluster.remote_workers.RayLauncher`), or a test's in-process launcher
     (`tests/in_process.py`)."""
 
