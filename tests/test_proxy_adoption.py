@@ -456,7 +456,8 @@ async def test_a_resize_a_drain_and_the_retire_marks_outlive_the_crash(start_pro
     """What only the proxy knew survives it: the worker count a resize left (down, here:
     the command says 3), the drain of a worker (it still takes no new session), and the
     retire marks (the workers report them: counted, and a late call of a retired attempt
-    is refused, until a `forget` that reaches the workers)."""
+    is refused, until a `forget` that reaches the workers); and a second crash too, the
+    adopting proxy having kept them (random-operation seed 300257)."""
     args = (*GRACE, "--control-token", CONTROL_TOKEN)
     first = start_proxy(*args, workers=3)
     control = Control(http, first.url)
@@ -486,7 +487,17 @@ async def test_a_resize_a_drain_and_the_retire_marks_outlive_the_crash(start_pro
         await control.ok("forget", checkpoint_id="c2", rollout_ids=["r9"])
         async with again.post(f"{second.url}/run", json=late) as resp:
             assert resp.status == 200, await resp.text()
-        async with again.post(f"{second.url}{WORKERS_PATH}/undrain", json={"slot": 0},
+    # A second crash: the one that adopted them keeps what it took in, for the next.
+    os.kill(second.pid, signal.SIGKILL)  # its workers are not its children: they wait
+    second.popen.wait(10)
+    third = start_proxy(*args, workers=3, same_as=first)
+    async with aiohttp.ClientSession() as again:
+        status = await Control(again, third.url).ok("status")
+        assert status["expected_workers"] == 2 and {w["pid"] for w in status["workers"]} == set(
+            pids
+        )
+        assert [w["state"] for w in status["workers"]] == ["draining", "ready"], status
+        async with again.post(f"{third.url}{WORKERS_PATH}/undrain", json={"slot": 0},
                               headers=auth) as resp:  # fmt: skip
             assert (await resp.json())["slots"] == [
                 {"slot": 0, "owner": drained, "draining": False}

@@ -74,6 +74,10 @@ class Adoption:
                 len(supervisor.slots),
             )
             intent = replace(intent, workers=len(supervisor.slots))
+        # Taken in first: every write of the intent from now on (a resize's below) keeps
+        # the drains and aliases too, for the next successor.
+        supervisor.intent.adopt(intent)
+        supervisor.router.aliases = dict(intent.aliases)
         if intent.workers != len(supervisor.slots):
             log.warning(
                 "keeping the %d workers the dead instance was resized to (--workers %d; "
@@ -83,8 +87,6 @@ class Adoption:
             )
             supervisor.slots.reset(intent.workers)
             supervisor.resized()
-        supervisor.intent.adopt(intent)
-        supervisor.router.aliases = dict(intent.aliases)
 
     async def window(self) -> None:
         """Wait until every worker found listening is back, or ADOPT_WINDOW; then close."""

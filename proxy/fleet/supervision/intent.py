@@ -95,6 +95,7 @@ class KeptIntent:
         self.workers = intent.workers
         self.drained = set(intent.drained)
         self.aliases = dict(intent.aliases)
+        self.keep()  # this instance's file says it all, should it die in turn
 
     def aliases_changed(self, aliases: dict[str, str]) -> None:
         self.aliases = dict(aliases)
