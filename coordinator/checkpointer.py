@@ -49,7 +49,6 @@ from gym_proxy.coordinator.contract.errors import GymError
 from gym_proxy.coordinator.contract.marks import RestoredClaims, RetireMarks
 from gym_proxy.coordinator.contract.messages import (
     Claim,
-    ClaimReply,
     Close,
     CloseReply,
     EpisodeRef,
@@ -163,13 +162,7 @@ class Checkpointer:
             self.kind = registration.kind
         if registration.restart_only and not self._warned_restart_only:
             self._warned_restart_only = True
-            log.warning(
-                "%s declares no session state, so it is a restart-only participant: a "
-                "checkpoint exports none of its sessions and names the rollouts using them "
-                "as restarts (declare a session dict, hooks or the session store to export "
-                "them: docs/nemo_gym.md, 'State without code')",
-                self.instance,
-            )
+            _warn_restart_only(self.instance)
         if registration.rejoining:
             self.marks.merge(registration.marks)
             self.restored_once = True  # its state is the dead instance's: no restore onto it
@@ -189,22 +182,8 @@ class Checkpointer:
                     self.readiness.update(owner, message)
                 return None
             case Claim():
-                return self._claim(message)
+                return self.restorer.claim(message)
         raise GymError("invalid_request", f"{message.TYPE} is not a message for the coordinator")
-
-    def _claim(self, claim: Claim) -> ClaimReply:
-        # Synchronous on purpose: the record is taken and the reply written in one step.
-        if self.machine.is_open:
-            raise GymError("checkpoint_parked", "claims wait until the checkpoint resumes")
-        record = self.claims.check(EpisodeId(claim.rollout_id, claim.attempt))
-        recorded, offered = record.get("task_digest"), claim.task_digest
-        if recorded and offered and recorded != offered:
-            # The record stays: the right replacement may still come.
-            raise GymError(
-                "invalid_request", f"{claim.rollout_id} continues a checkpoint of a different task"
-            )
-        self.claims.take(claim.rollout_id)
-        return ClaimReply(record.get("boundary"))
 
     # ---- control operations -------------------------------------------------------
     def status(self) -> ServerStatus:
@@ -534,6 +513,16 @@ class Checkpointer:
         naming the first that did not (`broadcast.all_answer`)."""
         what = "the install" if callable(message) else message.TYPE
         return await all_answer(live, message, self.remaining(deadline_ts, what))
+
+
+def _warn_restart_only(instance: str) -> None:
+    log.warning(
+        "%s declares no session state, so it is a restart-only participant: a "
+        "checkpoint exports none of its sessions and names the rollouts using them "
+        "as restarts (declare a session dict, hooks or the session store to export "
+        "them: docs/nemo_gym.md, 'State without code')",
+        instance,
+    )
 
 
 def _as(answer: type[A], cached: Message) -> A:

@@ -1,6 +1,7 @@
 """A restore: a checkpoint read, its sessions assigned and installed on every live worker
-(all or none), its episodes held until their replacement claims them; and, after an
-adoption, those claims read again from the checkpoint the dead instance restored.
+(all or none), its episodes held until their replacement claims them (`Restore.claim`);
+and, after an adoption, those claims read again from the checkpoint the dead instance
+restored.
 
 The checkpointer runs a restore as one of its calls (under its lock, cancelled by a
 resume of the same checkpoint) and keeps its phase: `Restore` drives the steps and
@@ -28,6 +29,8 @@ from gym_proxy.coordinator.contract.episodes import EpisodeId, episode_key
 from gym_proxy.coordinator.contract.errors import GymError
 from gym_proxy.coordinator.contract.marks import RestoredClaims, RetireMarks
 from gym_proxy.coordinator.contract.messages import (
+    Claim,
+    ClaimReply,
     Close,
     Install,
     Reopen,
@@ -238,6 +241,22 @@ class Restore:
             claims_recovery.remember(note, checkpoint_dir, scope)
         except OSError as exc:
             log.warning("could not note the restore in %s: %s", note, exc)
+
+    def claim(self, claim: Claim) -> ClaimReply:
+        """A replacement's claim of a restored episode: its record, taken (once)."""
+        # Synchronous on purpose: the record is taken and the reply written in one step.
+        cp = self.cp
+        if cp.machine.is_open:
+            raise GymError("checkpoint_parked", "claims wait until the checkpoint resumes")
+        record = cp.claims.check(EpisodeId(claim.rollout_id, claim.attempt))
+        recorded, offered = record.get("task_digest"), claim.task_digest
+        if recorded and offered and recorded != offered:
+            # The record stays: the right replacement may still come.
+            raise GymError(
+                "invalid_request", f"{claim.rollout_id} continues a checkpoint of a different task"
+            )
+        cp.claims.take(claim.rollout_id)
+        return ClaimReply(record.get("boundary"))
 
     async def recover_claims(self, expected_by_adopted: list[dict[str, int]]) -> None:
         """After an adoption: hold again the records of the restored episodes the adopted
