@@ -42,8 +42,8 @@ from gym_proxy.proxy.fleet.moves.move_table import MoveTable
 from gym_proxy.proxy.fleet.moves.mover import Mover
 from gym_proxy.proxy.fleet.operations.live import Operations
 from gym_proxy.proxy.fleet.supervision.intent import KeptIntent
+from gym_proxy.proxy.fleet.supervision.launchers import WorkerLauncher
 from gym_proxy.proxy.fleet.supervision.supervisor import Supervisor
-from gym_proxy.proxy.fleet.supervision.worker_records import WorkerLauncher
 from gym_proxy.proxy.metrics.durations import Durations
 from gym_proxy.proxy.metrics.registry import Metrics
 from gym_proxy.proxy.metrics.request_spans import RequestSpans
@@ -87,15 +87,13 @@ class Assembly:
         config: Config,
         runtime: RuntimeDir,
         secret: bytes,
-        launcher: WorkerLauncher | None = None,
+        launcher: WorkerLauncher,
     ) -> Assembly:
         intent = KeptIntent(runtime.path, config.workers)
         router = Router(on_aliases=intent.aliases_changed)
         state = _proxy_state(config, router, secret, runtime.join(CONTROL_SOCKET))
         coordinator_socket = runtime.join(COORDINATOR_SOCKET)
-        supervisor = Supervisor(
-            config, runtime.path, coordinator_socket, router, intent, launcher=launcher
-        )
+        supervisor = Supervisor(config, runtime.path, coordinator_socket, router, intent, launcher)
         exclusion = Exclusion()
         # With a successor to come, it may have to continue what a restore left.
         note = runtime.join(RESTORED_NAME) if config.orphan_grace else None

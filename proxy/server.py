@@ -2,8 +2,10 @@
 `pass_on` (the workers, to a `--take-over` successor) or `shutdown`; `run` does all of
 it.
 
-Start order: the runtime directory (0700), the control app on its socket, the metrics
-listener, the coordinator socket, the workers (all registered), then the public port
+Start order: the runtime directory (0700), the Ray cluster (with `--worker-placement
+ray`) and the worker launcher (a subprocess each, the zygote, or Ray's), the control app
+on its socket, the metrics listener, the coordinator socket, the workers (the launcher
+opened with their declared environment, then all registered), then the public port
 listens ("ready on"); an inherited, listening socket (--fd) serves from the start,
 answering 503 `worker_unavailable` until then. Each resource registers its own close as
 it opens (an `AsyncExitStack`, as aiohttp's `BaseRunner.cleanup` does), so the teardown
@@ -31,21 +33,18 @@ from gym_proxy.coordinator.contract import telemetry
 from gym_proxy.coordinator.contract.channel import ChannelClosed
 from gym_proxy.coordinator.contract.exit_codes import BOOT_ERROR, RAY_ERROR, USAGE_ERROR
 from gym_proxy.coordinator.contract.messages import ProxyStopping
-from gym_proxy.coordinator.contract.nemo_gym_env import CONFIG_DICT_ENV
-from gym_proxy.coordinator.contract.worker_link import link_key
 from gym_proxy.proxy import data_path
 from gym_proxy.proxy.assembly import Assembly
 from gym_proxy.proxy.config import Config, metrics_address
 from gym_proxy.proxy.connection_sweep import sweep_connections
 from gym_proxy.proxy.data_path.client_connection import ClientFactory
+from gym_proxy.proxy.fleet.supervision.launchers import WorkerLauncher
 from gym_proxy.proxy.fleet.supervision.liveness import watch_liveness
-from gym_proxy.proxy.fleet.supervision.supervisor import Supervisor, WorkerBootError
-from gym_proxy.proxy.fleet.supervision.worker_records import WorkerLauncher
+from gym_proxy.proxy.fleet.supervision.supervisor import WorkerBootError
+from gym_proxy.proxy.launch import WorkerPlan, choose_launcher, launch_of
 from gym_proxy.proxy.metrics import listener as metrics_listener
-from gym_proxy.proxy.ray_cluster.cluster import HEAD_SOCKET, RayCluster, RayPlan
+from gym_proxy.proxy.ray_cluster.cluster import HEAD_SOCKET, RayCluster
 from gym_proxy.proxy.ray_cluster.errors import RayError
-from gym_proxy.proxy.ray_cluster.lines import PlacementSpec
-from gym_proxy.proxy.ray_cluster.remote_workers import START_WAIT, RayLauncher
 from gym_proxy.proxy.runtime_dir import (
     RuntimeDir,
     RuntimeDirBusy,
@@ -55,7 +54,6 @@ from gym_proxy.proxy.runtime_dir import (
 )
 from gym_proxy.proxy.signals import Signals
 from gym_proxy.proxy.take_over import TAKE_OVER_SOCKET, PassOnListener, TakeOver, until_released
-from gym_proxy.worker.nemo_gym_server import with_ray_address
 
 __all__ = ["Server", "StartupFailed", "run"]
 
@@ -75,23 +73,24 @@ class _StoppedEarly(Exception):
 
 
 class Server:
-    """One gym-proxy. `launcher`: what starts the workers, if not a subprocess each (or
-    the zygote); `take_over`: the socket and conversation a `--take-over` got from the
-    running instance; `ray_plan`: the Ray cluster the workers join, if they use Ray."""
+    """One gym-proxy. `plan`: what the workers' environment declares and the Ray cluster
+    they join, if they use Ray; `launcher`: what starts them, if not the one the config
+    asks for (a test's); `take_over`: the socket and conversation a `--take-over` got
+    from the running instance."""
 
     def __init__(
         self,
         config: Config,
         listen_sock: socket.socket,
         secret: bytes,
-        ray_plan: RayPlan | None = None,
+        plan: WorkerPlan | None = None,
         launcher: WorkerLauncher | None = None,
         take_over: TakeOver | None = None,
     ) -> None:
         self.config = config
         self.listen_sock = listen_sock
         self.secret = secret
-        self.ray_plan = ray_plan
+        self.plan = plan or WorkerPlan()
         self.launcher = launcher
         self.take_over = take_over
         self.signals = Signals(self._on_operation_signal)
@@ -141,7 +140,13 @@ class Server:
         resources.callback(self.listen_sock.close)
         self.runtime = await self._open_runtime_dir()
         resources.callback(self.runtime.remove)
-        parts = self.parts = Assembly.build(config, self.runtime, self.secret, self.launcher)
+        if self.plan.ray is not None:  # started at boot; stopped after the workers' launcher
+            keep_for = config.orphan_grace or 0.0
+            self.cluster = RayCluster(self.plan.ray, keep_for, self.runtime.join(HEAD_SOCKET))
+            resources.push_async_callback(self.cluster.stop)
+        launcher = self.launcher or choose_launcher(config, self.secret, self.runtime.path)
+        resources.push_async_callback(launcher.close)  # after the workers stopped
+        parts = self.parts = Assembly.build(config, self.runtime, self.secret, launcher)
         resources.callback(parts.operations.close)
         await self._open_listeners(parts)
         # A port gym-proxy bound itself listens only once every worker has registered:
@@ -235,12 +240,8 @@ class Server:
             left = "the previous instance passed on" if passed_on else "a dead instance left"
             log.info("adopting the workers %s in %s", left, runtime.path)
             supervisor.adopt(orphans, passed_on)
-        if self.ray_plan is not None:
-            keep_for = self.config.orphan_grace or 0.0
-            self.cluster = RayCluster(self.ray_plan, keep_for, runtime.join(HEAD_SOCKET))
-            self.resources.push_async_callback(self.cluster.stop)  # after the workers
         self.resources.push_async_callback(supervisor.stop, self.config.graceful_timeout)
-        boot = asyncio.ensure_future(self._start_workers(supervisor))
+        boot = asyncio.ensure_future(self._start_workers(parts))
         stopped = asyncio.ensure_future(self.signals.stop.wait())
         await asyncio.wait({boot, stopped}, return_when=asyncio.FIRST_COMPLETED)
         stopped.cancel()
@@ -255,42 +256,14 @@ class Server:
         except RayError as exc:
             raise StartupFailed(RAY_ERROR, str(exc)) from None
 
-    async def _start_workers(self, supervisor: Supervisor) -> None:
+    async def _start_workers(self, parts: Assembly) -> None:
+        """The cluster up (when the workers use Ray), the launcher open, the workers
+        started and registered."""
         if self.cluster is not None:
             await self.cluster.start()
-            if CONFIG_DICT_ENV in os.environ:  # a NeMo Gym server: its config names it
-                os.environ[CONFIG_DICT_ENV] = with_ray_address(
-                    os.environ[CONFIG_DICT_ENV], self.cluster.address
-                )
-            os.environ.update(self.cluster.environment)
-            if self.config.worker_placement == "ray":
-                supervisor.launcher = await self._ray_launcher(self.cluster)
-        await supervisor.start()
-
-    async def _ray_launcher(self, cluster: RayCluster) -> RayLauncher:
-        """The launcher of workers on the cluster's nodes (RayError when the cluster cannot
-        hold them); closed by the supervisor, after its workers."""
-        assert self.parts is not None
-        config = self.config
-        spec = PlacementSpec(
-            workers=config.workers,
-            cpus=config.worker_cpus,
-            resources=config.ray_resources(),
-            strategy=config.worker_strategy.upper(),
-            instance=config.instance,
-            runtime_dir=self.parts.runtime.path,  # the driver's to remove if this dies
-        )
-        key = link_key(self.secret, config.instance)
-        launcher = RayLauncher(
-            cluster.address,
-            spec,
-            key,
-            self.parts.channels.accept,
-            cluster.environment,
-            config.boot_timeout or START_WAIT,
-        )
-        await launcher.start()
-        return launcher
+        launch = launch_of(self.plan, self.cluster, parts.channels.accept, os.environ)
+        await parts.supervisor.launcher.open(launch)
+        await parts.supervisor.start()
 
     async def _listen(self) -> None:
         try:
@@ -449,12 +422,12 @@ async def run(
     config: Config,
     listen_sock: socket.socket,
     secret: bytes,
-    ray_plan: RayPlan | None = None,
+    plan: WorkerPlan | None = None,
     launcher: WorkerLauncher | None = None,
     take_over: TakeOver | None = None,
 ) -> int:
     """Serve until a signal or a fatal worker error; return the process exit code."""
-    server = Server(config, listen_sock, secret, ray_plan, launcher, take_over)
+    server = Server(config, listen_sock, secret, plan, launcher, take_over)
     return await server.run()
 
 

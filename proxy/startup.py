@@ -33,6 +33,7 @@ from gym_proxy.proxy.config import (
     secrets_on_command_line,
 )
 from gym_proxy.proxy.config_block import apply_block
+from gym_proxy.proxy.launch import WorkerPlan
 from gym_proxy.proxy.ray_cluster.cluster import RayPlan
 from gym_proxy.proxy.runtime_dir import ensure_parent, secret_fingerprint
 from gym_proxy.proxy.server import run
@@ -77,7 +78,7 @@ def bind_listener(config: Config) -> socket.socket:
     return sock
 
 
-def _from_nemo_gym_config(config: Config, cls: type) -> tuple[Config, RayPlan | None]:
+def _from_nemo_gym_config(config: Config, cls: type) -> tuple[Config, WorkerPlan]:
     """A NeMo Gym server class: its instance in the global config gives the name, host,
     port and worker count not given on the command line; the workers get the config.
     A class that uses Ray (NeMo Gym's rule) gets the plan of its one cluster."""
@@ -93,10 +94,10 @@ def _from_nemo_gym_config(config: Config, cls: type) -> tuple[Config, RayPlan | 
         values["workers"] = instance.num_workers
     config = replace(config, **values)
     config.validate()
-    os.environ.update(instance.environment(config.workers))
+    environment = instance.environment(config.workers)
     if not uses_ray(cls) and config.worker_placement != "ray":
-        return config, None
-    return config, cluster_plan(instance.ray_address)
+        return config, WorkerPlan(environment)
+    return config, WorkerPlan(environment, cluster_plan(instance.ray_address))
 
 
 def cluster_plan(config_address: str | None = None) -> RayPlan:
@@ -133,7 +134,7 @@ def start(argv: Sequence[str] | None = None) -> None:
     # reading this process's environment later.
     for name in SECRET_ENV:
         os.environ.pop(name, None)
-    config, ray_plan = _the_app(config)
+    config, plan = _the_app(config)
     try:
         ensure_parent(config.runtime_dir or tempfile.gettempdir())
     except ValueError as exc:
@@ -158,11 +159,11 @@ def start(argv: Sequence[str] | None = None) -> None:
             _fail(f"cannot listen on {where}: {exc.strerror or exc}")
     freeze_startup_heap()  # every module is imported: no full pass walks them again
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        code = runner.run(run(config, sock, secret, ray_plan, take_over=take_over))
+        code = runner.run(run(config, sock, secret, plan, take_over=take_over))
     exit_process(code)
 
 
-def _the_app(config: Config) -> tuple[Config, RayPlan | None]:
+def _the_app(config: Config) -> tuple[Config, WorkerPlan]:
     """`APP` imported (or the server NeMo Gym's launcher started in its place), with a
     NeMo Gym class's config settled and the Ray cluster it or the placement needs;
     exits with one line when it cannot be."""
@@ -172,18 +173,18 @@ def _the_app(config: Config) -> tuple[Config, RayPlan | None]:
             if launched is not None:
                 config = replace(config, app=launched[0], app_dir=launched[1])
         target = import_app_target(config.app, config.app_dir)
-        ray_plan = None
+        plan = WorkerPlan()
         if is_server_class(target):
-            config, ray_plan = _from_nemo_gym_config(config, target)
+            config, plan = _from_nemo_gym_config(config, target)
             if config.session_state is not None:
                 check_session_state(target, config.session_state)
         elif config.session_state is not None:
             raise ConfigError("--session-state names an attribute of a NeMo Gym server class")
-        if config.worker_placement == "ray" and ray_plan is None:
-            ray_plan = cluster_plan()
+        if config.worker_placement == "ray" and plan.ray is None:
+            plan = replace(plan, ray=cluster_plan())
     except (AppLoadError, ConfigError, NemoGymConfigError) as exc:
         _fail(str(exc))
-    if ray_plan is not None and importlib.util.find_spec("ray") is None:
+    if plan.ray is not None and importlib.util.find_spec("ray") is None:
         what = "--worker-placement ray" if config.worker_placement == "ray" else "the app"
         print(
             f"gym-proxy: error: {what} needs Ray, which this Python does not have "
@@ -191,7 +192,7 @@ def _the_app(config: Config) -> tuple[Config, RayPlan | None]:
             file=sys.stderr,
         )
         sys.exit(RAY_ERROR)
-    return config, ray_plan
+    return config, plan
 
 
 def _secret(config: Config, log: logging.Logger) -> bytes:

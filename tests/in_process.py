@@ -27,6 +27,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from gym_proxy.proxy.config import config_from_args
+from gym_proxy.proxy.fleet.supervision.launchers import Launch
 from gym_proxy.proxy.server import run
 from gym_proxy.worker.options import parse_worker_args
 from gym_proxy.worker.process import serve
@@ -92,8 +93,14 @@ class TaskLauncher:
 
     def __init__(self) -> None:
         self.started: list[TaskWorker] = []
+        self.launch: Launch | None = None  # what the server opened it with
+
+    async def open(self, launch: Launch) -> None:
+        self.launch = launch  # the workers share this process's environment: not applied
 
     async def spawn(self, argv: list[str]) -> TaskWorker:
+        if self.launch is None:
+            raise OSError("the worker launcher is not open")
         worker = TaskWorker(argv)
         self.started.append(worker)
         return worker

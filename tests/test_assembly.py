@@ -11,6 +11,7 @@ from gym_proxy.coordinator.contract.errors import GymError
 from gym_proxy.coordinator.contract.messages import Claim, Reopen, SessionsEnded
 from gym_proxy.proxy.assembly import Assembly
 from gym_proxy.proxy.config import Config
+from gym_proxy.proxy.fleet.supervision.launchers import SubprocessLauncher
 from gym_proxy.proxy.runtime_dir import RuntimeDir
 
 pytestmark = pytest.mark.fast
@@ -19,7 +20,7 @@ pytestmark = pytest.mark.fast
 @pytest.fixture
 async def parts(tmp_path: Path) -> Assembly:
     runtime = RuntimeDir(str(tmp_path))
-    return Assembly.build(Config(workers=2), runtime, b"secret")
+    return Assembly.build(Config(workers=2), runtime, b"secret", SubprocessLauncher())
 
 
 async def test_ended_sessions_leave_the_router_tables_and_nothing_else(parts: Assembly):

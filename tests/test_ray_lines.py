@@ -21,6 +21,7 @@ import pytest
 
 from gym_proxy.coordinator.contract.exit_codes import FAILED
 from gym_proxy.coordinator.contract.lines import LineError, encode_line, expect
+from gym_proxy.proxy.fleet.supervision.launchers import Launch
 from gym_proxy.proxy.fleet.supervision.worker_records import PlacedHandle, WorkerProcess
 from gym_proxy.proxy.ray_cluster.cluster import RayCluster, RayPlan
 from gym_proxy.proxy.ray_cluster.errors import RayError
@@ -204,10 +205,8 @@ async def test_the_launcher_and_a_driver_speak_the_protocol_and_refuse_what_they
     """The driver decodes the launcher's SPEC and `spawn` strictly; the launcher refuses
     the driver's line that is no message (one log line naming the driver, nothing acts
     on it) and takes its `not_started` as the spawn's failure."""
-    launcher = RayLauncher(
-        "127.0.0.1:1", SPEC, b"k" * 32, _never_called, {}, driver=(*PYTHON, "-c", STAND_IN_DRIVER)
-    )
-    await launcher.start()
+    launcher = RayLauncher(SPEC, b"k" * 32, driver=(*PYTHON, "-c", STAND_IN_DRIVER))
+    await launcher.open(Launch({}, "127.0.0.1:1", _never_called))
     try:
         with caplog.at_level(logging.ERROR, "gym_proxy.supervisor"):
             with pytest.raises(OSError) as failed:
@@ -233,17 +232,15 @@ async def test_the_launcher_and_a_driver_speak_the_protocol_and_refuse_what_they
 )
 async def test_a_driver_that_is_not_ready_is_one_line_for_the_user(said, why):
     script = f"import sys; sys.stdout.write({said!r}); sys.stdout.flush()"
-    launcher = RayLauncher(
-        "127.0.0.1:1", SPEC, b"k" * 32, _never_called, {}, driver=(*PYTHON, "-c", script)
-    )
+    launcher = RayLauncher(SPEC, b"k" * 32, driver=(*PYTHON, "-c", script))
     with pytest.raises(RayError) as refused:
-        await launcher.start()
+        await launcher.open(Launch({}, "127.0.0.1:1", _never_called))
     assert why in str(refused.value) and "\n" not in str(refused.value)
 
 
 # ---- the boundary: the fleet knows placed workers by its own protocol ---------------------
 async def test_a_placed_worker_is_a_placed_handle_to_the_fleet_and_a_local_one_is_not():
-    launcher = RayLauncher("127.0.0.1:1", SPEC, b"k" * 32, _never_called, {})
+    launcher = RayLauncher(SPEC, b"k" * 32)
     handle: PlacedHandle = RemoteWorker(launcher, WorkerStarted(1, 7, "10.0.0.2", 9, "node-a", "h"))
     placed = WorkerProcess(0, "owner", "", handle, 0.0)
     assert isinstance(handle, PlacedHandle) and (placed.node, placed.local) == ("node-a", False)

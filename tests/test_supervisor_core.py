@@ -25,6 +25,7 @@ from gym_proxy.coordinator.worker_channels import RegistrationRefused, WorkerCha
 from gym_proxy.proxy.config import Config
 from gym_proxy.proxy.data_path.routing import Router
 from gym_proxy.proxy.fleet.supervision.intent import KeptIntent
+from gym_proxy.proxy.fleet.supervision.launchers import Launch, SubprocessLauncher
 from gym_proxy.proxy.fleet.supervision.liveness import watch_liveness
 from gym_proxy.proxy.fleet.supervision.supervisor import (
     TEST_OWNERS_ENV,
@@ -32,7 +33,6 @@ from gym_proxy.proxy.fleet.supervision.supervisor import (
     WorkerBootError,
     WorkerProcess,
 )
-from gym_proxy.proxy.fleet.supervision.worker_records import SubprocessLauncher
 
 OWNERS = ("owner-a", "owner-b", "owner-c", "owner-d", "owner-e", "owner-f")
 APP = "standin.app:create_app"
@@ -170,6 +170,7 @@ async def rig(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
         made = Rig(tmp_path, mode, command, **cfg)
         rigs.append(made)
         await made.channels.start(str(tmp_path / "coordinator.sock"))
+        await made.supervisor.launcher.open(Launch())  # as the server does, once booted
         return made
 
     yield make

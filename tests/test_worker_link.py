@@ -276,7 +276,7 @@ async def test_a_placed_worker_whose_port_refuses_is_taken_as_gone():
     listens from start to end): its channel is cut, which takes it out of the routes as
     any lost channel does, instead of waiting for Ray to report its actor dead; the
     request that found it is told its worker is gone (`WorkerGone`: a 410, not a 502)."""
-    launcher = RayLauncher("", SPEC, KEY, accept_channel=_never_called, environment={})
+    launcher = RayLauncher(SPEC, KEY)
     closed = socket.create_server(("127.0.0.1", 0))
     port = closed.getsockname()[1]
     closed.close()
@@ -307,7 +307,7 @@ async def test_a_placed_worker_that_does_not_greet_in_time_is_dialed_again_not_c
         return await worker_link.connect(*args, **kwargs)
 
     monkeypatch.setattr(remote_workers, "connect", counted)
-    launcher = RayLauncher("", SPEC, KEY, accept_channel=_never_called, environment={})
+    launcher = RayLauncher(SPEC, KEY)
     sock = socket.create_server(("127.0.0.1", 0))  # listening; nothing accepts yet
     port = sock.getsockname()[1]
     gate = LinkGate(sock, KEY, _Echo, lambda: None)
@@ -328,7 +328,3 @@ async def test_a_placed_worker_that_does_not_greet_in_time_is_dialed_again_not_c
         gate.close()
         writer.close()
         worker.channel.close()
-
-
-async def _never_called(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-    raise AssertionError("no channel is dialed here")

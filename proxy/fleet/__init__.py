@@ -12,7 +12,7 @@ Each uses only the ones above it in that order, and the moves none of them: no c
 (`tests/test_import_graph.py`).
 
 Where a worker runs is its launcher's business: the fleet knows workers on a Ray
-cluster's nodes only as `supervision.worker_records.WorkerLauncher` and
+cluster's nodes only as `supervision.launchers.WorkerLauncher` and
 `supervision.worker_records.PlacedHandle`
 (`proxy.ray_cluster` fills them) and imports nothing of the Ray side.
 

@@ -4,7 +4,7 @@
 - `cluster`: which cluster the workers join, started, checked, taken over and stopped in
   the proxy, through `head`, the process that starts or checks it and holds it;
 - `remote_workers`: the launcher of placed workers (`RayLauncher`, a
-  `proxy.fleet.supervision.worker_records.WorkerLauncher`) and their handles (`RemoteWorker`, a
+  `proxy.fleet.supervision.launchers.WorkerLauncher`) and their handles (`RemoteWorker`, a
   `proxy.fleet.supervision.worker_records.PlacedHandle`), in the proxy, through `placement`, the Ray
   driver process that owns their actors (`worker_host`, one per worker on a node);
 - `lines`: what those processes say to the proxy, each protocol declared once for both

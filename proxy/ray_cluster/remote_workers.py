@@ -1,6 +1,6 @@
 """Workers on the nodes of the server's Ray cluster (`--worker-placement ray`), as the
 supervisor sees them: started by a `RayLauncher` (a
-`proxy.fleet.supervision.worker_records.WorkerLauncher`), each a `RemoteWorker` handle (a
+`proxy.fleet.supervision.launchers.WorkerLauncher`), each a `RemoteWorker` handle (a
 `proxy.fleet.supervision.worker_records.PlacedHandle`). The fleet knows them only by those two
 protocols of its own; this module is the Ray side of that boundary, beside its driver.
 
@@ -44,7 +44,7 @@ import signal
 import sys
 import time
 from asyncio import StreamReader, StreamWriter
-from collections.abc import Awaitable, Callable, Coroutine, Mapping
+from collections.abc import Callable, Coroutine, Mapping
 from typing import TYPE_CHECKING, Any
 
 from gym_proxy.coordinator.contract.errors import WorkerGone
@@ -62,6 +62,7 @@ from gym_proxy.coordinator.contract.worker_link import (
     dial,
     stop_worker,
 )
+from gym_proxy.proxy.fleet.supervision.launchers import Launch
 from gym_proxy.proxy.ray_cluster.errors import RayError
 from gym_proxy.proxy.ray_cluster.lines import (
     DRIVER,
@@ -110,9 +111,6 @@ CARRIED_RAY = frozenset({"RAY_AUTH_MODE"})  # how the workers join: the proxy's,
 
 class ActorLost(OSError):
     """The worker's actor died before it started the worker."""
-
-
-AcceptChannel = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 
 
 def remote_environment(environ: Mapping[str, str]) -> dict[str, str]:
@@ -227,23 +225,18 @@ class RayLauncher:
 
     def __init__(
         self,
-        address: str,
         spec: PlacementSpec,
         key: bytes,
-        accept_channel: AcceptChannel,
-        environment: Mapping[str, str],
         boot_timeout: float = START_WAIT,
         driver: tuple[str, ...] = DRIVER_COMMAND,
     ) -> None:
         """`boot_timeout`: how long a worker may take to build its app and open its link;
         `driver`: the driver's command (tests start a stand-in that speaks its lines)."""
-        self.address = address
         self.boot_timeout = boot_timeout
         self.spec = spec
         self.key = key
         self._driver_command = driver
-        self._accept_channel = accept_channel
-        self._environment = dict(environment)
+        self._launch = Launch()
         self._driver: asyncio.subprocess.Process | None = None
         self._reader: asyncio.Task[None] | None = None
         self._next_key = 0
@@ -251,13 +244,17 @@ class RayLauncher:
         self._workers: dict[int, RemoteWorker] = {}
         self._tasks: set[asyncio.Task[None]] = set()  # channels, stops over links
 
-    async def start(self) -> None:
-        """Start the driver; RayError (one line) when the cluster cannot hold the workers
-        or cannot be joined."""
+    async def open(self, launch: Launch) -> None:
+        """Start the driver on the cluster `launch` names; RayError (one line) when the
+        cluster cannot hold the workers or cannot be joined."""
+        if launch.ray_address is None or launch.accept_channel is None:
+            raise RayError("placing workers on Ray needs the cluster's address and a channel")
+        self._launch = launch
         self._driver = await asyncio.create_subprocess_exec(
-            *self._driver_command, self.address, encode_line(self.spec).decode().rstrip("\n"),
+            *self._driver_command, launch.ray_address,
+            encode_line(self.spec).decode().rstrip("\n"),
             stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, limit=STREAM_LIMIT,
-            env={**os.environ, **self._environment},
+            env={**os.environ, **launch.environment},
         )  # fmt: skip
         assert self._driver.stdout is not None
         try:
@@ -283,7 +280,10 @@ class RayLauncher:
         if self._reader is None or self._reader.done():
             raise OSError("the Ray placement driver is not running")
         argv = [a for a in argv if not a.startswith(("--socket=", "--coordinator="))]
-        env = {**remote_environment(os.environ), **self._environment, LINK_KEY_ENV: self.key.hex()}
+        env = {
+            **remote_environment(os.environ), **self._launch.environment,
+            LINK_KEY_ENV: self.key.hex(),
+        }  # fmt: skip
         give_up = time.monotonic() + PLACE_AGAIN_FOR
         while True:
             key = self._next_key = self._next_key + 1
@@ -323,8 +323,9 @@ class RayLauncher:
                 worker.kill()
             return
         worker.channel = writer
+        assert self._launch.accept_channel is not None  # open() said so
         try:
-            await self._accept_channel(reader, writer)
+            await self._launch.accept_channel(reader, writer)
         finally:
             worker.channel = None
         # Its channel ended. A worker told to stop closes it last, after its app's

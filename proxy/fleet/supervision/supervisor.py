@@ -40,15 +40,9 @@ from gym_proxy.proxy.data_path.routing import Router
 from gym_proxy.proxy.data_path.session_tokens import new_owner_id
 from gym_proxy.proxy.fleet.supervision.adoption import Adoption
 from gym_proxy.proxy.fleet.supervision.intent import KeptIntent
+from gym_proxy.proxy.fleet.supervision.launchers import WorkerLauncher
 from gym_proxy.proxy.fleet.supervision.slots import Slots
-from gym_proxy.proxy.fleet.supervision.worker_records import (
-    Slot,
-    SubprocessLauncher,
-    WorkerLauncher,
-    WorkerProcess,
-    terminate,
-)
-from gym_proxy.proxy.fleet.supervision.zygote_client import Zygote
+from gym_proxy.proxy.fleet.supervision.worker_records import Slot, WorkerProcess, terminate
 from gym_proxy.worker.options import worker_argv
 
 __all__ = ["WorkerProcess", "Supervisor", "WorkerBootError", "Slot"]
@@ -72,6 +66,9 @@ class Supervisor:
     # What an operator asked, kept for a successor (the router was made with its
     # `aliases_changed`).
     intent: KeptIntent
+    # Starts the workers (a subprocess each, the zygote's forks, Ray's actors: the server
+    # chose, opens and closes it, `proxy.launch`).
+    launcher: WorkerLauncher
     slots: Slots = field(init=False)
     stopping: bool = False
     fatal: asyncio.Future[None] = field(init=False)  # set when a worker cannot boot
@@ -83,9 +80,6 @@ class Supervisor:
     _registered: asyncio.Event = field(default_factory=asyncio.Event)
     _timer: asyncio.TimerHandle | None = None
     _stop_began: float = 0.0  # monotonic time stop() sent SIGTERM
-    # Starts the workers: a subprocess each, unless the zygote (--preload: forked from
-    # it) or a test's launcher is given.
-    launcher: WorkerLauncher | None = None
     _owners: list[str] = field(
         default_factory=lambda: list(filter(None, os.environ.get(TEST_OWNERS_ENV, "").split(",")))
     )
@@ -93,9 +87,6 @@ class Supervisor:
     def __post_init__(self) -> None:
         self.slots = Slots(self.config.workers)
         self.fatal = asyncio.get_running_loop().create_future()
-        if self.launcher is None:
-            self.launcher = Zygote.for_config(self.config) if self.config.preload else None
-            self.launcher = self.launcher or SubprocessLauncher()
 
     def adopt(self, orphans: int, passed_on: bool) -> None:
         """`orphans` workers of a predecessor (a dead one's, or passed on) listen in the
@@ -160,7 +151,6 @@ class Supervisor:
             instance=self.config.instance,
             workers=len(self.slots),
         )
-        assert self.launcher is not None
         try:
             process = await self.launcher.spawn(argv)
         except OSError as exc:
@@ -418,9 +408,6 @@ class Supervisor:
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        if self.launcher is not None:
-            await self.launcher.close()
-            self.launcher = None
 
     def _fail(self, exc: Exception) -> None:
         if not self.fatal.done():

@@ -12,7 +12,6 @@ import contextlib
 import logging
 import os
 import signal
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -29,8 +28,6 @@ __all__ = [
     "WorkerProcess",
     "WorkerHandle",
     "PlacedHandle",
-    "WorkerLauncher",
-    "SubprocessLauncher",
     "Slot",
     "resident_bytes",
     "terminate",
@@ -87,37 +84,6 @@ class PlacedHandle(WorkerHandle, Protocol):
     async def connect(
         self, factory: Callable[[], UpstreamConnection], address: str
     ) -> UpstreamConnection: ...
-
-
-class WorkerLauncher(Protocol):
-    """What starts workers: a subprocess each (`SubprocessLauncher`), the zygote
-    (--preload: `proxy.fleet.supervision.zygote_client.Zygote`), the nodes of a Ray cluster
-    (`proxy.ray_cluster.remote_workers.RayLauncher`), or a test's in-process launcher
-    (`tests/in_process.py`)."""
-
-    async def spawn(self, argv: list[str]) -> WorkerHandle: ...
-
-    async def close(self) -> None: ...
-
-
-# `python -P`: the current directory never shadows gym-proxy's packages.
-WORKER_COMMAND = (sys.executable, "-P", "-m", "gym_proxy.worker")
-
-
-@dataclass(frozen=True)
-class SubprocessLauncher:
-    """A fresh interpreter per worker, started with its arguments (tests of the
-    supervisor start stand-in workers with another `command`)."""
-
-    command: tuple[str, ...] = WORKER_COMMAND
-
-    async def spawn(self, argv: list[str]) -> WorkerHandle:
-        return await asyncio.create_subprocess_exec(
-            *self.command, *argv, stdin=asyncio.subprocess.DEVNULL
-        )
-
-    async def close(self) -> None:
-        return None
 
 
 @dataclass(eq=False)

@@ -28,6 +28,7 @@ from gym_proxy.coordinator.contract.zygote_lines import (
     ForkRefused,
 )
 from gym_proxy.proxy.config import Config
+from gym_proxy.proxy.fleet.supervision.launchers import Launch, environment_of
 
 __all__ = ["Zygote", "ForkedProcess", "ZygoteError"]
 
@@ -73,6 +74,7 @@ class Zygote:
         self.replies: collections.deque[asyncio.Future[ForkedProcess | str]] = collections.deque()
         self.children: dict[int, ForkedProcess] = {}
         self.lock = asyncio.Lock()  # one fork at a time: replies come in order
+        self.environment: dict[str, str] | None = None  # its and its workers', once open
 
     @classmethod
     def for_config(cls, config: Config) -> Zygote:
@@ -81,14 +83,21 @@ class Zygote:
             config.app, config.app_dir, config.limit_request_line, config.limit_request_headers
         )
 
+    async def open(self, launch: Launch) -> None:
+        """The zygote starts on the first spawn, in the workers' environment: an app that
+        reads it at import reads theirs."""
+        self.environment = environment_of(launch)
+
     async def spawn(self, argv: list[str]) -> ForkedProcess:
+        if self.environment is None:
+            raise ZygoteError("the worker launcher is not open")
         async with self.lock:
             if self.writer is None or self.writer.is_closing():
                 await self._start()
             assert self.writer is not None
             reply: asyncio.Future[ForkedProcess | str] = asyncio.get_running_loop().create_future()
             self.replies.append(reply)
-            self.writer.write(encode_line(Fork(argv, dict(os.environ))))
+            self.writer.write(encode_line(Fork(argv, dict(self.environment))))
             await self.writer.drain()
             answer = await reply
         if isinstance(answer, str):
@@ -103,6 +112,7 @@ class Zygote:
                 str(theirs.fileno()), *self.args,
                 stdin=asyncio.subprocess.DEVNULL,
                 pass_fds=(theirs.fileno(),),
+                env=self.environment,
             )  # fmt: skip
         finally:
             theirs.close()
