@@ -967,8 +967,10 @@ class Walk:
         before = dict(self.model.rebalanced)
         moved, excused = await self.rebalanced(owner)
 
-        # A worker with two requests held runs at the hot floor: it may not take them.
+        # A worker running two requests (held ones, episodes) is at the hot floor: it may
+        # not take them (seed 300887: one of each).
         busy = Counter(self.model.where[s] for s in self.model.held)
+        busy.update(self.model.episodes.values())
         calm_takers = [t for t in takers if busy[t] < 2]
 
         def allowed(s: str, among: list[str] = takers) -> list[str]:
