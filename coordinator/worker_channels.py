@@ -81,8 +81,20 @@ class WorkerChannels:
         self._server = await asyncio.start_unix_server(self.accept, socket_path, limit=STREAM_LIMIT)
 
     async def accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        """Serve one worker connection until it ends: one from the socket, or one the
-        proxy dialed to a worker on another node (`proxy.ray_cluster.remote_workers`)."""
+        """Serve one worker connection from the socket until it ends."""
+        await self._serve(reader, writer, dialed=False)
+
+    async def accept_dialed(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        """Serve one channel the proxy dialed to a placed worker
+        (`proxy.ray_cluster.remote_workers`) until it ends. It proved the link key; the
+        kernel's word on its pid would be its host's, which listened for it."""
+        await self._serve(reader, writer, dialed=True)
+
+    async def _serve(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, dialed: bool
+    ) -> None:
         if self._limit is not None and len(self._connections) >= self._limit():
             if not self._unregistered:
                 self._drop(writer, "over the cap, and every connection registered")
@@ -95,7 +107,7 @@ class WorkerChannels:
         self._connections.add(task)
         self._unregistered[writer] = None
         try:
-            await self._run_connection(reader, writer)
+            await self._run_connection(reader, writer, dialed)
         finally:
             self._connections.discard(task)
             self._unregistered.pop(writer, None)
@@ -114,7 +126,7 @@ class WorkerChannels:
         self._quiet_drops = 0
 
     async def _run_connection(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, dialed: bool
     ) -> None:
         try:
             first = await asyncio.wait_for(read_frame(reader), REGISTER_TIMEOUT)
@@ -126,7 +138,8 @@ class WorkerChannels:
             return
         try:
             registration = Register.decode(first)
-            _check_claim(writer, registration)
+            if not dialed:
+                _check_claim(writer, registration)
         except (MalformedMessage, Untrusted) as exc:
             self._drop(writer, str(exc))
             return
@@ -184,13 +197,12 @@ class WorkerChannels:
 
 
 def _check_claim(writer: asyncio.StreamWriter, registration: Register) -> None:
-    """Untrusted unless the process at the other end of a Unix connection runs as this
-    user and is the pid the registration names (the kernel's word, `SO_PEERCRED`): a pid
-    is adopted, watched and signalled on this claim. A connection the proxy dialed to a
-    worker on another node proved the link key instead."""
+    """Untrusted unless the process at the other end of a connection to the socket runs
+    as this user and is the pid the registration names (the kernel's word,
+    `SO_PEERCRED`): a pid is adopted, watched and signalled on this claim."""
     sock = writer.get_extra_info("socket")
     if sock is None or sock.family != socket.AF_UNIX:
-        return
+        raise Untrusted("a registration came on a connection that is not a Unix socket's")
     peer = own_peer(sock, "the coordinator socket")
     if peer.pid != registration.pid:
         raise Untrusted(f"a registration claims pid {registration.pid}, but pid {peer.pid} sent it")

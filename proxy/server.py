@@ -261,7 +261,7 @@ class Server:
         started and registered."""
         if self.cluster is not None:
             await self.cluster.start()
-        launch = launch_of(self.plan, self.cluster, parts.channels.accept, os.environ)
+        launch = launch_of(self.plan, self.cluster, parts.channels.accept_dialed, os.environ)
         await parts.supervisor.launcher.open(launch)
         await parts.supervisor.start()
 

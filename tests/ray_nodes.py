@@ -109,16 +109,23 @@ class RayNodes:
         """What a process needs to join: token mode and where the token is."""
         return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(self.token_path)}
 
-    def start_head(self) -> RayNode:
+    def start_head(self, resources: dict[str, float] | None = None) -> RayNode:
+        """The head; `resources`: custom resources it offers (a worker asking for one is
+        placed there)."""
         return self._start("head", ["--head", "--port", str(self.port),
                                     "--include-dashboard", "true",  # the state API's server
                                     "--dashboard-host", "127.0.0.1",
-                                    "--dashboard-port", str(free_port())])  # fmt: skip
+                                    "--dashboard-port", str(free_port())],
+                           resources)  # fmt: skip
 
-    def add_node(self) -> RayNode:
-        return self._start(f"node{len(self.nodes)}", ["--address", self.address])
+    def add_node(self, resources: dict[str, float] | None = None) -> RayNode:
+        return self._start(f"node{len(self.nodes)}", ["--address", self.address], resources)
 
-    def _start(self, name: str, role: list[str]) -> RayNode:
+    def _start(
+        self, name: str, role: list[str], resources: dict[str, float] | None = None
+    ) -> RayNode:
+        if resources:
+            role = [*role, "--resources", json.dumps(resources)]
         # Every port its own: several nodes (and other people's clusters) share the host.
         ports = ["--node-manager-port", "--object-manager-port", "--metrics-export-port",
                  "--dashboard-agent-listen-port", "--dashboard-agent-grpc-port",

@@ -43,7 +43,11 @@ for _module in ("ray", "grpc", "aiohttp_cors", "opencensus"):  # Ray, and its st
     if importlib.util.find_spec(_module) is None:
         pytest.skip(f"needs {_module} (tests/nemo_gym/install.sh)", allow_module_level=True)
 
-from gym_proxy.coordinator.contract.worker_link import CHALLENGE_SIZE, MAGIC  # noqa: E402
+from gym_proxy.coordinator.contract.worker_link import (  # noqa: E402
+    CHALLENGE_SIZE,
+    MAGIC,
+    LinkAddress,
+)
 from tests.nemo_gym_stack import CounterClient  # noqa: E402
 from tests.ray_nodes import RayNodes, RayState  # noqa: E402
 from tests.support import (  # noqa: E402
@@ -166,8 +170,13 @@ async def test_sessions_exact_through_workers_on_both_nodes(start_proxy, cluster
         slots = [(await whoami(http, proxy.url, t))["slot"] for t in tokens]
         assert set(slots) == set(where), slots  # sessions on both nodes' workers
         workers = await workers_of(http, proxy.url)
-        for worker in workers:
-            assert worker["address"].startswith("tcp://"), worker
+        (runtime_dir,) = proxy.runtime_dirs()
+        for worker in workers:  # on gym-proxy's node a Unix socket in its runtime directory
+            node = cluster.node_ids()[worker["node"]]
+            if node == "head":
+                assert worker["address"].startswith(f"unix://{runtime_dir}/placed-"), worker
+            else:
+                assert worker["address"].startswith("tcp://"), worker
         metrics = re.search(r"metrics on (http://\S+/metrics)", proxy.log())
         assert metrics is not None, proxy.log()
         async with http.get(metrics.group(1)) as response:
@@ -181,14 +190,15 @@ async def test_sessions_exact_through_workers_on_both_nodes(start_proxy, cluster
 
 
 async def test_a_worker_port_gives_nothing_without_the_link_key(start_proxy, cluster):
-    """Straight to a worker's port: the challenge, then nothing for an HTTP request, a
-    wrong answer or silence; the app never sees any of them."""
+    """Straight to each worker's port (TCP on the second node, the Unix socket on
+    gym-proxy's): the challenge, then nothing for an HTTP request, a wrong answer or
+    silence; the app never sees any of them."""
     proxy = placed(start_proxy, cluster, app="tests.apps:create_app")
     async with jar() as http:
-        worker = (await workers_of(http, proxy.url))[0]
-        host, port = worker["address"].removeprefix("tcp://").rsplit(":", 1)
-        for attempt in (b"GET /whoami HTTP/1.1\r\nHost: x\r\n\r\n", b"D" + bytes(48)):
-            reader, writer = await asyncio.open_connection(host, int(port))
+        attempts = (b"GET /whoami HTTP/1.1\r\nHost: x\r\n\r\n", b"D" + bytes(48))
+        workers = await workers_of(http, proxy.url)
+        for link, attempt in [(link_of(w), a) for w in workers for a in attempts]:
+            reader, writer = await open_link(link)
             greeting = await reader.readexactly(CHALLENGE_SIZE)
             assert greeting.startswith(MAGIC)
             writer.write(attempt)
@@ -306,9 +316,42 @@ async def test_nemo_gym_counter_on_two_nodes_every_reward_right(start_proxy, clu
         await asyncio.gather(*(rollout(i, c) for i, c in enumerate(clients)))
 
 
-def address_of(worker: dict[str, Any]) -> tuple[str, int]:
-    host, port = worker["address"].removeprefix("tcp://").rsplit(":", 1)
-    return host, int(port)
+def link_of(worker: dict[str, Any]) -> LinkAddress:
+    """Where a worker's gate listens, as its status says."""
+    address = str(worker["address"])
+    if address.startswith("unix://"):
+        return LinkAddress(path=address.removeprefix("unix://"))
+    host, port = address.removeprefix("tcp://").rsplit(":", 1)
+    return LinkAddress(host, int(port))
+
+
+async def open_link(link: LinkAddress) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    if link.path:
+        return await asyncio.open_unix_connection(link.path)
+    return await asyncio.open_connection(link.host, link.port)
+
+
+def nothing_listens(link: LinkAddress) -> bool:
+    try:
+        if link.path:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+                probe.connect(link.path)
+        else:
+            socket.create_connection((link.host, link.port), timeout=5).close()
+    except (ConnectionRefusedError, FileNotFoundError):
+        return True
+    return False
+
+
+async def on_tcp(http: aiohttp.ClientSession, url: str, cluster: Cluster) -> tuple[int, str, int]:
+    """The slot, host and port of the worker on the second node (on TCP, as every worker
+    of another node is; the head's is on a Unix socket, which strangers cannot reach)."""
+    for worker in await workers_of(http, url):
+        if cluster.node_ids().get(worker["node"]) == "second":
+            link = link_of(worker)
+            assert not link.path, worker
+            return int(worker["slot"]), link.host, link.port
+    raise AssertionError("no worker on the second node")
 
 
 async def sessions_on(http: aiohttp.ClientSession, url: str, slot: int, wanted: int) -> list[str]:
@@ -345,15 +388,16 @@ async def loop_blocked(host: str, port: int) -> bool:
 async def test_a_flood_of_silent_connections_at_a_workers_port_loses_no_session(
     start_proxy, cluster
 ):
-    """About 10,000 silent connections a second at worker 0's port from another address
-    (opening them needs no key): the gate drops strangers' half-open handshakes, never
-    gym-proxy's, so the 60 data connections the proxy dials meanwhile prove the key and
-    every call on the worker's sessions answers 200; the worker is never taken as gone."""
+    """About 10,000 silent connections a second at the TCP port of the worker on the
+    second node from another address (opening them needs no key): the gate drops
+    strangers' half-open handshakes, never gym-proxy's, so the 60 data connections the
+    proxy dials meanwhile prove the key and every call on the worker's sessions answers
+    200; the worker is never taken as gone."""
     proxy = placed(start_proxy, cluster, app="tests.apps:create_app")
     async with jar() as http:
         owners = [w["owner"] for w in await workers_of(http, proxy.url)]
-        on_0 = await sessions_on(http, proxy.url, 0, 6)
-        host, port = address_of((await workers_of(http, proxy.url))[0])
+        slot, host, port = await on_tcp(http, proxy.url, cluster)
+        on_it = await sessions_on(http, proxy.url, slot, 6)
         flooder = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "tests.link_flood", host, str(port), FLOOD_SOURCE, "10000", "30",
             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -365,7 +409,7 @@ async def test_a_flood_of_silent_connections_at_a_workers_port_loses_no_session(
             # 60 at once: the worker's pooled connections are too few, so most are dialed
             # while the flood runs.
             statuses = await asyncio.gather(
-                *(get_status(http, f"{proxy.url}/slow?seconds=1", on_0[i % 6]) for i in range(60))
+                *(get_status(http, f"{proxy.url}/slow?seconds=1", on_it[i % 6]) for i in range(60))
             )
             assert flooder.returncode is None, "the flood ended before the calls did"
         finally:
@@ -374,7 +418,7 @@ async def test_a_flood_of_silent_connections_at_a_workers_port_loses_no_session(
             await flooder.wait()
         assert statuses == [200] * 60, statuses
         assert [w["owner"] for w in await workers_of(http, proxy.url)] == owners
-        for token in on_0:
+        for token in on_it:
             assert await increment(http, proxy.url, token) == 200
             assert await count(http, proxy.url, token) == 1
 
@@ -382,27 +426,27 @@ async def test_a_flood_of_silent_connections_at_a_workers_port_loses_no_session(
 async def test_a_handler_that_blocks_a_placed_workers_loop_past_the_handshake_limit(
     start_proxy, cluster
 ):
-    """A CPU-bound call blocks worker 0's loop for 7 s, past the 5 s a link has to prove
-    itself: the data connections the proxy dials meanwhile are not answered in time and
-    are dialed again, the worker is not taken as gone, and every call on its sessions
-    answers 200 once its loop is back, as with a local worker (which is given up only
-    after `--worker-timeout` of unanswered pings)."""
+    """A CPU-bound call blocks the loop of the worker on the second node for 7 s, past
+    the 5 s a link has to prove itself: the data connections the proxy dials meanwhile
+    are not answered in time and are dialed again, the worker is not taken as gone, and
+    every call on its sessions answers 200 once its loop is back, as with a local worker
+    (which is given up only after `--worker-timeout` of unanswered pings)."""
     proxy = placed(start_proxy, cluster, app="tests.apps:create_app")
     async with jar() as http:
         owners = [w["owner"] for w in await workers_of(http, proxy.url)]
-        on_0 = await sessions_on(http, proxy.url, 0, 6)
-        host, port = address_of((await workers_of(http, proxy.url))[0])
-        blocked = asyncio.ensure_future(get_status(http, f"{proxy.url}/block?seconds=7", on_0[0]))
+        slot, host, port = await on_tcp(http, proxy.url, cluster)
+        on_it = await sessions_on(http, proxy.url, slot, 6)
+        blocked = asyncio.ensure_future(get_status(http, f"{proxy.url}/block?seconds=7", on_it[0]))
         try:
             await wait_until(lambda: loop_blocked(host, port), 30, "worker 0's loop to be blocked")
             # Each of these needs a connection of its own: dialed while the loop is blocked.
-            statuses = await asyncio.gather(*(increment(http, proxy.url, t) for t in on_0 * 2))
+            statuses = await asyncio.gather(*(increment(http, proxy.url, t) for t in on_it * 2))
             assert statuses == [200] * 12, statuses
             assert await blocked == 200
         finally:
             blocked.cancel()
         assert [w["owner"] for w in await workers_of(http, proxy.url)] == owners
-        for token in on_0:
+        for token in on_it:
             assert await count(http, proxy.url, token) == 2
 
 
@@ -485,9 +529,8 @@ async def test_a_proxy_killed_with_9_leaves_nothing_behind(start_proxy, cluster)
     wait_until_sync(lambda: not any(psutil.pid_exists(p) for p in pids), 30, "the workers to end")
     assert proxy.runtime_dirs() == [], proxy.runtime_dirs()
     wait_until_sync(lambda: not cluster.alive_actors(), 60, "the actors to end")
-    for host, port in (address_of(w) for w in workers):  # nothing listens there any more
-        with pytest.raises(ConnectionRefusedError):
-            socket.create_connection((host, port), timeout=5).close()
+    for worker in workers:  # nothing listens there any more
+        assert nothing_listens(link_of(worker)), worker
 
 
 async def test_a_node_killed_mid_load_and_a_stop_that_leaves_no_actor(start_proxy, cluster):
@@ -552,13 +595,9 @@ async def test_a_node_killed_mid_load_and_a_stop_that_leaves_no_actor(start_prox
         await wait_until(replaced, 90, "a replacement worker on the head node")
         fresh = await seed(http, proxy.url)
         assert await increment(http, proxy.url, fresh, 3) == 200
-        ports = [
-            w["address"].removeprefix("tcp://").rsplit(":", 1)
-            for w in await workers_of(http, proxy.url)
-        ]
+        links = [link_of(w) for w in await workers_of(http, proxy.url)]
         proxy.close_process()
         assert proxy.popen.returncode == 0, proxy.log()[-3000:]
     assert await asyncio.to_thread(cluster.alive_actors) == []
-    for host, port in ports:  # closed with its worker: nothing listens there any more
-        with pytest.raises(ConnectionRefusedError):
-            socket.create_connection((host, int(port)), timeout=5).close()
+    for link in links:  # closed with its worker: nothing listens there any more
+        assert nothing_listens(link), link

@@ -1,9 +1,9 @@
-"""A worker placed on another node (`--socket=fd:N`, `--coordinator=accept`), run in
-process: the real `worker.process.WorkerServer` behind its gate on a loopback TCP socket,
-its channel and its data connections dialed as the proxy dials them
-(`coordinator.contract.worker_link`), the test playing the coordinator. What the workers
-on a Ray cluster's nodes do with it end to end runs in
-tests/test_nemo_gym_ray_placement.py."""
+"""A worker Ray placed (`--socket=fd:N`, `--coordinator=accept`), run in process: the
+real `worker.process.WorkerServer` behind its gate on a loopback TCP socket (as on
+another node) and on a Unix socket (as on gym-proxy's own node), its channel and its
+data connections dialed as the proxy dials them (`coordinator.contract.worker_link`),
+the test playing the coordinator. What the workers on a Ray cluster's nodes do with it
+end to end runs in tests/test_nemo_gym_ray_placement.py."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import asyncio
 import socket
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import orjson
 import pytest
@@ -22,6 +23,7 @@ from gym_proxy.coordinator.contract.worker_link import (
     CHANNEL,
     DATA,
     LINK_KEY_ENV,
+    LinkAddress,
     dial,
     link_key,
     stop_worker,
@@ -52,7 +54,7 @@ class _Coordinator:
 class Placed:
     worker: WorkerServer
     task: asyncio.Task[int]
-    port: int
+    address: LinkAddress
     channel: Channel
     registered: msg.Register
 
@@ -60,11 +62,24 @@ class Placed:
         return await asyncio.wait_for(self.task, WAIT)
 
 
-@pytest.fixture
-async def placed(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Placed]:
+def _bound(family: str, directory: Path) -> tuple[socket.socket, LinkAddress]:
+    """The socket a worker's host binds and passes down, and where the proxy dials it."""
+    if family == "tcp":
+        sock = socket.create_server(("127.0.0.1", 0))
+        return sock, LinkAddress("127.0.0.1", sock.getsockname()[1])
+    path = str(directory / "placed-1.sock")
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.bind(path)
+    sock.listen()
+    return sock, LinkAddress(path=path)
+
+
+@pytest.fixture(params=["tcp", "unix"])
+async def placed(
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, short_tmp: Path
+) -> AsyncIterator[Placed]:
     """A placed worker with a secret's orphan grace, registered over its gate."""
-    sock = socket.create_server(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
+    sock, address = _bound(request.param, short_tmp)
     monkeypatch.setenv(LINK_KEY_ENV, KEY.hex())
     config = Config(app="tests.apps:create_app", orphan_grace=30.0)
     incarnation = {"slot": 0, "owner": "placed", "instance": "apps", "workers": 1}
@@ -73,21 +88,21 @@ async def placed(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Placed]:
     worker = WorkerServer(parse_worker_args(argv), asyncio.Event())
     task = asyncio.ensure_future(worker.run())
     coordinator = _Coordinator()
-    reader, writer = await dial("127.0.0.1", port, KEY, CHANNEL, greet_within=WAIT)
+    reader, writer = await dial(address, KEY, CHANNEL, greet_within=WAIT)
     channel = Channel(reader, writer, coordinator.handle)
     serving = asyncio.ensure_future(channel.serve())
     try:
         registered = await asyncio.wait_for(coordinator.registered, WAIT)
-        yield Placed(worker, task, port, channel, registered)
+        yield Placed(worker, task, address, channel, registered)
     finally:
         worker.stop.set()
         channel.close()
         await asyncio.gather(task, serving, return_exceptions=True)
 
 
-async def _get(port: int, path: str) -> bytes:
+async def _get(address: LinkAddress, path: str) -> bytes:
     """One request on a data connection through the gate; the whole answer."""
-    reader, writer = await dial("127.0.0.1", port, KEY, DATA)
+    reader, writer = await dial(address, KEY, DATA)
     writer.write(f"GET {path} HTTP/1.1\r\nHost: w\r\nConnection: close\r\n\r\n".encode())
     try:
         return await asyncio.wait_for(reader.read(), WAIT)
@@ -96,14 +111,14 @@ async def _get(port: int, path: str) -> bytes:
 
 
 async def test_a_placed_worker_registers_through_its_gate_and_serves_its_app(placed):
-    assert placed.registered.socket == f"tcp://127.0.0.1:{placed.port}"
+    assert placed.registered.socket == placed.address.url
     assert (placed.registered.owner, placed.registered.rejoining) == ("placed", False)
-    head, _, body = (await _get(placed.port, "/whoami")).partition(b"\r\n\r\n")
+    head, _, body = (await _get(placed.address, "/whoami")).partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 200") and orjson.loads(body)["owner"] == "placed"
 
 
 async def test_a_stop_over_the_link_drains_and_exits_cleanly(placed):
-    await stop_worker("127.0.0.1", placed.port, KEY)
+    await stop_worker(placed.address, KEY)
     assert await placed.exit_code() == 0
     await wait_until(lambda: placed.channel.closed, WAIT, "the worker's channel to end")
 

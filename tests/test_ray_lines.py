@@ -40,7 +40,7 @@ from gym_proxy.proxy.ray_cluster.lines import (
 )
 from gym_proxy.proxy.ray_cluster.placement import requests
 from gym_proxy.proxy.ray_cluster.remote_workers import RayLauncher, RemoteWorker
-from tests.support import REPO
+from tests.support import REPO, wait_until
 
 pytestmark = pytest.mark.fast
 
@@ -172,7 +172,7 @@ def test_the_driver_reads_the_launcher_s_requests_and_refuses_what_it_cannot():
         # `id` is the channel's envelope, which the messages' decode leaves out: not a line's
         (b'{"type": "kill", "key": 1, "id": 1}\n', "kill: unknown key(s) id"),
         (b'{"type": "exit", "key": 1}\n', "sent a 'exit' message, which this protocol does not"),
-        (encode_line(WorkerStarted(1, 2, "h", 3, "n", "x")), "sent 'started' where spawn"),
+        (encode_line(WorkerStarted(1, 2, "h", 3, "", "n", "x")), "sent 'started' where spawn"),
     ]:
         with pytest.raises(LineError) as refused:
             list(requests([encode_line(KillWorker(1)), line]))
@@ -221,6 +221,47 @@ async def test_the_launcher_and_a_driver_speak_the_protocol_and_refuse_what_they
         await launcher.close()
 
 
+# Answers each spawn with a worker whose Unix socket is outside the runtime directory,
+# and writes each kill it is asked for to the file GYM_TEST_KILLS names.
+OUTSIDE_DRIVER = """
+import os, sys
+from gym_proxy.coordinator.contract.lines import encode_line, expect
+from gym_proxy.proxy.ray_cluster.lines import (
+    PLACEMENT, DriverReady, KillWorker, PlacementSpec, Spawn, WorkerStarted,
+)
+from gym_proxy.proxy.ray_cluster.placement import requests
+spec = expect(sys.argv[2].encode(), PLACEMENT, "the launcher", PlacementSpec)
+out = sys.stdout.buffer
+out.write(encode_line(DriverReady(1, spec.workers)))
+out.flush()
+for request in requests(sys.stdin.buffer):
+    if isinstance(request, Spawn):
+        said = WorkerStarted(request.key, 1, "h", 0, "/elsewhere/placed-1.sock", "n", "h")
+        out.write(encode_line(said))
+        out.flush()
+    elif isinstance(request, KillWorker):
+        with open(os.environ["GYM_TEST_KILLS"], "a") as kills:
+            kills.write(f"{request.key}\\n")
+"""
+
+
+async def test_a_unix_socket_outside_the_runtime_directory_is_refused_and_its_worker_killed(
+    short_tmp,
+):
+    """Only gym-proxy's own runtime directory is private to it: a worker said to listen
+    anywhere else is not dialed; its actor is killed and the spawn fails in one line."""
+    kills = short_tmp / "kills"
+    spec = PlacementSpec(1, 1.0, {}, "SPREAD", "apps", str(short_tmp))
+    launcher = RayLauncher(spec, b"k" * 32, driver=(*PYTHON, "-c", OUTSIDE_DRIVER))
+    await launcher.open(Launch({"GYM_TEST_KILLS": str(kills)}, "127.0.0.1:1", _never_called))
+    try:
+        with pytest.raises(OSError, match=f"reported a socket outside {short_tmp}$"):
+            await asyncio.wait_for(launcher.spawn(["--slot=0"]), 30)
+        await wait_until(lambda: kills.exists() and kills.read_text() == "1\n", 10, "the kill")
+    finally:
+        await launcher.close()
+
+
 @pytest.mark.parametrize(
     ("said", "why"),
     [
@@ -241,7 +282,8 @@ async def test_a_driver_that_is_not_ready_is_one_line_for_the_user(said, why):
 # ---- the boundary: the fleet knows placed workers by its own protocol ---------------------
 async def test_a_placed_worker_is_a_placed_handle_to_the_fleet_and_a_local_one_is_not():
     launcher = RayLauncher(SPEC, b"k" * 32)
-    handle: PlacedHandle = RemoteWorker(launcher, WorkerStarted(1, 7, "10.0.0.2", 9, "node-a", "h"))
+    started = WorkerStarted(1, 7, "10.0.0.2", 9, "", "node-a", "h")
+    handle: PlacedHandle = RemoteWorker(launcher, started)
     placed = WorkerProcess(0, "owner", "", handle, 0.0)
     assert isinstance(handle, PlacedHandle) and (placed.node, placed.local) == ("node-a", False)
     process = await asyncio.create_subprocess_exec("true")

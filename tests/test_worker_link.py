@@ -23,6 +23,7 @@ from gym_proxy.coordinator.contract.worker_link import (
     DATA,
     MAGIC,
     PROOF_SIZE,
+    LinkAddress,
     LinkRefused,
     LinkUnproven,
     answer,
@@ -46,9 +47,13 @@ KEY = link_key(b"secret", "apps")
 SPEC = PlacementSpec(1, 1.0, {}, "SPREAD", "apps", "")
 
 
+def _at(port: int) -> LinkAddress:
+    return LinkAddress("127.0.0.1", port)
+
+
 def placed(port: int) -> WorkerStarted:
     """What the placement driver says of a worker started at `port` on this machine."""
-    return WorkerStarted(1, 1, "127.0.0.1", port, "", "")
+    return WorkerStarted(1, 1, "127.0.0.1", port, "", "", "")
 
 
 def test_the_key_is_the_instances_and_never_the_secret():
@@ -99,7 +104,7 @@ def _port(gate: LinkGate) -> int:
 async def test_a_data_connection_reaches_the_app_once_the_key_is_proved():
     gate = await _gate()
     try:
-        reader, writer = await dial("127.0.0.1", _port(gate), KEY, DATA)
+        reader, writer = await dial(_at(_port(gate)), KEY, DATA)
         writer.write(b"hello")
         assert await reader.readexactly(5) == b"HELLO"
         writer.close()
@@ -110,7 +115,7 @@ async def test_a_data_connection_reaches_the_app_once_the_key_is_proved():
 async def test_a_channel_connection_goes_to_the_worker_not_the_app():
     gate = await _gate()
     try:
-        _, writer = await dial("127.0.0.1", _port(gate), KEY, CHANNEL)
+        _, writer = await dial(_at(_port(gate)), KEY, CHANNEL)
         writer.write(b"frame")
         reader, worker_end = await gate.next_channel(5)
         assert await reader.readexactly(5) == b"frame"  # as sent, not echoed by the app
@@ -145,7 +150,7 @@ async def test_a_worker_with_another_key_is_not_believed():
     gate = await _gate(link_key(b"another secret", "apps"))
     try:
         with pytest.raises(LinkUnproven, match="closed the link before proving itself"):
-            await dial("127.0.0.1", _port(gate), KEY, DATA)
+            await dial(_at(_port(gate)), KEY, DATA)
     finally:
         gate.close()
 
@@ -160,7 +165,7 @@ async def test_connections_proving_themselves_are_bounded(monkeypatch):
         assert gate.pending == 3  # the two oldest were dropped for the newer ones
         for reader, _ in opened[:2]:
             assert await asyncio.wait_for(reader.read(), 5) == b""
-        reader, writer = await dial("127.0.0.1", _port(gate), KEY, DATA)  # still served
+        reader, writer = await dial(_at(_port(gate)), KEY, DATA)  # still served
         writer.write(b"ok")
         assert await reader.readexactly(2) == b"OK"
         for _, w in [*opened, (reader, writer)]:
@@ -224,7 +229,7 @@ async def test_strangers_half_open_connections_never_push_out_the_proxys(monkeyp
     port = _port(gate)
     links: list[Link] = []
     try:
-        _, proven = await dial("127.0.0.1", port, KEY, DATA)  # 127.0.0.1 proves the key
+        _, proven = await dial(_at(port), KEY, DATA)  # 127.0.0.1 proves the key
         proven.close()
         links += (ours := [await _half_open(port, "127.0.0.1") for _ in range(2)])
         links += (strangers := [await _half_open(port, f"127.0.0.{2 + i}") for i in range(8)])
@@ -243,9 +248,9 @@ async def test_a_stop_asked_over_the_link_stops_the_worker():
     gate = await _gate(on_stop=lambda: stops.append("stop"))
     try:
         with pytest.raises(LinkUnproven):  # dropped: it cannot check this answer
-            await stop_worker("127.0.0.1", _port(gate), link_key(b"other", "apps"))
+            await stop_worker(_at(_port(gate)), link_key(b"other", "apps"))
         assert stops == []
-        await stop_worker("127.0.0.1", _port(gate), KEY)  # returns once it is heard
+        await stop_worker(_at(_port(gate)), KEY)  # returns once it is heard
         assert stops == ["stop"] and gate.pending == 0
     finally:
         gate.close()
@@ -258,8 +263,8 @@ async def test_a_worker_still_building_its_app_is_waited_for_as_long_as_asked():
     port = sock.getsockname()[1]
     gate = LinkGate(sock, KEY, _Echo, lambda: None)
     with pytest.raises(LinkUnproven, match="did not open the link in 0.1 s"):
-        await dial("127.0.0.1", port, KEY, CHANNEL, greet_within=0.1)
-    dialing = asyncio.ensure_future(dial("127.0.0.1", port, KEY, CHANNEL, greet_within=10))
+        await dial(_at(port), KEY, CHANNEL, greet_within=0.1)
+    dialing = asyncio.ensure_future(dial(_at(port), KEY, CHANNEL, greet_within=10))
     await asyncio.sleep(0)  # the dial is in the backlog before the worker serves
     try:
         await gate.start()
@@ -328,3 +333,80 @@ async def test_a_placed_worker_that_does_not_greet_in_time_is_dialed_again_not_c
         gate.close()
         writer.close()
         worker.channel.close()
+
+
+# ---- on gym-proxy's own node: the same gate on a Unix socket ------------------------------
+async def _unix_gate(directory: Any, on_stop: Any = None) -> tuple[LinkGate, LinkAddress]:
+    path = str(directory / "placed-1.sock")
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.bind(path)
+    sock.listen()
+    gate = LinkGate(sock, KEY, _Echo, on_stop or (lambda: None))
+    await gate.start()
+    return gate, LinkAddress(path=path)
+
+
+async def test_on_gym_proxys_node_the_link_is_a_unix_socket_with_the_same_handshake(short_tmp):
+    """Data, channel and stop over the Unix socket, each proving the key first; a wrong
+    key gets the challenge only, as on TCP."""
+    stopped = asyncio.Event()
+    gate, address = await _unix_gate(short_tmp, stopped.set)
+    try:
+        assert gate.address == address.url == f"unix://{short_tmp}/placed-1.sock"
+        reader, writer = await dial(address, KEY, DATA)
+        writer.write(b"hello")
+        assert await reader.readexactly(5) == b"HELLO"
+        writer.close()
+        _, channel = await dial(address, KEY, CHANNEL)
+        channel.write(b"frame")
+        channel_reader, worker_end = await gate.next_channel(5)
+        assert await channel_reader.readexactly(5) == b"frame"
+        worker_end.close()
+        channel.close()
+        with pytest.raises(LinkUnproven):  # dropped: it cannot check this answer
+            await stop_worker(address, link_key(b"other", "apps"))
+        assert not stopped.is_set()
+        await stop_worker(address, KEY)
+        await asyncio.wait_for(stopped.wait(), 5)
+    finally:
+        gate.close()
+
+
+async def test_a_placed_worker_whose_unix_socket_is_gone_is_taken_as_gone(short_tmp):
+    """Its socket's file removed (its host unlinks it when the worker exits): refused as
+    a closed port is, so the worker is taken as gone (a 410), not dialed for ever."""
+    launcher = RayLauncher(SPEC, KEY)
+    path = str(short_tmp / "placed-gone.sock")
+    worker = RemoteWorker(launcher, WorkerStarted(1, 1, "127.0.0.1", 0, path, "", ""))
+    assert worker.address == f"unix://{path}"
+    proxy_end, worker_end = socket.socketpair()
+    _, worker.channel = await asyncio.open_connection(sock=proxy_end)
+    reader, writer = await asyncio.open_connection(sock=worker_end)
+    try:
+        with pytest.raises(WorkerGone):
+            await worker.connect(cast(Any, _Echo), worker.address)
+        assert await asyncio.wait_for(reader.read(), 5) == b""  # the channel's end
+    finally:
+        writer.close()
+        worker.channel.close()
+
+
+def test_a_host_listens_on_a_unix_socket_only_in_a_private_directory(short_tmp):
+    """gym-proxy's runtime directory (0700, this user's): a Unix socket in it. A directory
+    others may enter, a missing one or a path too long for a Unix socket: TCP."""
+    from gym_proxy.proxy.ray_cluster.worker_host import WorkerHost, private_directory
+
+    private = short_tmp / "rt"
+    private.mkdir(mode=0o700)
+    shared = short_tmp / "shared"
+    shared.mkdir(mode=0o755)
+    deep = private / ("d" * 120)
+    deep.mkdir(mode=0o700)
+    assert private_directory(str(private)) and not private_directory(str(shared))
+    host = WorkerHost()
+    sock = host._unix(str(private))
+    assert sock is not None and sock.family == socket.AF_UNIX
+    assert host.path.startswith(f"{private}/placed-") and host.path.endswith(".sock")
+    sock.close()
+    for refused in (shared, short_tmp / "missing", deep):
+        assert WorkerHost()._unix(str(refused)) is None, refused

@@ -2,11 +2,13 @@
 or the coordinator channel (`coordinator.contract.worker_link` has the handshake).
 
 The gate listens on the socket the worker's host bound on its node and passed down (an
-inherited descriptor). A connection that proves the key is handed on as it is, without a
-copy or a second hop: a DATA one to a fresh HTTP protocol of the worker's server (aiohttp's
-or uvicorn's, the same that serve a local worker's Unix socket), a CHANNEL one to the
-worker as a stream pair; a STOP one stops the worker (`on_stop`, as SIGTERM does) and is
-closed. One that does not is aborted, having received the challenge only.
+inherited descriptor): TCP, or a Unix socket in gym-proxy's runtime directory on
+gym-proxy's own node, where every connection comes from one peer address (""). A
+connection that proves the key is handed on as it is, without a copy or a second hop: a
+DATA one to a fresh HTTP protocol of the worker's server (aiohttp's or uvicorn's, the
+same that serve a local worker's Unix socket), a CHANNEL one to the worker as a stream
+pair; a STOP one stops the worker (`on_stop`, as SIGTERM does) and is closed. One that
+does not is aborted, having received the challenge only.
 
 Connections proving themselves are bounded, each for HANDSHAKE_TIMEOUT seconds at most,
 and held in two lanes of MAX_PENDING each. Anyone may open a connection, so a stranger
@@ -42,7 +44,7 @@ from gym_proxy.coordinator.contract.worker_link import (
 )
 from gym_proxy.worker.identity import WORKER_BACKLOG
 
-__all__ = ["LinkGate", "MAX_PENDING"]
+__all__ = ["LinkGate", "MAX_PENDING", "address_of"]
 
 log = logging.getLogger("gym_proxy.worker")
 
@@ -50,6 +52,14 @@ MAX_PENDING = 64
 LOG_EVERY = 10.0  # seconds between log lines about refused connections
 
 StreamPair = tuple[asyncio.StreamReader, asyncio.StreamWriter]
+
+
+def address_of(sock: socket.socket) -> str:
+    """A gate's socket as a URL: `unix://path` or `tcp://host:port`."""
+    if sock.family == socket.AF_UNIX:
+        return f"unix://{sock.getsockname()}"
+    host, port = sock.getsockname()[:2]
+    return f"tcp://{host}:{port}"
 
 
 class LinkGate:
@@ -78,8 +88,7 @@ class LinkGate:
 
     @property
     def address(self) -> str:
-        host, port = self.sock.getsockname()[:2]
-        return f"tcp://{host}:{port}"
+        return address_of(self.sock)
 
     @property
     def pending(self) -> int:
@@ -88,9 +97,14 @@ class LinkGate:
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(
-            lambda: _Handshake(self), sock=self.sock, backlog=WORKER_BACKLOG
-        )
+        if self.sock.family == socket.AF_UNIX:  # on gym-proxy's node (`worker_host`)
+            self._server = await loop.create_unix_server(
+                lambda: _Handshake(self), sock=self.sock, backlog=WORKER_BACKLOG
+            )
+        else:
+            self._server = await loop.create_server(
+                lambda: _Handshake(self), sock=self.sock, backlog=WORKER_BACKLOG
+            )
 
     async def next_channel(self, within: float) -> StreamPair:
         """The next authenticated channel connection (TimeoutError after `within` s)."""

@@ -59,7 +59,7 @@ from gym_proxy.worker.channel_requests import apply_tables, handle_coordinator_m
 from gym_proxy.worker.declaration import Participation, declared
 from gym_proxy.worker.head_limits import head_limits
 from gym_proxy.worker.identity import WORKER_INFO, WorkerInfo
-from gym_proxy.worker.link_gate import LinkGate
+from gym_proxy.worker.link_gate import LinkGate, address_of
 from gym_proxy.worker.nemo_gym_server import NemoGymConfigError
 from gym_proxy.worker.options import WorkerArgs, parse_worker_args
 from gym_proxy.worker.runtime import ParticipantRuntime
@@ -112,7 +112,7 @@ class WorkerServer:
         self.proxy_stopping = asyncio.Event()  # it stops for good: leave no worker waiting
         self.resources = contextlib.AsyncExitStack()
         self.gate_socket = _inherited_socket(args.socket)
-        address = args.socket if self.gate_socket is None else _tcp_address(self.gate_socket)
+        address = args.socket if self.gate_socket is None else address_of(self.gate_socket)
         self.info = WorkerInfo(args.slot, args.owner, os.getpid(), address)
         self.gate: LinkGate | None = None  # placed on another node: its port
 
@@ -356,15 +356,12 @@ def _host(
 
 
 def _inherited_socket(option: str) -> socket.socket | None:
-    """The TCP socket a remote worker's host passed down (`--socket=fd:N`), else None."""
+    """The socket a placed worker's host passed down (`--socket=fd:N`: TCP, or Unix on
+    gym-proxy's node), else None."""
     if not option.startswith(INHERITED):
         return None
     return socket.socket(fileno=int(option[len(INHERITED) :]))
 
-
-def _tcp_address(sock: socket.socket) -> str:
-    host, port = sock.getsockname()[:2]
-    return f"tcp://{host}:{port}"
 
 
 def _link_key() -> bytes:

@@ -1,12 +1,14 @@
-"""The link to a worker on another node: one TCP port per worker, which only gym-proxy
-can use.
+"""The link to a worker Ray placed: one port per worker, which only gym-proxy can use.
 
-A worker Ray places on a node (`--worker-placement ray`) cannot share the proxy's Unix
-sockets, so it listens on one TCP port of its node, for its data connections and for its
-coordinator channel, and the proxy dials both (the proxy opens no port of its own
-towards the cluster). Every connection to that port opens with a challenge-response
-handshake keyed by the *link key*, which only gym-proxy and its workers hold; nothing
-reaches the app or the channel before it succeeds::
+A worker Ray places on a node (`--worker-placement ray`) is not gym-proxy's child, so it
+listens on one port of its own, for its data connections and for its coordinator
+channel, and the proxy dials both (the proxy opens no port of its own towards the
+cluster). On another node the port is TCP, on the node's address; on gym-proxy's own
+node it is a Unix socket inside gym-proxy's runtime directory (a `LinkAddress` is
+either), which costs the proxy no loopback TCP stack per request. Every connection to
+that port opens with a challenge-response handshake keyed by the *link key*, which only
+gym-proxy and its workers hold; nothing reaches the app or the channel before it
+succeeds::
 
     worker -> proxy   MAGIC (4) | worker nonce (16)
     proxy  -> worker  kind (1) | proxy nonce (16) | HMAC(key, "proxy" kind nw np) (32)
@@ -21,12 +23,13 @@ started, not whatever took its port. A connection whose answer is wrong, short o
 (HANDSHAKE_TIMEOUT) is closed having received the 20-byte challenge only.
 
 A dial fails in one of three ways, which mean different things: ConnectionRefusedError
-from the kernel (nothing listens at the port: the worker is gone, its gate listening from
-its start to its end), LinkRefused (what listens there is not the worker: it did not open
-with a challenge, or did not prove the key) and LinkUnproven (something listens but did
-not prove itself in time, or dropped the link first: a worker whose loop is busy, or
-whose gate dropped the half-open link for others; dial again, and leave the verdict on
-the worker to its pings and its channel).
+from the kernel (nothing listens at the port: the worker is gone, its gate listening
+from its start to its end; a Unix socket whose file is gone is refused alike),
+LinkRefused (what listens there is not the worker: it did not open with a
+challenge, or did not prove the key) and LinkUnproven (something listens but did not
+prove itself in time, or dropped the link first: a worker whose loop is busy, or whose
+gate dropped the half-open link for others; dial again, and leave the verdict on the
+worker to its pings and its channel).
 
 The link key is derived from gym-proxy's secret (`link_key`), never the secret itself: a
 worker's node learns what opens its workers' ports, not what signs session tokens. What
@@ -42,10 +45,12 @@ import hashlib
 import hmac
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
 __all__ = [
     "LINK_KEY_ENV",
+    "LinkAddress",
     "MAGIC",
     "DATA",
     "CHANNEL",
@@ -79,6 +84,33 @@ CHALLENGE_SIZE = len(MAGIC) + NONCE_SIZE
 ANSWER_SIZE = 1 + NONCE_SIZE + MAC_SIZE
 PROOF_SIZE = MAC_SIZE
 HANDSHAKE_TIMEOUT = 5.0  # seconds a connection may take to prove itself, either way
+
+
+@dataclass(frozen=True, slots=True)
+class LinkAddress:
+    """Where a placed worker's gate listens: a Unix socket's `path` (on gym-proxy's
+    node), else TCP `host`:`port`."""
+
+    host: str = ""
+    port: int = 0
+    path: str = ""
+
+    @property
+    def url(self) -> str:
+        return f"unix://{self.path}" if self.path else f"tcp://{self.host}:{self.port}"
+
+    async def open(
+        self, factory: Callable[[], asyncio.BaseProtocol]
+    ) -> tuple[asyncio.BaseTransport, asyncio.BaseProtocol]:
+        """A connection to it, with a protocol `factory` makes. A Unix socket whose file
+        is gone is refused as a closed port is (nothing listens: ConnectionRefusedError)."""
+        loop = asyncio.get_running_loop()
+        if not self.path:
+            return await loop.create_connection(factory, self.host, self.port)
+        try:
+            return await loop.create_unix_connection(factory, self.path)
+        except FileNotFoundError as exc:
+            raise ConnectionRefusedError(f"{self.path} is gone") from exc
 
 
 class LinkError(ConnectionError):
@@ -190,14 +222,13 @@ class _Dialing(asyncio.Protocol):
 
 
 async def connect(
-    host: str,
-    port: int,
+    address: LinkAddress,
     key: bytes,
     kind: bytes,
     factory: Callable[[], P],
     greet_within: float | None = None,
 ) -> tuple[asyncio.Transport, P]:
-    """Connect to a worker's port and run the handshake, then hand the connection, as it
+    """Connect to a worker's port (`address`) and run the handshake, then hand the connection, as it
     is, to a protocol `factory` makes. The challenge may take `greet_within` seconds (a
     worker still building its app accepts only then: its port was bound for it), the rest
     HANDSHAKE_TIMEOUT (also the default for the challenge). ConnectionRefusedError when
@@ -205,12 +236,10 @@ async def connect(
     does not prove itself in time or drops the link first (module docstring)."""
     if greet_within is None:
         greet_within = HANDSHAKE_TIMEOUT
-    loop = asyncio.get_running_loop()
-    where = f"{host}:{port}"
-    done: asyncio.Future[bytes] = loop.create_future()
-    transport, dialing = await loop.create_connection(
-        lambda: _Dialing(key, kind, where, done), host, port
-    )
+    where = address.url
+    done: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
+    opened, dialed = await address.open(lambda: _Dialing(key, kind, where, done))
+    transport, dialing = cast(asyncio.Transport, opened), cast(_Dialing, dialed)
     greeted = asyncio.ensure_future(dialing.greeted.wait())
     try:
         either: set[asyncio.Future[Any]] = {greeted, done}
@@ -240,16 +269,15 @@ async def connect(
     return transport, protocol
 
 
-async def stop_worker(host: str, port: int, key: bytes) -> None:
-    """Ask the worker at `host:port` to stop, as SIGTERM does (STOP); returns once it
+async def stop_worker(address: LinkAddress, key: bytes) -> None:
+    """Ask the worker at `address` to stop, as SIGTERM does (STOP); returns once it
     proved the key, having heard it. The errors of `connect`."""
-    transport, _ = await connect(host, port, key, STOP, asyncio.Protocol)
+    transport, _ = await connect(address, key, STOP, asyncio.Protocol)
     transport.close()
 
 
 async def dial(
-    host: str,
-    port: int,
+    address: LinkAddress,
     key: bytes,
     kind: bytes,
     limit: int = 1 << 16,
@@ -259,8 +287,7 @@ async def dial(
     loop = asyncio.get_running_loop()
     reader = asyncio.StreamReader(limit=limit, loop=loop)
     transport, protocol = await connect(
-        host,
-        port,
+        address,
         key,
         kind,
         lambda: asyncio.StreamReaderProtocol(reader, loop=loop),

@@ -148,12 +148,14 @@ class DriverFailed(Message):
 @message("started", PLACEMENT)
 class WorkerStarted(Message):
     """Driver -> launcher: the worker `key` runs as `pid` on Ray node `node_id`
-    (`hostname`), its port at `host`:`port`."""
+    (`hostname`), its port at `host`:`port`, or at the Unix socket `path` on gym-proxy's
+    own node ("" elsewhere)."""
 
     key: int
     pid: int
     host: str
     port: int
+    path: str
     node_id: str
     hostname: str
 

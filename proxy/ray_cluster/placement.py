@@ -124,6 +124,9 @@ class _Placement:
         }
         self.host_class = ray.remote(RayWorkerHost).options(**options)
         self.instance = spec.instance
+        # Where gym-proxy runs (the driver is its child): workers placed on this node
+        # listen on Unix sockets in its runtime directory (`worker_host`).
+        self.near = (ray.get_runtime_context().get_node_id(), spec.runtime_dir)
         self.actors: dict[int, Any] = {}
         self.watchers: list[threading.Thread] = []  # one per actor, until it is dead
         self.lock = threading.Lock()
@@ -145,7 +148,9 @@ class _Placement:
     def _run(self, key: int, actor: Any, request: Spawn) -> None:
         ray = self.ray
         try:
-            started = ray.get(actor.start_here.remote(request.argv, request.env, request.cwd))
+            started = ray.get(
+                actor.start_here.remote(request.argv, request.env, request.cwd, self.near)
+            )
         except Exception as exc:
             self._forget(key)
             lost = isinstance(exc, ray.exceptions.RayActorError)  # placed again by the proxy

@@ -7,12 +7,14 @@ protocols of its own; this module is the Ray side of that boundary, beside its d
 The launcher runs the Ray driver in a process of its own (`proxy.ray_cluster.placement`:
 the proxy never imports Ray) and asks it for one actor per worker, in the driver's lines
 (`proxy.ray_cluster.lines.PLACEMENT`; a line of the driver's it cannot read is refused
-in one log line naming the driver). A worker it starts listens on a TCP port of its node
-behind its gate (`worker.link_gate`); the launcher dials its coordinator channel in (the
-proxy opens no port towards the cluster) and hands it to the coordinator as if the
-worker had connected to the local socket, so it registers as any worker does. Its data
-connections are dialed the same way (`RemoteWorker.connect`, the route's connector),
-each proving the link key first (`coordinator.contract.worker_link`).
+in one log line naming the driver). A worker it starts listens behind its gate
+(`worker.link_gate`) on a TCP port of its node, or, on gym-proxy's own node, on a Unix
+socket in gym-proxy's runtime directory (`proxy.ray_cluster.worker_host`); the launcher
+dials its coordinator channel in (the proxy opens no port towards the cluster) and hands
+it to the coordinator as if the worker had connected to the local socket, so it
+registers as any worker does. Its data connections are dialed the same way
+(`RemoteWorker.connect`, the route's connector), each proving the link key first
+(`coordinator.contract.worker_link`).
 
 A worker's exit comes from the driver: its process's status, or EXIT_UNKNOWN with the
 reason when its actor died (its node gone). A channel that ends without an exit (a node
@@ -56,6 +58,7 @@ from gym_proxy.coordinator.contract.worker_link import (
     CHANNEL,
     DATA,
     LINK_KEY_ENV,
+    LinkAddress,
     LinkRefused,
     LinkUnproven,
     connect,
@@ -126,14 +129,13 @@ def remote_environment(environ: Mapping[str, str]) -> dict[str, str]:
 class RemoteWorker:
     """A `PlacedHandle` for a worker on a node: signalled through the driver (SIGTERM over
     its link too), its exit reported by the driver (after SIGTERM, its channel's end).
-    `address` is its port (`tcp://host:port`), `node_id` its Ray node."""
+    `link` is its port (`address` its URL), `node_id` its Ray node."""
 
     def __init__(self, launcher: RayLauncher, started: WorkerStarted) -> None:
         self._launcher = launcher
         self._key = started.key
         self.pid = started.pid
-        self.host = started.host
-        self.port = started.port
+        self.link = LinkAddress(started.host, started.port, started.path)
         self.node_id = started.node_id
         self.hostname = started.hostname
         self.returncode: int | None = None
@@ -146,7 +148,7 @@ class RemoteWorker:
 
     @property
     def address(self) -> str:
-        return f"tcp://{self.host}:{self.port}"
+        return self.link.url
 
     async def wait(self) -> int:
         return await asyncio.shield(self._exited)
@@ -178,7 +180,7 @@ class RemoteWorker:
 
     async def _stop_over_link(self) -> None:
         try:
-            await stop_worker(self.host, self.port, self._launcher.key)
+            await stop_worker(self.link, self._launcher.key)
         except OSError as exc:  # the SIGTERM asked through the driver is on its way
             log.debug("worker pid %d at %s: no stop over its link: %s", self.pid, self.address, exc)
 
@@ -191,7 +193,7 @@ class RemoteWorker:
         pause = DIAL_AGAIN_FIRST
         while True:
             try:
-                _, conn = await connect(self.host, self.port, self._launcher.key, DATA, factory)
+                _, conn = await connect(self.link, self._launcher.key, DATA, factory)
                 return conn
             except LinkUnproven as exc:
                 self._dialing_again(exc)
@@ -300,6 +302,9 @@ class RayLauncher:
                 await asyncio.sleep(PLACE_AGAIN_PAUSE)
             finally:
                 self._starting.pop(key, None)
+        if started.path and os.path.dirname(started.path) != self.spec.runtime_dir:
+            self.send(KillWorker(key))  # only gym-proxy's own directory is private
+            raise OSError(f"a worker's host reported a socket outside {self.spec.runtime_dir}")
         worker = self._workers[key] = RemoteWorker(self, started)
         log.info(
             "worker pid %d placed on Ray node %s (%s), port %s",
@@ -351,7 +356,7 @@ class RayLauncher:
         while True:
             left = give_up - time.monotonic()
             try:
-                return await dial(worker.host, worker.port, self.key, CHANNEL, STREAM_LIMIT, left)
+                return await dial(worker.link, self.key, CHANNEL, STREAM_LIMIT, left)
             except LinkUnproven:
                 if time.monotonic() + pause >= give_up:
                     raise
