@@ -690,7 +690,6 @@ class Config:
         for name, why in (
             ("preload", "it forks the workers from a process of this machine"),
             ("take_over", "the workers' actors end with this gym-proxy's Ray driver"),
-            ("max_worker_memory", "a node's worker memory is not read yet"),
         ):
             if getattr(self, name):
                 flag = name.replace("_", "-")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 import struct
 
@@ -270,8 +271,8 @@ async def test_request_deadline_and_pings_while_a_handler_is_stuck():
         await a.request(After(), within=0.2)  # queued behind the stuck handler
     # the peer's reader still answers pings: its event loop runs
     assert await a.request(Ping(), within=1.0) == Pong(0.0)
-    b.pong_lag = lambda: 1.5  # a peer that measures its loop says so, when asked only
-    assert await a.request(Ping(loop_lag=True), within=1.0) == Pong(1.5)
+    b.pong = lambda: Pong(1.5, 2**26)  # a peer that measures itself says so, when asked only
+    assert await a.request(Ping(loop_lag=True), within=1.0) == Pong(1.5, 2**26)
     assert await a.request(Ping(), within=1.0) == Pong(0.0)
     gate.set()
     assert (await stalled).done == "stall"
@@ -279,3 +280,17 @@ async def test_request_deadline_and_pings_while_a_handler_is_stuck():
     a.close()
     b.close()
     await asyncio.gather(*tasks)
+
+
+def test_a_pong_without_memory_is_an_older_worker_s_and_reads_as_unknown():
+    """A worker of an earlier version (one a take-over successor adopts) answers without
+    `resident_bytes`: read as 0, what the proxy takes for "not said"."""
+    assert Pong.decode({"type": "ok", "id": 1, "loop_lag_seconds": 0.2}) == Pong(0.2, 0)
+
+
+def test_a_process_reads_its_own_resident_memory():
+    from gym_proxy.coordinator.contract.process_memory import resident_bytes
+
+    mine = resident_bytes()
+    assert mine > 2**20 and abs(resident_bytes(os.getpid()) - mine) < 2**24
+    assert resident_bytes(2**22 + 1) == 0  # no such process: unknown

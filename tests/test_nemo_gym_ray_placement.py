@@ -2,20 +2,21 @@
 cluster on this machine (`tests/ray_nodes.py`: `ray start --head` and `ray start
 --address`, token authentication on), gym-proxy started with `RAY_ADDRESS` naming it.
 
-Each worker runs in a Ray actor that SPREAD places; the tests read where from gym-proxy's
-status and check it against Ray's own state API. Through workers on both nodes: sessions
-exact; a worker's port that answers nothing but its challenge to a connection without
-the link key; a checkpoint whose restore moves sessions between nodes (and onto local
-workers); a drain (its sessions moved, its running episode handed over to the other
-node), a rolling restart (a gated episode handed to its replacement) and a resize;
-NeMo Gym's own counter with every reward right; the second node killed mid-load (its
-sessions 410 with the reason, the others untouched, a replacement started on the node
-left); and a stop that leaves no actor alive. A placed worker is lost only when it is
-gone: not for a flood of strangers' silent connections at its port, nor for a handler
+Each worker runs in a Ray actor that SPREAD places; the tests read where from
+gym-proxy's status and check it against Ray's own state API. Through workers on both
+nodes: sessions exact (the head's worker on a Unix socket in gym-proxy's runtime
+directory, the other's on TCP); each worker's memory as it reports it, and a recycle
+past `--max-worker-memory`; a worker's port that answers nothing but its challenge to a
+connection without the link key; a checkpoint whose restore moves sessions between nodes
+(and onto local workers); a drain (its sessions moved, its running episode handed over
+to the other node), a rolling restart (a gated episode handed to its replacement) and a
+resize; NeMo Gym's own counter with every reward right; the second node killed mid-load
+(its sessions 410 with the reason, the others untouched, a replacement started on the
+node left); and a stop that leaves no actor alive. A placed worker is lost only when it
+is gone: not for a flood of strangers' silent connections at its port, nor for a handler
 that blocks its loop past the handshake's limit. A stop goes through no Ray actor (one
 second, with every actor frozen), and a gym-proxy killed with -9 leaves nothing behind.
-In the NeMo Gym tier: Ray is installed by tests/nemo_gym/install.sh.
-"""
+In the NeMo Gym tier: Ray is installed by tests/nemo_gym/install.sh. """
 
 from __future__ import annotations
 
@@ -187,6 +188,43 @@ async def test_sessions_exact_through_workers_on_both_nodes(start_proxy, cluster
                 f'slot="{worker["slot"]}"}} 1.0'
             )
             assert line in text, text
+
+
+async def test_a_placed_workers_memory_is_its_own_report_and_past_the_ceiling_it_is_recycled(
+    start_proxy, cluster
+):
+    """A placed worker's pid is not one of gym-proxy's machine: it reports its resident
+    memory in its pongs, which `/metrics` shows per slot and `--max-worker-memory`
+    checks: below a fresh worker's, each worker is recycled once it has lived 10 s (its
+    sessions moved, their counts kept)."""
+    proxy = placed(
+        start_proxy, cluster, "--metrics", "127.0.0.1:0", "--max-worker-memory", "1",
+        app="tests.apps:create_app",
+    )  # fmt: skip
+    async with jar() as http:
+        before = {w["owner"] for w in await workers_of(http, proxy.url)}
+        token = await seed(http, proxy.url)
+        assert await increment(http, proxy.url, token, 3) == 200
+        metrics = re.search(r"metrics on (http://\S+/metrics)", proxy.log())
+        assert metrics is not None, proxy.log()
+
+        async def reported() -> bool:
+            async with http.get(metrics.group(1)) as response:
+                text = await response.text()
+            found = re.findall(r'gym_proxy_worker_resident_memory_bytes\{slot="(\d)"\} (\S+)', text)
+            return len(found) == 2 and all(float(value) > 2**24 for _, value in found)
+
+        await wait_until(reported, 30, "both placed workers' memory in /metrics")
+
+        async def recycled() -> bool:
+            last = (await status_of(http, proxy.url))["operations"]["last"]
+            return last is not None and last["reason"].startswith("recycle: resident memory")
+
+        await wait_until(recycled, 60, "a recycle for memory")
+        assert "is below a fresh worker's resident memory" in proxy.log()
+        after = {w["owner"] for w in await workers_of(http, proxy.url)}
+        assert after != before
+        assert await count(http, proxy.url, token) == 3
 
 
 async def test_a_worker_port_gives_nothing_without_the_link_key(start_proxy, cluster):

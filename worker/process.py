@@ -47,7 +47,8 @@ from gym_proxy.coordinator.contract.channel import (
 from gym_proxy.coordinator.contract.collector import freeze_startup_heap
 from gym_proxy.coordinator.contract.exit_codes import BOOT_ERROR, LOST_COORDINATOR, exit_process
 from gym_proxy.coordinator.contract.framing import STREAM_LIMIT
-from gym_proxy.coordinator.contract.messages import Done, Message, ProxyStopping, Register
+from gym_proxy.coordinator.contract.messages import Done, Message, Pong, ProxyStopping, Register
+from gym_proxy.coordinator.contract.process_memory import resident_bytes
 from gym_proxy.coordinator.contract.worker_link import LINK_KEY_ENV
 from gym_proxy.worker.aiohttp_door import RUNTIME, install_door, participation_of
 from gym_proxy.worker.aiohttp_server import AiohttpWorkerServer
@@ -207,7 +208,7 @@ class WorkerServer:
             path = self.args.coordinator
             reader, writer = await asyncio.open_unix_connection(path, limit=STREAM_LIMIT)
         channel = Channel(reader, writer, self._handle)
-        channel.pong_lag = lambda: runtime.loop_lag.take_worst("ping")
+        channel.pong = lambda: Pong(runtime.loop_lag.take_worst("ping"), resident_bytes())
         channel_task = asyncio.create_task(channel.serve())
         try:
             reply = await channel.request(self._registration(rejoining), within=REGISTER_WAIT)

@@ -17,11 +17,12 @@ coordinator's own modules) or does anything on import:
 - `lines`, `zygote_lines`: the JSON-lines protocols between the other processes, and the
   zygote's messages (the Ray processes' are `proxy.ray_cluster.lines`: both their ends
   are the proxy's);
-- `worker_link`: the authenticated link to a worker on another node;
+- `worker_link`: the authenticated link to a worker Ray placed;
 - `records`: the checkpoint record format (NeMo Gym's);
 - `marks`: retire marks and restored claims;
 - `state_files`, `trust`: the runtime directory's state files, and what is believed of a
   path or a peer;
-- `collector`, `loop_lag`, `telemetry`, `failpoints`: the garbage collector held off
-  around a checkpoint, the event loop's lag, OpenTelemetry, crash points for tests.
+- `collector`, `loop_lag`, `process_memory`, `telemetry`, `failpoints`: the garbage
+  collector held off around a checkpoint, the event loop's lag, a process's resident
+  memory, OpenTelemetry, crash points for tests.
 """

@@ -32,6 +32,7 @@ from gym_proxy.coordinator.contract.messages import (
     MalformedMessage,
     Message,
     Ping,
+    Pong,
     Request,
     decode,
 )
@@ -76,8 +77,8 @@ class Channel:
         self._inbox: deque[dict[str, Any]] = deque()
         self._dispatcher: asyncio.Task[None] | None = None
         self._closed = False
-        # The worst loop lag since the last pong, for a ping that asks (a worker's).
-        self.pong_lag: Callable[[], float] | None = None
+        # What a ping that asks is answered (a worker's: its loop lag and memory).
+        self.pong: Callable[[], Pong] | None = None
 
     @property
     def closed(self) -> bool:
@@ -153,8 +154,8 @@ class Channel:
                         future.set_result(message)
                 elif kind == Ping.TYPE:
                     pong: dict[str, Any] = {"type": "ok", "id": message.get("id")}
-                    if message.get("loop_lag") is True and self.pong_lag is not None:
-                        pong["loop_lag_seconds"] = self.pong_lag()
+                    if message.get("loop_lag") is True and self.pong is not None:
+                        pong.update(self.pong().fields())
                     self.send_nowait(pong)
                 else:
                     self._inbox.append(message)

@@ -380,16 +380,19 @@ class SessionsEnded(Message):
 @message()
 class Pong(Message):
     """A ping's answer: with `Ping.loop_lag`, the worst event-loop lag the peer measured
-    itself since its last pong (0 from a peer that does not measure it)."""
+    itself since its last pong and its resident memory (0 from a peer that does not
+    say)."""
 
     loop_lag_seconds: float = 0.0
+    resident_bytes: int = 0
 
 
 @message("ping")
 class Ping(Request[Pong]):
     """Answered by the channel's reader itself: the peer's event loop runs. `loop_lag`:
     the answer carries the peer's own loop lag (the supervisor's pings ask for it: a
-    ping's round trip alone misses a stall that ends just before each ping)."""
+    ping's round trip alone misses a stall that ends just before each ping) and its
+    memory (a worker on another node has no pid the proxy can read)."""
 
     loop_lag: bool = False
 

@@ -38,7 +38,6 @@ from gym_proxy.proxy.fleet.supervision.worker_records import (
     WORKER_STATUSES,
     Slot,
     WorkerProcess,
-    resident_bytes,
 )
 from gym_proxy.proxy.state_tables import WRONG
 
@@ -390,10 +389,9 @@ class _WorkerFamilies:
             gauges["requests_running"].add_metric([slot], sum(s.requests for s in mine))
             lag = max(s.loop_lag_seconds for s in mine)
             gauges["event_loop_lag_seconds"].add_metric([slot], lag)
-        pids = [w.pid for w in workers if w.local]  # a node's pid is not one here
-        if pids:
-            rss = sum(resident_bytes(pid) for pid in pids)
-            gauges["resident_memory_bytes"].add_metric([slot], rss)
+        memory = [w.memory() for w in workers]  # a placed worker's, as it reported it
+        if any(memory):
+            gauges["resident_memory_bytes"].add_metric([slot], sum(memory))
         pings = [w.ping_seconds for w in workers if w.ping_seconds is not None]
         if pings:
             gauges["ping_seconds"].add_metric([slot], max(pings))

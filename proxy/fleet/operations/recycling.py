@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from gym_proxy.proxy.config import Config
-from gym_proxy.proxy.fleet.supervision.worker_records import Slot, resident_bytes
+from gym_proxy.proxy.fleet.supervision.worker_records import Slot
 
 __all__ = ["RecyclePolicy", "SETTLE"]
 
@@ -53,7 +53,7 @@ class RecyclePolicy:
             limit = self._limit(worker.owner)
             if limit and worker.route.served >= limit:
                 self.recycle(worker.slot, f"served {worker.route.served} requests")
-            elif ceiling and (rss := resident_bytes(worker.pid)) > ceiling:
+            elif ceiling and (rss := worker.memory()) > ceiling:
                 if time.monotonic() - worker.started_at >= SETTLE:
                     self.recycle(worker.slot, f"resident memory {rss / 2**20:.0f} MiB")
                 elif not self._warned_ceiling:

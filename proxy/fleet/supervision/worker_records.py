@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import signal
 import time
 from collections.abc import Callable
@@ -18,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Literal, Protocol, runtime_checkable
 
 from gym_proxy.coordinator.contract.channel import Channel
+from gym_proxy.coordinator.contract.process_memory import resident_bytes
 from gym_proxy.proxy.data_path.routing import WorkerRoute
 from gym_proxy.proxy.data_path.upstream import UpstreamConnection, UpstreamPool
 
@@ -29,7 +29,6 @@ __all__ = [
     "WorkerHandle",
     "PlacedHandle",
     "Slot",
-    "resident_bytes",
     "terminate",
 ]
 
@@ -107,6 +106,7 @@ class WorkerProcess:
     started_unix: float = 0.0
     ping_seconds: float | None = None  # the last ping's round trip
     loop_lag_seconds: float = 0.0  # its worst loop lag between its last two pongs
+    reported_memory: int = 0  # its resident bytes, as its last pong said (0: not said)
 
     @property
     def pid(self) -> int:
@@ -128,6 +128,11 @@ class WorkerProcess:
     def node(self) -> str:
         """The Ray node it runs on; "" for a process of this machine."""
         return self.process.node_id if isinstance(self.process, PlacedHandle) else ""
+
+    def memory(self) -> int:
+        """Its resident bytes: read here for a process of this machine, as it reported
+        them for one Ray placed (0 while not known)."""
+        return resident_bytes(self.pid) if self.local else self.reported_memory
 
     @property
     def local(self) -> bool:
@@ -205,15 +210,6 @@ class Slot:
         delay = min(BACKOFF_MAX, BACKOFF_FIRST * 2 ** (self.failures - 1)) if self.failures else 0.0
         self.restart_at = now + delay
         return delay
-
-
-def resident_bytes(pid: int) -> int:
-    """The process's resident set size (Linux /proc; 0 when it cannot be read)."""
-    try:
-        with open(f"/proc/{pid}/statm", "rb") as statm:
-            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return 0
 
 
 async def terminate(workers: list[WorkerProcess], grace: float) -> None:
