@@ -102,6 +102,10 @@ def option(
     )
 
 
+# Why a successor cannot have a placed worker yet (docs/ray.md).
+NOT_ADOPTED = "a placed worker stops with the gym-proxy it served; no successor adopts it yet"
+
+
 @dataclass(frozen=True)
 class Config:
     """Everything gym-proxy and its workers are started with."""
@@ -689,15 +693,14 @@ class Config:
         # What a worker on another node cannot do yet: each says why (docs/ray.md).
         for name, why in (
             ("preload", "it forks the workers from a process of this machine"),
-            ("take_over", "the workers' actors end with this gym-proxy's Ray driver"),
+            ("take_over", NOT_ADOPTED),
         ):
             if getattr(self, name):
                 flag = name.replace("_", "-")
                 raise ConfigError(f"--{flag} does not work with --worker-placement ray: {why}")
         if self.orphan_grace:
             raise ConfigError(
-                "--orphan-grace does not work with --worker-placement ray: the workers' "
-                "actors end with this gym-proxy's Ray driver"
+                f"--orphan-grace does not work with --worker-placement ray: {NOT_ADOPTED}"
             )
         if not 0 <= self.worker_cpus < float("inf"):
             raise ConfigError("--worker-cpus must be a non-negative number")

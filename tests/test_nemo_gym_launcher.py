@@ -238,7 +238,11 @@ async def test_a_ray_server_under_the_launcher_shares_its_cluster_and_stops_in_i
             assert rewards == [1.0 if code == code_gen.RIGHT else 0.0 for code, _ in calls]
             status = await Control(http, url).ok("status")
             assert [w["requests_served"] > 0 for w in status["workers"]] == [True] * 3
-            placed = [w["address"].startswith("tcp://") for w in status["workers"]]
+            # Placed on the launcher's one-node cluster, gym-proxy's node: Unix sockets too.
+            placed = [w["node"] != "local" for w in status["workers"]]
+            assert all(
+                "/placed-" in w["address"] for w in status["workers"] if w["node"] != "local"
+            )
             assert placed == [placement == "ray"] * 3, status["workers"]
         os.kill(launcher.pid, signal.SIGINT)  # Ctrl-C: the launcher stops its servers
         launcher.wait(60)

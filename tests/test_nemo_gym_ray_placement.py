@@ -16,7 +16,7 @@ node left); and a stop that leaves no actor alive. A placed worker is lost only 
 is gone: not for a flood of strangers' silent connections at its port, nor for a handler
 that blocks its loop past the handshake's limit. A stop goes through no Ray actor (one
 second, with every actor frozen), and a gym-proxy killed with -9 leaves nothing behind.
-In the NeMo Gym tier: Ray is installed by tests/nemo_gym/install.sh. """
+In the NeMo Gym tier: Ray is installed by tests/nemo_gym/install.sh."""
 
 from __future__ import annotations
 
@@ -569,6 +569,72 @@ async def test_a_proxy_killed_with_9_leaves_nothing_behind(start_proxy, cluster)
     wait_until_sync(lambda: not cluster.alive_actors(), 60, "the actors to end")
     for worker in workers:  # nothing listens there any more
         assert nothing_listens(link_of(worker)), worker
+
+
+def placement_driver(proxy: ProxyProcess) -> Any:
+    """gym-proxy's placement driver process (psutil), once there is one."""
+    import psutil
+
+    drivers = [
+        p for p in psutil.Process(proxy.pid).children() if "placement" in " ".join(p.cmdline())
+    ]
+    return drivers[0] if len(drivers) == 1 else None
+
+
+async def test_a_placement_driver_killed_with_9_loses_nothing(start_proxy, cluster):
+    """The placement driver alone killed with -9: the workers' actors outlive it (they are
+    detached), gym-proxy starts another driver that follows them by name, and no session
+    is lost: the same actors (by ID), every count exact, new calls answered. A worker
+    that dies afterwards is heard through the new driver and replaced; a stop then leaves
+    no actor."""
+    proxy = placed(start_proxy, cluster, app="tests.apps:create_app")
+    async with jar() as http:
+        await on_both_nodes(http, proxy.url, cluster)
+        tokens = [await seed(http, proxy.url) for _ in range(20)]
+        for i, token in enumerate(tokens):
+            assert await increment(http, proxy.url, token, i) == 200
+        actors = {a["actor_id"] for a in cluster.alive_actors()}
+        assert len(actors) == 2, actors
+        first = placement_driver(proxy)
+        first.kill()
+        first.wait(10)
+        replaced = "starting another, which follows the 2 workers' actors"
+        wait_until_sync(lambda: replaced in proxy.log(), 30, "the driver to be replaced")
+        wait_until_sync(lambda: placement_driver(proxy) is not None, 30, "a new driver")
+        assert placement_driver(proxy).pid != first.pid
+        for i, token in enumerate(tokens):
+            assert await count(http, proxy.url, token) == i
+            assert await increment(http, proxy.url, token) == 200
+        assert {a["actor_id"] for a in cluster.alive_actors()} == actors
+        victim = (await workers_of(http, proxy.url))[0]
+        os.kill(victim["pid"], signal.SIGKILL)  # its exit reaches gym-proxy through the new driver
+
+        async def slot_replaced() -> bool:
+            now = {w["slot"]: w for w in await workers_of(http, proxy.url)}
+            fresh = now.get(victim["slot"])
+            return fresh is not None and fresh["owner"] != victim["owner"]
+
+        await wait_until(slot_replaced, 60, "the killed worker's slot started again")
+        assert f"(pid {victim['pid']}, owner {victim['owner']}) exited with code -9" in proxy.log()
+    proxy.close_process()
+    assert proxy.popen.returncode == 0, proxy.log()[-3000:]
+    wait_until_sync(lambda: not cluster.alive_actors(), 60, "every actor to end")
+
+
+async def test_gym_proxy_and_its_driver_both_killed_leave_no_actor(start_proxy, cluster):
+    """gym-proxy and its placement driver killed with -9 together (a cgroup's OOM kill):
+    no driver is left to kill the detached actors, but each worker stops as its channel
+    ends, and its actor ends itself once no driver heard that (ORPHANED_AFTER)."""
+    proxy = placed(start_proxy, cluster, app="tests.apps:create_app")
+    async with jar() as http:
+        await on_both_nodes(http, proxy.url, cluster)
+    driver = placement_driver(proxy)
+    driver.kill()
+    proxy.popen.kill()
+    proxy.popen.wait(10)
+    driver.wait(10)
+    assert len(cluster.alive_actors()) == 2  # detached: they outlived both
+    wait_until_sync(lambda: not cluster.alive_actors(), 60, "the orphaned actors to end")
 
 
 async def test_a_node_killed_mid_load_and_a_stop_that_leaves_no_actor(start_proxy, cluster):

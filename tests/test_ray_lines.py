@@ -32,6 +32,7 @@ from gym_proxy.proxy.ray_cluster.lines import (
     PLACEMENT,
     ClusterAddress,
     DriverFailed,
+    FollowWorker,
     KillWorker,
     PlacementSpec,
     SignalWorker,
@@ -162,7 +163,12 @@ def test_the_driver_refuses_a_spec_it_cannot_read_in_its_failed_line(spec, why):
 
 
 def test_the_driver_reads_the_launcher_s_requests_and_refuses_what_it_cannot():
-    sent = [Spawn(1, ["--slot=0"], {"A": "b"}, "/srv"), SignalWorker(1, 15), KillWorker(1)]
+    sent = [
+        Spawn(1, ["--slot=0"], {"A": "b"}, "/srv"),
+        FollowWorker(2, "apps-0a1b2c3d-2"),
+        SignalWorker(1, 15),
+        KillWorker(1),
+    ]
     assert list(requests(encode_line(request) for request in sent)) == sent
     for line, why in [
         (b'{"op": "spawn", "id": 1}\n', "sent a line with no message type"),
@@ -172,7 +178,7 @@ def test_the_driver_reads_the_launcher_s_requests_and_refuses_what_it_cannot():
         # `id` is the channel's envelope, which the messages' decode leaves out: not a line's
         (b'{"type": "kill", "key": 1, "id": 1}\n', "kill: unknown key(s) id"),
         (b'{"type": "exit", "key": 1}\n', "sent a 'exit' message, which this protocol does not"),
-        (encode_line(WorkerStarted(1, 2, "h", 3, "", "n", "x")), "sent 'started' where spawn"),
+        (encode_line(WorkerStarted(1, "a", 2, "h", 3, "", "n", "x")), "sent 'started' where spawn"),
     ]:
         with pytest.raises(LineError) as refused:
             list(requests([encode_line(KillWorker(1)), line]))
@@ -236,7 +242,7 @@ out.write(encode_line(DriverReady(1, spec.workers)))
 out.flush()
 for request in requests(sys.stdin.buffer):
     if isinstance(request, Spawn):
-        said = WorkerStarted(request.key, 1, "h", 0, "/elsewhere/placed-1.sock", "n", "h")
+        said = WorkerStarted(request.key, "a", 1, "h", 0, "/elsewhere/placed-1.sock", "n", "h")
         out.write(encode_line(said))
         out.flush()
     elif isinstance(request, KillWorker):
@@ -282,7 +288,7 @@ async def test_a_driver_that_is_not_ready_is_one_line_for_the_user(said, why):
 # ---- the boundary: the fleet knows placed workers by its own protocol ---------------------
 async def test_a_placed_worker_is_a_placed_handle_to_the_fleet_and_a_local_one_is_not():
     launcher = RayLauncher(SPEC, b"k" * 32)
-    started = WorkerStarted(1, 7, "10.0.0.2", 9, "", "node-a", "h")
+    started = WorkerStarted(1, "a", 7, "10.0.0.2", 9, "", "node-a", "h")
     handle: PlacedHandle = RemoteWorker(launcher, started)
     placed = WorkerProcess(0, "owner", "", handle, 0.0)
     assert isinstance(handle, PlacedHandle) and (placed.node, placed.local) == ("node-a", False)

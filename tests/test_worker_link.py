@@ -53,7 +53,7 @@ def _at(port: int) -> LinkAddress:
 
 def placed(port: int) -> WorkerStarted:
     """What the placement driver says of a worker started at `port` on this machine."""
-    return WorkerStarted(1, 1, "127.0.0.1", port, "", "", "")
+    return WorkerStarted(1, "a", 1, "127.0.0.1", port, "", "", "")
 
 
 def test_the_key_is_the_instances_and_never_the_secret():
@@ -377,7 +377,7 @@ async def test_a_placed_worker_whose_unix_socket_is_gone_is_taken_as_gone(short_
     a closed port is, so the worker is taken as gone (a 410), not dialed for ever."""
     launcher = RayLauncher(SPEC, KEY)
     path = str(short_tmp / "placed-gone.sock")
-    worker = RemoteWorker(launcher, WorkerStarted(1, 1, "127.0.0.1", 0, path, "", ""))
+    worker = RemoteWorker(launcher, WorkerStarted(1, "a", 1, "127.0.0.1", 0, path, "", ""))
     assert worker.address == f"unix://{path}"
     proxy_end, worker_end = socket.socketpair()
     _, worker.channel = await asyncio.open_connection(sock=proxy_end)

@@ -18,6 +18,7 @@ had at start:
 
     launcher -> driver  spec     the workers asked (its command line's SPEC, one message)
                         spawn    a worker to start, by the launcher's key for it
+                        follow   watch a worker's actor a previous driver started
                         signal   a signal for a worker
                         kill     kill a worker's actor (and so the worker)
     driver -> launcher  ready    the cluster holds the workers       } one at start
@@ -44,6 +45,7 @@ __all__ = [
     "LAUNCHER",
     "PlacementSpec",
     "Spawn",
+    "FollowWorker",
     "SignalWorker",
     "KillWorker",
     "DriverReady",
@@ -117,6 +119,16 @@ class Spawn(Message):
     cwd: str
 
 
+@message("follow", PLACEMENT)
+class FollowWorker(Message):
+    """Launcher -> driver: the worker `key` runs in the actor named `actor`, which a driver
+    that died started (actors outlive their driver): watch it as one of its own. Its
+    exit comes as `exited` (at once, when the actor is gone)."""
+
+    key: int
+    actor: str
+
+
 @message("signal", PLACEMENT)
 class SignalWorker(Message):
     key: int
@@ -147,11 +159,12 @@ class DriverFailed(Message):
 
 @message("started", PLACEMENT)
 class WorkerStarted(Message):
-    """Driver -> launcher: the worker `key` runs as `pid` on Ray node `node_id`
-    (`hostname`), its port at `host`:`port`, or at the Unix socket `path` on gym-proxy's
-    own node ("" elsewhere)."""
+    """Driver -> launcher: the worker `key` runs as `pid` in the actor named `actor` on Ray
+    node `node_id` (`hostname`), its port at `host`:`port`, or at the Unix socket `path`
+    on gym-proxy's own node ("" elsewhere)."""
 
     key: int
+    actor: str
     pid: int
     host: str
     port: int

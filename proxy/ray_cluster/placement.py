@@ -6,8 +6,14 @@ gym_proxy.proxy.ray_cluster.placement ADDRESS SPEC`, it joins the server's clust
 gym-proxy started or checked, `proxy.ray_cluster.cluster`) and talks in lines with the
 proxy (`proxy.ray_cluster.lines.PLACEMENT`): requests on stdin, answers and events on the
 stdout it had at start (Ray's own lines, and the workers' log lines Ray forwards from the
-nodes, go to stderr, the proxy's log). The proxy process never imports Ray; this process
-is the owner of every worker's actor, so they end with it.
+nodes, go to stderr, the proxy's log). The proxy process never imports Ray.
+
+The actors are detached and named (namespace NAMESPACE), so that they outlive this
+process: should it die alone (killed, out of memory), its workers serve on (their
+channels and data connections go from gym-proxy to them, not through here), and the
+next driver gym-proxy starts follows them by name. An actor still alive ORPHANED_AFTER
+seconds after its worker exited ends itself (`worker_host.RayWorkerHost`): gym-proxy and
+its driver both gone leave no actor.
 
 - At start it checks that the cluster's nodes have room for the workers asked (SPEC, a
   `PlacementSpec`, by each node's total, as Ray schedules them), and says `ready`, or
@@ -17,6 +23,8 @@ is the owner of every worker's actor, so they end with it.
   (its pid, port and node) or `not_started` (`lost`: its actor died first, its node
   likely gone), and later `exited` when the worker exits or its actor dies (its node
   gone: `why` says so, its code is EXIT_UNKNOWN).
+- `follow`: a worker's actor a previous driver started, found by its name and watched as
+  one of this driver's (`exited` at once when it is gone).
 - `signal` signals the worker; `kill` kills its actor (and so the worker, which loses
   its channel) and reports it exited.
 - stdin's end or SIGTERM: every actor is killed and seen dead, and the driver ends (its
@@ -35,11 +43,12 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import secrets
 import signal
 import sys
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from gym_proxy.coordinator.contract.exit_codes import EXIT_UNKNOWN, FAILED, USAGE_ERROR
@@ -50,6 +59,7 @@ from gym_proxy.proxy.ray_cluster.lines import (
     PLACEMENT,
     DriverFailed,
     DriverReady,
+    FollowWorker,
     KillWorker,
     NotStarted,
     PlacementSpec,
@@ -121,9 +131,13 @@ class _Placement:
             "scheduling_strategy": spec.strategy,
             "max_restarts": 0,
             "max_concurrency": 4,  # `wait` blocks one thread; `signal` needs another
+            "lifetime": "detached",  # it outlives this driver (module docstring)
+            "namespace": NAMESPACE,
         }
-        self.host_class = ray.remote(RayWorkerHost).options(**options)
+        self.host_class = ray.remote(RayWorkerHost)
+        self.options = options
         self.instance = spec.instance
+        self.names = f"{spec.instance}-{secrets.token_hex(4)}"  # this driver's actors
         # Where gym-proxy runs (the driver is its child): workers placed on this node
         # listen on Unix sockets in its runtime directory (`worker_host`).
         self.near = (ray.get_runtime_context().get_node_id(), spec.runtime_dir)
@@ -134,18 +148,33 @@ class _Placement:
 
     def spawn(self, request: Spawn) -> None:
         key = request.key
-        actor = self.host_class.remote()
+        name = f"{self.names}-{key}"
+        actor = self.host_class.options(name=name, **self.options).remote()
+        self._watch(key, actor, lambda: self._start(key, name, actor, request))
+
+    def follow(self, request: FollowWorker) -> None:
+        """Watch the actor a previous driver started for the worker `key`."""
+        try:
+            actor = self.ray.get_actor(request.actor, namespace=NAMESPACE)
+        except ValueError:  # no such actor alive: its worker is gone
+            why = f"its Ray actor {request.actor} is gone"
+            self.out.say(WorkerExited(request.key, EXIT_UNKNOWN, why))
+            return
+        self._watch(request.key, actor, lambda: True)
+
+    def _watch(self, key: int, actor: Any, start: Callable[[], bool]) -> None:
         with self.lock:
             if self.stopping:
-                self.ray.kill(actor)
+                self.ray.kill(actor, no_restart=True)
                 self.out.say(NotStarted(key, "gym-proxy is stopping"))
                 return
             self.actors[key] = actor
-            watcher = threading.Thread(target=self._run, args=(key, actor, request), daemon=True)
+            watcher = threading.Thread(target=self._run, args=(key, actor, start), daemon=True)
             self.watchers.append(watcher)
         watcher.start()
 
-    def _run(self, key: int, actor: Any, request: Spawn) -> None:
+    def _start(self, key: int, name: str, actor: Any, request: Spawn) -> bool:
+        """Start the worker in `actor`; False (said) when it did not start."""
         ray = self.ray
         try:
             started = ray.get(
@@ -156,8 +185,16 @@ class _Placement:
             lost = isinstance(exc, ray.exceptions.RayActorError)  # placed again by the proxy
             why = f"the worker's actor could not start it: {_first_line(exc)}"
             self.out.say(NotStarted(key, why, lost))
+            with contextlib.suppress(Exception):
+                ray.kill(actor, no_restart=True)  # detached: it would not end by itself
+            return False
+        self.out.say(WorkerStarted(key, name, **started))
+        return True
+
+    def _run(self, key: int, actor: Any, start: Callable[[], bool]) -> None:
+        ray = self.ray
+        if not start():
             return
-        self.out.say(WorkerStarted(key, **started))
         try:
             code, why = ray.get(actor.wait.remote()), ""
         except ray.exceptions.RayActorError as exc:
@@ -206,10 +243,12 @@ class _Placement:
             watcher.join(max(0.0, deadline - time.monotonic()))
 
 
-def requests(lines: Iterable[bytes]) -> Iterator[Spawn | SignalWorker | KillWorker]:
+def requests(
+    lines: Iterable[bytes],
+) -> Iterator[Spawn | FollowWorker | SignalWorker | KillWorker]:
     """The launcher's requests, one a line; LineError, naming it, at one this cannot read."""
     for line in lines:
-        yield expect(line, PLACEMENT, LAUNCHER, Spawn, SignalWorker, KillWorker)
+        yield expect(line, PLACEMENT, LAUNCHER, Spawn, FollowWorker, SignalWorker, KillWorker)
 
 
 def _serve(out: _Out, address: str, spec: PlacementSpec) -> int:
@@ -239,6 +278,8 @@ def _serve(out: _Out, address: str, spec: PlacementSpec) -> int:
         for request in requests(sys.stdin.buffer):
             if isinstance(request, Spawn):
                 placement.spawn(request)
+            elif isinstance(request, FollowWorker):
+                placement.follow(request)
             elif isinstance(request, SignalWorker):
                 placement.signal(request)
             else:

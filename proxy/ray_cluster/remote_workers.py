@@ -20,6 +20,10 @@ A worker's exit comes from the driver: its process's status, or EXIT_UNKNOWN wit
 reason when its actor died (its node gone). A channel that ends without an exit (a node
 that dies takes its worker's sockets with it) gets the actor killed, so the slot is
 reaped and started again on the nodes that remain, without waiting for Ray to notice.
+The workers' actors outlive the driver (detached): a driver that dies is replaced by one
+that follows them by name (`follow`), so a worker is never lost to its driver alone
+(at most REPLACE_AT_MOST replacements in REPLACE_WINDOW seconds; past that, or when no
+driver starts, every worker is taken as gone, in one line).
 
 A worker is lost only when it is gone. A data connection refused at its port (nothing
 listens there: its worker is gone, as its gate listens from the start to the end), or
@@ -72,6 +76,7 @@ from gym_proxy.proxy.ray_cluster.lines import (
     PLACEMENT,
     DriverFailed,
     DriverReady,
+    FollowWorker,
     KillWorker,
     NotStarted,
     PlacementSpec,
@@ -90,6 +95,9 @@ log = logging.getLogger("gym_proxy.supervisor")
 
 START_WAIT = 120.0  # seconds for the driver to join the cluster and check its room
 STOP_WAIT = 15.0  # seconds for the driver to kill the actors and leave
+# A driver that dies is replaced at most this often; past it, its workers are gone.
+REPLACE_AT_MOST = 3
+REPLACE_WINDOW = 60.0
 LOST_EXIT_WAIT = 2.0  # seconds a worker whose channel ended unasked has to exit
 # `-P`: the user's working directory must not shadow the packages the driver imports.
 DRIVER_COMMAND = (sys.executable, "-P", "-m", "gym_proxy.proxy.ray_cluster.placement")
@@ -135,6 +143,7 @@ class RemoteWorker:
         self._launcher = launcher
         self._key = started.key
         self.pid = started.pid
+        self.actor = started.actor  # its actor's name: a new driver follows it by that
         self.link = LinkAddress(started.host, started.port, started.path)
         self.node_id = started.node_id
         self.hostname = started.hostname
@@ -245,6 +254,7 @@ class RayLauncher:
         self._starting: dict[int, asyncio.Future[WorkerStarted]] = {}
         self._workers: dict[int, RemoteWorker] = {}
         self._tasks: set[asyncio.Task[None]] = set()  # channels, stops over links
+        self._replaced: list[float] = []  # when drivers that died were replaced
 
     async def open(self, launch: Launch) -> None:
         """Start the driver on the cluster `launch` names; RayError (one line) when the
@@ -252,11 +262,21 @@ class RayLauncher:
         if launch.ray_address is None or launch.accept_channel is None:
             raise RayError("placing workers on Ray needs the cluster's address and a channel")
         self._launch = launch
+        said = await self._start_driver()
+        log.info(
+            "Ray placement: %s workers of %s CPU each on a cluster of %s nodes with room for %s",
+            self.spec.workers, self.spec.cpus, said.nodes, said.room,
+        )  # fmt: skip
+        self._reader = asyncio.ensure_future(self._read())
+
+    async def _start_driver(self) -> DriverReady:
+        """A driver, ready; RayError (one line, the driver stopped) when it is not."""
+        assert self._launch.ray_address is not None
         self._driver = await asyncio.create_subprocess_exec(
-            *self._driver_command, launch.ray_address,
+            *self._driver_command, self._launch.ray_address,
             encode_line(self.spec).decode().rstrip("\n"),
             stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, limit=STREAM_LIMIT,
-            env={**os.environ, **launch.environment},
+            env={**os.environ, **self._launch.environment},
         )  # fmt: skip
         assert self._driver.stdout is not None
         try:
@@ -264,16 +284,12 @@ class RayLauncher:
                 self._driver.stdout, START_WAIT, PLACEMENT, DRIVER, DriverReady, DriverFailed
             )
         except TimeoutError:
-            await self.close()
+            await self._stop_driver()
             raise RayError(f"the Ray placement driver did not start in {START_WAIT:g} s") from None
         if not isinstance(said, DriverReady):
-            await self.close()
+            await self._stop_driver()
             raise RayError(said)
-        log.info(
-            "Ray placement: %s workers of %s CPU each on a cluster of %s nodes with room for %s",
-            self.spec.workers, self.spec.cpus, said.nodes, said.room,
-        )  # fmt: skip
-        self._reader = asyncio.ensure_future(self._read())
+        return said
 
     async def spawn(self, argv: list[str]) -> RemoteWorker:
         """Start a worker on a node and dial its channel in; OSError when it cannot start.
@@ -370,6 +386,50 @@ class RayLauncher:
         driver.stdin.write(encode_line(request))
 
     async def _read(self) -> None:
+        """The driver's lines, for as long as the launcher is open: a driver that dies is
+        replaced by one that follows its workers' actors (they outlive it), so that no
+        worker is lost to it; only when no driver can be had are they all taken as gone."""
+        while True:
+            await self._read_driver()
+            why = await self._driver_lost()
+            if not why:
+                break
+            for starting in self._starting.values():  # the replacement cannot answer them
+                if not starting.done():
+                    starting.set_exception(OSError(why))
+            try:
+                await self._replace_driver(why)
+            except (RayError, OSError) as exc:
+                log.error("no Ray placement driver: %s; its workers are taken as gone", exc)
+                break
+        for starting in self._starting.values():
+            if not starting.done():
+                starting.set_exception(OSError("the Ray placement driver exited"))
+        for worker in self._workers.values():
+            worker.exited(EXIT_UNKNOWN, "the Ray placement driver exited")
+        self._workers.clear()
+
+    async def _driver_lost(self) -> str:
+        """Why the driver whose lines ended is gone; "" when the launcher closes it."""
+        driver = self._driver
+        if driver is None:
+            return ""
+        code = await driver.wait()
+        return f"the Ray placement driver exited with code {code}"
+
+    async def _replace_driver(self, why: str) -> None:
+        now = time.monotonic()
+        self._replaced = [t for t in self._replaced if now - t < REPLACE_WINDOW] + [now]
+        if len(self._replaced) > REPLACE_AT_MOST:
+            raise RayError(f"{why}, the {len(self._replaced)}th in {REPLACE_WINDOW:g} s")
+        log.warning(
+            "%s; starting another, which follows the %d workers' actors", why, len(self._workers)
+        )
+        await self._start_driver()
+        for key, worker in self._workers.items():
+            self.send(FollowWorker(key, worker.actor))
+
+    async def _read_driver(self) -> None:
         assert self._driver is not None and self._driver.stdout is not None
         while line := await self._driver.stdout.readline():
             try:
@@ -391,16 +451,17 @@ class RayLauncher:
                     starting.set_exception((ActorLost if said.lost else OSError)(said.error))
                 else:
                     starting.set_result(said)
-        why = "the Ray placement driver exited"
-        for starting in self._starting.values():
-            if not starting.done():
-                starting.set_exception(OSError(why))
-        for worker in self._workers.values():
-            worker.exited(EXIT_UNKNOWN, why)
-        self._workers.clear()
 
     async def close(self) -> None:
         """Stop the driver: it kills every actor left and leaves the cluster."""
+        await self._stop_driver()
+        if self._reader is not None:
+            await asyncio.gather(self._reader, return_exceptions=True)
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def _stop_driver(self) -> None:
         driver, self._driver = self._driver, None
         if driver is None:
             return
@@ -413,8 +474,3 @@ class RayLauncher:
             with contextlib.suppress(ProcessLookupError):
                 driver.kill()
             await driver.wait()
-        if self._reader is not None:
-            await asyncio.gather(self._reader, return_exceptions=True)
-        for task in list(self._tasks):
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)

@@ -11,9 +11,11 @@ same worker a local slot runs; only where it listens differs. It stops by itself
 its coordinator channel ends, as a local worker does, so a proxy that dies (or an actor
 killed with its node) leaves no worker behind for long.
 
-`RayWorkerHost` is the actor (`proxy.ray_cluster.placement` creates one per worker): the
-host plus what only Ray knows, the node's address and ID. Its methods run on a thread
-pool (`max_concurrency`), so that `wait` blocks while `signal` is served.
+`RayWorkerHost` is the actor (`proxy.ray_cluster.placement` creates one per worker, detached
+so that it outlives a driver that dies): the host plus what only Ray knows, the node's
+address and ID. Its methods run on a thread pool (`max_concurrency`), so that `wait`
+blocks while `signal` is served. Once its worker exited, it ends itself if no driver
+has ended it within ORPHANED_AFTER seconds.
 """
 
 from __future__ import annotations
@@ -25,12 +27,15 @@ import socket
 import stat
 import subprocess
 import sys
+import threading
+import time
 from typing import Any
 
 __all__ = ["WorkerHost", "RayWorkerHost", "WORKER_COMMAND", "private_directory"]
 
 WORKER_COMMAND = (sys.executable, "-P", "-m", "gym_proxy.worker")
 BACKLOG = 4096  # as a local worker's socket (`worker.identity.WORKER_BACKLOG`)
+ORPHANED_AFTER = 10.0  # seconds an exited worker's actor waits for a driver to end it
 UNIX_PATH_MAX = 100  # sun_path holds 108 bytes; a longer runtime directory: TCP
 SOCKET_PREFIX = "placed-"  # never "w…sock": those are the local workers' (adoption)
 
@@ -122,4 +127,15 @@ class RayWorkerHost(WorkerHost):
         started = self.start(argv, env, ray.util.get_node_ip_address(), cwd, unix_dir)
         started["node_id"] = node_id
         started["hostname"] = socket.gethostname()
+        threading.Thread(target=self._end_when_orphaned, daemon=True).start()
         return started
+
+    def _end_when_orphaned(self) -> None:
+        """The actor is detached (it outlives its driver): a driver that hears its worker's
+        exit kills it at once; one still alive ORPHANED_AFTER seconds after the exit has
+        no driver to hear it (a `wait` a dead driver asked for still returns here), and
+        ends itself, so that gym-proxy and its driver both gone leave no actor."""
+        assert self.process is not None
+        self.process.wait()
+        time.sleep(ORPHANED_AFTER)
+        os._exit(0)
