@@ -102,8 +102,8 @@ def option(
     )
 
 
-# Why a successor cannot have a placed worker yet (docs/ray.md).
-NOT_ADOPTED = "a placed worker stops with the gym-proxy it served; no successor adopts it yet"
+# Why a --take-over successor cannot have a placed worker yet (docs/ray.md).
+NOT_ADOPTED = "a running gym-proxy does not pass its placed workers on yet"
 
 
 @dataclass(frozen=True)
@@ -611,7 +611,7 @@ class Config:
         secret), so every later reader sees the number."""
         if "orphan_grace" in self.given:
             return self
-        if self.by_nemo_gym_launcher or self.secret is None or self.worker_placement == "ray":
+        if self.by_nemo_gym_launcher or self.secret is None:
             return replace(self, orphan_grace=0.0)
         return replace(self, orphan_grace=DEFAULT_ORPHAN_GRACE)
 
@@ -698,10 +698,6 @@ class Config:
             if getattr(self, name):
                 flag = name.replace("_", "-")
                 raise ConfigError(f"--{flag} does not work with --worker-placement ray: {why}")
-        if self.orphan_grace:
-            raise ConfigError(
-                f"--orphan-grace does not work with --worker-placement ray: {NOT_ADOPTED}"
-            )
         if not 0 <= self.worker_cpus < float("inf"):
             raise ConfigError("--worker-cpus must be a non-negative number")
         self.ray_resources()  # raises ConfigError when malformed

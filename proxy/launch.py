@@ -54,6 +54,7 @@ def choose_launcher(config: Config, secret: bytes, runtime_dir: str) -> WorkerLa
             strategy=config.worker_strategy.upper(),
             instance=config.instance,
             runtime_dir=runtime_dir,
+            keep_for=config.orphan_grace or 0.0,
         )
         return RayLauncher(
             spec, link_key(secret, config.instance), config.boot_timeout or START_WAIT

@@ -38,9 +38,9 @@ from gym_proxy.proxy.assembly import Assembly
 from gym_proxy.proxy.config import Config, metrics_address
 from gym_proxy.proxy.connection_sweep import sweep_connections
 from gym_proxy.proxy.data_path.client_connection import ClientFactory
-from gym_proxy.proxy.fleet.supervision.launchers import WorkerLauncher
+from gym_proxy.proxy.fleet.supervision.launchers import FindsLeftWorkers, WorkerLauncher
 from gym_proxy.proxy.fleet.supervision.liveness import watch_liveness
-from gym_proxy.proxy.fleet.supervision.supervisor import WorkerBootError
+from gym_proxy.proxy.fleet.supervision.supervisor import Supervisor, WorkerBootError
 from gym_proxy.proxy.launch import WorkerPlan, choose_launcher, launch_of
 from gym_proxy.proxy.metrics import listener as metrics_listener
 from gym_proxy.proxy.ray_cluster.cluster import HEAD_SOCKET, RayCluster
@@ -262,8 +262,27 @@ class Server:
         if self.cluster is not None:
             await self.cluster.start()
         launch = launch_of(self.plan, self.cluster, parts.channels.accept_dialed, os.environ)
-        await parts.supervisor.launcher.open(launch)
-        await parts.supervisor.start()
+        supervisor = parts.supervisor
+        await supervisor.launcher.open(launch)
+        await self._find_left_workers(supervisor)
+        await supervisor.start()
+
+    async def _find_left_workers(self, supervisor: Supervisor) -> None:
+        """Workers a dead predecessor left where only the launcher sees them (on a Ray
+        cluster's nodes) are adopted as those in the runtime directory are."""
+        launcher = supervisor.launcher
+        believed = self.runtime is not None and self.runtime.found is not None
+        if not (believed and self.config.orphan_grace and isinstance(launcher, FindsLeftWorkers)):
+            return
+        found = await launcher.find()
+        if not found:
+            return
+        log.info("adopting the %d placed workers a dead instance left", found)
+        if supervisor.adoption is None:
+            supervisor.adopt(found, passed_on=False)
+        else:
+            supervisor.adoption.orphans += found
+        launcher.dial_left()  # now that the adoption expects them
 
     async def _listen(self) -> None:
         try:

@@ -550,10 +550,11 @@ async def test_ctrl_c_in_a_terminal_lets_the_placed_workers_finish(start_proxy, 
 
 async def test_a_proxy_killed_with_9_leaves_nothing_behind(start_proxy, cluster):
     """gym-proxy killed with -9 (as NeMo Gym's launcher kills a server that missed its
-    second): its placement driver kills the workers' actors and, its proxy dead, removes
-    the runtime directory; the workers stop as their channels end; nothing of it is left."""
+    second; under it, the orphan grace is 0): its placement driver kills the workers'
+    actors and, its proxy dead, removes the runtime directory; the workers stop as their
+    channels end; nothing of it is left."""
     psutil = pytest.importorskip("psutil")
-    proxy = placed(start_proxy, cluster, app="tests.apps:create_app")
+    proxy = placed(start_proxy, cluster, "--orphan-grace", "0", app="tests.apps:create_app")
     async with jar() as http:
         workers = await workers_of(http, proxy.url)
     pids = [int(w["pid"]) for w in workers]
@@ -622,10 +623,11 @@ async def test_a_placement_driver_killed_with_9_loses_nothing(start_proxy, clust
 
 
 async def test_gym_proxy_and_its_driver_both_killed_leave_no_actor(start_proxy, cluster):
-    """gym-proxy and its placement driver killed with -9 together (a cgroup's OOM kill):
-    no driver is left to kill the detached actors, but each worker stops as its channel
-    ends, and its actor ends itself once no driver heard that (ORPHANED_AFTER)."""
-    proxy = placed(start_proxy, cluster, app="tests.apps:create_app")
+    """gym-proxy and its placement driver killed with -9 together (a cgroup's OOM kill),
+    and never started again: no driver is left to kill the detached actors, but each
+    worker stops once its orphan grace (2 s here) ends with no successor, and its actor
+    ends itself once no driver heard that (ORPHANED_AFTER)."""
+    proxy = placed(start_proxy, cluster, "--orphan-grace", "2", app="tests.apps:create_app")
     async with jar() as http:
         await on_both_nodes(http, proxy.url, cluster)
     driver = placement_driver(proxy)
@@ -635,6 +637,48 @@ async def test_gym_proxy_and_its_driver_both_killed_leave_no_actor(start_proxy, 
     driver.wait(10)
     assert len(cluster.alive_actors()) == 2  # detached: they outlived both
     wait_until_sync(lambda: not cluster.alive_actors(), 60, "the orphaned actors to end")
+
+
+async def test_the_same_command_started_again_adopts_the_placed_workers(start_proxy, cluster):
+    """kill -9 of gym-proxy with workers on both nodes: its driver leaves their actors
+    (detached, named by gym-proxy's runtime directory) for the orphan grace, the workers
+    keep their sessions; the same command started again finds the actors, links to the
+    workers and adopts them: the same actors (by ID) and processes, every session's count
+    exact, new sessions served; a stop then leaves no actor."""
+    grace = ("--orphan-grace", "60")
+    first = placed(start_proxy, cluster, *grace, app="tests.apps:create_app")
+    async with jar() as http:
+        await on_both_nodes(http, first.url, cluster)
+        tokens = [await seed(http, first.url) for _ in range(30)]
+        for i, token in enumerate(tokens):
+            assert await increment(http, first.url, token, i) == 200
+        before = sorted(
+            (w["slot"], w["owner"], w["pid"]) for w in await workers_of(http, first.url)
+        )
+    actors = {a["actor_id"] for a in cluster.alive_actors()}
+    driver = placement_driver(first)
+    first.popen.kill()
+    first.popen.wait(10)
+    driver.wait(30)  # it ends, leaving the actors to a successor
+    assert "its workers wait up to 60 s" in first.log(), first.log()[-3000:]
+    assert {a["actor_id"] for a in cluster.alive_actors()} == actors
+    second = placed(start_proxy, cluster, *grace, app="tests.apps:create_app", same_as=first)
+    assert "adopted 2 workers of the dead instance" in second.log(), second.log()[-3000:]
+    async with jar() as http:
+        after = sorted(
+            (w["slot"], w["owner"], w["pid"]) for w in await workers_of(http, second.url)
+        )
+        assert after == before
+        for i, token in enumerate(tokens):
+            assert await count(http, second.url, token) == i
+            assert await increment(http, second.url, token) == 200
+        fresh = await seed(http, second.url)
+        assert await increment(http, second.url, fresh, 2) == 200
+        assert await count(http, second.url, fresh) == 2
+    assert {a["actor_id"] for a in cluster.alive_actors()} == actors
+    second.close_process()
+    assert second.popen.returncode == 0, second.log()[-3000:]
+    wait_until_sync(lambda: not cluster.alive_actors(), 60, "every actor to end")
 
 
 async def test_a_node_killed_mid_load_and_a_stop_that_leaves_no_actor(start_proxy, cluster):

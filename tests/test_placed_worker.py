@@ -79,9 +79,16 @@ async def placed(
     request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, short_tmp: Path
 ) -> AsyncIterator[Placed]:
     """A placed worker with a secret's orphan grace, registered over its gate."""
-    sock, address = _bound(request.param, short_tmp)
+    async for started in _placed(request.param, monkeypatch, short_tmp, grace=30.0):
+        yield started
+
+
+async def _placed(
+    family: str, monkeypatch: pytest.MonkeyPatch, directory: Path, grace: float
+) -> AsyncIterator[Placed]:
+    sock, address = _bound(family, directory)
     monkeypatch.setenv(LINK_KEY_ENV, KEY.hex())
-    config = Config(app="tests.apps:create_app", orphan_grace=30.0)
+    config = Config(app="tests.apps:create_app", orphan_grace=grace)
     incarnation = {"slot": 0, "owner": "placed", "instance": "apps", "workers": 1}
     socket_option = f"{INHERITED}{sock.detach()}"
     argv = worker_argv(config, socket=socket_option, coordinator=ACCEPT, **incarnation)
@@ -123,10 +130,33 @@ async def test_a_stop_over_the_link_drains_and_exits_cleanly(placed):
     await wait_until(lambda: placed.channel.closed, WAIT, "the worker's channel to end")
 
 
-async def test_a_placed_worker_that_loses_its_coordinator_stops_at_once(placed):
-    """Nobody's to adopt, whatever its orphan grace: it stops, LOST_COORDINATOR."""
+async def test_a_placed_worker_that_loses_its_coordinator_waits_to_be_adopted(placed):
+    """Its gym-proxy gone (the channel ends), it keeps its sessions for its orphan grace
+    and rejoins over the next channel dialed in through its gate, as a local worker
+    rejoins over the coordinator socket: registered as rejoining (the sessions it keeps
+    are tests/test_nemo_gym_ray_placement.py's, through gym-proxy)."""
     placed.channel.close()
-    assert await placed.exit_code() == LOST_COORDINATOR
+    await asyncio.sleep(0)  # the worker reads the channel's end
+    assert not placed.task.done()
+    coordinator = _Coordinator()
+    reader, writer = await dial(placed.address, KEY, CHANNEL, greet_within=WAIT)
+    channel = Channel(reader, writer, coordinator.handle)
+    serving = asyncio.ensure_future(channel.serve())
+    try:
+        again = await asyncio.wait_for(coordinator.registered, WAIT)
+        assert (again.owner, again.rejoining) == ("placed", True)
+        assert not placed.task.done()
+    finally:
+        channel.close()
+        await asyncio.gather(serving, return_exceptions=True)
+
+
+async def test_a_placed_worker_without_an_orphan_grace_stops_at_once(short_tmp, monkeypatch):
+    """Orphan grace 0 (started by NeMo Gym's launcher, or without a secret): nobody's to
+    adopt it, it stops at once, LOST_COORDINATOR."""
+    async for placed in _placed("tcp", monkeypatch, short_tmp, grace=0.0):
+        placed.channel.close()
+        assert await placed.exit_code() == LOST_COORDINATOR
 
 
 async def test_a_proxy_that_stops_for_good_leaves_its_worker_stopping_cleanly(placed):

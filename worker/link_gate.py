@@ -106,9 +106,22 @@ class LinkGate:
                 lambda: _Handshake(self), sock=self.sock, backlog=WORKER_BACKLOG
             )
 
-    async def next_channel(self, within: float) -> StreamPair:
-        """The next authenticated channel connection (TimeoutError after `within` s)."""
-        return await asyncio.wait_for(self.channels.get(), within)
+    async def next_channel(self, within: float, unless: asyncio.Event | None = None) -> StreamPair:
+        """The next authenticated channel connection (TimeoutError after `within` s, or
+        as soon as `unless` is set: a worker told to stop waits for no channel)."""
+        if unless is None:
+            return await asyncio.wait_for(self.channels.get(), within)
+        taken = asyncio.ensure_future(self.channels.get())
+        told = asyncio.ensure_future(unless.wait())
+        try:
+            await asyncio.wait({taken, told}, timeout=within, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            told.cancel()
+            if not taken.done():
+                taken.cancel()
+        if not taken.done() or taken.cancelled():
+            raise TimeoutError("no channel came")
+        return taken.result()
 
     def close(self) -> None:
         """Accept nothing more; connections handed on are their owners' to close."""

@@ -197,13 +197,14 @@ class WorkerServer:
             resources.callback(expiry.cancel)
 
     # ---- the coordinator ----------------------------------------------------------
-    async def _register(self, rejoining: bool) -> None:
+    async def _register(self, rejoining: bool, within: float = REGISTER_WAIT) -> None:
         """Connect to the coordinator (placed: take the channel the proxy dials in through
-        the gate), register, and take the reply's tables; raises OSError, TimeoutError,
-        ChannelClosed, ChannelTimeout or RemoteError (refused)."""
+        the gate, waiting `within` seconds for it), register, and take the reply's
+        tables; raises OSError, TimeoutError, ChannelClosed, ChannelTimeout or RemoteError
+        (refused)."""
         runtime = self.runtime
         if self.gate is not None:
-            reader, writer = await self.gate.next_channel(REGISTER_WAIT)
+            reader, writer = await self.gate.next_channel(within, self.stop)
         else:
             path = self.args.coordinator
             reader, writer = await asyncio.open_unix_connection(path, limit=STREAM_LIMIT)
@@ -281,10 +282,10 @@ class WorkerServer:
     async def _rejoin(self) -> bool:
         """The coordinator is gone. With `--orphan-grace`, keep the sessions and the
         requests running, and register with a gym-proxy started again on the same
-        coordinator socket within the grace; False when none did (or it refused, or a
-        stop came), and at once for a placed worker (nobody's to adopt: docs/ray.md)."""
+        coordinator socket within the grace (placed: with the one that dials a channel in
+        through the gate); False when none did (or it refused, or a stop came)."""
         slot, grace = self.info.slot, self.args.orphan_grace or 0.0
-        if self.gate is not None or grace <= 0:
+        if grace <= 0:
             log.warning("worker %d lost the coordinator; stopping", slot)
             return False
         log.warning(
@@ -297,7 +298,9 @@ class WorkerServer:
         deadline = time.monotonic() + grace
         while not self.stop.is_set() and time.monotonic() < deadline:
             try:
-                await self._register(rejoining=True)
+                await self._register(
+                    True, max(0.0, min(REGISTER_WAIT, deadline - time.monotonic()))
+                )
             except RemoteError as exc:
                 log.error("worker %d: the new gym-proxy refused to adopt it: %s", slot, exc)
                 return False
@@ -362,7 +365,6 @@ def _inherited_socket(option: str) -> socket.socket | None:
     if not option.startswith(INHERITED):
         return None
     return socket.socket(fileno=int(option[len(INHERITED) :]))
-
 
 
 def _link_key() -> bytes:

@@ -25,7 +25,6 @@ __all__ = ["LineError", "encode_line", "decode_line", "expect", "greeting"]
 M = TypeVar("M", bound=Message)
 M2 = TypeVar("M2", bound=Message)
 M3 = TypeVar("M3", bound=Message)
-M4 = TypeVar("M4", bound=Message)
 MAX_LINE = 1 << 20  # bytes: a line is a few fields (a zygote's environment the largest)
 
 
@@ -92,19 +91,6 @@ def expect(
     c: type[M3],
     /,
 ) -> M | M2 | M3: ...
-
-
-@overload
-def expect(
-    line: bytes,
-    protocol: Mapping[str, type[Message]],
-    peer: str,
-    a: type[M],
-    b: type[M2],
-    c: type[M3],
-    d: type[M4],
-    /,
-) -> M | M2 | M3 | M4: ...
 
 
 def expect(

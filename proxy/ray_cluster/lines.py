@@ -18,12 +18,15 @@ had at start:
 
     launcher -> driver  spec     the workers asked (its command line's SPEC, one message)
                         spawn    a worker to start, by the launcher's key for it
+                        find     the actors a dead predecessor's driver left
                         follow   watch a worker's actor a previous driver started
+                        stop_all gym-proxy stops for good: kill every actor
                         signal   a signal for a worker
                         kill     kill a worker's actor (and so the worker)
     driver -> launcher  ready    the cluster holds the workers       } one at start
                         failed   it cannot serve, and why            }
-                        started  a worker runs, and where            } one a spawn
+                        found    the actors `find` asked for
+                        started  a worker runs, and where            } one a spawn or follow
                         not_started  why not (`lost`: its actor died) }
                         exited   a started worker's exit, and why (its actor died)
 """
@@ -45,6 +48,9 @@ __all__ = [
     "LAUNCHER",
     "PlacementSpec",
     "Spawn",
+    "FindWorkers",
+    "FoundWorkers",
+    "StopWorkers",
     "FollowWorker",
     "SignalWorker",
     "KillWorker",
@@ -98,8 +104,10 @@ LAUNCHER = "gym-proxy (the Ray launcher)"
 @message("spec", PLACEMENT)
 class PlacementSpec(Message):
     """Launcher -> driver, as its command line's SPEC: how many workers, what each needs
-    (`cpus`, `resources` beyond them, GPU among them), Ray's scheduling strategy, and the
-    runtime directory the driver removes should gym-proxy die."""
+    (`cpus`, `resources` beyond them, GPU among them), Ray's scheduling strategy, the
+    runtime directory the driver removes should gym-proxy die, and `keep_for`, the
+    workers' orphan grace: with one, a gym-proxy that dies leaves its workers' actors to a
+    successor (the same command again), which finds them by the directory's name."""
 
     workers: int
     cpus: float
@@ -107,6 +115,7 @@ class PlacementSpec(Message):
     strategy: str  # SPREAD or DEFAULT
     instance: str
     runtime_dir: str
+    keep_for: float = 0.0
 
 
 @message("spawn", PLACEMENT)
@@ -127,6 +136,18 @@ class FollowWorker(Message):
 
     key: int
     actor: str
+
+
+@message("find", PLACEMENT)
+class FindWorkers(Message):
+    """Launcher -> driver: which workers' actors a predecessor of this gym-proxy (the same
+    runtime directory) left alive; answered by `found`."""
+
+
+@message("stop_all", PLACEMENT)
+class StopWorkers(Message):
+    """Launcher -> driver: gym-proxy stops for good: kill every actor, then end (stdin's
+    end without it is gym-proxy's death, after which actors are kept for `keep_for`)."""
 
 
 @message("signal", PLACEMENT)
@@ -171,6 +192,14 @@ class WorkerStarted(Message):
     path: str
     node_id: str
     hostname: str
+
+
+@message("found", PLACEMENT)
+class FoundWorkers(Message):
+    """Driver -> launcher: the names of the actors `find` asked for (each followed next,
+    `follow`, which answers `started` with where its worker listens)."""
+
+    actors: list[str]
 
 
 @message("not_started", PLACEMENT)

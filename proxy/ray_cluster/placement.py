@@ -52,19 +52,22 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from gym_proxy.coordinator.contract.exit_codes import EXIT_UNKNOWN, FAILED, USAGE_ERROR
-from gym_proxy.coordinator.contract.lines import LineError, encode_line, expect
+from gym_proxy.coordinator.contract.lines import LineError, decode_line, encode_line, expect
 from gym_proxy.coordinator.contract.messages import Message
 from gym_proxy.proxy.ray_cluster.lines import (
     LAUNCHER,
     PLACEMENT,
     DriverFailed,
     DriverReady,
+    FindWorkers,
     FollowWorker,
+    FoundWorkers,
     KillWorker,
     NotStarted,
     PlacementSpec,
     SignalWorker,
     Spawn,
+    StopWorkers,
     WorkerExited,
     WorkerStarted,
 )
@@ -137,7 +140,10 @@ class _Placement:
         self.host_class = ray.remote(RayWorkerHost)
         self.options = options
         self.instance = spec.instance
-        self.names = f"{spec.instance}-{secrets.token_hex(4)}"  # this driver's actors
+        # Actors are named by the runtime directory (fixed by instance and address, so the
+        # same command again finds them), then this driver, then the worker's key.
+        self.kept = os.path.basename(spec.runtime_dir) or spec.instance
+        self.names = f"{self.kept}-{secrets.token_hex(4)}"
         # Where gym-proxy runs (the driver is its child): workers placed on this node
         # listen on Unix sockets in its runtime directory (`worker_host`).
         self.near = (ray.get_runtime_context().get_node_id(), spec.runtime_dir)
@@ -153,14 +159,38 @@ class _Placement:
         self._watch(key, actor, lambda: self._start(key, name, actor, request))
 
     def follow(self, request: FollowWorker) -> None:
-        """Watch the actor a previous driver started for the worker `key`."""
+        """Watch the actor a previous driver started for the worker `key`; say where its
+        worker listens (`started`), or that it is gone (`exited`)."""
+        key = request.key
         try:
             actor = self.ray.get_actor(request.actor, namespace=NAMESPACE)
         except ValueError:  # no such actor alive: its worker is gone
             why = f"its Ray actor {request.actor} is gone"
-            self.out.say(WorkerExited(request.key, EXIT_UNKNOWN, why))
+            self.out.say(WorkerExited(key, EXIT_UNKNOWN, why))
             return
-        self._watch(request.key, actor, lambda: True)
+        self._watch(key, actor, lambda: self._where(key, request.actor, actor))
+
+    def _where(self, key: int, name: str, actor: Any) -> bool:
+        try:
+            where = self.ray.get(actor.where.remote(), timeout=STOP_WAIT)
+        except Exception as exc:
+            self._forget(key)
+            why = f"its Ray actor {name} does not answer: {_first_line(exc)}"
+            self.out.say(WorkerExited(key, EXIT_UNKNOWN, why))
+            return False
+        self.out.say(WorkerStarted(key, name, **where))
+        return True
+
+    def find(self) -> None:
+        """The actors a predecessor with this runtime directory left (their names begin
+        with its name, `self.names`'s first part)."""
+        prefix = f"{self.kept}-"
+        names = [
+            named["name"]
+            for named in self.ray.util.list_named_actors(all_namespaces=True)
+            if named.get("namespace") == NAMESPACE and named["name"].startswith(prefix)
+        ]
+        self.out.say(FoundWorkers(sorted(names)))
 
     def _watch(self, key: int, actor: Any, start: Callable[[], bool]) -> None:
         with self.lock:
@@ -243,12 +273,18 @@ class _Placement:
             watcher.join(max(0.0, deadline - time.monotonic()))
 
 
-def requests(
-    lines: Iterable[bytes],
-) -> Iterator[Spawn | FollowWorker | SignalWorker | KillWorker]:
+Request = Spawn | FindWorkers | FollowWorker | SignalWorker | KillWorker | StopWorkers
+REQUESTS = (Spawn, FindWorkers, FollowWorker, SignalWorker, KillWorker, StopWorkers)
+
+
+def requests(lines: Iterable[bytes]) -> Iterator[Request]:
     """The launcher's requests, one a line; LineError, naming it, at one this cannot read."""
     for line in lines:
-        yield expect(line, PLACEMENT, LAUNCHER, Spawn, FollowWorker, SignalWorker, KillWorker)
+        said = decode_line(line, PLACEMENT, LAUNCHER)
+        if not isinstance(said, REQUESTS):
+            names = " or ".join(r.TYPE for r in REQUESTS)
+            raise LineError(f"{LAUNCHER} sent {said.TYPE!r} where {names} was due")
+        yield said
 
 
 def _serve(out: _Out, address: str, spec: PlacementSpec) -> int:
@@ -274,10 +310,37 @@ def _serve(out: _Out, address: str, spec: PlacementSpec) -> int:
     out.say(DriverReady(len(nodes), room))
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # again: whatever Ray set at its init
+    if _serve_requests(placement) or not spec.keep_for:
+        placement.stop()
+        runtime_dir = spec.runtime_dir
+        if runtime_dir and remove_abandoned(runtime_dir):
+            print(
+                "gym-proxy placement: its gym-proxy died; removed its runtime directory "
+                f"{runtime_dir}",
+                file=sys.stderr,
+            )
+    else:
+        print(
+            "gym-proxy placement: its gym-proxy is gone; its workers wait up to "
+            f"{spec.keep_for:g} s (--orphan-grace) for the same command, started again, to "
+            "adopt them",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def _serve_requests(placement: _Placement) -> bool:
+    """Carry out the launcher's requests until stdin ends; True when the actors are to be
+    killed (`stop_all`, SIGTERM, a line it cannot read), False at stdin's end alone (its
+    gym-proxy died: its workers may be adopted)."""
     try:
         for request in requests(sys.stdin.buffer):
+            if isinstance(request, StopWorkers):
+                return True
             if isinstance(request, Spawn):
                 placement.spawn(request)
+            elif isinstance(request, FindWorkers):
+                placement.find()
             elif isinstance(request, FollowWorker):
                 placement.follow(request)
             elif isinstance(request, SignalWorker):
@@ -286,16 +349,12 @@ def _serve(out: _Out, address: str, spec: PlacementSpec) -> int:
                 placement.kill(request)
     except LineError as exc:  # its gym-proxy speaks another protocol: stop as at the end
         print(f"gym-proxy placement: {exc}; stopping", file=sys.stderr, flush=True)
-    except (_Stop, OSError):
-        pass  # a signal, or stdin unreadable: stop as at the end
-    placement.stop()
-    runtime_dir = spec.runtime_dir
-    if runtime_dir and remove_abandoned(runtime_dir):
-        print(
-            f"gym-proxy placement: its gym-proxy died; removed its runtime directory {runtime_dir}",
-            file=sys.stderr,
-        )
-    return 0
+        return True
+    except _Stop:
+        return True
+    except OSError:
+        pass  # stdin unreadable: as at its end
+    return False
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -56,7 +56,7 @@ from typing import TYPE_CHECKING, Any
 from gym_proxy.coordinator.contract.errors import WorkerGone
 from gym_proxy.coordinator.contract.exit_codes import EXIT_UNKNOWN
 from gym_proxy.coordinator.contract.framing import STREAM_LIMIT
-from gym_proxy.coordinator.contract.lines import LineError, encode_line, expect, greeting
+from gym_proxy.coordinator.contract.lines import LineError, decode_line, encode_line, greeting
 from gym_proxy.coordinator.contract.messages import Message
 from gym_proxy.coordinator.contract.worker_link import (
     CHANNEL,
@@ -76,12 +76,15 @@ from gym_proxy.proxy.ray_cluster.lines import (
     PLACEMENT,
     DriverFailed,
     DriverReady,
+    FindWorkers,
     FollowWorker,
+    FoundWorkers,
     KillWorker,
     NotStarted,
     PlacementSpec,
     SignalWorker,
     Spawn,
+    StopWorkers,
     WorkerExited,
     WorkerStarted,
 )
@@ -118,6 +121,9 @@ LOCAL_ONLY = frozenset(
 )  # fmt: skip
 LOCAL_PREFIXES = ("SSH_", "XDG_", "RAY_")
 CARRIED_RAY = frozenset({"RAY_AUTH_MODE"})  # how the workers join: the proxy's, as locally
+
+
+DRIVER_SAYS = (WorkerStarted, NotStarted, WorkerExited, FoundWorkers)  # after `ready`
 
 
 class ActorLost(OSError):
@@ -255,6 +261,8 @@ class RayLauncher:
         self._workers: dict[int, RemoteWorker] = {}
         self._tasks: set[asyncio.Task[None]] = set()  # channels, stops over links
         self._replaced: list[float] = []  # when drivers that died were replaced
+        self._finding: asyncio.Future[list[str]] | None = None
+        self._left: dict[str, RemoteWorker] = {}  # a predecessor's workers, by address
 
     async def open(self, launch: Launch) -> None:
         """Start the driver on the cluster `launch` names; RayError (one line) when the
@@ -433,9 +441,19 @@ class RayLauncher:
         assert self._driver is not None and self._driver.stdout is not None
         while line := await self._driver.stdout.readline():
             try:
-                said = expect(line, PLACEMENT, DRIVER, WorkerStarted, NotStarted, WorkerExited)
+                said = decode_line(line, PLACEMENT, DRIVER)
+                if not isinstance(said, DRIVER_SAYS):
+                    raise LineError(f"{DRIVER} sent {said.TYPE!r}, which it does not send now")
             except LineError as exc:  # refused: no worker's state follows a line unread
                 log.error("%s; ignored", exc)
+                continue
+            if isinstance(said, FoundWorkers):
+                if self._finding is not None and not self._finding.done():
+                    self._finding.set_result(said.actors)
+                continue
+            starting = self._starting.get(said.key)
+            if isinstance(said, WorkerExited) and starting is not None and not starting.done():
+                starting.set_exception(OSError(said.why))  # a followed actor that is gone
                 continue
             if isinstance(said, WorkerExited):
                 worker = self._workers.pop(said.key, None)
@@ -445,15 +463,54 @@ class RayLauncher:
                                     said.why)  # fmt: skip
                     worker.exited(said.code, said.why)
                 continue
-            starting = self._starting.get(said.key)
             if starting is not None and not starting.done():
                 if isinstance(said, NotStarted):
                     starting.set_exception((ActorLost if said.lost else OSError)(said.error))
                 else:
                     starting.set_result(said)
 
+    async def find(self) -> int:
+        """Follow the workers a predecessor with this runtime directory left alive (a
+        gym-proxy that died with `--orphan-grace`); how many (`left` has their handles,
+        `dial_left` their channels)."""
+        finding = self._finding = asyncio.get_running_loop().create_future()
+        self.send(FindWorkers())
+        try:
+            names = await asyncio.wait_for(finding, START_WAIT)
+        finally:
+            self._finding = None
+        for name in names:
+            key = self._next_key = self._next_key + 1
+            starting = self._starting[key] = asyncio.get_running_loop().create_future()
+            self.send(FollowWorker(key, name))
+            try:
+                started = await asyncio.wait_for(starting, START_WAIT)
+            except (OSError, TimeoutError) as exc:
+                log.warning("not adopting the placed worker of actor %s: %s", name, exc)
+                continue
+            finally:
+                self._starting.pop(key, None)
+            worker = self._workers[key] = RemoteWorker(self, started)
+            self._left[worker.address] = worker
+            log.info(
+                "found the placed worker pid %d (actor %s) on Ray node %s, port %s",
+                worker.pid, name, worker.node_id[:12], worker.address,
+            )  # fmt: skip
+        return len(self._left)
+
+    def dial_left(self) -> None:
+        """Dial the channels of the workers `find` found: each rejoins over its own."""
+        for worker in self._left.values():
+            self.track(self._dial_channel(worker))
+
+    def left(self, address: str) -> RemoteWorker | None:
+        """The handle `find` made of the predecessor's worker listening at `address`."""
+        return self._left.get(address)
+
     async def close(self) -> None:
         """Stop the driver: it kills every actor left and leaves the cluster."""
+        with contextlib.suppress(OSError):
+            self.send(StopWorkers())  # for good: not a death, after which actors are kept
         await self._stop_driver()
         if self._reader is not None:
             await asyncio.gather(self._reader, return_exceptions=True)

@@ -115,6 +115,8 @@ class WorkerHost:
 class RayWorkerHost(WorkerHost):
     """The actor: a `WorkerHost` on the node Ray placed it on."""
 
+    started: dict[str, Any]
+
     def start_here(
         self, argv: list[str], env: dict[str, str], cwd: str, near: tuple[str, str]
     ) -> dict[str, Any]:
@@ -127,8 +129,13 @@ class RayWorkerHost(WorkerHost):
         started = self.start(argv, env, ray.util.get_node_ip_address(), cwd, unix_dir)
         started["node_id"] = node_id
         started["hostname"] = socket.gethostname()
+        self.started = started
         threading.Thread(target=self._end_when_orphaned, daemon=True).start()
         return started
+
+    def where(self) -> dict[str, Any]:
+        """What `start_here` answered: for a driver that follows this actor."""
+        return self.started
 
     def _end_when_orphaned(self) -> None:
         """The actor is detached (it outlives its driver): a driver that hears its worker's

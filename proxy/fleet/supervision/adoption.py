@@ -6,7 +6,9 @@ ADOPT_WINDOW seconds for them to rejoin (they look every 0.1 s) before the super
 starts the slots still empty. Each rejoining worker takes its slot as it was (a slot
 past `--workers` too: the predecessor had been resized up), under a pidfd-backed handle
 (`AdoptedProcess`: not this process's child) of the pid the kernel says registered
-(`coordinator.worker_channels`), with its socket in the runtime directory. The
+(`coordinator.worker_channels`), with its socket in the runtime directory; a worker Ray
+placed rejoins over the channel this gym-proxy's launcher dialed to it, having found its
+actor (`FindsLeftWorkers`), under that launcher's handle. The
 predecessor's intent (its worker count, drains and aliases: `proxy.fleet.supervision.intent`)
 holds, and a rejoining worker's sessions route to it whatever owner their tokens name;
 a session two adopted workers hold (a move cut by the crash) stays with the one that
@@ -34,7 +36,8 @@ from gym_proxy.proxy.config import MAX_WORKERS
 from gym_proxy.proxy.fleet.moves.mover import DROP_WAIT
 from gym_proxy.proxy.fleet.supervision.adopted_copies import AdoptedCopies
 from gym_proxy.proxy.fleet.supervision.intent import load_intent
-from gym_proxy.proxy.fleet.supervision.worker_records import WorkerProcess
+from gym_proxy.proxy.fleet.supervision.launchers import FindsLeftWorkers
+from gym_proxy.proxy.fleet.supervision.worker_records import WorkerHandle, WorkerProcess
 
 if TYPE_CHECKING:
     from gym_proxy.proxy.fleet.supervision.supervisor import Supervisor
@@ -110,7 +113,9 @@ class Adoption:
             raise RegistrationRefused(
                 "gym-proxy adopts a dead instance's workers only while it starts"
             )
-        self._check_socket(registration.socket)
+        placed = self._left(registration.socket)
+        if placed is None:
+            self._check_socket(registration.socket)
         slot_index = registration.slot
         self._grow_for(slot_index)
         slots = self.supervisor.slots
@@ -119,10 +124,14 @@ class Adoption:
         slot = slots[slot_index]
         if slot.worker is not None:
             raise RegistrationRefused(f"slot {slot_index} has a worker already")
-        try:
-            process = AdoptedProcess(registration.pid)
-        except OSError as exc:
-            raise RegistrationRefused(f"pid {registration.pid}: {exc.strerror}") from None
+        process: WorkerHandle
+        if placed is not None:
+            process = placed
+        else:
+            try:
+                process = AdoptedProcess(registration.pid)
+            except OSError as exc:
+                raise RegistrationRefused(f"pid {registration.pid}: {exc.strerror}") from None
         worker = WorkerProcess(
             slot_index, registration.owner, registration.socket, process, time.monotonic()
         )
@@ -140,6 +149,12 @@ class Adoption:
         if sum(1 for s in slots if s.worker is not None) >= self.orphans:
             self._all_back.set()  # every worker found listening is back
         return worker
+
+    def _left(self, address: str) -> WorkerHandle | None:
+        """The handle of a worker Ray placed that this gym-proxy's launcher found left by
+        the predecessor, listening at `address` (its channel was dialed to it there)."""
+        launcher = self.supervisor.launcher
+        return launcher.left(address) if isinstance(launcher, FindsLeftWorkers) else None
 
     def _check_socket(self, path: str) -> None:
         """A rejoining worker's socket is where this proxy's workers listen: a socket of

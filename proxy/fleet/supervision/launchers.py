@@ -17,7 +17,7 @@ import os
 import sys
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from gym_proxy.proxy.fleet.supervision.worker_records import WorkerHandle
 
@@ -25,6 +25,7 @@ __all__ = [
     "AcceptChannel",
     "Launch",
     "WorkerLauncher",
+    "FindsLeftWorkers",
     "SubprocessLauncher",
     "WORKER_COMMAND",
     "environment_of",
@@ -57,6 +58,20 @@ class WorkerLauncher(Protocol):
     async def spawn(self, argv: list[str]) -> WorkerHandle: ...
 
     async def close(self) -> None: ...
+
+
+@runtime_checkable
+class FindsLeftWorkers(Protocol):
+    """A launcher whose workers may outlive a gym-proxy that dies where it cannot see them
+    (Ray's, on the cluster's nodes): `find` starts following those a predecessor with
+    this runtime directory left, `dial_left` dials their channels, over which each
+    rejoins; `left` is the handle of the one listening at `address`."""
+
+    async def find(self) -> int: ...
+
+    def dial_left(self) -> None: ...
+
+    def left(self, address: str) -> WorkerHandle | None: ...
 
 
 # `python -P`: the current directory never shadows gym-proxy's packages.
