@@ -102,10 +102,6 @@ def option(
     )
 
 
-# Why a --take-over successor cannot have a placed worker yet (docs/ray.md).
-NOT_ADOPTED = "a running gym-proxy does not pass its placed workers on yet"
-
-
 @dataclass(frozen=True)
 class Config:
     """Everything gym-proxy and its workers are started with."""
@@ -691,13 +687,11 @@ class Config:
                     raise ConfigError(f"--{flag} needs --worker-placement ray")
             return
         # What a worker on another node cannot do yet: each says why (docs/ray.md).
-        for name, why in (
-            ("preload", "it forks the workers from a process of this machine"),
-            ("take_over", NOT_ADOPTED),
-        ):
-            if getattr(self, name):
-                flag = name.replace("_", "-")
-                raise ConfigError(f"--{flag} does not work with --worker-placement ray: {why}")
+        if self.preload:
+            raise ConfigError(
+                "--preload does not work with --worker-placement ray: it forks the workers "
+                "from a process of this machine"
+            )
         if not 0 <= self.worker_cpus < float("inf"):
             raise ConfigError("--worker-cpus must be a non-negative number")
         self.ray_resources()  # raises ConfigError when malformed

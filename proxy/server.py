@@ -268,8 +268,9 @@ class Server:
         await supervisor.start()
 
     async def _find_left_workers(self, supervisor: Supervisor) -> None:
-        """Workers a dead predecessor left where only the launcher sees them (on a Ray
-        cluster's nodes) are adopted as those in the runtime directory are."""
+        """Workers a predecessor left (dead, or passing them on) where only the launcher
+        sees them (on a Ray cluster's nodes) are adopted as those in the runtime
+        directory are."""
         launcher = supervisor.launcher
         believed = self.runtime is not None and self.runtime.found is not None
         if not (believed and self.config.orphan_grace and isinstance(launcher, FindsLeftWorkers)):
@@ -277,9 +278,11 @@ class Server:
         found = await launcher.find()
         if not found:
             return
-        log.info("adopting the %d placed workers a dead instance left", found)
+        passed_on = self.take_over is not None
+        left = "the previous instance passed on" if passed_on else "a dead instance left"
+        log.info("adopting the %d placed workers %s", found, left)
         if supervisor.adoption is None:
-            supervisor.adopt(found, passed_on=False)
+            supervisor.adopt(found, passed_on)
         else:
             supervisor.adoption.orphans += found
         launcher.dial_left()  # now that the adoption expects them
@@ -356,6 +359,9 @@ class Server:
         self._stop_timers()  # liveness pings must not kill the workers now
         self._stop_accepting()
         parts.supervisor.pass_on()
+        launcher = parts.supervisor.launcher
+        if isinstance(launcher, FindsLeftWorkers):  # before their channels end
+            launcher.let_go()
         await parts.channels.let_go()  # the workers look for the new proxy now
         if self.cluster is not None:
             await self.cluster.stop(keep=True)  # it waits for the new proxy, as they do

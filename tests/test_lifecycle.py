@@ -113,7 +113,6 @@ def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
         (["--worker-placement", "ray", "--preload"], "--preload does not work with --worker"),
         (["--worker-placement", "ray", "--worker-resources", "[1]"], "must be a JSON object"),
         (["--worker-placement", "ray", "--worker-resources", '{"CPU": 1}'], "--worker-cpus"),
-        (["--worker-placement", "ray", "--take-over"], "does not pass its placed workers on"),
     ],
 )
 def test_bad_flags_exit_with_one_line(args, message, short_tmp):

@@ -69,6 +69,8 @@ from tests.test_episode_handover import (  # noqa: E402
 )
 from tests.test_live_operations import TOKEN_HEADER, count, operate, seed, status_of  # noqa: E402
 from tests.test_nemo_gym_counter import COUNTER, counter_env, nemo_http  # noqa: E402
+from tests.test_proxy_adoption import Load, counts_and_pids  # noqa: E402
+from tests.test_proxy_adoption import seed as seed_sessions  # noqa: E402
 
 pytestmark = pytest.mark.timeout(420)
 
@@ -660,7 +662,7 @@ async def test_the_same_command_started_again_adopts_the_placed_workers(start_pr
     first.popen.kill()
     first.popen.wait(10)
     driver.wait(30)  # it ends, leaving the actors to a successor
-    assert "its workers wait up to 60 s" in first.log(), first.log()[-3000:]
+    assert "leaving the workers' actors to the gym-proxy that adopts" in first.log()
     assert {a["actor_id"] for a in cluster.alive_actors()} == actors
     second = placed(start_proxy, cluster, *grace, app="tests.apps:create_app", same_as=first)
     assert "adopted 2 workers of the dead instance" in second.log(), second.log()[-3000:]
@@ -675,6 +677,44 @@ async def test_the_same_command_started_again_adopts_the_placed_workers(start_pr
         fresh = await seed(http, second.url)
         assert await increment(http, second.url, fresh, 2) == 200
         assert await count(http, second.url, fresh) == 2
+    assert {a["actor_id"] for a in cluster.alive_actors()} == actors
+    second.close_process()
+    assert second.popen.returncode == 0, second.log()[-3000:]
+    wait_until_sync(lambda: not cluster.alive_actors(), 60, "every actor to end")
+
+
+async def test_a_take_over_with_placed_workers_under_load_fails_no_request(start_proxy, cluster):
+    """An upgrade with workers on both nodes: the same command with `--take-over` started
+    beside the running gym-proxy while 8 pooled clients that never retry increment random
+    sessions of 100: the old one lets go of its workers (their actors left to the
+    successor), the new one finds and adopts them; no request fails, every count is
+    exactly its increments, the same actors (by ID) and processes serve, and the old
+    gym-proxy finishes its connections and exits 0."""
+    grace = ("--orphan-grace", "60")
+    first = placed(start_proxy, cluster, *grace, app="tests.apps:create_app")
+    async with aiohttp.ClientSession() as seeding:  # closed: no idle keep-alive connection
+        sessions = await seed_sessions(seeding, first.url, 100)
+    async with jar() as http:
+        await on_both_nodes(http, first.url, cluster)
+        pids = sorted(w["pid"] for w in await workers_of(http, first.url))
+    actors = {a["actor_id"] for a in cluster.alive_actors()}
+    first.listener.close()
+    load = Load(first.url, sessions, retry=False)
+    await wait_until(lambda: load.served["before"] >= 200, 30, "the load to run")
+    second = placed(
+        start_proxy, cluster, *grace, "--take-over", app="tests.apps:create_app",
+        same_as=first, inherit=False, ready=False,
+    )  # fmt: skip
+    await wait_until(lambda: first.popen.poll() is not None, 90, "the old proxy to exit")
+    load.marked.set()
+    assert first.popen.returncode == 0, first.log()[-3000:]
+    await wait_until(lambda: load.served["after"] >= 200, 30, "the new one to serve the load")
+    assert "adopted 2 workers the previous instance passed on" in second.log()
+    await load.finish()  # an exception here is a failed request
+    async with jar() as http:
+        assert sorted(w["pid"] for w in await workers_of(http, second.url)) == pids
+        counts, answered = await counts_and_pids(http, second.url, sessions)
+    assert counts == [n + 1 for n in load.confirmed] and answered <= set(pids)
     assert {a["actor_id"] for a in cluster.alive_actors()} == actors
     second.close_process()
     assert second.popen.returncode == 0, second.log()[-3000:]

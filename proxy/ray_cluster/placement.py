@@ -321,9 +321,9 @@ def _serve(out: _Out, address: str, spec: PlacementSpec) -> int:
             )
     else:
         print(
-            "gym-proxy placement: its gym-proxy is gone; its workers wait up to "
-            f"{spec.keep_for:g} s (--orphan-grace) for the same command, started again, to "
-            "adopt them",
+            "gym-proxy placement: leaving the workers' actors to the gym-proxy that adopts "
+            f"them (gone, or passing them on; they wait up to {spec.keep_for:g} s, "
+            "--orphan-grace)",
             file=sys.stderr,
         )
     return 0

@@ -263,6 +263,7 @@ class RayLauncher:
         self._replaced: list[float] = []  # when drivers that died were replaced
         self._finding: asyncio.Future[list[str]] | None = None
         self._left: dict[str, RemoteWorker] = {}  # a predecessor's workers, by address
+        self._letting_go = False  # passed on to a successor (`let_go`)
 
     async def open(self, launch: Launch) -> None:
         """Start the driver on the cluster `launch` names; RayError (one line) when the
@@ -357,6 +358,8 @@ class RayLauncher:
             await self._launch.accept_channel(reader, writer)
         finally:
             worker.channel = None
+        if self._letting_go:
+            return  # the successor dials its own channel to it
         # Its channel ended. A worker told to stop closes it last, after its app's
         # shutdown: that is its exit (Ray's report of it can come late on a loaded
         # machine, and the driver ends its actor). One that ends by itself exits next.
@@ -503,14 +506,21 @@ class RayLauncher:
         for worker in self._left.values():
             self.track(self._dial_channel(worker))
 
+    def let_go(self) -> None:
+        """A `--take-over` successor takes the workers: their channels' ends are no exits
+        here, and closing leaves their actors (the driver keeps them for the successor,
+        which finds them as it finds a dead predecessor's)."""
+        self._letting_go = True
+
     def left(self, address: str) -> RemoteWorker | None:
         """The handle `find` made of the predecessor's worker listening at `address`."""
         return self._left.get(address)
 
     async def close(self) -> None:
         """Stop the driver: it kills every actor left and leaves the cluster."""
-        with contextlib.suppress(OSError):
-            self.send(StopWorkers())  # for good: not a death, after which actors are kept
+        if not self._letting_go:
+            with contextlib.suppress(OSError):
+                self.send(StopWorkers())  # for good: not a death, after which actors are kept
         await self._stop_driver()
         if self._reader is not None:
             await asyncio.gather(self._reader, return_exceptions=True)

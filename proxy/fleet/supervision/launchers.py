@@ -65,11 +65,14 @@ class FindsLeftWorkers(Protocol):
     """A launcher whose workers may outlive a gym-proxy that dies where it cannot see them
     (Ray's, on the cluster's nodes): `find` starts following those a predecessor with
     this runtime directory left, `dial_left` dials their channels, over which each
-    rejoins; `left` is the handle of the one listening at `address`."""
+    rejoins; `left` is the handle of the one listening at `address`. `let_go`: this
+    gym-proxy passes its workers on to a `--take-over` successor, which finds them so."""
 
     async def find(self) -> int: ...
 
     def dial_left(self) -> None: ...
+
+    def let_go(self) -> None: ...
 
     def left(self, address: str) -> WorkerHandle | None: ...
 
