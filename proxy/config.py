@@ -7,7 +7,7 @@ import importlib.metadata
 import json
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import MISSING, dataclass, field, fields, replace
 from typing import Any, NoReturn
 
@@ -59,6 +59,24 @@ _NON_NEGATIVE = (
     "scale_up_after",
     "scale_down_after",
 )
+# Options that act only with another: (what it needs, as the refusal names it; whether
+# the config has it). `Config._validate_needs`.
+_NEEDS: dict[str, tuple[str, Callable[[Config], bool]]] = {
+    **{
+        name: ("--max-workers", lambda c: c.max_workers > 0)
+        for name in ("min_workers", "scale_up_busy", "scale_up_after", "scale_down_busy",
+                     "scale_down_after")
+    },
+    **{
+        name: ("--rebalance", lambda c: c.rebalance)
+        for name in ("rebalance_ratio", "stall_threshold", "rebalance_cooldown",
+                     "rebalance_max_moves")
+    },
+    **{
+        name: ("--worker-placement ray", lambda c: c.worker_placement == "ray")
+        for name in ("worker_cpus", "worker_resources", "worker_strategy")
+    },
+}  # fmt: skip
 _POSITIVE = ("worker_timeout", "tunnel_idle_timeout", "stall_threshold", "rebalance_max_moves")
 _AT_LEAST = (("limit_request_line", 64), ("limit_request_headers", 256), ("max_connections", 1))
 
@@ -133,8 +151,8 @@ class Config:
         choices=PLACEMENTS,
         metavar="WHERE",
         doc="`local`: the workers are processes of this machine; `ray`: each runs on a node of "
-        "the server's Ray cluster, in a Ray actor, reached over an authenticated TCP link "
-        "([Workers on a Ray cluster](ray.md))",
+        "the server's Ray cluster, in a Ray actor, reached over an authenticated link "
+        "(TCP; a Unix socket on gym-proxy's own node) ([Workers on a Ray cluster](ray.md))",
     )
     worker_cpus: float = option(
         1.0,
@@ -611,6 +629,13 @@ class Config:
             return replace(self, orphan_grace=0.0)
         return replace(self, orphan_grace=DEFAULT_ORPHAN_GRACE)
 
+    def settle_workers(self) -> Config:
+        """With autoscaling (`--max-workers`) and no `--workers`, the count it starts with
+        is `--min-workers` (the default 1 would lie under a larger minimum)."""
+        if self.max_workers and "workers" not in self.given and self.workers < self.min_workers:
+            return replace(self, workers=self.min_workers)
+        return self
+
     def validate(self) -> None:
         """Raise ConfigError for values that cannot work."""
         # A given 0 only: a settled one may still change with a secret the NeMo Gym
@@ -621,6 +646,7 @@ class Config:
             )
         self._validate_placement()
         self._validate_numbers()
+        self._validate_needs()
         if self.metrics is not None:
             metrics_address(self.metrics, self.host)  # raises ConfigError when malformed
         if ":" not in self.app:
@@ -641,10 +667,14 @@ class Config:
                 raise ConfigError(f"--{name.replace('_', '-')} must be a non-negative number")
         if self.orphan_grace is not None and not 0 <= self.orphan_grace < float("inf"):
             raise ConfigError("--orphan-grace must be a non-negative number")
-        if self.max_workers and not 1 <= self.min_workers <= self.workers <= self.max_workers:
+        if self.max_workers and self.min_workers > self.max_workers:
+            raise ConfigError(
+                f"--min-workers {self.min_workers} is over --max-workers {self.max_workers}"
+            )
+        if self.max_workers and not self.min_workers <= self.workers <= self.max_workers:
             raise ConfigError(
                 f"--workers {self.workers} must lie within --min-workers {self.min_workers} "
-                f"and --max-workers {self.max_workers} (and --min-workers be 1 or more)"
+                f"and --max-workers {self.max_workers}"
             )
         if not self.scale_down_busy < self.scale_up_busy:
             raise ConfigError("--scale-down-busy must be under --scale-up-busy")
@@ -679,12 +709,15 @@ class Config:
                 "(A-Z a-z 0-9 ! # $ % & ' * + - . ^ _ ` | ~)"
             )
 
+    def _validate_needs(self) -> None:
+        """An option that acts only with another is refused without it (one line naming
+        the missing one), instead of being accepted and doing nothing."""
+        for name, (needed, on) in _NEEDS.items():
+            if name in self.given and not on(self):
+                raise ConfigError(f"--{name.replace('_', '-')} needs {needed}")
+
     def _validate_placement(self) -> None:
         if self.worker_placement != "ray":
-            for name in ("worker_cpus", "worker_resources", "worker_strategy"):
-                if name in self.given:
-                    flag = name.replace("_", "-")
-                    raise ConfigError(f"--{flag} needs --worker-placement ray")
             return
         # What a worker on another node cannot do yet: each says why (docs/ray.md).
         if self.preload:
@@ -735,11 +768,31 @@ def _version() -> str:
         return "unknown (not installed)"
 
 
+# What users of gunicorn and uvicorn type first, and what gym-proxy takes instead.
+_HINTS = {
+    "-w": "use --workers N (gunicorn's -w)",
+    "--bind": "use --host H --port P (gunicorn's --bind)",
+    "-b": "use --host H --port P (gunicorn's -b)",
+    "--timeout": "use --worker-timeout S for a silent worker, --graceful-timeout S for a "
+    "stop (gunicorn's --timeout)",
+    "-t": "use --worker-timeout S (gunicorn's -t)",
+    "--factory": "no flag is needed: APP may name a factory, which gym-proxy calls "
+    "(uvicorn's --factory)",
+    "--reload": "there is no reload: a rolling restart (SIGHUP, or the restart call) loads "
+    "new code without losing a session",
+}
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse's parser, with a mistake said in one line: its usage is 28 lines, the one
-    that matters last (`--help` shows the usage)."""
+    that matters last (`--help` shows the usage); a flag of gunicorn's or uvicorn's is
+    answered with gym-proxy's own."""
 
     def error(self, message: str) -> NoReturn:
+        words = message.partition(":")[2].split() if message.startswith("unrecognized") else []
+        hints = [f"for {word} {_HINTS[word]}" for word in words if word in _HINTS]
+        if hints:
+            message = f"{message}; {'; '.join(hints)}"
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
@@ -819,6 +872,7 @@ def config_from_args(argv: Sequence[str] | None = None) -> Config:
         from_env=frozenset(from_env),
         by_nemo_gym_launcher=os.environ.get(CONFIG_PATH_ENV) is not None,
     )
+    config = config.settle_workers()
     config.validate()
     return config.settle_orphan_grace()
 

@@ -72,7 +72,8 @@ def apply_block(config: Config, block: Any, where: str) -> Config:
         if path is not None:  # read now, as for the flag; over the environment's value
             values[secret] = read_secret_file(path, f"{where}.{secret}_file")
     # Settled again: the block may bring the secret, or the grace itself.
-    return replace(config, **values, given=config.given | frozenset(values)).settle_orphan_grace()
+    config = replace(config, **values, given=config.given | frozenset(values))
+    return config.settle_workers().settle_orphan_grace()
 
 
 def _value(meta: Mapping[str, Any], raw: Any, where: str) -> Any:

@@ -19,17 +19,16 @@ import sys
 import tempfile
 from collections.abc import Sequence
 from dataclasses import replace
-from typing import Any, NoReturn
+from typing import Any
 
 import uvloop
 
 from gym_proxy.coordinator.contract.collector import freeze_startup_heap
-from gym_proxy.coordinator.contract.exit_codes import RAY_ERROR, USAGE_ERROR, exit_process
+from gym_proxy.coordinator.contract.exit_codes import RAY_ERROR, exit_process
 from gym_proxy.proxy.config import (
     SECRET_ENV,
     Config,
     ConfigError,
-    config_from_args,
     secrets_on_command_line,
 )
 from gym_proxy.proxy.config_block import apply_block
@@ -38,6 +37,7 @@ from gym_proxy.proxy.ray_cluster.cluster import RayPlan
 from gym_proxy.proxy.runtime_dir import ensure_parent, secret_fingerprint
 from gym_proxy.proxy.server import run
 from gym_proxy.proxy.take_over import TakeOverError, take_over_running
+from gym_proxy.proxy.usage import usage_error
 from gym_proxy.worker.app_loading import AppLoadError, import_app_target
 from gym_proxy.worker.nemo_gym_server import (
     NemoGymConfigError,
@@ -110,37 +110,31 @@ def cluster_plan(config_address: str | None = None) -> RayPlan:
     return RayPlan(None)
 
 
-def _fail(message: str) -> NoReturn:
-    print(f"gym-proxy: error: {message}", file=sys.stderr)
-    sys.exit(USAGE_ERROR)
-
-
-def start(argv: Sequence[str] | None = None) -> None:
-    """Check the command line, bind the port and run the server until it stops; exits."""
-    try:
-        config = config_from_args(argv)
-    except ConfigError as exc:
-        _fail(str(exc))
+def start(config: Config, argv: Sequence[str]) -> None:
+    """With the command line read (`config`, from `argv`), check the app, bind the port
+    and run the server until it stops; exits."""
     logging.basicConfig(
         level=config.log_level.upper(),
         format="%(asctime)s gym-proxy %(levelname)s %(message)s",
     )
-    log = logging.getLogger("gym_proxy")
-    for flag in secrets_on_command_line(sys.argv[1:] if argv is None else argv):
-        log.warning(
-            "%s on the command line is visible to every local user; use %s-file", flag, flag
-        )
-    # Read once; workers never see them (they do not need them) and neither does anyone
-    # reading this process's environment later.
+    # Read once; workers never see them (they do not need them) and neither does the app
+    # imported next, nor anyone reading this process's environment later.
     for name in SECRET_ENV:
         os.environ.pop(name, None)
     config, plan = _the_app(config)
+    # A NeMo Gym server's `gym_proxy:` block may set the level too: it holds from here.
+    logging.getLogger().setLevel(config.log_level.upper())
+    log = logging.getLogger("gym_proxy")
+    for flag in secrets_on_command_line(argv):
+        log.warning(
+            "%s on the command line is visible to every local user; use %s-file", flag, flag
+        )
     try:
         ensure_parent(config.runtime_dir or tempfile.gettempdir())
     except ValueError as exc:
-        _fail(f"--runtime-dir {config.runtime_dir or tempfile.gettempdir()} {exc}")
+        usage_error(f"--runtime-dir {config.runtime_dir or tempfile.gettempdir()} {exc}")
     except OSError as exc:
-        _fail(f"--runtime-dir {config.runtime_dir}: {exc.strerror or exc}")
+        usage_error(f"--runtime-dir {config.runtime_dir}: {exc.strerror or exc}")
     secret = _secret(config, log)
     take_over = None
     if config.take_over:
@@ -148,7 +142,7 @@ def start(argv: Sequence[str] | None = None) -> None:
             fingerprint = secret_fingerprint(secret, config.instance)
             take_over = take_over_running(config.runtime_dir, config.instance, fingerprint)
         except TakeOverError as exc:
-            _fail(f"--take-over: {exc}")
+            usage_error(f"--take-over: {exc}")
         sock = take_over.listen_sock
         sock.setblocking(False)
     else:
@@ -156,7 +150,7 @@ def start(argv: Sequence[str] | None = None) -> None:
             sock = bind_listener(config)
         except OSError as exc:
             where = f"fd {config.fd}" if config.fd is not None else f"{config.host}:{config.port}"
-            _fail(f"cannot listen on {where}: {exc.strerror or exc}")
+            usage_error(f"cannot listen on {where}: {exc.strerror or exc}")
     freeze_startup_heap()  # every module is imported: no full pass walks them again
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         code = runner.run(run(config, sock, secret, plan, take_over=take_over))
@@ -183,7 +177,7 @@ def _the_app(config: Config) -> tuple[Config, WorkerPlan]:
         if config.worker_placement == "ray" and plan.ray is None:
             plan = replace(plan, ray=cluster_plan())
     except (AppLoadError, ConfigError, NemoGymConfigError) as exc:
-        _fail(str(exc))
+        usage_error(str(exc))
     if plan.ray is not None and importlib.util.find_spec("ray") is None:
         what = "--worker-placement ray" if config.worker_placement == "ray" else "the app"
         print(
@@ -199,13 +193,13 @@ def _secret(config: Config, log: logging.Logger) -> bytes:
     """The secret sessions are signed with (a random one, said, without --secret); exits
     when what needs a secret has none."""
     if config.secret is None and (config.orphan_grace or config.take_over):
-        _fail(
+        usage_error(
             f"{'--take-over' if config.take_over else '--orphan-grace'} needs --secret or "
             "--secret-file: the workers' sessions outlive gym-proxy only for one that "
             "verifies their tokens, which a random secret cannot"
         )
     if config.take_over and not config.orphan_grace:
-        _fail("--take-over needs --orphan-grace above 0: the workers change proxies")
+        usage_error("--take-over needs --orphan-grace above 0: the workers change proxies")
     if config.secret is None:
         log.warning("no --secret: using a random one, so session cookies do not survive a restart")
         return secrets.token_bytes(32)

@@ -113,6 +113,13 @@ def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
         (["--worker-placement", "ray", "--preload"], "--preload does not work with --worker"),
         (["--worker-placement", "ray", "--worker-resources", "[1]"], "must be a JSON object"),
         (["--worker-placement", "ray", "--worker-resources", '{"CPU": 1}'], "--worker-cpus"),
+        (["--min-workers", "2"], "--min-workers needs --max-workers"),
+        (["--rebalance-ratio", "3"], "--rebalance-ratio needs --rebalance"),
+        (["--min-workers", "3", "--max-workers", "2"], "--min-workers 3 is over --max-workers 2"),
+        (["-w", "4"], "unrecognized arguments: -w; for -w use --workers N (gunicorn's -w)"),
+        (["--bind", "0.0.0.0:8000"], "for --bind use --host H --port P (gunicorn's --bind)"),
+        (["--timeout", "30"], "for --timeout use --worker-timeout S for a silent worker"),
+        (["--factory"], "for --factory no flag is needed: APP may name a factory"),
     ],
 )
 def test_bad_flags_exit_with_one_line(args, message, short_tmp):
@@ -130,6 +137,27 @@ def test_placing_workers_on_ray_without_ray_is_one_line_and_status_5(short_tmp):
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "needs Ray" in lines[0], result.stderr
     assert list(short_tmp.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("args", "code"), [(["--version"], 0), (["--help"], 0), (["--min-workers", "2"], 2)]
+)
+def test_the_command_line_is_answered_before_the_server_is_imported(args, code):
+    """`--version`, `--help` and a mistake need neither aiohttp nor uvloop nor the app
+    (issue 56: every typo imported the whole server first, 0.7 s of CPU)."""
+    probe = (
+        "import sys\n"
+        "from gym_proxy.proxy.cli import main\n"
+        "try:\n    main(sys.argv[1:])\n"
+        "except SystemExit as exc:\n"
+        "    heavy = sorted(m for m in ('aiohttp', 'uvloop', 'gym_proxy.proxy.server') "
+        "if m in sys.modules)\n"
+        "    print('exit', exc.code, heavy, file=sys.stderr)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", probe, *args], capture_output=True, text=True, timeout=60
+    )
+    assert result.stderr.strip().splitlines()[-1] == f"exit {code} []", result.stderr
 
 
 def test_version_and_help():

@@ -92,6 +92,30 @@ async def test_a_server_class_from_a_config_file_takes_its_instance(tmp_path):
         proc.wait(30)
 
 
+async def test_the_config_blocks_log_level_holds_for_gym_proxys_own_log(tmp_path):
+    """`gym_proxy: {log_level: warning}` in the server's block, as the shipped example
+    sets it: gym-proxy's own INFO lines (the runtime directory, each worker started and
+    registered, "ready on") are not written, and its warnings still are (the counter
+    declares no state)."""
+    port = free_port()
+    config = tmp_path / "config.yaml"
+    block = {"log_level": "warning"}
+    config.write_text(json.dumps(counter_config(port, workers=2, gym_proxy=block)))
+    proc = gym_proxy(tmp_path, COUNTER, "--nemo-gym-config", str(config))
+    url = f"http://127.0.0.1:{port}"
+    try:
+        async with aiohttp.ClientSession(cookie_jar=aiohttp.DummyCookieJar()) as http:
+            await wait_healthy(http, url, proc, tmp_path)
+            status = await Control(http, url).ok("status")
+            assert len(status["workers"]) == 2
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    log = (tmp_path / "proxy.log").read_text()
+    assert "gym-proxy WARNING" in log and "declares no session state" in log
+    assert "gym-proxy INFO" not in log, log
+
+
 async def test_a_state_that_is_not_json_fails_the_commit_and_writes_nothing(tmp_path):
     port = free_port()
     config = counter_config(port)

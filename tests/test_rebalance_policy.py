@@ -223,6 +223,33 @@ def test_bad_bounds_are_one_line_errors(args, error):
         config_from_args(args)
 
 
+@pytest.mark.parametrize(
+    "args, error",
+    [
+        (["--min-workers", "2"], "--min-workers needs --max-workers"),
+        (["--scale-up-busy", "8"], "--scale-up-busy needs --max-workers"),
+        (["--scale-down-after", "5"], "--scale-down-after needs --max-workers"),
+        (["--rebalance-ratio", "3"], "--rebalance-ratio needs --rebalance"),
+        (["--stall-threshold", "2"], "--stall-threshold needs --rebalance"),
+        (["--rebalance-max-moves", "5"], "--rebalance-max-moves needs --rebalance"),
+        (["--worker-cpus", "2"], "--worker-cpus needs --worker-placement ray"),
+        (["--min-workers", "3", "--max-workers", "2"], "--min-workers 3 is over --max-workers 2"),
+    ],
+)
+def test_a_flag_that_acts_only_with_another_is_refused_without_it(args, error):
+    """Accepted without it, it would do nothing (issue 56: `--min-workers 2` alone ran one
+    worker and said nothing); the line names the flag it needs."""
+    with pytest.raises(ConfigError, match=f"^{error}$"):
+        config_from_args(args)
+
+
+def test_autoscaling_without_workers_starts_at_the_minimum():
+    config = config_from_args(["--min-workers", "3", "--max-workers", "6"])
+    assert (config.workers, config.min_workers, config.max_workers) == (3, 3, 6)
+    given = config_from_args(["--workers", "4", "--min-workers", "3", "--max-workers", "6"])
+    assert given.workers == 4
+
+
 def test_a_loop_blocked_in_stretches_is_hot_by_its_delay_not_under_an_even_delay():
     policy = RebalancePolicy(Thresholds(sustain=0.0))
     (shed,) = policy.judge(loads(1, 0.2, 0.2, lag={0: 0.09, 1: 0.004, 2: 0.005}), 0.0)
@@ -240,7 +267,7 @@ def test_a_hot_worker_never_sheds_to_another_hot_one():
 
 
 def test_a_ratio_of_zero_turns_the_hot_rule_off_and_leaves_the_stall_rule():
-    assert config_from_args(["--rebalance-ratio", "0"]).rebalance_ratio == 0
+    assert config_from_args(["--rebalance", "--rebalance-ratio", "0"]).rebalance_ratio == 0
     policy = RebalancePolicy(Thresholds(ratio=0.0, sustain=0.0))
     assert policy.judge(loads(8, 0, 0, lag={0: 0.09}), 0.0) == []  # hot by both measures
     (shed,) = policy.judge(loads(1, 0, 0, lag={0: 2.0}), 1.0)
