@@ -8,7 +8,7 @@ import json
 import os
 import re
 from collections.abc import Callable, Sequence
-from dataclasses import MISSING, dataclass, field, fields, replace
+from dataclasses import MISSING, Field, dataclass, field, fields, replace
 from typing import Any, NoReturn
 
 from gym_proxy.coordinator.contract.ids import is_checkpoint_id
@@ -796,36 +796,64 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+# `--help` in sections, as gunicorn's settings are: every option in one (a fast test).
+HELP_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("the app and its workers", ("app", "workers", "app_dir", "preload", "kind",
+     "session_state", "nemo_gym_config", "name", "boot_timeout", "worker_timeout")),
+    ("where it listens", ("host", "port", "fd", "backlog", "max_connections", "cookie_name",
+     "runtime_dir")),
+    ("secrets, control and what it tells", ("secret", "secret_file", "control_token",
+     "control_token_file", "metrics", "trace_requests", "log_level", "access_log")),
+    ("timeouts and limits", ("graceful_timeout", "upstream_timeout", "keepalive_timeout",
+     "header_timeout", "tunnel_idle_timeout", "limit_request_line", "limit_request_headers",
+     "session_idle_ttl", "lease_grace")),
+    ("when gym-proxy dies or is upgraded", ("orphan_grace", "take_over")),
+    ("recycling a worker", ("max_requests", "max_requests_jitter", "max_worker_memory")),
+    ("rebalancing (with --rebalance)", ("rebalance", "rebalance_ratio", "stall_threshold",
+     "rebalance_cooldown", "rebalance_max_moves")),
+    ("the worker count follows demand (with --max-workers)", ("max_workers", "min_workers",
+     "scale_up_busy", "scale_up_after", "scale_down_busy", "scale_down_after")),
+    ("workers on a Ray cluster (with --worker-placement ray)", ("worker_placement",
+     "worker_cpus", "worker_resources", "worker_strategy")),
+)  # fmt: skip
+
+
 def build_parser() -> argparse.ArgumentParser:
-    """An argument parser with one option per Config field."""
+    """An argument parser with one option per Config field, in HELP_GROUPS' sections."""
     parser = _Parser(
         prog="gym-proxy",
+        usage="gym-proxy [OPTIONS] [APP]",
         description="Run one stateful environment server as N workers behind one port.",
     )
     parser.add_argument("--version", action="version", version=f"gym-proxy {_version()}")
-    for item in fields(Config):
-        meta = item.metadata
-        if meta.get("internal"):
-            continue
-        help_text = meta["help"]
-        if meta["env"]:
-            help_text += f" [env {meta['env']}]"
-        if item.default is not MISSING and item.default is not None and not meta["flag"]:
-            help_text += f" (default: {item.default})"
-        kwargs: dict[str, Any] = {"help": help_text, "default": None}
-        if meta["flag"]:
-            kwargs["action"] = "store_true"
-        elif meta["choices"]:
-            kwargs["choices"] = meta["choices"]
-        else:
-            kwargs["type"] = meta["type"]
-        if meta["metavar"]:
-            kwargs["metavar"] = meta["metavar"]
-        if meta["positional"]:
-            parser.add_argument(item.name, nargs="?", **kwargs)
-        else:
-            parser.add_argument("--" + item.name.replace("_", "-"), dest=item.name, **kwargs)
+    items = {item.name: item for item in fields(Config)}
+    for title, names in HELP_GROUPS:
+        group = parser.add_argument_group(title)
+        for name in names:
+            _add_option(group, items[name])
     return parser
+
+
+def _add_option(group: argparse._ArgumentGroup, item: Field[Any]) -> None:
+    meta = item.metadata
+    help_text = meta["help"]
+    if meta["env"]:
+        help_text += f" [env {meta['env']}]"
+    if item.default is not MISSING and item.default is not None and not meta["flag"]:
+        help_text += f" (default: {item.default})"
+    kwargs: dict[str, Any] = {"help": help_text, "default": None}
+    if meta["flag"]:
+        kwargs["action"] = "store_true"
+    elif meta["choices"]:
+        kwargs["choices"] = meta["choices"]
+    else:
+        kwargs["type"] = meta["type"]
+    if meta["metavar"]:
+        kwargs["metavar"] = meta["metavar"]
+    if meta["positional"]:
+        group.add_argument(item.name, nargs="?", **kwargs)
+    else:
+        group.add_argument("--" + item.name.replace("_", "-"), dest=item.name, **kwargs)
 
 
 def read_secret_file(path: str, flag: str) -> str:
