@@ -698,7 +698,7 @@ class Config:
             raise ConfigError("--control-token must not be empty")
         if self.control_token and self.secret is None:
             raise ConfigError(
-                "--control-token needs --secret (or GYM_PROXY_SECRET): restored sessions "
+                "--control-token needs --secret-file (or --secret): restored sessions "
                 "must be verified with the same secret after a restart"
             )
         if self.name is not None and not is_checkpoint_id(self.name):

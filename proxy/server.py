@@ -407,17 +407,24 @@ class Server:
         state, grace = self.parts.state, self.config.graceful_timeout
         state.draining = True
         state.drained = asyncio.Event()
+        busy = [client for client in state.clients if client.pipeline]
         for client in list(state.clients):
             if close_idle and not client.pipeline:
                 client.close()
-        if not state.clients:
+        idle = len(state.clients) - len(busy)
+        if not busy:
             log.info("shutting down: no request in flight")
+        else:
+            log.info(
+                "shutting down: waiting up to %g s for %d connections with requests in flight%s",
+                grace,
+                len(busy),
+                f" ({idle} idle ones closed at their next response)"
+                if idle and not close_idle
+                else "",
+            )
+        if not state.clients:
             return
-        log.info(
-            "shutting down: waiting up to %g s for %d connections with requests in flight",
-            grace,
-            len(state.clients),
-        )
         waits = {
             asyncio.ensure_future(state.drained.wait()),
             asyncio.ensure_future(self.signals.force.wait()),

@@ -124,18 +124,13 @@ def start(config: Config, argv: Sequence[str]) -> None:
     config, plan = _the_app(config)
     # A NeMo Gym server's `gym_proxy:` block may set the level too: it holds from here.
     logging.getLogger().setLevel(config.log_level.upper())
-    log = logging.getLogger("gym_proxy")
-    for flag in secrets_on_command_line(argv):
-        log.warning(
-            "%s on the command line is visible to every local user; use %s-file", flag, flag
-        )
     try:
         ensure_parent(config.runtime_dir or tempfile.gettempdir())
     except ValueError as exc:
         usage_error(f"--runtime-dir {config.runtime_dir or tempfile.gettempdir()} {exc}")
     except OSError as exc:
         usage_error(f"--runtime-dir {config.runtime_dir}: {exc.strerror or exc}")
-    secret = _secret(config, log)
+    secret = _secret(config)
     take_over = None
     if config.take_over:
         try:
@@ -151,6 +146,8 @@ def start(config: Config, argv: Sequence[str]) -> None:
         except OSError as exc:
             where = f"fd {config.fd}" if config.fd is not None else f"{config.host}:{config.port}"
             usage_error(f"cannot listen on {where}: {exc.strerror or exc}")
+    # Nothing is refused from here: a start that fails says its one line and nothing else.
+    _warn_about_secrets(config, argv)
     freeze_startup_heap()  # every module is imported: no full pass walks them again
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         code = runner.run(run(config, sock, secret, plan, take_over=take_over))
@@ -189,9 +186,19 @@ def _the_app(config: Config) -> tuple[Config, WorkerPlan]:
     return config, plan
 
 
-def _secret(config: Config, log: logging.Logger) -> bytes:
-    """The secret sessions are signed with (a random one, said, without --secret); exits
-    when what needs a secret has none."""
+def _warn_about_secrets(config: Config, argv: Sequence[str]) -> None:
+    log = logging.getLogger("gym_proxy")
+    for flag in secrets_on_command_line(argv):
+        log.warning(
+            "%s on the command line is visible to every local user; use %s-file", flag, flag
+        )
+    if config.secret is None:
+        log.warning("no --secret: using a random one, so session cookies do not survive a restart")
+
+
+def _secret(config: Config) -> bytes:
+    """The secret sessions are signed with (a random one without --secret, said once the
+    start cannot fail on what was given); exits when what needs a secret has none."""
     if config.secret is None and (config.orphan_grace or config.take_over):
         usage_error(
             f"{'--take-over' if config.take_over else '--orphan-grace'} needs --secret or "
@@ -201,6 +208,5 @@ def _secret(config: Config, log: logging.Logger) -> bytes:
     if config.take_over and not config.orphan_grace:
         usage_error("--take-over needs --orphan-grace above 0: the workers change proxies")
     if config.secret is None:
-        log.warning("no --secret: using a random one, so session cookies do not survive a restart")
         return secrets.token_bytes(32)
     return config.secret.encode()

@@ -17,6 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import aiohttp
 import pytest
 
 from tests.gated_app import GATE_ENV
@@ -455,6 +456,50 @@ def test_a_stop_says_what_it_waits_for_and_lasts_as_long_as_its_workers(start_pr
     stopped = float(re.findall(r"stopped in ([0-9.]+) s", log)[-1])
     assert stopped - max(map(float, exits)) < 1.0, log
     assert took < 10, (took, log)
+
+
+async def test_a_stop_counts_only_the_connections_with_a_request_in_flight(start_proxy):
+    """Two idle keep-alive connections and one with a request in flight at SIGTERM: the
+    log waits for 1 connection, not 3 (issue 56: idle ones were counted as busy); the
+    request in flight is answered."""
+    proxy = start_proxy(workers=1)
+    host, port = "127.0.0.1", int(proxy.url.rsplit(":", 1)[1])
+    idle = []
+    for _ in range(2):  # one request each, answered: then idle, kept alive
+        reader, writer = await asyncio.open_connection(host, port)
+        writer.write(b"GET /whoami HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert (await reader.readuntil(b"\r\n\r\n")).startswith(b"HTTP/1.1 200")
+        idle.append(writer)
+    reader, writer = await asyncio.open_connection(host, port)
+    writer.write(b"GET /slow?seconds=2 HTTP/1.1\r\nHost: x\r\n\r\n")
+
+    async with aiohttp.ClientSession() as http:
+
+        async def in_flight() -> bool:
+            async with http.get(f"{proxy.url}/seen") as resp:
+                return "/slow" in (await resp.json())["paths"]
+
+        await wait_until(in_flight, 30, "the slow request to reach its worker")
+    proxy.signal(signal.SIGTERM)
+    assert (await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 30)).startswith(b"HTTP/1.1 200")
+    assert await asyncio.to_thread(proxy.wait_exit, 30) == 0
+    assert "for 1 connections with requests in flight" in proxy.log(), proxy.log()
+    for each in (*idle, writer):
+        each.close()
+
+
+def test_a_start_that_fails_says_its_one_line_and_no_warning_before_it(short_tmp):
+    """A port in use, without a secret and with one on the command line: the error line
+    only; the warnings (no secret, a secret others can read) belong to a start that
+    goes on."""
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        for secret in ((), ("--secret", "s3cret")):
+            result = run_cli("--port", str(port), "--runtime-dir", str(short_tmp), *secret)
+            assert result.returncode == 2
+            assert result.stderr.strip().splitlines() == [
+                f"gym-proxy: error: cannot listen on 127.0.0.1:{port}: Address already in use"
+            ], result.stderr
 
 
 def test_a_process_exits_without_the_final_collections(tmp_path):

@@ -455,6 +455,8 @@ async def test_restart_pause_is_checked_and_spaces_the_slots(in_process):
         status, reply = await operate(http, proxy.url, "restart", pause_s=0.5)
         assert status == 200 and reply["complete"], reply
         assert reply["seconds"] >= 0.5, reply
+        # An ended operation's answer is at `done` (issue 56: it kept its last running step).
+        assert (reply["step"], reply["detail"], reply["step_slot"]) == ("done", "", None), reply
         status, reply = await operate(http, proxy.url, "restart", slots=[1], pause_s=30)
         assert status == 200 and reply["seconds"] < 30, reply  # one slot: nothing to wait for
 

@@ -154,6 +154,8 @@ class Progress:
             seconds=self.seconds,
             waiting=waiting,
         )
+        if "complete" in ended:  # its call's answer: it has ended, whatever step it was at
+            said.update(step="done", detail="", step_slot=None)
         return OperationReport(**(said | ended))
 
 
