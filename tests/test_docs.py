@@ -219,3 +219,16 @@ def test_the_readme_draws_the_processes_as_the_design_page_does():
     """One drawing, in two places (the front page, and Processes in the design page): a
     change to one that misses the other fails."""
     assert _drawing(REPO / "README.md") == _drawing(DOCS / "design.md")
+
+
+def _walk_through(path: Path) -> str:
+    """The walk-through's shell session (its first code block)."""
+    text = path.read_text()
+    section = text[text.index("walk-through\n") :]
+    return section.split("```sh\n", 1)[1].split("```", 1)[0]
+
+
+def test_the_sites_walk_through_is_the_readmes():
+    """The site's Getting started page and the front page show one walk-through: a change
+    to one that misses the other fails."""
+    assert _walk_through(DOCS / "getting_started.md") == _walk_through(REPO / "README.md")

@@ -92,6 +92,21 @@ async def test_a_server_class_from_a_config_file_takes_its_instance(tmp_path):
         proc.wait(30)
 
 
+def test_the_one_server_config_the_docs_show_names_its_instance():
+    """docs/nemo_gym.md's "One server" stack.yaml, read by NeMo Gym's own parser as
+    gym-proxy reads it: the instance the command names, its host, port and workers."""
+    from gym_proxy.worker.app_loading import import_app_target
+    from gym_proxy.worker.nemo_gym_server import resolve_instance
+
+    shown = REPO / "docs" / "examples" / "nemo_gym" / "stack.yaml"
+    assert (
+        shown.read_text().split("head_server:", 1)[1] in (REPO / "docs" / "nemo_gym.md").read_text()
+    )
+    cls = import_app_target(COUNTER, ".")
+    instance = resolve_instance(cls, str(shown), "example_session_state_mgmt_resources_server")
+    assert (instance.host, instance.port, instance.num_workers) == ("127.0.0.1", 8001, 4)
+
+
 async def test_the_config_blocks_log_level_holds_for_gym_proxys_own_log(tmp_path):
     """`gym_proxy: {log_level: warning}` in the server's block, as the shipped example
     sets it: gym-proxy's own INFO lines (the runtime directory, each worker started and

@@ -30,5 +30,7 @@ if "$venv/bin/python" -c 'import sys; sys.exit(sys.version_info < (3, 13, 14))';
 else
     echo "install.sh: $("$venv/bin/python" -V) is older than nemo-gym 0.7.0's 3.13.14: installing its pinned closure (requirements.txt)" >&2
     "$venv/bin/pip" install --quiet --no-deps --ignore-requires-python -r "$here/requirements.txt"
+    # Said before pip says it, so that nobody takes it for a failed install.
+    echo "install.sh: pip may now end with \"ERROR: pip's dependency resolver does not currently take into account ...\" and lines \"nemo-gym 0.7.0 requires X, which is not installed\": expected, for the declared dependencies of NeMo Gym's that this closure leaves out (none of them is imported); the install goes on" >&2
 fi
 "$venv/bin/pip" install --quiet -e "$repo$extras"

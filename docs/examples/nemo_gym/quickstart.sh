@@ -70,12 +70,20 @@ settings=(
     "++$counter.control_token_file=$work/control-token"
     "++$counter.runtime_dir=$work"
 )
+# A failure: gym-proxy's own lines first (each says what is wrong in one line), then the
+# end of the log, where NeMo Gym's traceback of the same failure is.
+failed() {
+    echo "quickstart: failed; gym-proxy said:" >&2
+    grep -E "gym-proxy: error:|gym-proxy (ERROR|WARNING)" "$1" >&2 || echo "  (nothing)" >&2
+    echo "quickstart: the end of $1:" >&2
+    tail -n 40 "$1" >&2
+}
 (cd "$work" && exec setsid "$venv/bin/gym" env start "${settings[@]}") > "$work/launcher.log" 2>&1 &
 launcher=$!
 echo "quickstart: starting NeMo Gym's launcher (log: $work/launcher.log)"
 for _ in $(seq 3000); do  # up to 5 minutes: Ray and four Python servers on a small machine
     grep -q "All 4 / 4 servers ready" "$work/launcher.log" && break
-    kill -0 "$launcher" 2>/dev/null || { tail -n 40 "$work/launcher.log" >&2; exit 1; }
+    kill -0 "$launcher" 2>/dev/null || { failed "$work/launcher.log"; exit 1; }
     sleep 0.1
 done
 grep -q "All 4 / 4 servers ready" "$work/launcher.log" || {
