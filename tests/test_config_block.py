@@ -92,3 +92,57 @@ def test_a_count_has_the_bounds_of_its_flag(block, message: str):
 def test_no_block_changes_nothing():
     config = config_from_args([])
     assert apply_block(config, None, WHERE) is config
+
+
+def _every_option(tmp_path: Path, ray: bool) -> dict[str, object]:
+    """A block that sets every option it may, each to a value that is not its default
+    (with Ray placement, or with --preload: the two exclude each other)."""
+    secret, control = tmp_path / "secret", tmp_path / "control"
+    secret.write_text("s3cret")
+    control.write_text("t0ken")
+    block: dict[str, object] = {
+        "runtime_dir": str(tmp_path), "secret_file": str(secret), "graceful_timeout": 7.5,
+        "orphan_grace": 12.0, "take_over": True, "upstream_timeout": 99.0,
+        "keepalive_timeout": 33.0, "header_timeout": 4.0, "tunnel_idle_timeout": 77.0,
+        "limit_request_line": 4000, "limit_request_headers": 30000, "max_connections": 300,
+        "worker_timeout": 11.0, "metrics": "127.0.0.1:9999", "trace_requests": True,
+        "max_requests": 500, "max_requests_jitter": 50, "max_worker_memory": 2048.0,
+        "rebalance": True, "rebalance_ratio": 3.0, "stall_threshold": 2.5,
+        "rebalance_cooldown": 20.0, "rebalance_max_moves": 4.0, "min_workers": 2,
+        "max_workers": 6, "scale_up_busy": 6.0, "scale_up_after": 15.0,
+        "scale_down_busy": 0.25, "scale_down_after": 90.0, "session_idle_ttl": 300.0,
+        "boot_timeout": 45.0, "backlog": 512, "control_token_file": str(control),
+        "cookie_name": "my_cookie", "session_state": "sessions", "kind": "agent",
+        "lease_grace": 120.0, "log_level": "warning", "access_log": True,
+    }  # fmt: skip
+    if ray:
+        block.update(worker_placement="ray", worker_cpus=0.5,
+                     worker_resources='{"sandbox": 1}', worker_strategy="default")  # fmt: skip
+    else:
+        block["preload"] = True
+    return block
+
+
+@pytest.mark.parametrize("ray", [True, False], ids=["placed", "preloaded"])
+def test_every_option_the_block_sets_takes_effect(tmp_path: Path, ray: bool):
+    """Issue 56: the block has its whole say. Every option the block may set, each set to
+    something other than its default: the config holds each (the secrets read from
+    their files), and the settled config is valid; an option added to Config without a
+    line here fails (so a new one is tried too). The log level's effect on gym-proxy's
+    own log: tests/test_nemo_gym_servers.py."""
+    from dataclasses import fields
+
+    from gym_proxy.proxy.config import Config
+    from gym_proxy.proxy.config_block import _REFUSED
+
+    block = _every_option(tmp_path, ray)
+    settable = {f.name for f in fields(Config) if not f.metadata.get("internal")} - set(_REFUSED)
+    assert settable == set(_every_option(tmp_path, True)) | set(_every_option(tmp_path, False))
+    config = apply_block(config_from_args([]), block, WHERE)
+    config.validate()
+    defaults = Config()
+    for name, value in block.items():
+        assert getattr(config, name) == value, name
+        assert getattr(defaults, name) != value, f"{name}: the default, not a change"
+    assert (config.secret, config.control_token) == ("s3cret", "t0ken")
+    assert config.workers == 2  # with --max-workers and no count: the minimum
