@@ -289,3 +289,54 @@ async def test_a_session_that_keeps_its_worker_hot_stays_and_nothing_flaps(start
     assert (await whoami(http, proxy.url, culprit))["slot"] == 0
     assert [(await whoami(http, proxy.url, t))["slot"] for t in idle] == [1] * len(idle)
     assert [await count(http, proxy.url, t) for t in mine] == list(range(len(mine)))
+
+
+async def test_the_default_apps_compute_route_shows_a_rebalance(start_proxy, http):
+    """docs/operations.md's "Seeing it in a minute", with the default app (the counter)
+    and the default thresholds: one session computing 1.5 s at a time stalls its worker;
+    the other sessions there move to the other worker, their counts intact, and the
+    status names each move. The sessions' workers are read from their tokens (the
+    counter has no /whoami)."""
+    proxy = start_proxy(
+        "--rebalance",
+        workers=2,
+        control_token=CONTROL_TOKEN,
+        app="gym_proxy.worker.counter:create_app",
+    )
+    control = Control(http, proxy.url)
+    owners = {w["slot"]: w["owner"] for w in (await control.ok("status"))["workers"]}
+    tokens = []
+    for i in range(8):
+        async with http.post(f"{proxy.url}/seed_session", json={"initial_count": i}) as resp:
+            assert resp.status == 200
+            tokens.append(resp.headers[TOKEN_HEADER])
+    on_0 = [t for t in tokens if t.split(".")[3] == owners[0]]  # v2.<tag>.<session>.<owner>.<mac>
+    assert len(on_0) >= 3, (owners, tokens)
+    heavy, light = on_0[0], on_0[1:]
+    stop = asyncio.Event()
+
+    async def compute() -> None:
+        while not stop.is_set():
+            async with http.post(
+                f"{proxy.url}/compute", json={"seconds": 1.5}, headers={TOKEN_HEADER: heavy}
+            ) as resp:
+                assert resp.status == 200, await resp.text()
+
+    light_ids = {t.split(".")[2] for t in light}
+    computing = asyncio.ensure_future(compute())
+    try:
+
+        async def moved() -> bool:
+            recent = (await control.ok("status"))["rebalance"]["recent"]
+            return light_ids <= {sid for event in recent for sid in event["moved"]}
+
+        await wait_until(moved, 60, "the computing worker's idle sessions to move")
+    finally:
+        stop.set()
+        await computing
+    recent = (await control.ok("status"))["rebalance"]["recent"]
+    assert {(e["slot"], e["reason"]) for e in recent} == {(0, "stalled")}, recent
+    for token in light:
+        async with http.post(f"{proxy.url}/get_counter_value", headers={TOKEN_HEADER: token}) as r:
+            assert (await r.json())["count"] == tokens.index(token)
+    assert "shed" in proxy.log() and "(stalled: event-loop lag" in proxy.log()

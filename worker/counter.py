@@ -4,10 +4,15 @@ Routes (POST with a JSON body, as NeMo Gym resources servers take them):
 `/seed_session {initial_count}`, `/increment_counter {count}`, `/get_counter_value`,
 `/verify {expected_count}` -> `{reward}`. Counters live in the participant runtime's
 session store, so a checkpoint exports them and a restore brings them back.
+
+`/compute {seconds}` computes for that long (at most MAX_COMPUTE) without yielding, as a
+CPU-bound tool call or verifier does: the worker's event loop is blocked meanwhile, so
+`--rebalance` can be seen at work with the default app (docs/operations.md, Rebalancing).
 """
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import orjson
@@ -15,7 +20,9 @@ from aiohttp import web
 
 from gym_proxy.worker.participant import PARTICIPANT_KIND, current_session
 
-__all__ = ["create_app"]
+__all__ = ["create_app", "MAX_COMPUTE"]
+
+MAX_COMPUTE = 10.0  # seconds one /compute may block its worker
 
 
 def _json(payload: Any) -> web.Response:
@@ -75,6 +82,19 @@ async def verify(request: web.Request) -> web.Response:
     return _json({"reward": 1.0 if actual == expected else 0.0, "count": actual})
 
 
+async def compute(request: web.Request) -> web.Response:
+    body = await _body(request)
+    seconds = body.get("seconds", 1.0)
+    if isinstance(seconds, bool) or not isinstance(seconds, int | float):
+        raise _bad_request("invalid_field", "seconds must be a number")
+    if not 0 <= seconds <= MAX_COMPUTE:
+        raise _bad_request("invalid_field", f"seconds must be 0-{MAX_COMPUTE:g}")
+    until = time.monotonic() + seconds
+    while time.monotonic() < until:  # never awaits: the loop is blocked, as by real work
+        pass
+    return _json({"count": current_session(request).get(0), "computed_s": seconds})
+
+
 def create_app() -> web.Application:
     """The counter server's app."""
     app = web.Application()
@@ -83,4 +103,5 @@ def create_app() -> web.Application:
     app.router.add_post("/increment_counter", increment_counter)
     app.router.add_route("*", "/get_counter_value", get_counter_value)
     app.router.add_post("/verify", verify)
+    app.router.add_post("/compute", compute)
     return app
