@@ -37,12 +37,14 @@ from gym_proxy.proxy import data_path
 from gym_proxy.proxy.assembly import Assembly
 from gym_proxy.proxy.config import Config, metrics_address
 from gym_proxy.proxy.connection_sweep import sweep_connections
+from gym_proxy.proxy.control.app import server_status
 from gym_proxy.proxy.data_path.client_connection import ClientFactory
 from gym_proxy.proxy.fleet.supervision.launchers import FindsLeftWorkers, WorkerLauncher
 from gym_proxy.proxy.fleet.supervision.liveness import watch_liveness
 from gym_proxy.proxy.fleet.supervision.supervisor import Supervisor, WorkerBootError
 from gym_proxy.proxy.launch import WorkerPlan, choose_launcher, launch_of
 from gym_proxy.proxy.metrics import listener as metrics_listener
+from gym_proxy.proxy.metrics import status_page
 from gym_proxy.proxy.ray_cluster.cluster import HEAD_SOCKET, RayCluster
 from gym_proxy.proxy.ray_cluster.errors import RayError
 from gym_proxy.proxy.runtime_dir import (
@@ -205,16 +207,37 @@ class Server:
         if config.metrics is not None:
             sock = metrics_listener.bind(*metrics_address(config.metrics, config.host))
             listener = metrics_listener.MetricsListener(
-                parts.metrics.render, config.header_timeout, config.keepalive_timeout
+                parts.metrics.render,
+                config.header_timeout,
+                config.keepalive_timeout,
+                pages=self._status_pages(parts),
             )
             await listener.start(sock)
             resources.push_async_callback(listener.close)
             parts.metrics.loop_lag.start()
             resources.callback(parts.metrics.loop_lag.stop)
             host, port = sock.getsockname()[:2]
-            log.info("metrics on http://%s:%d/metrics", host, port)
+            log.info("metrics on http://%s:%d/metrics, the status page at /status", host, port)
         await parts.channels.start(runtime.join("coordinator.sock"))
         resources.push_async_callback(parts.channels.close)
+
+    def _status_pages(self, parts: Assembly) -> dict[bytes, metrics_listener.Page]:
+        """The status page and what it reads (`proxy.metrics.status_page`)."""
+        token = self.config.control_token
+        app = parts.control_runner.app
+
+        async def page() -> bytes:
+            return status_page.PAGE
+
+        async def status() -> bytes:
+            return status_page.status_json(lambda: server_status(app), bool(token))
+
+        return {
+            b"/status": metrics_listener.Page(b"text/html; charset=utf-8", page),
+            b"/status.json": metrics_listener.Page(
+                b"application/json", status, guarded=bool(token), token=(token or "").encode()
+            ),
+        }
 
     async def _boot(self, parts: Assembly) -> None:
         """Start the workers (joined to the server's one Ray cluster when they use Ray:

@@ -265,6 +265,8 @@ class WorkerStatus(Message):
     node: str = ""  # a Ray node ID, or `local`
     address: str = ""
     load: WorkerLoadView | None = None  # None before its first sample
+    memory_bytes: int = 0  # resident; a placed worker's as it reported it (0: not known)
+    restarts: int = 0  # of its slot, after an exit
 
 
 @message()

@@ -15,15 +15,20 @@ descriptors the data path's `--max-connections` counts on (proxy.descriptor_budg
 - One request at a time: reading pauses while a scrape renders. A request pipelined
   behind another in the same read is not answered; the connection closes after the
   first answer (RFC 9112 9.3.2: the client retries it).
-- `GET` or `HEAD` of `/metrics` only: another path is 404, another method 405.
+- `GET` or `HEAD` of `/metrics`, and of the pages it is given beside it (the status page,
+  `proxy.metrics.status_page`): another path is 404, another method 405. A page marked
+  `guarded` needs `Authorization: Bearer <the control token>` (401 otherwise), checked
+  as the control calls check it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import socket
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
 from typing import Final
 
 import httptools
@@ -32,7 +37,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from gym_proxy.proxy.data_path.http_wire import error_response
 from gym_proxy.proxy.descriptor_budget import METRICS_CONNECTIONS
 
-__all__ = ["MetricsListener", "bind", "MAX_REQUEST", "HEADER_TIMEOUT"]
+__all__ = ["MetricsListener", "Page", "bind", "MAX_REQUEST", "HEADER_TIMEOUT"]
 
 log = logging.getLogger("gym_proxy.metrics")
 
@@ -42,6 +47,23 @@ _PATH = b"/metrics"
 _HEAD_OK = b"HTTP/1.1 200 OK\r\ncontent-type: %s\r\ncontent-length: %d\r\n%s\r\n"
 
 Render = Callable[[], Awaitable[bytes]]
+
+
+@dataclass(frozen=True)
+class Page:
+    """A path served beside /metrics: its content type, its body, and whether the control
+    token is needed to read it (`guarded`, with `token` the one expected)."""
+
+    content_type: bytes
+    render: Render
+    guarded: bool = False
+    token: bytes = b""
+
+    def allows(self, authorization: bytes) -> bool:
+        if not self.guarded:
+            return True
+        scheme, _, credential = authorization.partition(b" ")
+        return scheme.lower() == b"bearer" and hmac.compare_digest(credential.strip(), self.token)
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -74,7 +96,9 @@ class MetricsListener:
         header_timeout: float,
         keepalive_timeout: float,
         max_connections: int = METRICS_CONNECTIONS,
+        pages: Mapping[bytes, Page] | None = None,
     ) -> None:
+        self.pages = {_PATH: Page(CONTENT_TYPE_LATEST.encode(), render), **(pages or {})}
         self.render = render
         self.header_timeout = header_timeout or HEADER_TIMEOUT
         self.keepalive_timeout = keepalive_timeout
@@ -110,6 +134,7 @@ class _Connection(asyncio.Protocol):
         self.received = 0  # bytes of the request being read
         self.url = b""
         self.method = b""
+        self.authorization = b""
         self.keep_alive = True
         self.complete = False  # a whole request was read: nothing more is parsed
         self.close_after = False
@@ -164,6 +189,10 @@ class _Connection(asyncio.Protocol):
     def on_url(self, url: bytes) -> None:
         self.url += url
 
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if name.lower() == b"authorization":
+            self.authorization = value
+
     def on_headers_complete(self) -> None:
         self.method = self.parser.get_method()
         self.keep_alive = self.parser.should_keep_alive()
@@ -178,19 +207,24 @@ class _Connection(asyncio.Protocol):
     async def _answer(self) -> None:
         head_only = self.method == b"HEAD"
         path = self.url.partition(b"?")[0]
-        if path != _PATH:
-            self._write_error("not_found", "only /metrics is served here", head_only)
+        page = self.listener.pages.get(path)
+        where = path.decode("latin-1")
+        if page is None:
+            served = ", ".join(p.decode() for p in self.listener.pages)
+            self._write_error("not_found", f"only {served} is served here", head_only)
         elif self.method not in (b"GET", b"HEAD"):
-            self._write_error("method_not_allowed", "/metrics answers GET", head_only)
+            self._write_error("method_not_allowed", f"{where} answers GET", head_only)
+        elif not page.allows(self.authorization):
+            self._write_error("unauthorized", "a valid bearer token is required", head_only)
         else:
             try:
-                body = await self.listener.render()
+                body = await page.render()
             except Exception:
-                log.exception("rendering /metrics failed")
-                self._write_error("internal_error", "rendering the metrics failed", head_only)
+                log.exception("rendering %s failed", where)
+                self._write_error("internal_error", f"rendering {where} failed", head_only)
             else:
                 close = b"" if self._keeps() else b"connection: close\r\n"
-                head = _HEAD_OK % (CONTENT_TYPE_LATEST.encode(), len(body), close)
+                head = _HEAD_OK % (page.content_type, len(body), close)
                 self.transport.write(head if head_only else head + body)
         self._next()
 
@@ -212,7 +246,7 @@ class _Connection(asyncio.Protocol):
         self.complete = False
         self.idle = True
         self.received = 0
-        self.url = self.method = b""
+        self.url = self.method = self.authorization = b""
         self._arm(self.listener.keepalive_timeout, self._idle_timed_out)
         self.transport.resume_reading()
 

@@ -410,12 +410,15 @@ class Operations:
         if worker is None:
             return status
         route = worker.route
+        slots = self.pool.slots
         return replace(
             status,
             state=worker.status,
             requests_served=worker.live_route.served if route else 0,
             node=worker.node or "local",
             address=route.address if route else worker.socket_path,
+            memory_bytes=worker.memory(),
+            restarts=slots[worker.slot].restarts if 0 <= worker.slot < len(slots) else 0,
         )
 
     async def _run_signals(self) -> None:
