@@ -229,6 +229,12 @@ async def test_the_worker_count_follows_demand_within_its_bounds(in_process, htt
     url = metrics_url(proxy)
     assert await metric(http, url, 'gym_proxy_autoscale_total{direction="up"}') == 1
     assert await metric(http, url, 'gym_proxy_autoscale_total{direction="down"}') == 1
+    # `status` (and the status page) says the bounds and the latest decision
+    autoscale = (await status_of(http, proxy.url))["autoscale"]
+    assert (autoscale["least"], autoscale["most"]) == (1, 2), autoscale
+    last = autoscale["last"]
+    assert (last["workers_from"], last["workers_to"], last["outcome"]) == (2, 1, "made"), last
+    assert "requests" in last["why"], last
 
 
 def session_of(token: str) -> str:

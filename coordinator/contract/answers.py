@@ -289,6 +289,27 @@ class RebalanceStatus(Message):
 
 
 @message()
+class AutoscaleDecision(Message):
+    """The autoscaler's latest resize decision: from `workers_from` to `workers_to`, why,
+    and what came of it (`made`, or why it was skipped or not done)."""
+
+    at: float  # Unix seconds
+    workers_from: int
+    workers_to: int
+    why: str
+    outcome: str
+
+
+@message()
+class AutoscaleStatus(Message):
+    """`--min-workers`/`--max-workers`, and the latest decision (None before one)."""
+
+    least: int
+    most: int
+    last: AutoscaleDecision | None = None
+
+
+@message()
 class ServerStatus(Message):
     """`status`: NeMo Gym's fields, then gym-proxy's."""
 
@@ -308,3 +329,4 @@ class ServerStatus(Message):
     moving_sessions: int = 0
     operations: OperationsStatus | None = None
     rebalance: RebalanceStatus | None = None
+    autoscale: AutoscaleStatus | None = None

@@ -321,6 +321,11 @@ def server_status(app: web.Application) -> ServerStatus:
         moving_sessions=mover.holding if mover is not None else 0,
         operations=operations.status() if operations is not None else None,
         rebalance=balancer.status() if balancer is not None else None,
+        autoscale=(
+            balancer.autoscaler.status()
+            if balancer is not None and balancer.autoscaler is not None
+            else None
+        ),
     )
 
 

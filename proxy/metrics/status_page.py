@@ -82,6 +82,7 @@ th{background:#f0f3f6}td.l,th.l{text-align:left}
 <table id="rebalances"><thead><tr><th class="l">when</th><th>slot</th><th class="l">why</th>
 <th class="l">moved (to worker)</th><th class="l">not moved / kept</th></tr></thead>
 <tbody></tbody></table>
+<h2>Autoscaling</h2><div id="autoscale"></div>
 <h2>Checkpoint</h2><div id="checkpoint"></div>
 <script>
 "use strict";
@@ -133,6 +134,11 @@ function draw(s) {
     cell(row, when(e.at), "l"); cell(row, e.slot); cell(row, e.reason + ": " + e.why, "l");
     cell(row, pairs(e.moved), "l"); cell(row, pairs(Object.assign({}, e.not_moved, e.kept)), "l");
   }
+  const a = s.autoscale;
+  document.getElementById("autoscale").textContent = !a ? "off (no --max-workers)" :
+    "between " + a.least + " and " + a.most + " workers; last decision: " + (!a.last ?
+    "none yet" : when(a.last.at) + ", " + a.last.workers_from + " \\u2192 " +
+    a.last.workers_to + " workers (" + a.last.why + "): " + a.last.outcome) + ".";
   const r = s.report || {};
   document.getElementById("checkpoint").textContent = "phase " + s.phase +
     (s.checkpoint_id ? ", checkpoint " + s.checkpoint_id : "") +

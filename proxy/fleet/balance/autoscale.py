@@ -28,7 +28,11 @@ import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 
-from gym_proxy.coordinator.contract.answers import OperationReport
+from gym_proxy.coordinator.contract.answers import (
+    AutoscaleDecision,
+    AutoscaleStatus,
+    OperationReport,
+)
 from gym_proxy.coordinator.contract.errors import GymError
 from gym_proxy.proxy.fleet.balance.load import WorkerLoad
 
@@ -103,7 +107,15 @@ class Autoscaler:
     grown: int = 0  # /metrics: resizes it made, each way
     shrunk: int = 0
     skipped: dict[str, int] = field(default_factory=dict)
+    last: AutoscaleDecision | None = None  # for `status` (and the status page)
     _skipping: str = ""
+
+    def status(self) -> AutoscaleStatus:
+        bounds = self.policy.bounds
+        return AutoscaleStatus(bounds.least, bounds.most, self.last)
+
+    def _decided(self, count: int, to: int, why: str, outcome: str) -> None:
+        self.last = AutoscaleDecision(time.time(), count, to, why, outcome)
 
     async def judge(
         self, loads: Mapping[str, WorkerLoad], stalled: set[str], in_the_way: str, now: float
@@ -114,6 +126,7 @@ class Autoscaler:
             return
         if in_the_way:
             self._skip(in_the_way, count + step)
+            self._decided(count, count + step, why, f"skipped: {in_the_way}")
             return
         self._skipping = ""
         log.info("autoscale: %d -> %d workers: %s", count, count + step, why)
@@ -122,12 +135,16 @@ class Autoscaler:
         except GymError as exc:  # something began meanwhile: the next round sees it
             log.info("autoscale to %d workers not done: %s", count + step, exc.detail)
             self.policy.scaled(time.monotonic())
+            self._decided(count, count + step, why, f"not done: {exc.detail}")
             return
         if reply.gave_way:
             # Not `scaled`: its streak goes on, so the same resize is made again once
             # nothing is in the way (unless the load changed meanwhile).
             self._skip(GAVE_WAY, count + step)
+            self._decided(count, count + step, why, f"skipped: {GAVE_WAY}")
             return
+        outcome = "made" if reply.complete is not False else "; ".join(reply.errors)
+        self._decided(count, count + step, why, outcome)
         self.policy.scaled(time.monotonic())
         # Counted when made: a boot can fail, a worker be left unemptied (said below).
         if reply.workers == count + step:
