@@ -206,6 +206,8 @@ class Checkpointer:
             session_aliases=dict(self.tables.aliases),
             routed_sessions=len(self.tables.sessions) + len(self.tables.app_sessions),
             operation=self.exclusion.operation,
+            last_commit=self.io.last_commit,
+            last_restore=self.io.last_restore,
         )
 
     def _report(self, live: list[LiveWorker] | None = None) -> ReadinessReport:
@@ -325,6 +327,7 @@ class Checkpointer:
             await self._stop_workers(live, deadline_ts)
         answer = CommitAnswer("committed", Manifest.decode(manifest), sorted(write.keys))
         write.answered = True
+        self.io.done("commit", checkpoint_id, manifest["record_count"])
         return self.machine.succeed("commit", "committed", answer, arguments)
 
     async def _stop_workers(self, live: list[LiveWorker], deadline_ts: float) -> None:

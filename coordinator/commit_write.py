@@ -14,12 +14,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from gym_proxy.coordinator import checkpoint_files as files
 from gym_proxy.coordinator.contract import telemetry
+from gym_proxy.coordinator.contract.answers import CheckpointDone
 from gym_proxy.coordinator.contract.errors import GymError
 from gym_proxy.coordinator.contract.marks import RestoredClaims
 from gym_proxy.coordinator.contract.messages import ExportReply
@@ -43,6 +45,16 @@ class CheckpointIO:
     bytes_written: int = 0
     records_read: int = 0
     bytes_read: int = 0
+    last_commit: CheckpointDone | None = None  # for `status` and its page
+    last_restore: CheckpointDone | None = None
+
+    def done(self, kind: str, checkpoint_id: str, records: int) -> None:
+        """A commit or a restore (`kind`) of `checkpoint_id` finished now."""
+        said = CheckpointDone(checkpoint_id, time.time(), records)
+        if kind == "commit":
+            self.last_commit = said
+        else:
+            self.last_restore = said
 
 
 @dataclass(eq=False)

@@ -197,6 +197,7 @@ class Restore:
         self._note(checkpoint_dir, scope)
         continued = set(claims.keys()) | selection.continued
         answer = RestoreAnswer("restored", manifest["checkpoint_id"], sorted(continued))
+        cp.io.done("restore", manifest["checkpoint_id"], manifest["record_count"])
         return cp.machine.succeed("restore", "restored", answer, arguments)
 
     async def _read(

@@ -368,6 +368,9 @@ async def test_a_restore_onto_a_resized_server_places_every_session(start_proxy,
         assert status == 200 and reply["complete"], reply
         control = Control(http, first.url)
         await control.checkpoint("ck-resized", str(tmp_path))
+        # `status` (and its page) says the last commit: which, when, how many records
+        done = (await control.ok("status"))["last_commit"]
+        assert (done["checkpoint_id"], done["records"]) == ("ck-resized", 30), done
         first.kill_all()
 
         second = start_proxy(workers=2, control_token=CONTROL)
@@ -378,6 +381,8 @@ async def test_a_restore_onto_a_resized_server_places_every_session(start_proxy,
             "restore", checkpoint_id="rs", checkpoint_dir=str(tmp_path), episode_ids=[]
         )
         await control.ok("resume", checkpoint_id="rs")
+        done = (await control.ok("status"))["last_restore"]
+        assert (done["checkpoint_id"], done["records"]) == ("ck-resized", 30), done
         for i, token in enumerate(tokens):
             assert await count(http, second.url, token) == i
         slots = {(await whoami(http, second.url, t))["slot"] for t in tokens}

@@ -100,6 +100,7 @@ async def test_the_status_page_shows_a_stalled_worker_and_its_rebalance(
     for sid in ids:  # each session moved, named (the page had the control token)
         assert sid in events, (sid, events)
     assert "off (no --max-workers)" in dom and "phase idle" in dom, dom
+    assert "Last commit: none. Last restore: none." in dom, dom
     assert CONTROL_TOKEN not in dom
     assert [await count(http, proxy.url, t) for t in light] == [1] * len(light)
 

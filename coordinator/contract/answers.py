@@ -289,6 +289,16 @@ class RebalanceStatus(Message):
 
 
 @message()
+class CheckpointDone(Message):
+    """A commit or a restore this process finished: which checkpoint, when (Unix
+    seconds) and how many records it wrote or read."""
+
+    checkpoint_id: str
+    at: float
+    records: int
+
+
+@message()
 class AutoscaleDecision(Message):
     """The autoscaler's latest resize decision: from `workers_from` to `workers_to`, why,
     and what came of it (`made`, or why it was skipped or not done)."""
@@ -330,3 +340,5 @@ class ServerStatus(Message):
     operations: OperationsStatus | None = None
     rebalance: RebalanceStatus | None = None
     autoscale: AutoscaleStatus | None = None
+    last_commit: CheckpointDone | None = None
+    last_restore: CheckpointDone | None = None

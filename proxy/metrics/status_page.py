@@ -97,6 +97,9 @@ function cell(row, value, cls) {
   const td = row.insertCell(); td.textContent = text(value); if (cls) td.className = cls;
 }
 function when(unix) { return new Date(unix * 1000).toLocaleTimeString(); }
+function done(d) {
+  return d ? d.checkpoint_id + " at " + when(d.at) + " (" + d.records + " records)" : "none";
+}
 function pairs(map) {
   return Object.entries(map || {}).map(([k, v]) => (v ? k + " \\u2192 " + v : k)).join(", ");
 }
@@ -144,7 +147,8 @@ function draw(s) {
     (s.checkpoint_id ? ", checkpoint " + s.checkpoint_id : "") +
     (r.blockers && r.blockers.length ? "; blocked by " + r.blockers.join(", ") : "") +
     "; " + s.retired_rollouts + " rollouts retired, " + s.restored_pending.length +
-    " restored episodes awaiting their replacement.";
+    " restored episodes awaiting their replacement. Last commit: " + done(s.last_commit) +
+    ". Last restore: " + done(s.last_restore) + ".";
 }
 async function read() {
   const token = sessionStorage.getItem(key);
