@@ -230,7 +230,7 @@ async def test_status_lists_each_worker_once_with_its_state(in_process):
         status = await status_of(http, proxy.url)
     assert sorted(status["operations"]) == ["last", "running"], status["operations"]
     fields = {"slot", "owner", "pid", "in_flight", "ready", "state", "requests_served", "node",
-              "address", "load", "memory_bytes", "restarts"}  # fmt: skip
+              "address", "load", "memory_bytes", "restarts", "sessions"}  # fmt: skip
     assert [sorted(w) for w in status["workers"]] == [sorted(fields)] * 2, status["workers"]
     load = {"busy_average", "answer_s", "loop_delay_s", "stalled"}  # None before its first look
     assert all(w["load"] is None or set(w["load"]) == load for w in status["workers"]), status

@@ -58,7 +58,7 @@ async def test_the_status_page_shows_a_stalled_worker_and_its_rebalance(
     assert not re.search(r"""(src|href)=["']?(https?:)?//""", page)  # no external asset
     assert CONTROL_TOKEN not in page
 
-    light, _ = await sessions_by_slot(http, proxy.url, 4)
+    light, others = await sessions_by_slot(http, proxy.url, 4)
     heavy, *light = light
     for token in light:
         await increment(http, proxy.url, token, 1)
@@ -81,6 +81,13 @@ async def test_the_status_page_shows_a_stalled_worker_and_its_rebalance(
             return ids <= {sid for event in recent for sid in event["moved"]}
 
         await wait_until(moved, 30, "the stalled worker's idle sessions to move")
+        held = {0: 1, 1: len(light) + len(others)}  # each worker says it at its pings
+
+        async def counted() -> bool:
+            workers = (await control.ok("status"))["workers"]
+            return {w["slot"]: w["sessions"] for w in workers} == held
+
+        await wait_until(counted, 30, "each worker's session count")
         url = f"{base}/status#token={CONTROL_TOKEN}"
         # GYM_PROXY_STATUS_SHOT=docs/status_page.png refreshes the docs' screenshot.
         shot = Path(os.environ.get("GYM_PROXY_STATUS_SHOT") or tmp_path / "status.png")

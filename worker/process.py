@@ -209,7 +209,9 @@ class WorkerServer:
             path = self.args.coordinator
             reader, writer = await asyncio.open_unix_connection(path, limit=STREAM_LIMIT)
         channel = Channel(reader, writer, self._handle)
-        channel.pong = lambda: Pong(runtime.loop_lag.take_worst("ping"), resident_bytes())
+        channel.pong = lambda: Pong(
+            runtime.loop_lag.take_worst("ping"), resident_bytes(), len(runtime.store)
+        )
         channel_task = asyncio.create_task(channel.serve())
         try:
             reply = await channel.request(self._registration(rejoining), within=REGISTER_WAIT)

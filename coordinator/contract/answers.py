@@ -267,6 +267,7 @@ class WorkerStatus(Message):
     load: WorkerLoadView | None = None  # None before its first sample
     memory_bytes: int = 0  # resident; a placed worker's as it reported it (0: not known)
     restarts: int = 0  # of its slot, after an exit
+    sessions: int = 0  # it holds, as it said at its last liveness ping (every second)
 
 
 @message()

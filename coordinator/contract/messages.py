@@ -380,11 +380,12 @@ class SessionsEnded(Message):
 @message()
 class Pong(Message):
     """A ping's answer: with `Ping.loop_lag`, the worst event-loop lag the peer measured
-    itself since its last pong and its resident memory (0 from a peer that does not
-    say)."""
+    itself since its last pong, its resident memory and the sessions it holds (0 from a
+    peer that does not say)."""
 
     loop_lag_seconds: float = 0.0
     resident_bytes: int = 0
+    sessions: int = 0  # the sessions it holds (0 from a peer that does not say)
 
 
 @message("ping")

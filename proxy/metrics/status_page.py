@@ -75,7 +75,7 @@ th{background:#f0f3f6}td.l,th.l{text-align:left}
 <input id="token" type="password" autocomplete="off"> <button>show</button></form>
 <h2>Workers</h2>
 <table id="workers"><thead><tr><th>slot</th><th class="l">owner</th><th class="l">node</th>
-<th class="l">state</th><th>in flight</th><th>busy avg</th><th>loop delay s</th>
+<th class="l">state</th><th>sessions</th><th>in flight</th><th>busy avg</th><th>loop delay s</th>
 <th>memory MiB</th><th>served</th><th>restarts</th></tr></thead><tbody></tbody></table>
 <h2>Operations</h2><div id="operations"></div>
 <h2>Rebalances</h2>
@@ -120,7 +120,7 @@ function draw(s) {
     row.dataset.slot = w.slot;
     cell(row, w.slot); cell(row, w.owner, "l"); cell(row, w.node, "l");
     cell(row, load.stalled ? w.state + ", stalled" : w.state, "l");
-    cell(row, w.in_flight); cell(row, load.busy_average);
+    cell(row, w.sessions); cell(row, w.in_flight); cell(row, load.busy_average);
     cell(row, load.loop_delay_s);
     cell(row, w.memory_bytes ? (w.memory_bytes / 1048576).toFixed(0) : "");
     cell(row, w.requests_served); cell(row, w.restarts);

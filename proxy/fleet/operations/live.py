@@ -418,6 +418,7 @@ class Operations:
             node=worker.node or "local",
             address=route.address if route else worker.socket_path,
             memory_bytes=worker.memory(),
+            sessions=worker.reported_sessions,
             restarts=slots[worker.slot].restarts if 0 <= worker.slot < len(slots) else 0,
         )
 

@@ -68,6 +68,7 @@ async def _ping(worker: WorkerProcess, within: float) -> None:
     worker.ping_seconds = worker.answered_at - sent
     worker.loop_lag_seconds = pong.loop_lag_seconds
     worker.reported_memory = pong.resident_bytes
+    worker.reported_sessions = pong.sessions
     if worker.route is not None and not worker.route.responsive:
         log.info("worker %d answers again", worker.slot)
         worker.route.responsive = True

@@ -107,6 +107,7 @@ class WorkerProcess:
     ping_seconds: float | None = None  # the last ping's round trip
     loop_lag_seconds: float = 0.0  # its worst loop lag between its last two pongs
     reported_memory: int = 0  # its resident bytes, as its last pong said (0: not said)
+    reported_sessions: int = 0  # the sessions it held at its last pong
 
     @property
     def pid(self) -> int:
