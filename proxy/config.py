@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib.metadata
 import json
 import os
@@ -58,6 +59,7 @@ _NON_NEGATIVE = (
     "scale_down_busy",
     "scale_up_after",
     "scale_down_after",
+    "placement_wait",
 )
 # Options that act only with another: (what it needs, as the refusal names it; whether
 # the config has it). `Config._validate_needs`.
@@ -74,7 +76,8 @@ _NEEDS: dict[str, tuple[str, Callable[[Config], bool]]] = {
     },
     **{
         name: ("--worker-placement ray", lambda c: c.worker_placement == "ray")
-        for name in ("worker_cpus", "worker_resources", "worker_strategy")
+        for name in ("worker_cpus", "worker_resources", "worker_strategy", "placement_wait",
+                     "local_workers")
     },
 }  # fmt: skip
 _POSITIVE = ("worker_timeout", "tunnel_idle_timeout", "stall_threshold", "rebalance_max_moves")
@@ -178,6 +181,27 @@ class Config:
         metavar="S",
         doc="with `--worker-placement ray`: Ray's scheduling strategy for the workers' actors: "
         "`spread` (SPREAD, over the nodes) or `default` (DEFAULT)",
+    )
+    local_workers: int = option(
+        0,
+        "with --worker-placement ray: the first N workers are processes of this machine, "
+        "the others placed",
+        type=int,
+        metavar="N",
+        doc="with `--worker-placement ray`: the first N slots' workers are processes of this "
+        "machine and the others placed: one server across both, moves, rebalance and "
+        "restore included; a resize adds and removes placed ones "
+        "([Local and placed workers in one server](ray.md#local-and-placed-workers-in-one-server))",
+    )
+    placement_wait: float = option(
+        300.0,
+        "with --worker-placement ray: seconds a worker that does not fit yet waits for the "
+        "cluster to grow before it is given up",
+        type=float,
+        metavar="S",
+        doc="with `--worker-placement ray`: how long a worker that does not fit on the cluster "
+        "yet waits for it to grow (Ray's autoscaler adds a node for its pending actor); past "
+        "it, the start, resize or restart that asked for it says so ([Ray](ray.md))",
     )
     host: str = option(
         "127.0.0.1",
@@ -727,7 +751,18 @@ class Config:
             )
         if not 0 <= self.worker_cpus < float("inf"):
             raise ConfigError("--worker-cpus must be a non-negative number")
+        if not 0 <= self.local_workers <= self.workers:
+            raise ConfigError(
+                f"--local-workers {self.local_workers} must lie within 0 and --workers "
+                f"{self.workers}"
+            )
         self.ray_resources()  # raises ConfigError when malformed
+
+    @property
+    def room_wait(self) -> float:
+        """How long a worker may wait for room before it starts: a placed one for the Ray
+        cluster to grow (--placement-wait), a local one not at all."""
+        return self.placement_wait if self.worker_placement == "ray" else 0.0
 
     def ray_resources(self) -> dict[str, float]:
         """`--worker-resources` as Ray takes it: name -> amount."""
@@ -791,6 +826,11 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         words = message.partition(":")[2].split() if message.startswith("unrecognized") else []
         hints = [f"for {word} {_HINTS[word]}" for word in words if word in _HINTS]
+        flags = [f for action in self._actions for f in action.option_strings if len(f) > 2]
+        for word in words:  # a typo: the flag it most likely meant
+            near = difflib.get_close_matches(word.partition("=")[0], flags, n=1, cutoff=0.8)
+            if word not in _HINTS and near:
+                hints.append(f"did you mean {near[0]}?")
         if hints:
             message = f"{message}; {'; '.join(hints)}"
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
@@ -814,7 +854,8 @@ HELP_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("the worker count follows demand (with --max-workers)", ("max_workers", "min_workers",
      "scale_up_busy", "scale_up_after", "scale_down_busy", "scale_down_after")),
     ("workers on a Ray cluster (with --worker-placement ray)", ("worker_placement",
-     "worker_cpus", "worker_resources", "worker_strategy")),
+     "worker_cpus", "worker_resources", "worker_strategy", "local_workers",
+     "placement_wait")),
 )  # fmt: skip
 
 

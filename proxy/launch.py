@@ -27,6 +27,7 @@ from gym_proxy.proxy.fleet.supervision.launchers import (
 from gym_proxy.proxy.fleet.supervision.zygote_client import Zygote
 from gym_proxy.proxy.ray_cluster.cluster import RayCluster, RayPlan
 from gym_proxy.proxy.ray_cluster.lines import PlacementSpec
+from gym_proxy.proxy.ray_cluster.mixed import MixedLauncher
 from gym_proxy.proxy.ray_cluster.remote_workers import START_WAIT, RayLauncher
 from gym_proxy.worker.nemo_gym_server import with_ray_address
 
@@ -47,18 +48,26 @@ def choose_launcher(config: Config, secret: bytes, runtime_dir: str) -> WorkerLa
     """The launcher `config` asks for, made, not yet open (`runtime_dir`: where a Ray
     driver removes what this proxy leaves, should it die)."""
     if config.worker_placement == "ray":
+        placed_from = config.local_workers  # the slots before it are local (`MixedLauncher`)
         spec = PlacementSpec(
-            workers=config.workers,
+            workers=max(0, config.workers - placed_from),
             cpus=config.worker_cpus,
             resources=config.ray_resources(),
             strategy=config.worker_strategy.upper(),
             instance=config.instance,
             runtime_dir=runtime_dir,
             keep_for=config.orphan_grace or 0.0,
+            most_workers=max(0, (config.max_workers or config.workers) - placed_from),
         )
-        return RayLauncher(
-            spec, link_key(secret, config.instance), config.boot_timeout or START_WAIT
+        placed = RayLauncher(
+            spec,
+            link_key(secret, config.instance),
+            config.boot_timeout or START_WAIT,
+            placement_wait=config.placement_wait,
         )
+        if placed_from:
+            return MixedLauncher(SubprocessLauncher(), placed, placed_from)
+        return placed
     if config.preload:
         return Zygote.for_config(config)
     return SubprocessLauncher()

@@ -307,7 +307,7 @@ class Server:
         if supervisor.adoption is None:
             supervisor.adopt(found, passed_on)
         else:
-            supervisor.adoption.orphans += found
+            supervisor.adoption.expect(found)
         launcher.dial_left()  # now that the adoption expects them
 
     async def _listen(self) -> None:

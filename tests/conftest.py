@@ -58,6 +58,7 @@ LONGEST_FIRST = (
     "test_nemo_gym_counter.py",
     "test_nemo_gym_launcher.py",
     "test_nemo_gym_ray_placement.py",
+    "test_nemo_gym_ray_autoscaling.py",
     "test_checkpoint_protocol.py",
     "test_live_operations.py",
     "test_rebalance.py",

@@ -13,6 +13,13 @@ cluster's own, in a file under its directory (`token_path`).
 The GCS checks each node's health every second and declares it dead after 3 misses
 (Ray's default: every 3 s, 5 misses), so a node that vanishes is known within seconds.
 
+`start_autoscaling_head` starts the head with Ray's autoscaler on its fake multi-node
+provider, as `ray.cluster_utils.AutoscalingCluster` does (Ray's own autoscaling tests),
+without its `ray stop --force` (which would stop every cluster of the host) and with the
+config its released wheel lacks (`fake_multi_node/example.yaml` is not packaged): the
+autoscaler adds nodes of `worker_types` for pending actors, each a raylet started by the
+head's monitor (so a descendant of the head's `ray start`), and removes them once idle.
+
 Every process is ended by pid: `kill_node` SIGKILLs a node's whole tree at once (a
 machine gone), `stop` does so for every node. Nothing here calls `ray stop`, which
 would stop every Ray cluster on the host.
@@ -103,6 +110,7 @@ class RayNodes:
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
         self.nodes: list[RayNode] = []
+        self.autoscaling: dict[str, str] = {}  # the head's autoscaler's environment
 
     @property
     def environment(self) -> dict[str, str]:
@@ -118,11 +126,50 @@ class RayNodes:
                                     "--dashboard-port", str(free_port())],
                            resources)  # fmt: skip
 
+    def start_autoscaling_head(
+        self, cpus: float, worker_types: dict[str, dict[str, Any]], idle_minutes: float = 0.1
+    ) -> RayNode:
+        """The head (`cpus` CPUs), with an autoscaler that adds nodes of `worker_types`
+        (Ray's `available_node_types`: resources, min_workers, max_workers) and removes
+        them after `idle_minutes` idle (module docstring)."""
+        config = {
+            "cluster_name": "gym-proxy-test", "max_workers": sum(
+                int(t.get("max_workers", 0)) for t in worker_types.values()),
+            "provider": {"type": "fake_multinode", "use_node_id_as_ip": True,
+                         "disable_node_updaters": True, "disable_launch_config_check": True,
+                         "gcs_address": self.address},
+            "available_node_types": {
+                **{name: {"node_config": {}, "min_workers": 0, **kind}
+                   for name, kind in worker_types.items()},
+                "ray.head.default": {"resources": {"CPU": cpus}, "node_config": {},
+                                     "max_workers": 0},
+            },
+            "head_node_type": "ray.head.default", "upscaling_speed": 1.0,
+            "idle_timeout_minutes": idle_minutes, "auth": {}, "docker": {},
+            "initialization_commands": [], "setup_commands": [], "head_setup_commands": [],
+            "worker_setup_commands": [], "head_start_ray_commands": [],
+            "worker_start_ray_commands": [], "file_mounts": {}, "cluster_synced_files": [],
+            "file_mounts_sync_continuously": False, "rsync_exclude": [], "rsync_filter": [],
+        }  # fmt: skip
+        path = self.directory / "autoscaling.json"
+        path.write_text(json.dumps(config))
+        self.autoscaling = {"RAY_FAKE_CLUSTER": "1", "AUTOSCALER_UPDATE_INTERVAL_S": "1"}
+        return self._start("head", ["--head", "--port", str(self.port),
+                                    "--autoscaling-config", str(path),
+                                    "--include-dashboard", "true",
+                                    "--dashboard-host", "127.0.0.1",
+                                    "--dashboard-port", str(free_port())],
+                           cpus=cpus)  # fmt: skip
+
     def add_node(self, resources: dict[str, float] | None = None) -> RayNode:
         return self._start(f"node{len(self.nodes)}", ["--address", self.address], resources)
 
     def _start(
-        self, name: str, role: list[str], resources: dict[str, float] | None = None
+        self,
+        name: str,
+        role: list[str],
+        resources: dict[str, float] | None = None,
+        cpus: float = 1,
     ) -> RayNode:
         if resources:
             role = [*role, "--resources", json.dumps(resources)]
@@ -131,7 +178,7 @@ class RayNodes:
                  "--dashboard-agent-listen-port", "--dashboard-agent-grpc-port",
                  "--runtime-env-agent-port"]  # fmt: skip
         command = [
-            RAY, "start", "--block", *role, "--num-cpus", "1",
+            RAY, "start", "--block", *role, "--num-cpus", f"{cpus:g}",
             "--object-store-memory", str(OBJECT_STORE), "--temp-dir", str(self.directory / name),
             "--include-log-monitor", "false", "--disable-usage-stats",
             *(arg for flag in ports for arg in (flag, str(free_port()))),
@@ -140,7 +187,8 @@ class RayNodes:
         with open(log_path, "wb") as log:  # the child has its own copy
             proc = subprocess.Popen(
                 command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                env={**os.environ, **self.environment, **HEALTH, "RAY_USAGE_STATS_ENABLED": "0"},
+                env={**os.environ, **self.environment, **HEALTH, **self.autoscaling,
+                     "RAY_USAGE_STATS_ENABLED": "0"},
                 start_new_session=True,
             )  # fmt: skip
         node = RayNode(name, proc, log_path)

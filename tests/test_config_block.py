@@ -117,7 +117,8 @@ def _every_option(tmp_path: Path, ray: bool) -> dict[str, object]:
     }  # fmt: skip
     if ray:
         block.update(worker_placement="ray", worker_cpus=0.5,
-                     worker_resources='{"sandbox": 1}', worker_strategy="default")  # fmt: skip
+                     worker_resources='{"sandbox": 1}', worker_strategy="default",
+                     placement_wait=90.0, local_workers=1)  # fmt: skip
     else:
         block["preload"] = True
     return block

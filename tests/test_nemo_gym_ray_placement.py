@@ -12,10 +12,12 @@ connection without the link key; a checkpoint whose restore moves sessions betwe
 to the other node), a rolling restart (a gated episode handed to its replacement) and a
 resize; NeMo Gym's own counter with every reward right; the second node killed mid-load
 (its sessions 410 with the reason, the others untouched, a replacement started on the
-node left); and a stop that leaves no actor alive. A placed worker is lost only when it
-is gone: not for a flood of strangers' silent connections at its port, nor for a handler
-that blocks its loop past the handshake's limit. A stop goes through no Ray actor (one
-second, with every actor frozen), and a gym-proxy killed with -9 leaves nothing behind.
+node left); and a stop that leaves no actor alive. One server of a local worker and
+placed ones (`--local-workers`): a rebalance, a checkpoint and its restore across the
+mix. A placed worker is lost only when it is gone: not for a flood of strangers' silent
+connections at its port, nor for a handler that blocks its loop past the handshake's
+limit. A stop goes through no Ray actor (one second, with every actor frozen), and a
+gym-proxy killed with -9 leaves nothing behind.
 In the NeMo Gym tier: Ray is installed by tests/nemo_gym/install.sh."""
 
 from __future__ import annotations
@@ -68,9 +70,11 @@ from tests.test_episode_handover import (  # noqa: E402
     until_step,
 )
 from tests.test_live_operations import TOKEN_HEADER, count, operate, seed, status_of  # noqa: E402
+from tests.test_metrics import metrics_url  # noqa: E402
 from tests.test_nemo_gym_counter import COUNTER, counter_env, nemo_http  # noqa: E402
 from tests.test_proxy_adoption import Load, counts_and_pids  # noqa: E402
 from tests.test_proxy_adoption import seed as seed_sessions  # noqa: E402
+from tests.test_rebalance import metric, sessions_by_slot, stalling  # noqa: E402
 
 pytestmark = pytest.mark.timeout(420)
 
@@ -641,16 +645,23 @@ async def test_gym_proxy_and_its_driver_both_killed_leave_no_actor(start_proxy, 
     wait_until_sync(lambda: not cluster.alive_actors(), 60, "the orphaned actors to end")
 
 
-async def test_the_same_command_started_again_adopts_the_placed_workers(start_proxy, cluster):
+@pytest.mark.parametrize("local", [0, 1], ids=["placed", "mixed"])
+async def test_the_same_command_started_again_adopts_the_placed_workers(
+    start_proxy, cluster, local
+):
     """kill -9 of gym-proxy with workers on both nodes: its driver leaves their actors
     (detached, named by gym-proxy's runtime directory) for the orphan grace, the workers
     keep their sessions; the same command started again finds the actors, links to the
     workers and adopts them: the same actors (by ID) and processes, every session's count
-    exact, new sessions served; a stop then leaves no actor."""
-    grace = ("--orphan-grace", "60")
-    first = placed(start_proxy, cluster, *grace, app="tests.apps:create_app")
+    exact, new sessions served; a stop then leaves no actor. Mixed (`--local-workers 1`):
+    the local worker rejoins on the coordinator socket beside the placed ones found."""
+    grace = ("--orphan-grace", "60", "--local-workers", str(local))
+    first = placed(start_proxy, cluster, *grace, app="tests.apps:create_app", workers=2 + local)
     async with jar() as http:
-        await on_both_nodes(http, first.url, cluster)
+        where = {w["slot"]: w["node"] for w in await workers_of(http, first.url)}
+        ids = cluster.node_ids()
+        assert sorted(ids[where[s]] for s in range(local, 2 + local)) == ["head", "second"]
+        assert all(where[s] == "local" for s in range(local)), where
         tokens = [await seed(http, first.url) for _ in range(30)]
         for i, token in enumerate(tokens):
             assert await increment(http, first.url, token, i) == 200
@@ -664,8 +675,12 @@ async def test_the_same_command_started_again_adopts_the_placed_workers(start_pr
     driver.wait(30)  # it ends, leaving the actors to a successor
     assert "leaving the workers' actors to the gym-proxy that adopts" in first.log()
     assert {a["actor_id"] for a in cluster.alive_actors()} == actors
-    second = placed(start_proxy, cluster, *grace, app="tests.apps:create_app", same_as=first)
-    assert "adopted 2 workers of the dead instance" in second.log(), second.log()[-3000:]
+    second = placed(
+        start_proxy, cluster, *grace, app="tests.apps:create_app", workers=2 + local,
+        same_as=first,
+    )  # fmt: skip
+    adopted = f"adopted {2 + local} workers of the dead instance"
+    assert adopted in second.log(), second.log()[-3000:]
     async with jar() as http:
         after = sorted(
             (w["slot"], w["owner"], w["pid"]) for w in await workers_of(http, second.url)
@@ -789,3 +804,57 @@ async def test_a_node_killed_mid_load_and_a_stop_that_leaves_no_actor(start_prox
     assert await asyncio.to_thread(cluster.alive_actors) == []
     for link in links:  # closed with its worker: nothing listens there any more
         assert nothing_listens(link), link
+
+
+async def test_local_and_placed_workers_in_one_server_rebalance_checkpoint_and_restore(
+    start_proxy, cluster, tmp_path
+):
+    """Issue 55, item 3: `--local-workers 1` with placement: slot 0 a process of this
+    machine, the others placed on the cluster. The local worker stalls: its idle sessions
+    move to the placed one (a rebalance across the mix), its busy one stays, every count
+    exact. A checkpoint of the mix restores into a mix of another size (one local, two
+    placed: one on each node), every count exact, and a resize removes a placed worker."""
+    proxy = placed(
+        start_proxy, cluster, "--local-workers", "1", "--rebalance", "--stall-threshold", "0.5",
+        "--metrics", "127.0.0.1:0", app="tests.apps:create_app",
+    )  # fmt: skip
+    async with jar() as http:
+        where = {w["slot"]: w["node"] for w in await workers_of(http, proxy.url)}
+        assert where[0] == "local" and where[1] in cluster.node_ids(), where
+        mine, others = await sessions_by_slot(http, proxy.url, 5)
+        tokens = mine + others
+        for i, token in enumerate(tokens):
+            assert await increment(http, proxy.url, token, i) == 200
+        heavy, *light = mine
+        moved = 'gym_proxy_rebalance_sessions_moved_total{reason="stalled"}'
+        async with stalling(http, proxy.url, heavy):  # the local worker's loop blocked
+
+            async def shed() -> bool:
+                return await metric(http, metrics_url(proxy), moved) == len(light)
+
+            await wait_until(shed, 60, "the local worker's idle sessions to move to the placed one")
+        assert [(await whoami(http, proxy.url, t))["slot"] for t in light] == [1] * len(light)
+        assert (await whoami(http, proxy.url, heavy))["slot"] == 0
+        for i, token in enumerate(tokens):
+            assert await count(http, proxy.url, token) == i
+        await Control(http, proxy.url).checkpoint("ck-mix", str(tmp_path))
+        proxy.close_process()
+        wait_until_sync(lambda: not cluster.alive_actors(), 60, "the first server's actors to end")
+
+        second = placed(
+            start_proxy, cluster, "--local-workers", "1", app="tests.apps:create_app", workers=3
+        )
+        nodes = {w["slot"]: w["node"] for w in await workers_of(http, second.url)}
+        assert nodes[0] == "local", nodes
+        assert sorted(cluster.node_ids()[nodes[s]] for s in (1, 2)) == ["head", "second"], nodes
+        control = Control(http, second.url)
+        await control.ok("restore", checkpoint_id="r", checkpoint_dir=str(tmp_path), episode_ids=[])
+        await control.ok("resume", checkpoint_id="r")
+        for i, token in enumerate(tokens):
+            assert await count(http, second.url, token) == i
+        status, reply = await operate(http, second.url, "resize", workers=2)
+        assert status == 200 and reply["complete"], reply
+        nodes = {w["slot"]: w["node"] for w in await workers_of(http, second.url)}
+        assert set(nodes) == {0, 1} and nodes[0] == "local", nodes
+        for i, token in enumerate(tokens):
+            assert await count(http, second.url, token) == i

@@ -39,7 +39,7 @@ from gym_proxy.proxy.ray_cluster.lines import (
     Spawn,
     WorkerStarted,
 )
-from gym_proxy.proxy.ray_cluster.placement import requests
+from gym_proxy.proxy.ray_cluster.placement import most_room, requests
 from gym_proxy.proxy.ray_cluster.remote_workers import RayLauncher, RemoteWorker
 from tests.support import REPO, wait_until
 
@@ -266,6 +266,67 @@ async def test_a_unix_socket_outside_the_runtime_directory_is_refused_and_its_wo
         await wait_until(lambda: kills.exists() and kills.read_text() == "1\n", 10, "the kill")
     finally:
         await launcher.close()
+
+
+# Leaves every spawn pending (an actor that does not fit yet: Ray's autoscaler has not
+# added its node), and writes each spawn and kill it is asked for to GYM_TEST_KILLS.
+PENDING_DRIVER = """
+import os, sys
+from gym_proxy.coordinator.contract.lines import encode_line, expect
+from gym_proxy.proxy.ray_cluster.lines import PLACEMENT, DriverReady, PlacementSpec
+from gym_proxy.proxy.ray_cluster.placement import requests
+spec = expect(sys.argv[2].encode(), PLACEMENT, "the launcher", PlacementSpec)
+sys.stdout.buffer.write(encode_line(DriverReady(1, 0)))
+sys.stdout.buffer.flush()
+for request in requests(sys.stdin.buffer):
+    with open(os.environ["GYM_TEST_KILLS"], "a") as kills:
+        kills.write(f"{request.TYPE} {request.key}\\n")
+"""
+
+
+async def test_a_worker_that_finds_no_room_waits_placement_wait_then_its_actor_is_killed(
+    short_tmp, caplog
+):
+    """A worker that does not fit yet waits for the cluster to grow, `--placement-wait`
+    at most (said once it has waited): then the spawn fails naming what it needed and
+    the wait, and its pending actor is killed, so that a node added later starts nothing.
+    A spawn cancelled while it waits (an autoscale grow giving way) kills it too."""
+    kills = short_tmp / "kills"
+    launcher = RayLauncher(SPEC, b"k" * 32, driver=(*PYTHON, "-c", PENDING_DRIVER),
+                           placement_wait=0.5)  # fmt: skip
+    await launcher.open(Launch({"GYM_TEST_KILLS": str(kills)}, "127.0.0.1:1", _never_called))
+    try:
+        with caplog.at_level(logging.WARNING, "gym_proxy.supervisor"):
+            with pytest.raises(OSError) as failed:
+                await asyncio.wait_for(launcher.spawn(["--slot=0"]), 30)
+        assert str(failed.value) == (
+            "no room on the Ray cluster for a worker of {CPU 1, sandbox 1} within 0.5 s "
+            "(--placement-wait): the cluster did not grow"
+        )
+        assert "a worker of {CPU 1, sandbox 1} waits for room on the Ray cluster" in caplog.text
+        asked = ["spawn 1", "kill 1"]
+        await wait_until(lambda: kills.read_text().splitlines() == asked, 10, "the kill")
+        spawn = asyncio.ensure_future(launcher.spawn(["--slot=1"]))
+        asked.append("spawn 2")
+        await wait_until(lambda: kills.read_text().splitlines() == asked, 10, "the spawn")
+        spawn.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await spawn
+        asked.append("kill 2")
+        await wait_until(lambda: kills.read_text().splitlines() == asked, 10, "the second kill")
+    finally:
+        await launcher.close()
+
+
+@pytest.mark.parametrize(
+    ("bound", "room"),
+    [(None, -1), ({}, -1), ({"CPU": 7.0, "sandbox": 2.0}, 2), ({"CPU": 7.0}, 0),
+     ({"CPU": 0.5, "sandbox": 9.0}, 0)],
+)  # fmt: skip
+def test_the_room_the_cluster_may_grow_to_is_its_reported_bound_s(bound, room):
+    """What Ray's autoscaler reports it may grow the cluster to (v2, KubeRay), in workers
+    of {CPU 1, sandbox 1}; -1 when it reports none (v1, a fixed cluster)."""
+    assert most_room(bound, {"CPU": 1.0, "sandbox": 1.0}) == room
 
 
 @pytest.mark.parametrize(

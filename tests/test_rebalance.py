@@ -8,7 +8,9 @@ and none runs while it is open."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
+from collections.abc import AsyncIterator
 
 import aiohttp
 import pytest
@@ -37,6 +39,27 @@ async def sessions_by_slot(
         token = await seed(http, url)
         (mine if (await whoami(http, url, token))["slot"] == on else others).append(token)
     return mine, others
+
+
+@contextlib.asynccontextmanager
+async def stalling(http: aiohttp.ClientSession, url: str, token: str) -> AsyncIterator[None]:
+    """While inside: the loop of `token`'s worker blocked 1.5 s at a time (`/block`), a
+    few ms free between; every block answered 200."""
+    stop = asyncio.Event()
+
+    async def stall() -> None:
+        while not stop.is_set():
+            async with http.get(
+                f"{url}/block?seconds=1.5", headers={TOKEN_HEADER: token}
+            ) as response:
+                assert response.status == 200
+
+    staller = asyncio.ensure_future(stall())
+    try:
+        yield
+    finally:
+        stop.set()
+        await staller
 
 
 async def metric(http: aiohttp.ClientSession, url: str, name: str) -> float:
@@ -109,19 +132,9 @@ async def test_a_stalled_worker_gets_no_new_sessions_and_sheds_its_idle_ones(sta
     for i, token in enumerate(light):
         await increment(http, proxy.url, token, i)
     heavy, *light = light
-    stop = asyncio.Event()
-
-    async def stall() -> None:  # its loop blocked 1.5 s at a time, a few ms free between
-        while not stop.is_set():
-            async with http.get(
-                f"{proxy.url}/block?seconds=1.5", headers={TOKEN_HEADER: heavy}
-            ) as response:
-                assert response.status == 200
-
     owner = (await whoami(http, proxy.url, heavy))["owner"]
     flag = f'gym_proxy_worker_stalled{{owner="{owner}",slot="0"}}'
-    staller = asyncio.ensure_future(stall())
-    try:
+    async with stalling(http, proxy.url, heavy):
 
         async def stalled() -> bool:
             return await metric(http, metrics_url(proxy), flag) == 1
@@ -136,9 +149,6 @@ async def test_a_stalled_worker_gets_no_new_sessions_and_sheds_its_idle_ones(sta
             return await metric(http, metrics_url(proxy), moved) == len(light)
 
         await wait_until(shed, 30, "the stalled worker's idle sessions to move")
-    finally:
-        stop.set()
-        await staller
     assert [(await whoami(http, proxy.url, t))["slot"] for t in light] == [1] * len(light)
     assert [await count(http, proxy.url, t) for t in light] == [1, 2, 3, 4]
     assert (await whoami(http, proxy.url, heavy))["slot"] == 0

@@ -19,9 +19,9 @@ import pytest
 
 from gym_proxy.proxy.metrics.status_page import _hide_sessions
 from tests.support import CONTROL_TOKEN, Control, wait_until
-from tests.test_live_operations import TOKEN_HEADER, count, whoami
+from tests.test_live_operations import count, whoami
 from tests.test_metrics import metrics_url
-from tests.test_rebalance import increment, sessions_by_slot
+from tests.test_rebalance import increment, sessions_by_slot, stalling
 
 CHROMIUM = shutil.which("chromium")
 APP = "tests.apps:create_app"
@@ -62,19 +62,9 @@ async def test_the_status_page_shows_a_stalled_worker_and_its_rebalance(
     heavy, *light = light
     for token in light:
         await increment(http, proxy.url, token, 1)
-    stop = asyncio.Event()
-
-    async def stall() -> None:
-        while not stop.is_set():
-            async with http.get(
-                f"{proxy.url}/block?seconds=1.5", headers={TOKEN_HEADER: heavy}
-            ) as response:
-                assert response.status == 200
-
-    staller = asyncio.ensure_future(stall())
     control = Control(http, proxy.url)
     ids = {(await whoami(http, proxy.url, t))["session_id"] for t in light}
-    try:
+    async with stalling(http, proxy.url, heavy):
 
         async def moved() -> bool:
             recent = (await control.ok("status"))["rebalance"]["recent"]
@@ -92,9 +82,6 @@ async def test_the_status_page_shows_a_stalled_worker_and_its_rebalance(
         # GYM_PROXY_STATUS_SHOT=docs/status_page.png refreshes the docs' screenshot.
         shot = Path(os.environ.get("GYM_PROXY_STATUS_SHOT") or tmp_path / "status.png")
         dom = await asyncio.to_thread(chromium_dom, url, shot)
-    finally:
-        stop.set()
-        await staller
     drawn = await asyncio.to_thread(lambda: shot.stat().st_size)
     assert drawn > 10_000  # a page was drawn (docs/status_page.png is one)
     rows = re.findall(r'<tr class="([a-z]*)" data-slot="(\d)">(.*?)</tr>', dom)

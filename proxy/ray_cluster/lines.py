@@ -107,7 +107,8 @@ class PlacementSpec(Message):
     (`cpus`, `resources` beyond them, GPU among them), Ray's scheduling strategy, the
     runtime directory the driver removes should gym-proxy die, and `keep_for`, the
     workers' orphan grace: with one, a gym-proxy that dies leaves its workers' actors to a
-    successor (the same command again), which finds them by the directory's name."""
+    successor (the same command again), which finds them by the directory's name.
+    `most_workers`: the most it may be resized to (--max-workers; 0: `workers`)."""
 
     workers: int
     cpus: float
@@ -116,6 +117,7 @@ class PlacementSpec(Message):
     instance: str
     runtime_dir: str
     keep_for: float = 0.0
+    most_workers: int = 0
 
 
 @message("spawn", PLACEMENT)
@@ -165,10 +167,13 @@ class KillWorker(Message):
 
 @message("ready", PLACEMENT)
 class DriverReady(Message):
-    """Driver -> launcher: it joined the cluster, whose `nodes` have `room` for workers."""
+    """Driver -> launcher: it joined the cluster, whose `nodes` have `room` for workers
+    now, and room for `most` once Ray's autoscaler has grown it to the bound it reports
+    (-1: it reports none, as a fixed cluster or autoscaler v1 do)."""
 
     nodes: int
     room: int
+    most: int = -1
 
 
 @message("failed", PLACEMENT)

@@ -16,8 +16,10 @@ seconds after its worker exited ends itself (`worker_host.RayWorkerHost`): gym-p
 its driver both gone leave no actor.
 
 - At start it checks that the cluster's nodes have room for the workers asked (SPEC, a
-  `PlacementSpec`, by each node's total, as Ray schedules them), and says `ready`, or
-  `failed` (one line) and exits 1.
+  `PlacementSpec`, by each node's total, as Ray schedules them), now or once Ray's
+  autoscaler has grown it to the bound it reports, and says `ready`, or `failed` (one
+  line) and exits 1. A worker that does not fit yet waits, its actor pending, for the
+  autoscaler to add a node (the launcher bounds the wait, `--placement-wait`).
 - `spawn`: a `RayWorkerHost` actor with the resources asked and the strategy (SPREAD
   unless the config says DEFAULT), which starts the worker on its node; answers `started`
   (its pid, port and node) or `not_started` (`lost`: its actor died first, its node
@@ -73,7 +75,7 @@ from gym_proxy.proxy.ray_cluster.lines import (
 )
 from gym_proxy.proxy.runtime_dir import remove_abandoned
 
-__all__ = ["main", "room_for", "requests"]
+__all__ = ["main", "most_room", "room_for", "requests"]
 
 NAMESPACE = "gym-proxy"
 STOP_WAIT = 10.0  # seconds the actors get to be dead at the end
@@ -102,6 +104,25 @@ def room_for(nodes: list[dict[str, Any]], need: dict[str, float]) -> int:
         fits = [int(total.get(name, 0.0) // amount) for name, amount in need.items() if amount > 0]
         room += min(fits) if fits else 1 << 30
     return room
+
+
+def most_room(bound: dict[str, float] | None, need: dict[str, float]) -> int:
+    """How many workers needing `need` each fit in `bound`, the resources Ray's autoscaler
+    reports it may grow the cluster to; -1 when it reports none."""
+    if not bound:
+        return -1
+    fits = [int(bound.get(name, 0.0) // amount) for name, amount in need.items() if amount > 0]
+    return min(fits) if fits else 1 << 30
+
+
+def _reported_bound(ray: Any) -> dict[str, float] | None:
+    """The autoscaler's bound, as Ray Train v2 reads it before it waits for its workers
+    (autoscaler v2 and KubeRay report one; v1 and a fixed cluster do not)."""
+    try:
+        bound = ray._private.state.state.get_max_resources_from_cluster_config()
+    except Exception:  # a private call: another Ray may not have it
+        return None
+    return {str(k): float(v) for k, v in bound.items()} if bound else None
 
 
 class _Stop(Exception):
@@ -298,16 +319,24 @@ def _serve(out: _Out, address: str, spec: PlacementSpec) -> int:
     placement = _Placement(out, spec)
     nodes = [n for n in ray.nodes() if n.get("Alive")]
     room = room_for(nodes, placement.need)
-    if room < spec.workers:
+    most = most_room(_reported_bound(ray), placement.need)
+    most = max(most, room) if most >= 0 else most
+    if room < spec.workers and most < spec.workers:
         asked = ", ".join(f"{k} {v:g}" for k, v in placement.need.items())
+        grows = (
+            f"it grows to room for {most} at most"
+            if most >= 0
+            else "it reports no bound it may grow to (start with what fits; workers started "
+            "later wait for it to grow, --placement-wait)"
+        )
         out.say(
             DriverFailed(
                 f"the Ray cluster at {address} has room for {room} workers of {{{asked}}} "
-                f"on its {len(nodes)} nodes; {spec.workers} were asked"
+                f"on its {len(nodes)} nodes; {spec.workers} were asked, and {grows}"
             )
         )
         return FAILED
-    out.say(DriverReady(len(nodes), room))
+    out.say(DriverReady(len(nodes), room, most))
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # again: whatever Ray set at its init
     if _serve_requests(placement) or not spec.keep_for:

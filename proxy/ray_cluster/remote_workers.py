@@ -108,6 +108,8 @@ DRIVER_COMMAND = (sys.executable, "-P", "-m", "gym_proxy.proxy.ray_cluster.place
 # placed again this long: Ray takes up to ~30 s by default to declare a silent node dead.
 PLACE_AGAIN_FOR = 60.0
 PLACE_AGAIN_PAUSE = 1.0
+PLACEMENT_WAIT = 300.0  # seconds a worker that does not fit yet waits for the cluster to grow
+PENDING_SAY = 30.0  # after this, a worker still waiting for room is said (Ray Serve's 30 s)
 # A link that did not prove itself is dialed again after this pause, doubled each time
 # up to DIAL_AGAIN_MAX: at once would add to a flood at the worker's port.
 DIAL_AGAIN_FIRST = 0.01
@@ -246,10 +248,14 @@ class RayLauncher:
         key: bytes,
         boot_timeout: float = START_WAIT,
         driver: tuple[str, ...] = DRIVER_COMMAND,
+        placement_wait: float = PLACEMENT_WAIT,
     ) -> None:
         """`boot_timeout`: how long a worker may take to build its app and open its link;
-        `driver`: the driver's command (tests start a stand-in that speaks its lines)."""
+        `driver`: the driver's command (tests start a stand-in that speaks its lines);
+        `placement_wait`: how long a worker that does not fit yet waits for the cluster
+        to grow."""
         self.boot_timeout = boot_timeout
+        self.wait_for_room = placement_wait
         self.spec = spec
         self.key = key
         self._driver_command = driver
@@ -272,10 +278,25 @@ class RayLauncher:
             raise RayError("placing workers on Ray needs the cluster's address and a channel")
         self._launch = launch
         said = await self._start_driver()
+        grows = f"{said.most} once grown" if said.most >= 0 else "no bound it reports"
         log.info(
-            "Ray placement: %s workers of %s CPU each on a cluster of %s nodes with room for %s",
-            self.spec.workers, self.spec.cpus, said.nodes, said.room,
+            "Ray placement: %s workers of {%s} each on a cluster of %s nodes with room for %s "
+            "now (%s)", self.spec.workers, self.need, said.nodes, said.room, grows,
         )  # fmt: skip
+        most = self.spec.most_workers or self.spec.workers
+        if 0 <= said.most < most:
+            log.warning(
+                "the Ray cluster grows to room for %d workers of {%s} at most: a resize past "
+                "that waits %g s (--placement-wait) and stops there", said.most, self.need,
+                self.wait_for_room,
+            )  # fmt: skip
+        self._reader = asyncio.ensure_future(self._read())
+
+    @property
+    def need(self) -> str:
+        """What each worker asks of Ray, as the driver's lines name it."""
+        need = {"CPU": self.spec.cpus, **self.spec.resources}
+        return ", ".join(f"{k} {v:g}" for k, v in need.items())
         self._reader = asyncio.ensure_future(self._read())
 
     async def _start_driver(self) -> DriverReady:
@@ -317,7 +338,7 @@ class RayLauncher:
             starting = self._starting[key] = asyncio.get_running_loop().create_future()
             self.send(Spawn(key, argv, env, os.getcwd()))
             try:
-                started = await starting
+                started = await self._placed(key, starting)
                 break
             except ActorLost as exc:
                 # Placed on a node that died before Ray knew: Ray places it again.
@@ -337,6 +358,36 @@ class RayLauncher:
         )  # fmt: skip
         self.track(self._dial_channel(worker))
         return worker
+
+    async def _placed(self, key: int, starting: asyncio.Future[WorkerStarted]) -> WorkerStarted:
+        """The worker `key` started; while its actor waits for room (Ray's autoscaler
+        adding a node), one warning after PENDING_SAY, and OSError past --placement-wait.
+        Given up or cancelled (an autoscale grow giving way), its pending actor is killed,
+        so that a node added for it later starts nothing."""
+        said = min(PENDING_SAY, self.wait_for_room)
+        try:
+            try:
+                return await asyncio.wait_for(asyncio.shield(starting), said)
+            except TimeoutError:
+                log.warning(
+                    "a worker of {%s} waits for room on the Ray cluster (%g s so far; Ray's "
+                    "autoscaler adds a node for it if the cluster may grow; given up after "
+                    "%g s, --placement-wait)", self.need, said, self.wait_for_room,
+                )  # fmt: skip
+            try:
+                return await asyncio.wait_for(
+                    asyncio.shield(starting), max(0.0, self.wait_for_room - said)
+                )
+            except TimeoutError:
+                raise OSError(
+                    f"no room on the Ray cluster for a worker of {{{self.need}}} within "
+                    f"{self.wait_for_room:g} s (--placement-wait): the cluster did not grow"
+                ) from None
+        except BaseException:
+            if not starting.done() or starting.exception() is None:
+                with contextlib.suppress(OSError):  # no driver: its actors go with it
+                    self.send(KillWorker(key))
+            raise
 
     def track(self, coro: Coroutine[Any, Any, None]) -> None:
         """Run `coro` as a task of the launcher's, cancelled when it closes."""

@@ -107,6 +107,17 @@ class Adoption:
             ", ".join(str(w.pid) for w in adopted) or "none",
         )
 
+    def expect(self, more: int) -> None:
+        """`more` of the predecessor's workers were found (placed ones, by the launcher):
+        the window waits for them too, even if every worker expected so far (local ones,
+        which rejoin on their own) is back already."""
+        self.orphans += more
+        if self._adopted() < self.orphans:
+            self._all_back.clear()
+
+    def _adopted(self) -> int:
+        return sum(1 for s in self.supervisor.slots if s.worker is not None)
+
     def admit(self, registration: Register) -> WorkerProcess:
         """A predecessor's worker rejoins: it takes its slot, as it was."""
         if not self.open:
@@ -146,7 +157,7 @@ class Adoption:
             len(registration.held),
         )
         self.supervisor.watch(worker)
-        if sum(1 for s in slots if s.worker is not None) >= self.orphans:
+        if self._adopted() >= self.orphans:
             self._all_back.set()  # every worker found listening is back
         return worker
 

@@ -103,7 +103,9 @@ class Supervisor:
         self.reconcile()
         waiter = asyncio.ensure_future(self._registered.wait())
         either: set[asyncio.Future[Any]] = {waiter, self.fatal}
-        timeout = self.config.boot_timeout or None
+        # A placed worker may first wait for the cluster to grow (--placement-wait).
+        boot = self.config.boot_timeout
+        timeout = boot + self.config.room_wait if boot else None
         try:
             done, _ = await asyncio.wait(
                 either, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
@@ -113,7 +115,7 @@ class Supervisor:
         if self.fatal.done():
             self.fatal.result()
         if not done:
-            raise WorkerBootError(f"workers did not register within {self.config.boot_timeout:g} s")
+            raise WorkerBootError(f"workers did not register within {timeout:g} s")
 
     def reconcile(self) -> None:
         """Spawn every slot that has no worker and whose backoff has passed."""
@@ -135,9 +137,12 @@ class Supervisor:
                 max(0.0, next_due - now), self.reconcile
             )
 
-    async def _spawn(self, slot_index: int, successor: bool = False) -> WorkerProcess | None:
+    async def _spawn(
+        self, slot_index: int, successor: bool = False, awaited: bool = False
+    ) -> WorkerProcess | None:
         """Start a worker process for the slot: its worker, or (`successor`) the one an
-        operation will put in its place. None when no process could start."""
+        operation will put in its place. None when no process could start; `awaited`
+        (an operation waits for it): WorkerBootError saying why, raised."""
         owner = self._owners.pop(0) if self._owners else new_owner_id()
         socket_path = os.path.join(self.runtime_dir, f"w{slot_index}-{owner}.sock")
         # Reserved before the first await, so that reconcile never spawns it twice.
@@ -156,6 +161,8 @@ class Supervisor:
         except OSError as exc:
             self.slots.vacate(placeholder)
             error = WorkerBootError(f"cannot start a worker process: {exc}")
+            if awaited:
+                raise error from None
             if placeholder.on_trial:
                 placeholder.registered.set_exception(error)
             else:
@@ -298,7 +305,7 @@ class Supervisor:
         """Start a replacement for the slot's worker and wait until it registers (it
         takes new sessions from then on); WorkerBootError, after killing it, when it
         cannot boot in `within` seconds."""
-        worker = await self._spawn(slot_index, successor=True)
+        worker = await self._spawn(slot_index, successor=True, awaited=True)
         if worker is None:
             raise WorkerBootError(f"slot {slot_index}: the replacement did not start")
         return await self._registered_within(worker, within)
@@ -313,7 +320,7 @@ class Supervisor:
         worker: WorkerProcess | None = None
         try:
             try:
-                worker = await self._spawn(slot_index)
+                worker = await self._spawn(slot_index, awaited=True)
             finally:
                 self.slots.trial -= 1
             if worker is None:
