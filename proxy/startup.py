@@ -175,7 +175,7 @@ def _the_app(config: Config) -> tuple[Config, WorkerPlan]:
             plan = replace(plan, ray=cluster_plan())
     except (AppLoadError, ConfigError, NemoGymConfigError) as exc:
         usage_error(str(exc))
-    if plan.ray is not None and importlib.util.find_spec("ray") is None:
+    if plan.ray is not None and not _has_ray():
         what = "--worker-placement ray" if config.worker_placement == "ray" else "the app"
         print(
             f"gym-proxy: error: {what} needs Ray, which this Python does not have "
@@ -184,6 +184,14 @@ def _the_app(config: Config) -> tuple[Config, WorkerPlan]:
         )
         sys.exit(RAY_ERROR)
     return config, plan
+
+
+def _has_ray() -> bool:
+    """Whether Ray imports as gym-proxy's Ray processes import it (`python -P`): a `ray`
+    directory in the working directory, such as Ray's own temp dir /tmp/ray, is a
+    namespace package to `find_spec`, not Ray."""
+    spec = importlib.util.find_spec("ray")
+    return spec is not None and spec.origin not in (None, "namespace")
 
 
 def _warn_about_secrets(config: Config, argv: Sequence[str]) -> None:

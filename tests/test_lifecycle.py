@@ -88,10 +88,10 @@ def tcp_listening(pid: int) -> set[str]:
     return found
 
 
-def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+def run_cli(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "gym_proxy", *args],
-        cwd=REPO,
+        cwd=cwd,
         text=True,
         capture_output=True,
         timeout=60,
@@ -109,6 +109,10 @@ def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
         (["gym_proxy.worker.counter"], "APP must look like module:attr"),
         (["--port", "70000"], "--port must be between 0 and 65535"),
         (["--no-such-flag"], "unrecognized arguments: --no-such-flag (see gym-proxy --help)"),
+        (["--wokers", "2"], "unrecognized arguments: --wokers; did you mean --workers? (see"),
+        (["--local-workers", "1"], "--local-workers needs --worker-placement ray"),
+        (["--worker-placement", "ray", "--local-workers", "3"], "--local-workers 3 must lie"),
+        (["--placement-wait", "5"], "--placement-wait needs --worker-placement ray"),
         (["--workers", "two"], "argument --workers: invalid int value: 'two' (see gym-proxy"),
         (["--worker-cpus", "2"], "--worker-cpus needs --worker-placement ray"),
         (["--worker-placement", "ray", "--preload"], "--preload does not work with --worker"),
@@ -132,8 +136,18 @@ def test_bad_flags_exit_with_one_line(args, message, short_tmp):
 
 
 @pytest.mark.skipif(importlib.util.find_spec("ray") is not None, reason="Ray is installed")
-def test_placing_workers_on_ray_without_ray_is_one_line_and_status_5(short_tmp):
-    result = run_cli("--worker-placement", "ray", "--runtime-dir", str(short_tmp))
+@pytest.mark.parametrize("where", ["repo", "with a ray directory"])
+def test_placing_workers_on_ray_without_ray_is_one_line_and_status_5(short_tmp, tmp_path, where):
+    """Also where the working directory has a `ray` directory (Ray's own temp dir is
+    /tmp/ray): a namespace package is not Ray."""
+    cwd = REPO
+    if where != "repo":
+        (tmp_path / "ray").mkdir()
+        cwd = tmp_path
+    result = run_cli(
+        "gym_proxy.worker.counter:create_app", "--worker-placement", "ray", "--runtime-dir",
+        str(short_tmp), cwd=cwd,
+    )  # fmt: skip
     assert result.returncode == 5
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "needs Ray" in lines[0], result.stderr

@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
 # The NeMo Gym quick start: NeMo Gym's own stack with its counter under gym-proxy.
 #
-#   bash docs/examples/nemo_gym/quickstart.sh        (from a clone of gym-proxy)
+#   bash docs/examples/nemo_gym/quickstart.sh [OVERRIDE ...]   (from a clone of gym-proxy)
+#
+# Each OVERRIDE is a NeMo Gym config override (Hydra's syntax) added to the launcher's
+# and the rollout collection's, e.g.
+# ++counter.resources_servers.example_session_state_mgmt.gym_proxy.workers=4.
 #
 # 1. installs NeMo Gym 0.7.0, Ray and gym-proxy into .venv313 (install.sh here), unless
 #    that venv exists (QUICKSTART_VENV names another);
@@ -69,6 +73,7 @@ settings=(
     "++$counter.secret_file=$work/secret"
     "++$counter.control_token_file=$work/control-token"
     "++$counter.runtime_dir=$work"
+    "$@"
 )
 # A failure: gym-proxy's own lines first (each says what is wrong in one line), then the
 # end of the log, where NeMo Gym's traceback of the same failure is.
