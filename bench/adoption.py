@@ -1,6 +1,6 @@
 """When gym-proxy dies: from the kill to serving again, its workers adopted.
 
-    python bench/adoption.py [--sessions 1000 10000] [--workers 4]
+    python bench/adoption.py [--sessions 1000 10000] [--workers 4] [--placement local ray]
 
 gym-proxy with the routing bench's counter (`asgi_counter.py`), `--workers 4` and
 `--orphan-grace`, holding `--sessions` sessions (each incremented once). gym-proxy alone
@@ -13,6 +13,13 @@ processes. Then, per size, a planned upgrade: the same command with `--take-over
 8 pooled clients that never retry (failed requests, p99 before and during, the seconds
 to the old process's exit, every count checked). Raw results go to
 bench/results/adoption-<date>.json.
+
+`--placement local ray` (Ray installed: the NeMo Gym tier's venv) measures the adoption
+again with the workers placed on a two-node Ray cluster started on this host
+(`tests/ray_nodes.py`), gym-proxy's driver on the head: the same command found the
+workers' actors by name and dialed each worker's channel through its gate. Whether the
+workers are the same processes is read from `status` (each worker's pid) before the kill
+and after, for both placements.
 """
 
 from __future__ import annotations
@@ -31,28 +38,40 @@ from pathlib import Path
 
 import aiohttp
 import orjson
-from servers import HERE, REPO, children, free_port
+from servers import HERE, REPO, free_port
+
+sys.path.insert(0, str(REPO))
 
 RESULTS = HERE / "results"
 TOKEN = "x-nemo-gym-session-token"
+CONTROL = "bench-control"
 
 
 class Server:
     """The same gym-proxy command, started again as often as asked."""
 
-    def __init__(self, workers: int, runtime: str, port: int) -> None:
+    def __init__(
+        self, workers: int, runtime: str, port: int, placed: dict[str, str] | None = None
+    ) -> None:
+        """`placed`: the environment that names a Ray cluster to place the workers on."""
         self.command = [
             sys.executable, "-m", "gym_proxy", "asgi_counter:app", "--app-dir", str(HERE),
             "--workers", str(workers), "--port", str(port), "--runtime-dir", runtime,
             "--log-level", "warning", "--secret", "bench", "--orphan-grace", "60",
+            "--control-token", CONTROL,
         ]  # fmt: skip
+        if placed is not None:
+            self.command += ["--worker-placement", "ray", "--worker-cpus", "0.1"]
+        self.env = {**os.environ, **(placed or {})}
         self.url = f"http://127.0.0.1:{port}"
         self.log = Path(runtime) / "proxy.log"
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> float:
         with open(self.log, "ab") as out:
-            self.proc = subprocess.Popen(self.command, cwd=REPO, stdout=out, stderr=out)
+            self.proc = subprocess.Popen(
+                self.command, cwd=REPO, stdout=out, stderr=out, env=self.env
+            )
         return time.monotonic()
 
     def kill(self) -> float:
@@ -103,30 +122,34 @@ async def each(url: str, tokens: list[str | None], expected: int) -> list[str]:
     return out
 
 
-def same_workers(proxy: int, pids: list[int]) -> bool:
-    """The new proxy started no worker, and the old ones still run."""
-    return children(proxy) == [] and all(Path(f"/proc/{p}").exists() for p in pids)
+async def worker_pids(url: str) -> list[int]:
+    """Each worker's pid, as `status` says it (a placed worker's is of its node)."""
+    headers = {"Authorization": f"Bearer {CONTROL}"}
+    async with aiohttp.ClientSession() as http:
+        async with http.get(f"{url}/ng-control/v1/checkpoint/status", headers=headers) as reply:
+            return sorted(w["pid"] for w in (await reply.json())["workers"])
 
 
-async def measure(sessions: int, workers: int) -> dict[str, object]:
+async def measure(
+    sessions: int, workers: int, placed: dict[str, str] | None = None
+) -> dict[str, object]:
     runtime = tempfile.mkdtemp(prefix="gpa-", dir="/tmp")
-    server = Server(workers, runtime, free_port())
+    server = Server(workers, runtime, free_port(), placed)
     try:
         started = server.start()
         await until_answered(server.url, None)
         cold = time.monotonic() - started
         tokens = await each(server.url, [None] * sessions, 1)
-        assert server.proc is not None
-        pids = sorted(p for p in children(server.proc.pid))
+        pids = await worker_pids(server.url)
         killed = server.kill()
         server.start()
         await until_answered(server.url, tokens[0])
         first = time.monotonic() - killed
         await each(server.url, tokens[1:], 2)
         every = time.monotonic() - killed
-        assert server.proc is not None
-        same = same_workers(server.proc.pid, pids)
-        return {"sessions": sessions, "cold_start_s": cold, "first_s": first, "all_s": every,
+        same = await worker_pids(server.url) == pids
+        return {"placement": "ray" if placed else "local", "sessions": sessions,
+                "cold_start_s": cold, "first_s": first, "all_s": every,
                 "same_workers": same}  # fmt: skip
     finally:
         server.stop()
@@ -173,7 +196,7 @@ async def upgrade(sessions: int, workers: int, clients: int = 8) -> dict[str, ob
         await asyncio.sleep(2.0)  # the steady window the p99 compares with (a measurement)
         old, began = server.proc, time.monotonic()
         assert old is not None
-        pids = children(old.pid)
+        pids = await worker_pids(server.url)
         server.command.append("--take-over")
         server.start()
         await asyncio.to_thread(old.wait)
@@ -189,7 +212,8 @@ async def upgrade(sessions: int, workers: int, clients: int = 8) -> dict[str, ob
             "sessions": sessions, "requests": len(done), "failed": failed,
             "old_exit_s": exited - began, "p99_steady_ms": 1000 * p99(steady),
             "p99_during_ms": 1000 * p99(during), "exact": counts == [sent[t] + 1 for t in tokens],
-            "same_workers": same_workers(server.proc.pid, pids), "old_exit_code": old.returncode,
+            "same_workers": await worker_pids(server.url) == pids,
+            "old_exit_code": old.returncode,
         }  # fmt: skip
     finally:
         server.stop()
@@ -207,22 +231,49 @@ async def each_count(url: str, tokens: list[str]) -> list[int]:
     return counts
 
 
+async def adoptions(opts: argparse.Namespace) -> list[dict[str, object]]:
+    rows = []
+    if "local" in opts.placement:
+        rows += [await measure(n, opts.workers) for n in opts.sessions]
+    if "ray" in opts.placement:
+        from tests.ray_nodes import RayNodes
+
+        nodes = RayNodes(Path(tempfile.mkdtemp(prefix="gar-", dir="/tmp")))
+        try:
+            head, second = nodes.start_head(), nodes.add_node()
+            nodes.wait_started(head, 120)
+            nodes.wait_started(second, 120)
+            placed = {**nodes.environment, "RAY_ADDRESS": nodes.address}
+            rows += [await measure(n, opts.workers, placed) for n in opts.sessions]
+        finally:
+            nodes.stop()
+    return rows
+
+
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sessions", type=int, nargs="+", default=[1000, 10000])
     parser.add_argument("--workers", type=int, default=4)
+    parser.add_argument("--placement", nargs="+", choices=("local", "ray"), default=["local"])
     opts = parser.parse_args()
-    rows = [await measure(n, opts.workers) for n in opts.sessions]
+    rows = await adoptions(opts)
+    local = {r["sessions"]: r for r in rows if r["placement"] == "local"}
     print(f"\n{opts.workers} workers, {os.cpu_count()} cores\n")
-    print("| sessions | cold start to serving s | kill to first session served s | vs cold start "
-          "| kill to every session served s | same worker processes |")  # fmt: skip
-    print("|---|---|---|---|---|---|")
+    print("| placement | sessions | cold start to serving s | kill to first session served s "
+          "| vs cold start | kill to every session served s | vs local | same worker "
+          "processes |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
+        base = local.get(r["sessions"])
+        ratio = f"{float(r['all_s']) / float(base['all_s']):.2f}x" if base else "-"  # type: ignore[arg-type]
         print(
-            f"| {r['sessions']:,} | {r['cold_start_s']:.2f} | {r['first_s']:.2f} "
+            f"| {r['placement']} | {r['sessions']:,} | {r['cold_start_s']:.2f} "
+            f"| {r['first_s']:.2f} "
             f"| {float(r['first_s']) / float(r['cold_start_s']):.2f}x | {r['all_s']:.2f} "  # type: ignore[arg-type]
-            f"| {'yes' if r['same_workers'] else 'no'} |"
+            f"| {ratio} | {'yes' if r['same_workers'] else 'no'} |"
         )
+    if "local" not in opts.placement:
+        return
     upgrades = [await upgrade(n, opts.workers) for n in opts.sessions]
     print("\nA take-over (`--take-over`) under 8 pooled clients that never retry:\n")
     print("| sessions | requests | failed | new process start to old exit s | p99 steady ms "

@@ -39,7 +39,7 @@ from gym_proxy.proxy.ray_cluster.lines import (
     Spawn,
     WorkerStarted,
 )
-from gym_proxy.proxy.ray_cluster.placement import most_room, requests
+from gym_proxy.proxy.ray_cluster.placement import most_room, requests, room_for
 from gym_proxy.proxy.ray_cluster.remote_workers import RayLauncher, RemoteWorker
 from tests.support import REPO, wait_until
 
@@ -327,6 +327,16 @@ def test_the_room_the_cluster_may_grow_to_is_its_reported_bound_s(bound, room):
     """What Ray's autoscaler reports it may grow the cluster to (v2, KubeRay), in workers
     of {CPU 1, sandbox 1}; -1 when it reports none (v1, a fixed cluster)."""
     assert most_room(bound, {"CPU": 1.0, "sandbox": 1.0}) == room
+
+
+@pytest.mark.parametrize(
+    ("cpus", "each", "room"), [(1.0, 0.1, 10), (3.0, 0.3, 10), (1.0, 0.7, 1), (2.0, 0.5, 4)]
+)
+def test_room_is_counted_in_ray_s_fixed_point_not_floats(cpus, each, room):
+    """1.0 // 0.1 is 9 in floats; Ray places 10 actors of 0.1 CPU on one CPU."""
+    node = {"Alive": True, "Resources": {"CPU": cpus}}
+    assert room_for([node], {"CPU": each}) == room
+    assert most_room({"CPU": cpus}, {"CPU": each}) == room
 
 
 @pytest.mark.parametrize(

@@ -77,6 +77,8 @@ from gym_proxy.proxy.runtime_dir import remove_abandoned
 
 __all__ = ["main", "most_room", "room_for", "requests"]
 
+RESOLUTION = 10_000  # Ray's fixed point for resource amounts
+
 NAMESPACE = "gym-proxy"
 STOP_WAIT = 10.0  # seconds the actors get to be dead at the end
 
@@ -101,9 +103,15 @@ def room_for(nodes: list[dict[str, Any]], need: dict[str, float]) -> int:
         if not node.get("Alive"):
             continue
         total = node.get("Resources", {})
-        fits = [int(total.get(name, 0.0) // amount) for name, amount in need.items() if amount > 0]
+        fits = [_fits(total.get(name, 0.0), amount) for name, amount in need.items() if amount > 0]
         room += min(fits) if fits else 1 << 30
     return room
+
+
+def _fits(total: float, amount: float) -> int:
+    """How many `amount`s `total` holds, in Ray's fixed point (1/10,000 of a unit):
+    1.0 // 0.1 is 9 in floats, and Ray places 10 actors of 0.1 CPU on one CPU."""
+    return round(total * RESOLUTION) // max(1, round(amount * RESOLUTION))
 
 
 def most_room(bound: dict[str, float] | None, need: dict[str, float]) -> int:
@@ -111,7 +119,7 @@ def most_room(bound: dict[str, float] | None, need: dict[str, float]) -> int:
     reports it may grow the cluster to; -1 when it reports none."""
     if not bound:
         return -1
-    fits = [int(bound.get(name, 0.0) // amount) for name, amount in need.items() if amount > 0]
+    fits = [_fits(bound.get(name, 0.0), amount) for name, amount in need.items() if amount > 0]
     return min(fits) if fits else 1 << 30
 
 
