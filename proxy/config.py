@@ -743,12 +743,6 @@ class Config:
     def _validate_placement(self) -> None:
         if self.worker_placement != "ray":
             return
-        # What a worker on another node cannot do yet: each says why (docs/ray.md).
-        if self.preload:
-            raise ConfigError(
-                "--preload does not work with --worker-placement ray: it forks the workers "
-                "from a process of this machine"
-            )
         if not 0 <= self.worker_cpus < float("inf"):
             raise ConfigError("--worker-cpus must be a non-negative number")
         if not 0 <= self.local_workers <= self.workers:

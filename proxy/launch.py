@@ -58,6 +58,7 @@ def choose_launcher(config: Config, secret: bytes, runtime_dir: str) -> WorkerLa
             runtime_dir=runtime_dir,
             keep_for=config.orphan_grace or 0.0,
             most_workers=max(0, (config.max_workers or config.workers) - placed_from),
+            preload=_preload(config),
         )
         placed = RayLauncher(
             spec,
@@ -66,11 +67,21 @@ def choose_launcher(config: Config, secret: bytes, runtime_dir: str) -> WorkerLa
             placement_wait=config.placement_wait,
         )
         if placed_from:
-            return MixedLauncher(SubprocessLauncher(), placed, placed_from)
+            local = Zygote.for_config(config) if config.preload else SubprocessLauncher()
+            return MixedLauncher(local, placed, placed_from)
         return placed
     if config.preload:
         return Zygote.for_config(config)
     return SubprocessLauncher()
+
+
+def _preload(config: Config) -> list[str]:
+    """What each node's zygote imports with --preload (`proxy.ray_cluster.node_zygote`),
+    as the local zygote does (`Zygote.for_config`); none without it."""
+    if not config.preload:
+        return []
+    return [config.app, config.app_dir, str(config.limit_request_line),
+            str(config.limit_request_headers)]  # fmt: skip
 
 
 def launch_of(

@@ -115,7 +115,6 @@ def run_cli(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess[str]:
         (["--placement-wait", "5"], "--placement-wait needs --worker-placement ray"),
         (["--workers", "two"], "argument --workers: invalid int value: 'two' (see gym-proxy"),
         (["--worker-cpus", "2"], "--worker-cpus needs --worker-placement ray"),
-        (["--worker-placement", "ray", "--preload"], "--preload does not work with --worker"),
         (["--worker-placement", "ray", "--worker-resources", "[1]"], "must be a JSON object"),
         (["--worker-placement", "ray", "--worker-resources", '{"CPU": 1}'], "--worker-cpus"),
         (["--min-workers", "2"], "--min-workers needs --max-workers"),

@@ -1,9 +1,9 @@
 """The NeMo Gym quick start (docs/examples/nemo_gym/quickstart.sh) runs as it is: NeMo
 Gym's launcher with its head server, the counter under gym-proxy, NeMo Gym's rollout
 collection in its CLI form, a checkpoint, and everything stopped after. And when it
-fails (issue 56: a user who adds `worker_placement: ray` to the config, whose
-`preload: true` refuses it), its output shows gym-proxy's own line first, before the end
-of the launcher's log with NeMo Gym's traceback, and it leaves nothing running."""
+fails (issue 56: a user who sets `min_workers` in the counter's block without
+`max_workers`), its output shows gym-proxy's own line first, before the end of the
+launcher's log with NeMo Gym's traceback, and it leaves nothing running."""
 
 from __future__ import annotations
 
@@ -69,16 +69,13 @@ def test_the_quick_start_runs_and_leaves_nothing_running():
 
 @pytest.mark.timeout(600)
 def test_a_quick_start_that_fails_shows_gym_proxy_s_own_line_first():
-    result, work = quickstart(f"++{COUNTER}.worker_placement=ray")
+    result, work = quickstart(f"++{COUNTER}.min_workers=3")
     try:
         assert result.returncode == 1, result.stdout + result.stderr
         said = result.stderr.split("quickstart: failed; gym-proxy said:\n", 1)
         assert len(said) == 2, result.stderr[-4000:]
         first = said[1].splitlines()[0]
-        assert first.endswith(
-            "--preload does not work with --worker-placement ray: it forks the workers from "
-            "a process of this machine"
-        ), said[1][:2000]
+        assert first.endswith("--min-workers needs --max-workers"), said[1][:2000]
         assert f"quickstart: the end of {work}/launcher.log:" in said[1]
         assert not left_running(work)
     finally:

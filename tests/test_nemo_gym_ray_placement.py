@@ -645,17 +645,21 @@ async def test_gym_proxy_and_its_driver_both_killed_leave_no_actor(start_proxy, 
     wait_until_sync(lambda: not cluster.alive_actors(), 60, "the orphaned actors to end")
 
 
-@pytest.mark.parametrize("local", [0, 1], ids=["placed", "mixed"])
+@pytest.mark.parametrize(
+    ("local", "preload"), [(0, ()), (1, ()), (0, ("--preload",))],
+    ids=["placed", "mixed", "preloaded"],
+)  # fmt: skip
 async def test_the_same_command_started_again_adopts_the_placed_workers(
-    start_proxy, cluster, local
+    start_proxy, cluster, local, preload
 ):
     """kill -9 of gym-proxy with workers on both nodes: its driver leaves their actors
     (detached, named by gym-proxy's runtime directory) for the orphan grace, the workers
     keep their sessions; the same command started again finds the actors, links to the
     workers and adopts them: the same actors (by ID) and processes, every session's count
     exact, new sessions served; a stop then leaves no actor. Mixed (`--local-workers 1`):
-    the local worker rejoins on the coordinator socket beside the placed ones found."""
-    grace = ("--orphan-grace", "60", "--local-workers", str(local))
+    the local worker rejoins on the coordinator socket beside the placed ones found.
+    Preloaded: the workers forked by the nodes' zygotes are adopted as well."""
+    grace = ("--orphan-grace", "60", "--local-workers", str(local), *preload)
     first = placed(start_proxy, cluster, *grace, app="tests.apps:create_app", workers=2 + local)
     async with jar() as http:
         where = {w["slot"]: w["node"] for w in await workers_of(http, first.url)}
@@ -736,6 +740,111 @@ async def test_a_take_over_with_placed_workers_under_load_fails_no_request(start
     wait_until_sync(lambda: not cluster.alive_actors(), 60, "every actor to end")
 
 
+async def test_local_and_placed_workers_in_one_server_rebalance_checkpoint_and_restore(
+    start_proxy, cluster, tmp_path
+):
+    """Issue 55, item 3: `--local-workers 1` with placement: slot 0 a process of this
+    machine, the others placed on the cluster. The local worker stalls: its idle sessions
+    move to the placed one (a rebalance across the mix), its busy one stays, every count
+    exact. A checkpoint of the mix restores into a mix of another size (one local, two
+    placed: one on each node), every count exact, and a resize removes a placed worker."""
+    proxy = placed(
+        start_proxy, cluster, "--local-workers", "1", "--rebalance", "--stall-threshold", "0.5",
+        "--metrics", "127.0.0.1:0", app="tests.apps:create_app",
+    )  # fmt: skip
+    async with jar() as http:
+        where = {w["slot"]: w["node"] for w in await workers_of(http, proxy.url)}
+        assert where[0] == "local" and where[1] in cluster.node_ids(), where
+        mine, others = await sessions_by_slot(http, proxy.url, 5)
+        tokens = mine + others
+        for i, token in enumerate(tokens):
+            assert await increment(http, proxy.url, token, i) == 200
+        heavy, *light = mine
+        moved = 'gym_proxy_rebalance_sessions_moved_total{reason="stalled"}'
+        async with stalling(http, proxy.url, heavy):  # the local worker's loop blocked
+
+            async def shed() -> bool:
+                return await metric(http, metrics_url(proxy), moved) == len(light)
+
+            await wait_until(shed, 60, "the local worker's idle sessions to move to the placed one")
+        assert [(await whoami(http, proxy.url, t))["slot"] for t in light] == [1] * len(light)
+        assert (await whoami(http, proxy.url, heavy))["slot"] == 0
+        for i, token in enumerate(tokens):
+            assert await count(http, proxy.url, token) == i
+        await Control(http, proxy.url).checkpoint("ck-mix", str(tmp_path))
+        proxy.close_process()
+        wait_until_sync(lambda: not cluster.alive_actors(), 60, "the first server's actors to end")
+
+        second = placed(
+            start_proxy, cluster, "--local-workers", "1", app="tests.apps:create_app", workers=3
+        )
+        nodes = {w["slot"]: w["node"] for w in await workers_of(http, second.url)}
+        assert nodes[0] == "local", nodes
+        assert sorted(cluster.node_ids()[nodes[s]] for s in (1, 2)) == ["head", "second"], nodes
+        control = Control(http, second.url)
+        await control.ok("restore", checkpoint_id="r", checkpoint_dir=str(tmp_path), episode_ids=[])
+        await control.ok("resume", checkpoint_id="r")
+        for i, token in enumerate(tokens):
+            assert await count(http, second.url, token) == i
+        status, reply = await operate(http, second.url, "resize", workers=2)
+        assert status == 200 and reply["complete"], reply
+        nodes = {w["slot"]: w["node"] for w in await workers_of(http, second.url)}
+        assert set(nodes) == {0, 1} and nodes[0] == "local", nodes
+        for i, token in enumerate(tokens):
+            assert await count(http, second.url, token) == i
+
+
+async def test_preload_forks_each_node_s_workers_from_one_zygote_on_that_node(start_proxy, cluster):
+    """Issue 55, item 3: `--preload` with placement. Four workers, two on each node: each
+    is the child of its node's zygote (`worker.zygote`, started by the node's
+    `NodeZygote` actor), two zygotes in all, so the app is imported once per node;
+    sessions exact. A worker killed is forked again by a zygote already there (no new
+    import). A stop leaves no worker's actor, no node zygote's actor and no zygote."""
+    psutil = pytest.importorskip("psutil")
+    proxy = placed(start_proxy, cluster, "--preload", app="tests.apps:create_app", workers=4)
+
+    def zygotes_of(pids: list[int]) -> set[int]:
+        parents = {psutil.Process(pid).ppid() for pid in pids}
+        for parent in parents:
+            assert "gym_proxy.worker.zygote" in psutil.Process(parent).cmdline(), parent
+        return parents
+
+    async with jar() as http:
+        workers = await workers_of(http, proxy.url)
+        ids = cluster.node_ids()
+        assert sorted(ids[w["node"]] for w in workers) == ["head", "head", "second", "second"]
+        zygotes = zygotes_of([w["pid"] for w in workers])
+        assert len(zygotes) == 2, zygotes
+        tokens = [await seed(http, proxy.url) for _ in range(12)]
+        for i, token in enumerate(tokens):
+            assert await increment(http, proxy.url, token, i) == 200
+        killed = workers[0]
+        slots = {t: (await whoami(http, proxy.url, t))["slot"] for t in tokens}
+        os.kill(killed["pid"], signal.SIGKILL)
+
+        async def replaced() -> bool:
+            now = {w["slot"]: w["pid"] for w in await workers_of(http, proxy.url)}
+            return len(now) == 4 and now.get(killed["slot"], killed["pid"]) != killed["pid"]
+
+        await wait_until(replaced, 60, "the killed worker's replacement")
+        after = await workers_of(http, proxy.url)
+        assert zygotes_of([w["pid"] for w in after]) == zygotes  # forked again, no new import
+        for i, token in enumerate(tokens):
+            if slots[token] != killed["slot"]:
+                assert await count(http, proxy.url, token) == i
+            else:  # it died with its worker, said so
+                assert await increment(http, proxy.url, token) == 410
+    assert cluster.state.ask("actors NodeZygote"), "no NodeZygote actor was seen"
+    proxy.close_process()
+    wait_until_sync(lambda: not cluster.alive_actors(), 60, "the workers' actors to end")
+    wait_until_sync(
+        lambda: all(a["state"] == "DEAD" for a in cluster.state.ask("actors NodeZygote")),
+        60, "the node zygotes' actors to end",
+    )  # fmt: skip
+    wait_until_sync(lambda: not any(map(psutil.pid_exists, zygotes)), 30, "the zygotes to exit")
+
+
+# Last: it kills the second node, which the tests above need.
 async def test_a_node_killed_mid_load_and_a_stop_that_leaves_no_actor(start_proxy, cluster):
     """The second node's processes killed at once while clients increment: its sessions
     answer 410 naming the lost worker, the head's are untouched, a replacement starts on
@@ -804,57 +913,3 @@ async def test_a_node_killed_mid_load_and_a_stop_that_leaves_no_actor(start_prox
     assert await asyncio.to_thread(cluster.alive_actors) == []
     for link in links:  # closed with its worker: nothing listens there any more
         assert nothing_listens(link), link
-
-
-async def test_local_and_placed_workers_in_one_server_rebalance_checkpoint_and_restore(
-    start_proxy, cluster, tmp_path
-):
-    """Issue 55, item 3: `--local-workers 1` with placement: slot 0 a process of this
-    machine, the others placed on the cluster. The local worker stalls: its idle sessions
-    move to the placed one (a rebalance across the mix), its busy one stays, every count
-    exact. A checkpoint of the mix restores into a mix of another size (one local, two
-    placed: one on each node), every count exact, and a resize removes a placed worker."""
-    proxy = placed(
-        start_proxy, cluster, "--local-workers", "1", "--rebalance", "--stall-threshold", "0.5",
-        "--metrics", "127.0.0.1:0", app="tests.apps:create_app",
-    )  # fmt: skip
-    async with jar() as http:
-        where = {w["slot"]: w["node"] for w in await workers_of(http, proxy.url)}
-        assert where[0] == "local" and where[1] in cluster.node_ids(), where
-        mine, others = await sessions_by_slot(http, proxy.url, 5)
-        tokens = mine + others
-        for i, token in enumerate(tokens):
-            assert await increment(http, proxy.url, token, i) == 200
-        heavy, *light = mine
-        moved = 'gym_proxy_rebalance_sessions_moved_total{reason="stalled"}'
-        async with stalling(http, proxy.url, heavy):  # the local worker's loop blocked
-
-            async def shed() -> bool:
-                return await metric(http, metrics_url(proxy), moved) == len(light)
-
-            await wait_until(shed, 60, "the local worker's idle sessions to move to the placed one")
-        assert [(await whoami(http, proxy.url, t))["slot"] for t in light] == [1] * len(light)
-        assert (await whoami(http, proxy.url, heavy))["slot"] == 0
-        for i, token in enumerate(tokens):
-            assert await count(http, proxy.url, token) == i
-        await Control(http, proxy.url).checkpoint("ck-mix", str(tmp_path))
-        proxy.close_process()
-        wait_until_sync(lambda: not cluster.alive_actors(), 60, "the first server's actors to end")
-
-        second = placed(
-            start_proxy, cluster, "--local-workers", "1", app="tests.apps:create_app", workers=3
-        )
-        nodes = {w["slot"]: w["node"] for w in await workers_of(http, second.url)}
-        assert nodes[0] == "local", nodes
-        assert sorted(cluster.node_ids()[nodes[s]] for s in (1, 2)) == ["head", "second"], nodes
-        control = Control(http, second.url)
-        await control.ok("restore", checkpoint_id="r", checkpoint_dir=str(tmp_path), episode_ids=[])
-        await control.ok("resume", checkpoint_id="r")
-        for i, token in enumerate(tokens):
-            assert await count(http, second.url, token) == i
-        status, reply = await operate(http, second.url, "resize", workers=2)
-        assert status == 200 and reply["complete"], reply
-        nodes = {w["slot"]: w["node"] for w in await workers_of(http, second.url)}
-        assert set(nodes) == {0, 1} and nodes[0] == "local", nodes
-        for i, token in enumerate(tokens):
-            assert await count(http, second.url, token) == i

@@ -5,9 +5,23 @@ ones are, and a zygote that dies or cannot fork safely is handled and said."""
 from __future__ import annotations
 
 import os
+import re
 import signal
+import socket
+import subprocess
+import sys
 import time
 
+import pytest
+
+from gym_proxy.coordinator.contract.lines import decode_line, encode_line
+from gym_proxy.coordinator.contract.zygote_lines import (
+    ZYGOTE,
+    ChildExited,
+    Fork,
+    Forked,
+    ForkRefused,
+)
 from tests.support import (
     CONTROL_TOKEN,
     children_of,
@@ -102,3 +116,35 @@ def test_an_app_that_starts_a_thread_at_import_is_refused_in_one_line(start_prox
     )
     assert line in proxy.log(), proxy.log()
     assert time.monotonic() - started < 60
+
+
+@pytest.mark.fast
+def test_the_zygote_forks_with_a_passed_descriptor_and_refuses_a_fork_without_the_one_it_names():
+    """A Ray node's zygote gets each worker's bound socket with its fork (SCM_RIGHTS):
+    `{fd}` in the argv becomes the descriptor's number in the worker. A fork that says
+    it carries one and comes without is refused in one line, and the zygote serves on."""
+    ours, theirs = socket.socketpair()
+    zygote = subprocess.Popen(
+        [sys.executable, "-P", "-m", "gym_proxy.worker.zygote", str(theirs.fileno()),
+         "gym_proxy.worker.counter:create_app", ".", "8190", "32768"],
+        pass_fds=(theirs.fileno(),), stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    theirs.close()
+    lines = ours.makefile("rb")
+    try:
+        ours.sendall(encode_line(Fork(["--socket=fd:{fd}"], {}, True)))
+        refused = decode_line(lines.readline(), ZYGOTE, "the zygote")
+        assert refused == ForkRefused("fork: fd is true but no descriptor came with the line")
+        passed = socket.socket()  # the worker's port, as a node's zygote actor binds it
+        # A slot that is no number: the worker's argparse says what it got, and exits 2.
+        fork = Fork(["--socket=fd:{fd}", "--slot=x{fd}"], {}, True)
+        socket.send_fds(ours, [encode_line(fork)], [passed.fileno()])
+        forked = decode_line(lines.readline(), ZYGOTE, "the zygote")
+        assert isinstance(forked, Forked)
+        assert decode_line(lines.readline(), ZYGOTE, "the zygote") == ChildExited(forked.pid, 2)
+        passed.close()
+    finally:
+        ours.close()
+        lines.close()
+        _, err = zygote.communicate(timeout=30)
+    assert re.search(r"argument --slot: invalid int value: 'x\d+'", err), err

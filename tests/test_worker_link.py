@@ -394,7 +394,7 @@ async def test_a_placed_worker_whose_unix_socket_is_gone_is_taken_as_gone(short_
 def test_a_host_listens_on_a_unix_socket_only_in_a_private_directory(short_tmp):
     """gym-proxy's runtime directory (0700, this user's): a Unix socket in it. A directory
     others may enter, a missing one or a path too long for a Unix socket: TCP."""
-    from gym_proxy.proxy.ray_cluster.worker_host import WorkerHost, private_directory
+    from gym_proxy.proxy.ray_cluster.worker_port import bind_port, private_directory
 
     private = short_tmp / "rt"
     private.mkdir(mode=0o700)
@@ -403,10 +403,11 @@ def test_a_host_listens_on_a_unix_socket_only_in_a_private_directory(short_tmp):
     deep = private / ("d" * 120)
     deep.mkdir(mode=0o700)
     assert private_directory(str(private)) and not private_directory(str(shared))
-    host = WorkerHost()
-    sock = host._unix(str(private))
-    assert sock is not None and sock.family == socket.AF_UNIX
-    assert host.path.startswith(f"{private}/placed-") and host.path.endswith(".sock")
+    sock, path = bind_port("127.0.0.1", str(private))
+    assert sock.family == socket.AF_UNIX
+    assert path.startswith(f"{private}/placed-") and path.endswith(".sock")
     sock.close()
     for refused in (shared, short_tmp / "missing", deep):
-        assert WorkerHost()._unix(str(refused)) is None, refused
+        sock, path = bind_port("127.0.0.1", str(refused))
+        assert sock.family == socket.AF_INET and path == "", refused
+        sock.close()

@@ -69,10 +69,12 @@ def _preload(app: str, app_dir: str, line: int, headers: int) -> str:
     return ""
 
 
-def _child(argv: list[str], env: dict[str, str], conn: socket.socket) -> NoReturn:
+def _child(argv: list[str], env: dict[str, str], cwd: str, conn: socket.socket) -> NoReturn:
     """In the forked worker: the zygote's state off, the proxy's environment on, the
     worker's own entry point, then its exit (`_leave`)."""
     conn.close()
+    if cwd and os.path.isdir(cwd):
+        os.chdir(cwd)
     signal.set_wakeup_fd(-1)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -120,6 +122,21 @@ def _reap(conn: socket.socket) -> None:
         _send(conn, ChildExited(pid, os.waitstatus_to_exitcode(status)))
 
 
+def _passed_fd(request: Fork, passed: list[int]) -> int:
+    """The descriptor sent with `request` (-1 when it carries none): a line that says it
+    carries one arrives with it (its sender waits for each answer before the next)."""
+    if not request.fd:
+        return -1
+    if not passed:
+        raise LineError("fork: fd is true but no descriptor came with the line")
+    return passed.pop(0)
+
+
+def _close(fd: int) -> None:
+    if fd >= 0:
+        os.close(fd)
+
+
 def serve(conn: socket.socket, unsafe: str) -> None:
     """Fork a worker for each request until the proxy's end closes."""
     wake_r, wake_w = socket.socketpair()
@@ -131,6 +148,7 @@ def serve(conn: socket.socket, unsafe: str) -> None:
     selector.register(conn, selectors.EVENT_READ)
     selector.register(wake_r, selectors.EVENT_READ)
     pending = b""
+    passed: list[int] = []  # descriptors received, for the forks that said they carry one
     while True:
         for key, _ in selector.select():
             if key.fileobj is wake_r:
@@ -142,7 +160,8 @@ def serve(conn: socket.socket, unsafe: str) -> None:
                         break
                 _reap(conn)
                 continue
-            data = conn.recv(65536)
+            data, fds, _, _ = socket.recv_fds(conn, 65536, 16)
+            passed.extend(fds)
             if not data:
                 return  # the proxy is gone
             pending += data
@@ -150,18 +169,22 @@ def serve(conn: socket.socket, unsafe: str) -> None:
                 line, pending = pending.split(b"\n", 1)
                 try:
                     request = expect(line, ZYGOTE, "gym-proxy", Fork)
+                    fd = _passed_fd(request, passed)
                 except LineError as exc:
                     _send(conn, ForkRefused(str(exc)))
                     continue
                 if unsafe:
+                    _close(fd)
                     _send(conn, ForkRefused(unsafe))
                     continue
+                argv = [a.replace("{fd}", str(fd)) for a in request.argv]
                 pid = os.fork()
                 if pid == 0:
                     selector.close()
                     wake_r.close()
                     wake_w.close()
-                    _child(request.argv, request.env, conn)
+                    _child(argv, request.env, request.cwd, conn)
+                _close(fd)  # the worker's own now
                 _send(conn, Forked(pid))
 
 

@@ -1,7 +1,10 @@
 """The lines between the supervisor and the zygote (`--preload`: `worker.zygote`, its
 client `proxy.fleet.supervision.zygote_client`), over `coordinator.contract.lines`:
 
-    supervisor -> zygote   fork     the worker's argv and environment
+    supervisor -> zygote   fork     the worker's argv and environment (and, `fd`, one
+                                    descriptor sent with the line, SCM_RIGHTS: `{fd}` in
+                                    argv becomes its number; a Ray node's zygote gets
+                                    each placed worker's bound socket so)
     zygote -> supervisor   forked   its pid        } one of them per fork, in the
                            refused  why not        } order the forks were asked
                            exited   a worker's pid and exit code (as asyncio's returncode:
@@ -21,6 +24,8 @@ ZYGOTE: dict[str, type[Message]] = {}  # its messages, by wire type
 class Fork(Message):
     argv: list[str]
     env: dict[str, str]
+    fd: bool = False
+    cwd: str = ""  # the worker's working directory, if this machine has it
 
 
 @message("forked", ZYGOTE)

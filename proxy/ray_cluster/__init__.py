@@ -7,6 +7,8 @@
   `proxy.fleet.supervision.launchers.WorkerLauncher`) and their handles (`RemoteWorker`, a
   `proxy.fleet.supervision.worker_records.PlacedHandle`), in the proxy, through `placement`, the Ray
   driver process that owns their actors (`worker_host`, one per worker on a node);
+- `worker_port`: a placed worker's listening socket; `node_zygote`: `--preload` on the
+  cluster, one zygote per node that forks the node's placed workers;
 - `mixed`: a server of local and placed workers (`--local-workers`), a launcher that
   starts each slot's worker with one or the other;
 - `lines`: what those processes say to the proxy, each protocol declared once for both

@@ -33,6 +33,8 @@ had at start:
 
 from __future__ import annotations
 
+import dataclasses
+
 from gym_proxy.coordinator.contract.messages import Message, message
 
 __all__ = [
@@ -108,7 +110,8 @@ class PlacementSpec(Message):
     runtime directory the driver removes should gym-proxy die, and `keep_for`, the
     workers' orphan grace: with one, a gym-proxy that dies leaves its workers' actors to a
     successor (the same command again), which finds them by the directory's name.
-    `most_workers`: the most it may be resized to (--max-workers; 0: `workers`)."""
+    `most_workers`: the most it may be resized to (--max-workers; 0: `workers`);
+    `preload` (--preload): what each node's zygote imports (`node_zygote`)."""
 
     workers: int
     cpus: float
@@ -118,6 +121,7 @@ class PlacementSpec(Message):
     runtime_dir: str
     keep_for: float = 0.0
     most_workers: int = 0
+    preload: list[str] = dataclasses.field(default_factory=list)  # the app, its dir, limits
 
 
 @message("spawn", PLACEMENT)

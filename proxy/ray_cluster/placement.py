@@ -73,6 +73,7 @@ from gym_proxy.proxy.ray_cluster.lines import (
     WorkerExited,
     WorkerStarted,
 )
+from gym_proxy.proxy.ray_cluster.node_zygote import name_of
 from gym_proxy.proxy.runtime_dir import remove_abandoned
 
 __all__ = ["main", "most_room", "room_for", "requests"]
@@ -176,6 +177,8 @@ class _Placement:
         # Where gym-proxy runs (the driver is its child): workers placed on this node
         # listen on Unix sockets in its runtime directory (`worker_host`).
         self.near = (ray.get_runtime_context().get_node_id(), spec.runtime_dir)
+        # --preload: each node's zygote, named after this directory (`node_zygote`).
+        self.preload = [self.kept, *spec.preload] if spec.preload else None
         self.actors: dict[int, Any] = {}
         self.watchers: list[threading.Thread] = []  # one per actor, until it is dead
         self.lock = threading.Lock()
@@ -215,11 +218,19 @@ class _Placement:
         with its name, `self.names`'s first part)."""
         prefix = f"{self.kept}-"
         names = [
+            name
+            for name in self._named(prefix)
+            if not name.startswith(name_of(self.kept, ""))  # the nodes' zygotes
+        ]
+        self.out.say(FoundWorkers(sorted(names)))
+
+    def _named(self, prefix: str) -> list[str]:
+        """The names of this namespace's actors that begin with `prefix`."""
+        return [
             named["name"]
             for named in self.ray.util.list_named_actors(all_namespaces=True)
             if named.get("namespace") == NAMESPACE and named["name"].startswith(prefix)
         ]
-        self.out.say(FoundWorkers(sorted(names)))
 
     def _watch(self, key: int, actor: Any, start: Callable[[], bool]) -> None:
         with self.lock:
@@ -237,7 +248,9 @@ class _Placement:
         ray = self.ray
         try:
             started = ray.get(
-                actor.start_here.remote(request.argv, request.env, request.cwd, self.near)
+                actor.start_here.remote(
+                    request.argv, request.env, request.cwd, self.near, self.preload
+                )
             )
         except Exception as exc:
             self._forget(key)
@@ -300,6 +313,9 @@ class _Placement:
         deadline = time.monotonic() + STOP_WAIT
         for watcher in self.watchers:
             watcher.join(max(0.0, deadline - time.monotonic()))
+        for name in self._named(name_of(self.kept, "")):  # the nodes' zygotes: no worker left
+            with contextlib.suppress(Exception):
+                self.ray.kill(self.ray.get_actor(name, namespace=NAMESPACE), no_restart=True)
 
 
 Request = Spawn | FindWorkers | FollowWorker | SignalWorker | KillWorker | StopWorkers

@@ -22,36 +22,22 @@ from __future__ import annotations
 
 import contextlib
 import os
-import secrets
+import select
 import socket
-import stat
 import subprocess
 import sys
 import threading
 import time
 from typing import Any
 
+from gym_proxy.coordinator.contract.exit_codes import EXIT_UNKNOWN
+from gym_proxy.proxy.ray_cluster.node_zygote import NodeZygote, name_of
+from gym_proxy.proxy.ray_cluster.worker_port import bind_port, private_directory
+
 __all__ = ["WorkerHost", "RayWorkerHost", "WORKER_COMMAND", "private_directory"]
 
 WORKER_COMMAND = (sys.executable, "-P", "-m", "gym_proxy.worker")
-BACKLOG = 4096  # as a local worker's socket (`worker.identity.WORKER_BACKLOG`)
 ORPHANED_AFTER = 10.0  # seconds an exited worker's actor waits for a driver to end it
-UNIX_PATH_MAX = 100  # sun_path holds 108 bytes; a longer runtime directory: TCP
-SOCKET_PREFIX = "placed-"  # never "w…sock": those are the local workers' (adoption)
-
-
-def private_directory(path: str) -> bool:
-    """Whether `path` is a directory of this user that no one else may enter (gym-proxy's
-    runtime directory, as this process sees it): only then is a socket in it private."""
-    try:
-        info = os.stat(path, follow_symlinks=False)
-    except OSError:
-        return False
-    return (
-        stat.S_ISDIR(info.st_mode)
-        and info.st_uid == os.getuid()
-        and stat.S_IMODE(info.st_mode) & 0o077 == 0
-    )
 
 
 class WorkerHost:
@@ -65,10 +51,9 @@ class WorkerHost:
     def start(
         self, argv: list[str], env: dict[str, str], host: str, cwd: str = "", unix_dir: str = ""
     ) -> dict[str, Any]:
-        """Bind the port (a Unix socket in `unix_dir` when it is given, private and short
-        enough; else TCP on `host`), start the worker with it (in `cwd` when the node has
-        that directory, as a local worker runs in the proxy's); its pid and the port."""
-        sock = self._unix(unix_dir) or socket.create_server((host, 0), backlog=BACKLOG)
+        """Bind the port (`bind_port`), start the worker with it (in `cwd` when the node
+        has that directory, as a local worker runs in the proxy's); its pid and the port."""
+        sock, self.path = bind_port(host, unix_dir)
         with sock:
             fd = sock.fileno()
             self.process = subprocess.Popen(
@@ -81,31 +66,18 @@ class WorkerHost:
             port = 0 if self.path else sock.getsockname()[1]
         return {"pid": self.process.pid, "host": host, "port": port, "path": self.path}
 
-    def _unix(self, directory: str) -> socket.socket | None:
-        if not directory or not private_directory(directory):
-            return None
-        path = os.path.join(directory, f"{SOCKET_PREFIX}{secrets.token_hex(8)}.sock")
-        if len(path.encode()) > UNIX_PATH_MAX:
-            return None
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            sock.bind(path)
-            sock.listen(BACKLOG)
-        except OSError:
-            sock.close()
-            return None
-        self.path = path
-        return sock
-
     def wait(self) -> int:
         """The worker's exit status, once it exits (negative: the signal that ended it);
         its Unix socket's file goes with it."""
         assert self.process is not None
         code = self.process.wait()
+        self._unlink()
+        return code
+
+    def _unlink(self) -> None:
         if self.path:
             with contextlib.suppress(OSError):
                 os.unlink(self.path)
-        return code
 
     def signal(self, sig: int) -> None:
         if self.process is not None and self.process.returncode is None:
@@ -113,25 +85,60 @@ class WorkerHost:
 
 
 class RayWorkerHost(WorkerHost):
-    """The actor: a `WorkerHost` on the node Ray placed it on."""
+    """The actor: a `WorkerHost` on the node Ray placed it on. With `--preload`, its
+    worker is forked by the node's zygote (`node_zygote.NodeZygote`), which this actor
+    asks to start, wait for and signal it."""
 
     started: dict[str, Any]
+    node: Any = None  # the node's zygote actor, with --preload
 
     def start_here(
-        self, argv: list[str], env: dict[str, str], cwd: str, near: tuple[str, str]
+        self,
+        argv: list[str],
+        env: dict[str, str],
+        cwd: str,
+        near: tuple[str, str],
+        preload: list[str] | None = None,
     ) -> dict[str, Any]:
         """Start the worker on this node; `near` is gym-proxy's node and runtime
-        directory: on that node, the worker listens in that directory."""
+        directory: on that node, the worker listens in that directory. `preload`: the
+        node zygote's name prefix, then the app, its directory and the head limits."""
         import ray  # only on a node, in Ray's worker process
 
         node_id = ray.get_runtime_context().get_node_id()
         unix_dir = near[1] if node_id == near[0] else ""
-        started = self.start(argv, env, ray.util.get_node_ip_address(), cwd, unix_dir)
+        host = ray.util.get_node_ip_address()
+        if preload:
+            self.node = _node_zygote(ray, node_id, preload, env)
+            started = dict(ray.get(self.node.start.remote(argv, env, host, cwd, unix_dir)))
+            self.pid, self.path = started["pid"], started["path"]
+        else:
+            started = self.start(argv, env, host, cwd, unix_dir)
         started["node_id"] = node_id
         started["hostname"] = socket.gethostname()
         self.started = started
         threading.Thread(target=self._end_when_orphaned, daemon=True).start()
         return started
+
+    def wait(self) -> int:
+        if self.node is None:
+            return super().wait()
+        import ray
+
+        try:
+            code = int(ray.get(self.node.wait.remote(self.pid)))
+        except ray.exceptions.RayActorError:  # the node's zygote actor is gone: so is its worker
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, 9)
+            code = EXIT_UNKNOWN
+        self._unlink()
+        return code
+
+    def signal(self, sig: int) -> None:
+        if self.node is None:
+            super().signal(sig)
+        else:
+            self.node.signal.remote(self.pid, sig)
 
     def where(self) -> dict[str, Any]:
         """What `start_here` answered: for a driver that follows this actor."""
@@ -142,7 +149,34 @@ class RayWorkerHost(WorkerHost):
         exit kills it at once; one still alive ORPHANED_AFTER seconds after the exit has
         no driver to hear it (a `wait` a dead driver asked for still returns here), and
         ends itself, so that gym-proxy and its driver both gone leave no actor."""
-        assert self.process is not None
-        self.process.wait()
+        self.wait() if self.node is None else self._node_wait()
         time.sleep(ORPHANED_AFTER)
         os._exit(0)
+
+    def _node_wait(self) -> None:
+        """Until the worker the node's zygote forked is gone (a pidfd: it is not this
+        process's child, and its exit code is the zygote's to read)."""
+        try:
+            fd = os.pidfd_open(self.pid)
+        except ProcessLookupError:
+            return
+        try:
+            select.select([fd], [], [])
+        finally:
+            os.close(fd)
+
+
+def _node_zygote(ray: Any, node_id: str, preload: list[str], env: dict[str, str]) -> Any:
+    """The node's zygote actor for this server: found, or made (the first worker here)."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    kept, *args = preload
+    return (
+        ray.remote(NodeZygote)
+        .options(
+            name=name_of(kept, node_id), get_if_exists=True, lifetime="detached",
+            num_cpus=0, max_concurrency=1024, max_restarts=0,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+        )
+        .remote(args, env)
+    )  # fmt: skip
