@@ -58,7 +58,7 @@ def cluster() -> Iterator[Cluster]:
     nodes = RayNodes(directory)
     state: RayState | None = None
     try:
-        head = nodes.start_autoscaling_head(1, {"node": NODE})
+        head = nodes.start_autoscaling_head(1, {"node": NODE}, idle_minutes=0.05)
         nodes.wait_started(head, 120)
         state = RayState(nodes)
         yield Cluster(nodes, state)
@@ -129,7 +129,7 @@ async def test_the_worker_count_grows_and_shrinks_the_cluster(start_proxy, clust
     proxy = start_proxy(
         "--worker-placement", "ray", "--worker-cpus", "1", "--min-workers", "1",
         "--max-workers", "3", "--scale-up-busy", "2", "--scale-up-after", "1",
-        "--scale-down-busy", "0.5", "--scale-down-after", "3", "--boot-timeout", "180",
+        "--scale-down-busy", "0.5", "--scale-down-after", "2", "--boot-timeout", "180",
         workers=1, control_token=CONTROL_TOKEN, env=env,
     )  # fmt: skip
     assert len(cluster.alive_nodes()) == 1
@@ -181,7 +181,7 @@ async def test_a_resize_past_what_the_cluster_grows_to_stops_there_and_says_so(
     lets Ray's autoscaler remove the nodes again."""
     env = {**cluster.nodes.environment, "RAY_ADDRESS": cluster.nodes.address}
     proxy = start_proxy(
-        "--worker-placement", "ray", "--worker-cpus", "1", "--placement-wait", "8",
+        "--worker-placement", "ray", "--worker-cpus", "1", "--placement-wait", "5",
         "--boot-timeout", "180", workers=1, control_token=CONTROL_TOKEN, env=env,
     )  # fmt: skip
     async with aiohttp.ClientSession(cookie_jar=aiohttp.DummyCookieJar()) as http:
@@ -193,7 +193,7 @@ async def test_a_resize_past_what_the_cluster_grows_to_stops_there_and_says_so(
         (error,) = reply["errors"]
         assert (
             error.startswith("grow stopped at 3 workers: ")
-            and ("no room on the Ray cluster for a worker of {CPU 1} within 8 s (--placement-wait)")
+            and ("no room on the Ray cluster for a worker of {CPU 1} within 5 s (--placement-wait)")
             in error
         ), error
         workers = (await status_of(http, url))["workers"]
@@ -208,4 +208,4 @@ async def test_a_resize_past_what_the_cluster_grows_to_stops_there_and_says_so(
             "Ray's autoscaler to remove the idle nodes",
         )
         assert await count(http, url, token) == 7
-    assert "a worker of {CPU 1} waits for room on the Ray cluster (8 s so far" in proxy.log()
+    assert "a worker of {CPU 1} waits for room on the Ray cluster (5 s so far" in proxy.log()

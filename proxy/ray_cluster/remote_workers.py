@@ -297,7 +297,6 @@ class RayLauncher:
         """What each worker asks of Ray, as the driver's lines name it."""
         need = {"CPU": self.spec.cpus, **self.spec.resources}
         return ", ".join(f"{k} {v:g}" for k, v in need.items())
-        self._reader = asyncio.ensure_future(self._read())
 
     async def _start_driver(self) -> DriverReady:
         """A driver, ready; RayError (one line, the driver stopped) when it is not."""
