@@ -97,7 +97,9 @@ async def test_in_flight_request_blocks_until_done(participant, http):
     )
     sid = token.split(".")[-3]
 
-    await wait_until(lambda: _in_flight(control, 1), 10, "the slow request to be in flight")
+    # Running in the app, not only forwarded: one still in the worker's socket buffer
+    # when prepare arrives waits at the door, which is ready (CI once saw "prepared").
+    await wait_until(lambda: _app_saw(http, participant.url, token, "/slow"), 10, "/slow to run")
     reply = await control.ok("prepare", checkpoint_id="busy", deadline_ts=time.time() + 0.5)
     assert reply["phase"] == "preparing"
     assert reply["report"]["blockers"] == [f"session:{sid}"]
@@ -109,6 +111,38 @@ async def test_in_flight_request_blocks_until_done(participant, http):
     reply = await control.ok("prepare", checkpoint_id="busy")
     assert reply["phase"] == "prepared"
     await control.ok("resume", checkpoint_id="busy")
+
+
+@BOTH_APP_KINDS
+async def test_a_stop_answers_what_waits_for_an_open_checkpoint(start_proxy, http):
+    """SIGTERM while a checkpoint is open: no resume can come, so an episode parked at its
+    boundary and a call waiting at the door are answered 503 `server_stopping` at once
+    (they waited out --graceful-timeout, then were cut), and the stop goes on."""
+    proxy = start_proxy("--graceful-timeout", "300", workers=1, control_token=CONTROL_TOKEN)
+    control = Control(http, proxy.url)
+    token = await new_session(http, proxy.url)
+    run = asyncio.ensure_future(
+        http.post(f"{proxy.url}/run", json={"_ng_rollout_id": "ep", "steps": 2, "pause": 0.2})
+    )
+    await wait_until(lambda: _app_saw(http, proxy.url, token, "/run"), 10, "the episode to run")
+    assert (await control.ok("prepare", checkpoint_id="ck-stop"))["phase"] == "prepared"
+    call = asyncio.ensure_future(
+        http.post(f"{proxy.url}/increment_counter", json={"count": 1}, headers={TOKEN: token})
+    )
+
+    async def door_and_parked():
+        counts = (await control.ok("status"))["report"]["counts"]
+        return (counts.get("door"), counts.get("parked")) == (1, 1)
+
+    await wait_until(door_and_parked, 10, "a call at the door and an episode parked")
+    proxy.signal(signal.SIGTERM)
+    for waiting in (call, run):
+        async with await asyncio.wait_for(waiting, 30) as resp:
+            assert resp.status == 503, await resp.text()
+            error = (await resp.json())["error"]
+            assert error["code"] == "server_stopping", error
+            assert "checkpoint ck-stop is open" in error["detail"], error
+    assert await asyncio.to_thread(proxy.wait_exit, 30) == 0
 
 
 @BOTH_APP_KINDS
@@ -152,6 +186,11 @@ async def _live_workers(control, count):
 
 async def _in_flight(control, count):
     return sum(w["in_flight"] for w in (await control.ok("status"))["workers"]) == count
+
+
+async def _app_saw(http, url, token, path):
+    async with http.get(f"{url}/seen", headers={TOKEN: token}) as resp:
+        return path in (await resp.json())["paths"]
 
 
 async def _held_participant(start_proxy, http, hold):

@@ -255,6 +255,7 @@ class WorkerServer:
     async def _handle(self, message: Message) -> Message:
         if isinstance(message, ProxyStopping):
             self.proxy_stopping.set()
+            self.runtime.stop_waiting()
             return Done()
         return await handle_coordinator_message(self.runtime, message)
 

@@ -99,6 +99,8 @@ class ParticipantRuntime:
     # request (replayed by the proxy) takes it (worker.handovers).
     arrivals: dict[str, dict[str, Any]] = field(default_factory=dict)
     opened: asyncio.Event = field(default_factory=asyncio.Event)
+    # gym-proxy stops for good (`stop_waiting`): no resume will come.
+    stopping: asyncio.Event = field(default_factory=asyncio.Event)
     # sampled once serving (process); read by the Stats of a scrape and by the pings
     loop_lag: LoopLag = field(default_factory=lambda: LoopLag(("scrape", "ping")))
     # What each session costs the worker lately, for the proxy's rebalance (`held`).
@@ -139,6 +141,12 @@ class ParticipantRuntime:
     def open_door(self) -> None:
         self.checkpoint_id = None
         self.opened.set()
+
+    def stop_waiting(self) -> None:
+        """gym-proxy stops for good: nothing resumes an open checkpoint, so what waits for
+        the resume (at the door, parked at a boundary) is answered now rather than held
+        through the stop's grace period and then cut."""
+        self.stopping.set()
 
     # ---- a request's way through ------------------------------------------------
     async def admit(
@@ -274,7 +282,9 @@ class ParticipantRuntime:
                 if handover is not None:
                     await handover.go_on.wait()  # or cancelled, when it is handed over
                 elif not self.is_open:
-                    await self.opened.wait()
+                    if self.stopping.is_set():
+                        raise _stopping(self.checkpoint_id, position)
+                    await _first(self.opened, self.stopping)
                 else:
                     break
         finally:
@@ -312,3 +322,24 @@ class ParticipantRuntime:
         if self.participation.tunnels == "close" and flight.close_tunnel is not None:
             close, flight.close_tunnel = flight.close_tunnel, None
             close()
+
+
+def _stopping(checkpoint_id: str | None, position: Position) -> GymError:
+    where = (
+        "this call waited at the door and did not start"
+        if position == "door"
+        else "this episode stays at its last boundary"
+    )
+    return GymError(
+        "server_stopping",
+        f"gym-proxy is stopping while checkpoint {checkpoint_id} is open: {where}",
+    )
+
+
+async def _first(*events: asyncio.Event) -> None:
+    waits = [asyncio.ensure_future(event.wait()) for event in events]
+    try:
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for wait in waits:
+            wait.cancel()

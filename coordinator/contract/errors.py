@@ -51,6 +51,7 @@ STATUS: dict[str, int] = {
     "checkpoint_write_failed": 500,
     "unexportable_state": 500,
     "checkpoint_coordinator_unavailable": 503,
+    "server_stopping": 503,
 }
 
 # Codes whose answer carries `Retry-After: 1`: the same request may succeed shortly.
