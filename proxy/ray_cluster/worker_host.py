@@ -15,7 +15,10 @@ killed with its node) leaves no worker behind for long.
 so that it outlives a driver that dies): the host plus what only Ray knows, the node's
 address and ID. Its methods run on a thread pool (`max_concurrency`), so that `wait`
 blocks while `signal` is served. Once its worker exited, it ends itself if no driver
-has ended it within ORPHANED_AFTER seconds.
+has ended it within ORPHANED_AFTER seconds; one never asked to start a worker within
+UNASKED_AFTER seconds of its creation ends itself too: its driver died while the actor
+waited for room (a node the autoscaler was adding), and the `start_here` call that
+driver queued died with it (a Ray task is its caller's), so nobody else would end it.
 """
 
 from __future__ import annotations
@@ -38,6 +41,9 @@ __all__ = ["WorkerHost", "RayWorkerHost", "WORKER_COMMAND", "private_directory"]
 
 WORKER_COMMAND = (sys.executable, "-P", "-m", "gym_proxy.worker")
 ORPHANED_AFTER = 10.0  # seconds an exited worker's actor waits for a driver to end it
+# Seconds a new actor waits for its driver's `start_here`; the call is queued when the
+# actor is made, so it comes at once unless its driver is gone.
+UNASKED_AFTER = 30.0
 
 
 class WorkerHost:
@@ -92,6 +98,15 @@ class RayWorkerHost(WorkerHost):
     started: dict[str, Any]
     node: Any = None  # the node's zygote actor, with --preload
 
+    def __init__(self) -> None:
+        super().__init__()
+        self.asked = threading.Event()
+        threading.Thread(target=self._end_when_unasked, daemon=True).start()
+
+    def _end_when_unasked(self) -> None:
+        if not self.asked.wait(UNASKED_AFTER):
+            os._exit(0)
+
     def start_here(
         self,
         argv: list[str],
@@ -105,6 +120,7 @@ class RayWorkerHost(WorkerHost):
         node zygote's name prefix, then the app, its directory and the head limits."""
         import ray  # only on a node, in Ray's worker process
 
+        self.asked.set()
         node_id = ray.get_runtime_context().get_node_id()
         unix_dir = near[1] if node_id == near[0] else ""
         host = ray.util.get_node_ip_address()
@@ -149,7 +165,10 @@ class RayWorkerHost(WorkerHost):
         exit kills it at once; one still alive ORPHANED_AFTER seconds after the exit has
         no driver to hear it (a `wait` a dead driver asked for still returns here), and
         ends itself, so that gym-proxy and its driver both gone leave no actor."""
-        self.wait() if self.node is None else self._node_wait()
+        if self.node is None:
+            self.wait()
+        else:
+            self._node_wait()
         time.sleep(ORPHANED_AFTER)
         os._exit(0)
 
