@@ -61,6 +61,15 @@ async def wait_until(
         await asyncio.sleep(0.02)
 
 
+async def app_saw(http: Any, url: str, token: str, path: str) -> bool:
+    """Whether the app of the worker holding `token`'s session ran a request to `path`
+    (the test apps' `/seen`): past the worker's door, not only forwarded by the proxy,
+    whose in-flight count includes a request still in the worker's socket buffer (one
+    that a checkpoint then holds at the door, where it is ready)."""
+    async with http.get(f"{url}/seen", headers={"X-NeMo-Gym-Session-Token": token}) as resp:
+        return path in (await resp.json())["paths"]
+
+
 def children_of(pid: int) -> list[int]:
     """Direct child pids of `pid` (from /proc)."""
     try:

@@ -18,7 +18,7 @@ import pytest
 
 from gym_proxy.coordinator import checkpoint_files as records
 from tests.conftest import BOTH_APP_KINDS
-from tests.support import CONTROL_TOKEN, Control, ProxyProcess, wait_until
+from tests.support import CONTROL_TOKEN, Control, ProxyProcess, app_saw, wait_until
 
 TOKEN = "X-NeMo-Gym-Session-Token"
 OWNER = "x-ng-session-owner"
@@ -97,9 +97,8 @@ async def test_in_flight_request_blocks_until_done(participant, http):
     )
     sid = token.split(".")[-3]
 
-    # Running in the app, not only forwarded: one still in the worker's socket buffer
-    # when prepare arrives waits at the door, which is ready (CI once saw "prepared").
-    await wait_until(lambda: _app_saw(http, participant.url, token, "/slow"), 10, "/slow to run")
+    # In the app, not only forwarded (`app_saw`; CI once saw "prepared" here).
+    await wait_until(lambda: app_saw(http, participant.url, token, "/slow"), 10, "/slow to run")
     reply = await control.ok("prepare", checkpoint_id="busy", deadline_ts=time.time() + 0.5)
     assert reply["phase"] == "preparing"
     assert reply["report"]["blockers"] == [f"session:{sid}"]
@@ -124,7 +123,7 @@ async def test_a_stop_answers_what_waits_for_an_open_checkpoint(start_proxy, htt
     run = asyncio.ensure_future(
         http.post(f"{proxy.url}/run", json={"_ng_rollout_id": "ep", "steps": 2, "pause": 0.2})
     )
-    await wait_until(lambda: _app_saw(http, proxy.url, token, "/run"), 10, "the episode to run")
+    await wait_until(lambda: app_saw(http, proxy.url, token, "/run"), 10, "the episode to run")
     assert (await control.ok("prepare", checkpoint_id="ck-stop"))["phase"] == "prepared"
     call = asyncio.ensure_future(
         http.post(f"{proxy.url}/increment_counter", json={"count": 1}, headers={TOKEN: token})
@@ -186,11 +185,6 @@ async def _live_workers(control, count):
 
 async def _in_flight(control, count):
     return sum(w["in_flight"] for w in (await control.ok("status"))["workers"]) == count
-
-
-async def _app_saw(http, url, token, path):
-    async with http.get(f"{url}/seen", headers={TOKEN: token}) as resp:
-        return path in (await resp.json())["paths"]
 
 
 async def _held_participant(start_proxy, http, hold):

@@ -9,7 +9,7 @@ import sys
 import orjson
 
 from gym_proxy.coordinator.clients.controller import Participant, in_call_order
-from tests.support import CONTROL_TOKEN, REPO, Control, wait_until
+from tests.support import CONTROL_TOKEN, REPO, Control, app_saw, wait_until
 
 TOKEN = "X-NeMo-Gym-Session-Token"
 RESTART_ONLY_APP = "tests.apps:create_restart_only_app"
@@ -137,11 +137,7 @@ async def test_failed_prepare_resumes_everything(start_proxy, http, tmp_path):
     token = await seed(http, res.url, 1)
     slow = asyncio.ensure_future(http.get(f"{res.url}/slow?seconds=4", headers={TOKEN: token}))
 
-    async def busy():
-        status = await Control(http, res.url).ok("status")
-        return status["workers"][0]["in_flight"] == 1
-
-    await wait_until(busy, 10, "the slow request to be in flight")
+    await wait_until(lambda: app_saw(http, res.url, token, "/slow"), 10, "/slow to run")
     result = await asyncio.to_thread(
         ctl,
         "--timeout",
