@@ -403,6 +403,13 @@ class Server:
         parts.operations.close()
         self._stop_timers()
         self._stop_accepting()
+        open_id = parts.checkpointer.open_checkpoint
+        if open_id is not None:
+            log.warning(
+                "stopping with checkpoint %s open: what waits for its resume (calls at the "
+                "door, parked episodes) is answered 503 server_stopping",
+                open_id,
+            )
         for worker in parts.supervisor.live():  # none should wait for a successor
             with contextlib.suppress(ChannelClosed):
                 worker.channel.notify(ProxyStopping())

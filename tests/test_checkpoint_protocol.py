@@ -142,6 +142,7 @@ async def test_a_stop_answers_what_waits_for_an_open_checkpoint(start_proxy, htt
             assert error["code"] == "server_stopping", error
             assert "checkpoint ck-stop is open" in error["detail"], error
     assert await asyncio.to_thread(proxy.wait_exit, 30) == 0
+    assert "stopping with checkpoint ck-stop open" in proxy.log(), proxy.log()
 
 
 @BOTH_APP_KINDS
