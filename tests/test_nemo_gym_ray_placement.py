@@ -799,7 +799,9 @@ async def test_preload_forks_each_node_s_workers_from_one_zygote_on_that_node(st
     is the child of its node's zygote (`worker.zygote`, started by the node's
     `NodeZygote` actor), two zygotes in all, so the app is imported once per node;
     sessions exact. A worker killed is forked again by a zygote already there (no new
-    import). A stop leaves no worker's actor, no node zygote's actor and no zygote."""
+    import); a node's zygote killed takes its workers with it (replaced, their sessions
+    410, the others exact). A stop leaves no worker's actor, no node zygote's actor and
+    no zygote."""
     psutil = pytest.importorskip("psutil")
     proxy = placed(start_proxy, cluster, "--preload", app="tests.apps:create_app", workers=4)
 
@@ -829,11 +831,36 @@ async def test_preload_forks_each_node_s_workers_from_one_zygote_on_that_node(st
         await wait_until(replaced, 60, "the killed worker's replacement")
         after = await workers_of(http, proxy.url)
         assert zygotes_of([w["pid"] for w in after]) == zygotes  # forked again, no new import
+
+        # The second node's zygote killed: what it forked cannot be waited for, so its
+        # workers are killed and replaced (forked by a zygote started again where needed).
+        on_second = [w for w in after if ids[w["node"]] == "second"]
+        (doomed,) = zygotes_of([w["pid"] for w in on_second])
+        lost = {w["slot"]: w["pid"] for w in on_second}
+        os.kill(doomed, signal.SIGKILL)
+
+        async def all_replaced() -> bool:
+            now = {w["slot"]: w["pid"] for w in await workers_of(http, proxy.url)}
+            return len(now) == 4 and all(now.get(s, pid) != pid for s, pid in lost.items())
+
+        await wait_until(all_replaced, 60, "the dead zygote's workers' replacements")
+
+        def running(pid: int) -> bool:  # a zombie waits for the reaper it was left to
+            with contextlib.suppress(psutil.NoSuchProcess):
+                return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+            return False
+
+        assert not any(map(running, lost.values())), lost
+        final = await workers_of(http, proxy.url)
+        zygotes = zygotes_of([w["pid"] for w in final])
+        assert doomed not in zygotes, (doomed, zygotes)
+        gone = {killed["slot"], *lost}
         for i, token in enumerate(tokens):
-            if slots[token] != killed["slot"]:
+            if slots[token] not in gone:
                 assert await count(http, proxy.url, token) == i
             else:  # it died with its worker, said so
                 assert await increment(http, proxy.url, token) == 410
+        assert "exited" in proxy.log(), proxy.log()
     assert cluster.state.ask("actors NodeZygote"), "no NodeZygote actor was seen"
     proxy.close_process()
     wait_until_sync(lambda: not cluster.alive_actors(), 60, "the workers' actors to end")
