@@ -93,7 +93,7 @@ async def test_in_flight_request_blocks_until_done(participant, http):
     control = Control(http, participant.url)
     token = await new_session(http, participant.url)
     slow = asyncio.ensure_future(
-        http.get(f"{participant.url}/slow?seconds=1.5", headers={TOKEN: token})
+        http.get(f"{participant.url}/slow?seconds=3", headers={TOKEN: token})
     )
     sid = token.split(".")[-3]
 

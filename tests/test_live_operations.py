@@ -22,7 +22,7 @@ import pytest
 
 from tests.conftest import BOTH_APP_KINDS
 from tests.support import CONTROL_TOKEN as CONTROL
-from tests.support import Control, wait_until
+from tests.support import Control, app_saw, wait_until
 
 WORKERS = "/ng-control/v1/gym-proxy/workers"
 TOKEN_HEADER = "X-NeMo-Gym-Session-Token"
@@ -311,6 +311,8 @@ async def test_operations_and_checkpoints_exclude_each_other(in_process, tmp_pat
         slow = asyncio.ensure_future(
             http.get(f"{proxy.url}/slow?seconds=2", headers={TOKEN_HEADER: token})
         )
+        # Running before the drain starts, so that the drain waits for it.
+        await wait_until(lambda: app_saw(http, proxy.url, token, "/slow"), 10, "/slow to run")
 
         async def running() -> bool:
             return (await status_of(http, proxy.url))["operations"]["running"] is not None

@@ -190,7 +190,7 @@ async def test_a_move_waits_for_the_boundary_and_holds_new_requests(proxy):
             f"{url}/increment_counter", json={"count": 5}, headers=headers
         ) as response:
             assert response.status == 200
-        slow = asyncio.ensure_future(http.get(f"{url}/slow?seconds=1", headers=headers))
+        slow = asyncio.ensure_future(http.get(f"{url}/slow?seconds=2", headers=headers))
         for _ in range(500):  # bounded: the slow request reaches its worker
             workers = (await status_of(http, url))["workers"]
             if [w["in_flight"] for w in workers if w["slot"] == slot] == [1]:
