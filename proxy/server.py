@@ -31,6 +31,7 @@ from typing import Any
 
 from gym_proxy.coordinator.contract import telemetry
 from gym_proxy.coordinator.contract.channel import ChannelClosed
+from gym_proxy.coordinator.contract.errors import GymError
 from gym_proxy.coordinator.contract.exit_codes import BOOT_ERROR, RAY_ERROR, USAGE_ERROR
 from gym_proxy.coordinator.contract.messages import ProxyStopping
 from gym_proxy.proxy import data_path
@@ -39,6 +40,7 @@ from gym_proxy.proxy.config import Config, metrics_address
 from gym_proxy.proxy.connection_sweep import sweep_connections
 from gym_proxy.proxy.control.app import server_status
 from gym_proxy.proxy.data_path.client_connection import ClientFactory
+from gym_proxy.proxy.fleet.balance.autoscale import RESIZE_WITHIN
 from gym_proxy.proxy.fleet.supervision.launchers import FindsLeftWorkers, WorkerLauncher
 from gym_proxy.proxy.fleet.supervision.liveness import watch_liveness
 from gym_proxy.proxy.fleet.supervision.supervisor import Supervisor, WorkerBootError
@@ -177,8 +179,26 @@ class Server:
         self._timer(watch_liveness(parts.supervisor))
         self._timer(parts.operations.recycling.watch())
         self._timer(parts.balancer.watch())
+        adoption = parts.supervisor.adoption
+        if adoption is not None and adoption.grow_to is not None:
+            self._timer(self._grow_to_kept(parts, adoption.grow_to))
         await self._open_pass_on_listener()
         self.signals.serving = True
+
+    async def _grow_to_kept(self, parts: Assembly, workers: int) -> None:
+        """The predecessor's larger worker count, reached as a resize (logged as one;
+        gym-proxy's own: it gives way to a checkpoint, and its outcome says where it
+        stopped)."""
+        if workers <= len(parts.supervisor.slots):
+            return
+        try:
+            await parts.operations.resize(workers, RESIZE_WITHIN, "adoption", yields=True)
+        except GymError as exc:  # another operation or a checkpoint was first
+            log.warning(
+                "not growing to the %d workers the dead instance had: %s; resize to do it",
+                workers,
+                exc.detail,
+            )
 
     async def _open_runtime_dir(self) -> RuntimeDir:
         """With --orphan-grace, the directory a predecessor's workers may wait in; taking

@@ -702,6 +702,58 @@ async def test_the_same_command_started_again_adopts_the_placed_workers(
     wait_until_sync(lambda: not cluster.alive_actors(), 60, "every actor to end")
 
 
+async def test_a_worker_waiting_for_room_when_gym_proxy_died_is_not_left_pending(
+    start_proxy, cluster
+):
+    """kill -9 of gym-proxy while a resize's third worker waits for room (its actor
+    pending: both nodes' CPUs are taken). The same command again adopts the two workers
+    and serves their sessions at once (it waited for the third worker first, and a start
+    that gave up on it stopped the adopted ones with every session); it gives the pending
+    actor up in one line and kills it, so that no node takes it later (nor an autoscaler
+    adds one for it); the kept count of 3 is then a resize, which stops at 2 and says so."""
+    grace = ("--orphan-grace", "60", "--worker-cpus", "1")
+    first = placed(start_proxy, cluster, *grace, app="tests.apps:create_app", workers=2)
+    async with jar() as http:
+        tokens = [await seed(http, first.url) for _ in range(10)]
+        for i, token in enumerate(tokens):
+            assert await increment(http, first.url, token, i) == 200
+        resize = asyncio.ensure_future(operate(http, first.url, "resize", workers=3))
+
+        def pending() -> list[str]:
+            return [a["actor_id"] for a in cluster.alive_actors() if a["state"] != "ALIVE"]
+
+        (waiting,) = await asyncio.to_thread(
+            wait_until_sync, pending, 60, "the third worker's actor to wait for room"
+        )
+        driver = placement_driver(first)
+        first.popen.kill()
+        first.popen.wait(10)
+        with contextlib.suppress(aiohttp.ClientError):
+            await resize
+    driver.wait(30)
+    second = placed(
+        start_proxy, cluster, *grace, "--placement-wait", "5", app="tests.apps:create_app",
+        workers=2, same_as=first,
+    )  # fmt: skip
+    log = second.log()
+    assert "adopted 2 workers of the dead instance" in log, log[-3000:]
+    assert "not adopting the placed worker of actor" in log, log[-3000:]
+    async with jar() as http:
+        for i, token in enumerate(tokens):
+            assert await count(http, second.url, token) == i
+
+    def given_up() -> bool:
+        return waiting not in {a["actor_id"] for a in cluster.alive_actors()}
+
+    await asyncio.to_thread(wait_until_sync, given_up, 30, "the pending actor to be killed")
+    await asyncio.to_thread(
+        wait_until_sync, lambda: "resize (adoption) done" in second.log(), 60, "the grow to end"
+    )
+    assert "grow stopped at 2 workers" in second.log(), second.log()[-3000:]
+    second.close_process()
+    wait_until_sync(lambda: not cluster.alive_actors(), 60, "every actor to end")
+
+
 async def test_a_take_over_with_placed_workers_under_load_fails_no_request(start_proxy, cluster):
     """An upgrade with workers on both nodes: the same command with `--take-over` started
     beside the running gym-proxy while 8 pooled clients that never retry increment random

@@ -207,6 +207,10 @@ class _Placement:
             where = self.ray.get(actor.where.remote(), timeout=STOP_WAIT)
         except Exception as exc:
             self._forget(key)
+            # Given up on: one still pending (its driver died before a node took it) or
+            # broken would otherwise hold its resources, or a node added for it, for good.
+            with contextlib.suppress(Exception):
+                self.ray.kill(actor, no_restart=True)
             why = f"its Ray actor {name} does not answer: {_first_line(exc)}"
             self.out.say(WorkerExited(key, EXIT_UNKNOWN, why))
             return False

@@ -60,6 +60,8 @@ class Adoption:
     _all_back: asyncio.Event = field(default_factory=asyncio.Event)
     _copies: AdoptedCopies = field(default_factory=AdoptedCopies)
     open: bool = True
+    # The predecessor's larger worker count: grown to once the adopted workers serve.
+    grow_to: int | None = None
 
     def take_intent(self) -> None:
         """The predecessor's worker count, drains and aliases hold here too."""
@@ -81,7 +83,7 @@ class Adoption:
         # the drains and aliases too, for the next successor.
         supervisor.intent.adopt(intent)
         supervisor.router.aliases = dict(intent.aliases)
-        if intent.workers != len(supervisor.slots):
+        if intent.workers < len(supervisor.slots):
             log.warning(
                 "keeping the %d workers the dead instance was resized to (--workers %d; "
                 "resize to change that)",
@@ -90,6 +92,17 @@ class Adoption:
             )
             supervisor.slots.reset(intent.workers)
             supervisor.resized()
+        elif intent.workers > len(supervisor.slots):
+            # Grown by a resize once the adopted workers serve, not waited for at start:
+            # a placed worker may wait minutes for room, or never find it, and a start
+            # that failed for it would stop the adopted workers with every session.
+            self.grow_to = intent.workers
+            log.warning(
+                "keeping the %d workers the dead instance was resized to (--workers %d; "
+                "resize to change that): the ones not adopted start once the adopted serve",
+                intent.workers,
+                len(supervisor.slots),
+            )
 
     async def window(self) -> None:
         """Wait until every worker found listening is back, or ADOPT_WINDOW; then close."""
