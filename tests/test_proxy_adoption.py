@@ -452,6 +452,43 @@ async def test_workers_past_the_new_worker_count_are_adopted_not_dropped(start_p
     assert status["expected_workers"] == 3 and len(status["workers"]) == 3
 
 
+async def test_a_kept_count_past_the_adopted_workers_is_grown_to_once_they_serve(
+    start_proxy, http, tmp_path
+):
+    """The dead instance was resized up to 3 and its worker 2 died with it; the command
+    again says --workers 2. The adopted workers' sessions are served while worker 2 cannot
+    start yet (its app waits for a file): the start no longer waits for it (a start that
+    gave up would stop the adopted workers with every session); the count of 3 is then
+    reached by a resize, logged as one."""
+    hold = tmp_path / "hold"
+    args = (*GRACE, "--control-token", CONTROL_TOKEN)
+    env = {"GYM_TEST_HOLD_FILE": str(hold)}
+    first = start_proxy(*args, workers=2, env=env)
+    auth = {"Authorization": f"Bearer {CONTROL_TOKEN}"}
+    async with http.post(
+        f"{first.url}{WORKERS_PATH}/resize", json={"workers": 3}, headers=auth
+    ) as resp:
+        assert resp.status == 200, await resp.text()
+    sessions = await seed(http, first.url, 9)
+    slots = await slots_of(http, first.url, sessions)
+    kept = [s for s, slot in zip(sessions, slots, strict=True) if slot != 2]
+    third = (await Control(http, first.url).ok("status"))["workers"][2]["pid"]
+    crash(first)
+    os.kill(third, signal.SIGKILL)
+    hold.write_text("worker 2's replacement waits")
+    second = start_proxy(*args, workers=2, env=env, same_as=first)
+    assert "the ones not adopted start once the adopted serve" in second.log(), second.log()
+    async with aiohttp.ClientSession() as again:
+        counts, _ = await counts_and_pids(again, second.url, kept)
+        assert counts == [n + 1 for _, n in kept]
+        hold.unlink()
+        await wait_until(
+            lambda: "resize (adoption) done" in second.log(), 60, "the grow to the kept 3"
+        )
+        status = await Control(again, second.url).ok("status")
+        assert status["expected_workers"] == 3 and len(status["workers"]) == 3, status
+
+
 async def test_a_resize_a_drain_and_the_retire_marks_outlive_the_crash(start_proxy, http):
     """What only the proxy knew survives it: the worker count a resize left (down, here:
     the command says 3), the drain of a worker (it still takes no new session), and the
