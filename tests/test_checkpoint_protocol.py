@@ -135,12 +135,13 @@ async def test_a_stop_answers_what_waits_for_an_open_checkpoint(start_proxy, htt
 
     await wait_until(door_and_parked, 10, "a call at the door and an episode parked")
     proxy.signal(signal.SIGTERM)
-    for waiting in (call, run):
+    stopping = "gym-proxy is stopping while checkpoint ck-stop is open: this call "
+    for waiting, why in ((call, "waited at the door and did not start"),
+                         (run, "was parked for the checkpoint and goes no further")):  # fmt: skip
         async with await asyncio.wait_for(waiting, 30) as resp:
             assert resp.status == 503, await resp.text()
             error = (await resp.json())["error"]
-            assert error["code"] == "server_stopping", error
-            assert "checkpoint ck-stop is open" in error["detail"], error
+            assert error == {"code": "server_stopping", "detail": stopping + why}, error
     assert await asyncio.to_thread(proxy.wait_exit, 30) == 0
     assert "stopping with checkpoint ck-stop open" in proxy.log(), proxy.log()
 

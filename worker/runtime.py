@@ -328,7 +328,7 @@ def _stopping(checkpoint_id: str | None, position: Position) -> GymError:
     where = (
         "this call waited at the door and did not start"
         if position == "door"
-        else "this episode stays at its last boundary"
+        else "this call was parked for the checkpoint and goes no further"
     )
     return GymError(
         "server_stopping",
